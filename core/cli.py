@@ -1,0 +1,123 @@
+"""The ``conveyor`` command: generate, plugins (serve and bench come with the server)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+import time
+
+from conveyor import __version__
+
+logger = logging.getLogger("conveyor")
+
+# errors that are the user's to fix: one line, no traceback
+USER_ERRORS: tuple[type[Exception], ...] = (ValueError, FileNotFoundError, ImportError)
+
+
+def _add_config_args(parser: argparse.ArgumentParser, required: bool = False) -> None:
+    parser.add_argument("--config", "-c", required=required, help="TOML config file (default: built-in defaults)")
+    parser.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="SECTION.KEY=VALUE",
+        help="override one config key, e.g. --set model.dtype=float32 (repeatable)",
+    )
+
+
+def _overrides(args: argparse.Namespace) -> dict[str, object]:
+    from conveyor.config import parse_override
+
+    return dict(parse_override(text) for text in args.overrides)
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from conveyor.llm import LLM
+    from conveyor.sampling import SamplingParams
+
+    start = time.perf_counter()
+    llm = LLM(args.config, _overrides(args))
+    logger.info("ready in %.1f s", time.perf_counter() - start)
+    params = SamplingParams(
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        seed=args.seed,
+        stop=args.stop,
+        ignore_eos=args.ignore_eos,
+    )
+    prompts = [[{"role": "user", "content": p}] if args.chat else p for p in args.prompt]
+    for completion in llm.generate(prompts, params):
+        if args.json:
+            print(json.dumps({k: getattr(completion, k) for k in ("text", "token_ids", "finish_reason")}))
+        else:
+            print(completion.text)
+        num = len(completion.token_ids)
+        decode_time = completion.latency - completion.time_to_first_token
+        rate = (num - 1) / decode_time if num > 1 and decode_time > 0 else float("nan")
+        logger.info(
+            "%d prompt tokens, %d generated (%s); first token after %.3f s, then %.1f tokens/s",
+            len(completion.prompt_token_ids),
+            num,
+            completion.finish_reason,
+            completion.time_to_first_token,
+            rate,
+        )
+    return 0
+
+
+def cmd_plugins(args: argparse.Namespace) -> int:
+    from conveyor.config import load_config
+    from conveyor.registry import PluginRegistry
+
+    modules: list[str] = []
+    if args.config:
+        modules = load_config(args.config).plugins
+    print(PluginRegistry(modules=modules).describe())
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="conveyor", description="Conveyor LLM inference server")
+    parser.add_argument("--version", action="version", version=f"conveyor {__version__}")
+    parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    gen = sub.add_parser("generate", help="complete prompts offline and print the text")
+    _add_config_args(gen)
+    gen.add_argument("--prompt", "-p", action="append", required=True, help="a prompt (repeatable)")
+    gen.add_argument("--chat", action="store_true", help="wrap each prompt as a user message in the chat template")
+    gen.add_argument("--max-tokens", type=int, default=256)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--top-k", type=int, default=0)
+    gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    gen.add_argument("--ignore-eos", action="store_true")
+    gen.add_argument("--json", action="store_true", help='print {"text", "token_ids", "finish_reason"} per prompt')
+    gen.set_defaults(func=cmd_generate)
+
+    plugins = sub.add_parser("plugins", help="list installed plugins by kind, with their options")
+    plugins.add_argument("--config", "-c", help="also load the plugin modules this config lists")
+    plugins.set_defaults(func=cmd_plugins)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level, format="%(message)s", stream=sys.stderr)
+    try:
+        return args.func(args)
+    except USER_ERRORS as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,285 @@
+"""TOML configuration -> typed msgspec Structs.
+
+A config file has two core tables, ``[model]`` and ``[engine]``, one table per
+plugin kind (``[scheduler]``, ``[kvcache]``, ``[quant]``, ``[[transport]]``)
+and a top-level ``plugins = [...]`` list of extra plugin modules. Each plugin
+table names its plugin with ``plugin = "name"``; its other keys are that
+plugin's own options, validated by the plugin's ``Options`` Struct.
+
+Every error is a :class:`ConfigError` whose message is one line naming the
+file (or the ``--set`` override), the table, the key, the bad value and what
+is allowed.
+"""
+
+from __future__ import annotations
+
+import sys
+import typing
+from collections.abc import Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated, Any, Literal
+
+import msgspec
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+if TYPE_CHECKING:
+    from conveyor.registry import PluginRegistry
+
+__all__ = [
+    "Config",
+    "ConfigError",
+    "EngineConfig",
+    "ModelConfig",
+    "PluginSpec",
+    "load_config",
+    "PLUGIN_KINDS",
+]
+
+
+class ConfigError(ValueError):
+    """A configuration problem, described in one line."""
+
+
+class ModelConfig(msgspec.Struct, forbid_unknown_fields=True):
+    # a .gguf file, a Hugging Face directory (config.json + *.safetensors), or an installed alias
+    path: str = "smollm2-135m-instruct"
+    # tokenizer.json (or a directory holding one); empty: the tokenizer inside the model
+    tokenizer: str = ""
+    # name clients use for this model; empty: derived from path
+    name: str = ""
+    # dtype of the weights and activations
+    dtype: Literal["float32", "float16", "bfloat16"] = "bfloat16"
+    # auto: cuda when available, else cpu
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    # longest prompt + output, in tokens; 0: the model's own context length
+    max_model_len: Annotated[int, msgspec.Meta(ge=0)] = 2048
+
+
+class EngineConfig(msgspec.Struct, forbid_unknown_fields=True):
+    # torch intra-op threads on CPU; 0: one per core
+    num_threads: Annotated[int, msgspec.Meta(ge=0)] = 0
+    # seed of the sampler for requests that bring no seed of their own
+    seed: int = 0
+
+
+class PluginSpec(msgspec.Struct):
+    """One plugin table after validation."""
+
+    # the plugin's registered name
+    plugin: str
+    # an instance of the plugin's Options Struct
+    options: Any = None
+
+
+# table name -> (plugin kind, default plugin name)
+PLUGIN_KINDS: dict[str, tuple[str, str | None]] = {
+    "scheduler": ("scheduler", "continuous"),
+    "kvcache": ("kvcache", "paged"),
+    "quant": ("quant", "none"),
+    "transport": ("transport", None),
+}
+
+
+class Config(msgspec.Struct):
+    model: ModelConfig = msgspec.field(default_factory=ModelConfig)
+    engine: EngineConfig = msgspec.field(default_factory=EngineConfig)
+    scheduler: PluginSpec = msgspec.field(default_factory=lambda: PluginSpec("continuous"))
+    kvcache: PluginSpec = msgspec.field(default_factory=lambda: PluginSpec("paged"))
+    quant: PluginSpec = msgspec.field(default_factory=lambda: PluginSpec("none"))
+    transport: list[PluginSpec] = msgspec.field(default_factory=list)
+    # extra plugin modules to load by import path
+    plugins: list[str] = msgspec.field(default_factory=list)
+    # where this config came from (for messages); "<defaults>" when built in code
+    source: str = "<defaults>"
+
+
+_CORE_TABLES: dict[str, type[msgspec.Struct]] = {"model": ModelConfig, "engine": EngineConfig}
+_TOP_LEVEL_KEYS = ("model", "engine", "scheduler", "kvcache", "quant", "transport", "plugins")
+
+
+class _Origin:
+    """Says where a key came from: the file, or a ``--set`` override."""
+
+    def __init__(self, source: str, overridden: set[str]):
+        self.source = source
+        self.overridden = overridden
+
+    def of(self, table: str, key: str | None = None) -> str:
+        dotted = f"{table}.{key}" if key else table
+        if dotted in self.overridden:
+            return f"--set {dotted}"
+        return self.source
+
+
+def load_config(
+    path: str | Path | None = None,
+    overrides: Mapping[str, Any] | None = None,
+    registry: PluginRegistry | None = None,
+) -> Config:
+    """Read a TOML file (or the built-in defaults when ``path`` is None).
+
+    Args:
+        path: the TOML file.
+        overrides: ``{"section.key": value}``; string values are parsed as
+            TOML values when they parse ("8" -> 8, "true" -> True), else kept
+            as strings.
+        registry: the plugin registry used to validate plugin tables; built
+            from the config's ``plugins`` list when not given.
+
+    Returns:
+        The validated Config.
+
+    Raises:
+        ConfigError: one line naming file, table, key, value and what is allowed.
+    """
+    source = str(path) if path is not None else "<defaults>"
+    raw: dict[str, Any] = {}
+    if path is not None:
+        try:
+            with open(path, "rb") as f:
+                raw = tomllib.load(f)
+        except FileNotFoundError:
+            raise ConfigError(f"{source}: no such config file") from None
+        except tomllib.TOMLDecodeError as e:
+            raise ConfigError(f"{source}: not valid TOML: {e}") from None
+    overridden = set()
+    for dotted, value in (overrides or {}).items():
+        _apply_override(raw, dotted, value, source)
+        overridden.add(dotted)
+    origin = _Origin(source, overridden)
+    return _build(raw, origin, registry)
+
+
+def parse_override(text: str) -> tuple[str, Any]:
+    """Split a CLI ``section.key=value`` into its key and parsed value."""
+    key, sep, value = text.partition("=")
+    if not sep or "." not in key:
+        raise ConfigError(f"--set {text!r}: expected section.key=value, e.g. model.dtype=float32")
+    return key.strip(), value.strip()
+
+
+def _parse_value(value: Any) -> Any:
+    if not isinstance(value, str):
+        return value
+    try:
+        return tomllib.loads(f"v = {value}")["v"]
+    except tomllib.TOMLDecodeError:
+        return value
+
+
+def _apply_override(raw: dict[str, Any], dotted: str, value: Any, source: str) -> None:
+    parts = dotted.split(".")
+    if len(parts) < 2:
+        raise ConfigError(f"--set {dotted}: expected section.key=value, e.g. model.dtype=float32")
+    node: Any = raw
+    for i, part in enumerate(parts[:-1]):
+        if isinstance(node, list):
+            if not part.isdigit() or int(part) >= len(node):
+                raise ConfigError(f"--set {dotted}: {'.'.join(parts[:i])} has {len(node)} entries")
+            node = node[int(part)]
+        else:
+            node = node.setdefault(part, {})
+        if not isinstance(node, (dict, list)):
+            raise ConfigError(f"--set {dotted}: {'.'.join(parts[: i + 1])} is not a table")
+    if isinstance(node, list):
+        raise ConfigError(f"--set {dotted}: name an entry of the list, e.g. transport.0.port")
+    node[parts[-1]] = _parse_value(value)
+
+
+def _build(raw: dict[str, Any], origin: _Origin, registry: PluginRegistry | None) -> Config:
+    for key in raw:
+        if key not in _TOP_LEVEL_KEYS:
+            raise ConfigError(
+                f"{origin.of(key)}: unknown key {key!r}; allowed: {', '.join(_TOP_LEVEL_KEYS)}"
+            )
+    tables: dict[str, Any] = {}
+    for name, struct_type in _CORE_TABLES.items():
+        table = raw.get(name, {})
+        if not isinstance(table, dict):
+            raise ConfigError(f"{origin.of(name)}: [{name}] must be a table")
+        tables[name] = convert_table(table, struct_type, name, origin.of)
+
+    plugins = raw.get("plugins", [])
+    if not isinstance(plugins, list) or not all(isinstance(p, str) for p in plugins):
+        raise ConfigError(f"{origin.of('plugins')}: plugins must be a list of module names")
+    if registry is None:
+        from conveyor.registry import PluginRegistry
+
+        registry = PluginRegistry(modules=plugins, source=origin.source)
+
+    specs: dict[str, Any] = {}
+    for table_name, (kind, default) in PLUGIN_KINDS.items():
+        value = raw.get(table_name)
+        if table_name == "transport":
+            entries = value if value is not None else []
+            if isinstance(entries, dict):
+                entries = [entries]
+            if not isinstance(entries, list):
+                raise ConfigError(f"{origin.of(table_name)}: [[transport]] must be a list of tables")
+            specs[table_name] = [
+                _plugin_spec(entry, kind, None, f"transport.{i}", origin, registry)
+                for i, entry in enumerate(entries)
+            ]
+        else:
+            specs[table_name] = _plugin_spec(value or {}, kind, default, table_name, origin, registry)
+    return Config(**tables, **specs, plugins=list(plugins), source=origin.source)
+
+
+def _plugin_spec(
+    table: Any,
+    kind: str,
+    default: str | None,
+    where: str,
+    origin: _Origin,
+    registry: PluginRegistry,
+) -> PluginSpec:
+    if not isinstance(table, dict):
+        raise ConfigError(f"{origin.of(where)}: [{where}] must be a table")
+    options = dict(table)
+    name = options.pop("plugin", default)
+    if name is None:
+        raise ConfigError(f"{origin.of(where)}: [{where}] needs plugin = \"name\"")
+    if not isinstance(name, str):
+        raise ConfigError(f"{origin.of(where, 'plugin')}: [{where}] plugin must be a string")
+    try:
+        cls = registry.get(kind, name)
+    except KeyError as e:
+        raise ConfigError(f"{origin.of(where, 'plugin')}: [{where}] plugin = {name!r}: {e.args[0]}") from None
+    return PluginSpec(name, convert_table(options, cls.Options, where, origin.of))
+
+
+def convert_table(
+    table: Mapping[str, Any],
+    struct_type: type[msgspec.Struct],
+    where: str,
+    origin_of: typing.Callable[[str, str | None], str] = lambda t, k=None: "<config>",
+) -> Any:
+    """Validate one table against a Struct, key by key, with one-line errors."""
+    fields = {f.encode_name: f for f in msgspec.structs.fields(struct_type)}
+    for key, value in table.items():
+        field = fields.get(key)
+        if field is None:
+            allowed = ", ".join(fields) if fields else "(this table takes no keys)"
+            raise ConfigError(f"{origin_of(where, key)}: [{where}] unknown key {key!r}; allowed: {allowed}")
+        try:
+            msgspec.convert(value, field.type)
+        except msgspec.ValidationError as e:
+            raise ConfigError(
+                f"{origin_of(where, key)}: [{where}] {key} = {value!r}: {describe_type(field.type, e)}"
+            ) from None
+    try:
+        return msgspec.convert(dict(table), struct_type)
+    except (msgspec.ValidationError, ValueError) as e:
+        # cross-field checks in __post_init__
+        raise ConfigError(f"{origin_of(where, None)}: [{where}] {e}") from None
+
+
+def describe_type(tp: Any, error: Exception) -> str:
+    """What went wrong with a value, in words, e.g. "allowed: 'a', 'b'"."""
+    if typing.get_origin(tp) is Literal:
+        return "allowed: " + ", ".join(repr(v) for v in typing.get_args(tp))
+    return str(error).split(" - at ")[0]

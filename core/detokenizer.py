@@ -1,0 +1,74 @@
+"""Incremental detokenization with stop strings."""
+
+from __future__ import annotations
+
+from tokenizers.decoders import DecodeStream
+
+from conveyor.model.tokenizer import Tokenizer
+from conveyor.sampling import SamplingParams
+
+
+class TextStream:
+    """Turns one request's tokens into text as they arrive.
+
+    Multi-byte characters split across tokens are held until complete (the
+    ``tokenizers`` DecodeStream). Text that could be the start of a stop
+    string is held back until it is known not to be one; a stop string ends
+    the text before it.
+    """
+
+    def __init__(self, tokenizer: Tokenizer, params: SamplingParams):
+        self.tokenizer = tokenizer
+        self.decoder = DecodeStream(skip_special_tokens=params.skip_special_tokens)
+        self.skip_special_tokens = params.skip_special_tokens
+        self.stops: list[str] = list(params.stop)
+        self.token_ids: list[int] = []
+        self.text = ""
+        # characters of `text` already returned
+        self.num_emitted = 0
+        self.stopped = False
+
+    def add(self, token_ids: list[int], final: bool = False) -> str:
+        """Feed new tokens; return the text that is now safe to show.
+
+        After a stop string appears, ``stopped`` is True and later tokens are ignored.
+        """
+        for token_id in token_ids:
+            if self.stopped:
+                break
+            self.token_ids.append(token_id)
+            piece = self.decoder.step(self.tokenizer.hf, token_id)
+            if piece:
+                self._append(piece)
+        if final and not self.stopped:
+            # Bytes that never formed a valid character are still pending in
+            # the stream; the full decode shows them as U+FFFD.
+            full = self.tokenizer.decode(self.token_ids, self.skip_special_tokens)
+            if full.startswith(self.text) and len(full) > len(self.text):
+                self._append(full[len(self.text) :])
+        if self.stopped or final:
+            end = len(self.text)
+        else:
+            end = len(self.text) - self._held_back()
+        delta = self.text[self.num_emitted : end]
+        self.num_emitted = max(self.num_emitted, end)
+        return delta
+
+    def _append(self, piece: str) -> None:
+        longest = max((len(s) for s in self.stops), default=0)
+        search_from = max(0, len(self.text) - longest + 1)
+        self.text += piece
+        if not self.stops:
+            return
+        hits = [i for i in (self.text.find(s, search_from) for s in self.stops) if i >= 0]
+        if hits:
+            self.text = self.text[: min(hits)]
+            self.stopped = True
+
+    def _held_back(self) -> int:
+        """Length of the longest tail of the text that begins some stop string."""
+        tail = self.text[self.num_emitted :]
+        for size in range(min(len(tail), max((len(s) for s in self.stops), default=1) - 1), 0, -1):
+            if any(s.startswith(tail[-size:]) for s in self.stops):
+                return size
+        return 0

@@ -1,0 +1,95 @@
+"""The KV cache interface (plugin kind ``kvcache``).
+
+A KV cache owns the K and V tensors of every running request and the
+attention over its own layout. The scheduler asks it for room
+(``allocate``), gives room back (``free``) and reads its usage; the runner
+asks it, once per step, for the attention function of that step's batch
+(``prepare``).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import ClassVar
+
+import msgspec
+import torch
+
+from conveyor.model.llama import AttentionFn
+from conveyor.request import Request
+
+
+@dataclass(frozen=True)
+class KVCacheSpec:
+    """What the model needs stored per token, and where."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
+    device: torch.device
+    max_model_len: int
+
+    @property
+    def bytes_per_token(self) -> int:
+        """2 (K and V) x layers x kv_heads x head_dim x bytes per element."""
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.dtype.itemsize
+
+
+class KVCache(ABC):
+    """Stores K and V for running requests and computes attention over them."""
+
+    name: ClassVar[str]
+    Options: ClassVar[type[msgspec.Struct]]
+
+    def __init__(self, options: msgspec.Struct, spec: KVCacheSpec):
+        self.options = options
+        self.spec = spec
+
+    @property
+    @abstractmethod
+    def capacity_tokens(self) -> int:
+        """Tokens the whole cache holds at once."""
+
+    @abstractmethod
+    def can_fit(self, num_tokens: int) -> bool:
+        """Whether one request of ``num_tokens`` tokens fits in the empty cache
+        (a request that never fits is rejected at admission)."""
+
+    @abstractmethod
+    def allocate(self, request: Request, num_new_tokens: int) -> bool:
+        """Make room for ``request.num_computed_tokens + num_new_tokens`` tokens.
+
+        Returns:
+            False, changing nothing, when there is not enough free memory.
+        """
+
+    @abstractmethod
+    def free(self, request: Request) -> None:
+        """Release everything held for ``request`` (finished, aborted or preempted)."""
+
+    @abstractmethod
+    def usage(self) -> float:
+        """Fraction of the cache in use, 0..1."""
+
+    def stats(self) -> dict[str, float]:
+        """Numbers for metrics (names are the plugin's own)."""
+        return {"usage": self.usage()}
+
+    @abstractmethod
+    def prepare(self, requests: Sequence[Request], num_tokens: Sequence[int], num_decodes: int) -> AttentionFn:
+        """The attention function for one forward pass.
+
+        Args:
+            requests: the batch in forward order: first ``num_decodes``
+                single-token decodes, then prefill chunks.
+            num_tokens: tokens computed for each request this step, starting
+                at its ``num_computed_tokens``.
+            num_decodes: how many leading entries are decodes.
+
+        Returns:
+            ``attention(layer, q, k, v)``: stores the new K, V and returns
+            attention over everything the request has stored.
+        """

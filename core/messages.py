@@ -1,0 +1,44 @@
+"""Messages that cross process boundaries (msgspec, no pickle).
+
+Every message is an array-like msgspec Struct; a decoder is built per type.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from conveyor.sampling import SamplingParams
+
+
+class EngineRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    # lower runs first under the priority policy
+    priority: int = 0
+    # time.time() when the request reached the server
+    arrival_time: float = 0.0
+
+
+class TokenLogprob(msgspec.Struct, array_like=True, gc=False):
+    # log-probability of the chosen token under the model (before sampling filters)
+    logprob: float
+    # most likely alternatives, best first
+    top_ids: list[int]
+    top_logprobs: list[float]
+
+
+class RequestOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """What one step produced for one request."""
+
+    request_id: str
+    new_token_ids: list[int] = []
+    # one entry per new token when the request asked for logprobs
+    new_logprobs: list[TokenLogprob] | None = None
+    # "stop" | "length" | "abort" | "error" once the request is done
+    finish_reason: str | None = None
+    # error text when finish_reason is "error" or the request was rejected
+    error: str | None = None
+    num_prompt_tokens: int = 0
+    # prompt tokens whose KV came from the prefix cache
+    num_cached_tokens: int = 0

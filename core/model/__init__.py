@@ -1,0 +1,1 @@
+"""The model: Llama-family decoder, checkpoint loaders and tokenizer."""

@@ -1,0 +1,81 @@
+"""Build the model and tokenizer that ``[model]`` describes."""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from pathlib import Path
+
+import torch
+
+from conveyor.config import ConfigError, ModelConfig
+from conveyor.model.checkpoint import Checkpoint, ModelNotFoundError, open_checkpoint, resolve_model_path
+from conveyor.model.llama import LlamaModel
+from conveyor.model.tokenizer import Tokenizer
+from conveyor.quant import QuantMethod
+
+logger = logging.getLogger("conveyor")
+
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("[model] device = 'cuda' but no CUDA device is available; use 'auto' or 'cpu'")
+    return torch.device(name)
+
+
+def open_model(config: ModelConfig, source: str = "<config>") -> Checkpoint:
+    try:
+        return open_checkpoint(config.path)
+    except ModelNotFoundError as e:
+        raise ConfigError(f"{source}: [model] path = {config.path!r}: {e}") from None
+
+
+def model_len(config: ModelConfig, ckpt: Checkpoint, source: str = "<config>") -> int:
+    """``max_model_len``, checked against what the model was trained for."""
+    trained = ckpt.spec.max_position_embeddings
+    if config.max_model_len > trained:
+        raise ConfigError(
+            f"{source}: [model] max_model_len = {config.max_model_len} exceeds the model's context length {trained}"
+        )
+    return config.max_model_len or trained
+
+
+def load_tokenizer(config: ModelConfig, ckpt: Checkpoint | None = None, source: str = "<config>") -> Tokenizer:
+    """The tokenizer of ``[model]``: an explicit tokenizer.json, else the checkpoint's own."""
+    if config.tokenizer:
+        return Tokenizer.load(Path(config.path), config.tokenizer)
+    if ckpt is None:
+        try:
+            path = resolve_model_path(config.path)
+        except ModelNotFoundError as e:
+            raise ConfigError(f"{source}: [model] path = {config.path!r}: {e}") from None
+        if path.suffix == ".gguf":
+            import gguf
+
+            return Tokenizer.load(path, gguf_fields=gguf.GGUFReader(str(path)).fields)
+        return Tokenizer.load(path)
+    return Tokenizer.load(ckpt.path, gguf_fields=getattr(ckpt, "metadata", None))
+
+
+def served_name(config: ModelConfig) -> str:
+    """The name clients use: ``[model] name``, else the path's stem."""
+    if config.name:
+        return config.name
+    return Path(config.path).stem if os.sep in config.path or "." in config.path else config.path
+
+
+def load_model(
+    ckpt: Checkpoint, quant: QuantMethod, dtype: torch.dtype, device: torch.device, max_model_len: int
+) -> LlamaModel:
+    start = time.perf_counter()
+    logger.info("loading %s (%s, %s, %s)", ckpt.path, ckpt.spec.architecture, dtype, device)
+    model = LlamaModel(ckpt, quant, dtype, device, max_model_len, progress=lambda m: logger.info("  %s", m))
+    logger.info(
+        "model loaded in %.1f s: %.1f MB of weights", time.perf_counter() - start, model.num_weight_bytes() / 1e6
+    )
+    return model

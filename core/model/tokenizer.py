@@ -1,0 +1,221 @@
+"""Tokenizer: Hugging Face ``tokenizers`` built from GGUF metadata or tokenizer.json,
+plus the model's chat template rendered with a sandboxed jinja2."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from datetime import datetime
+from functools import cached_property
+from pathlib import Path
+from typing import Any
+
+from jinja2.exceptions import TemplateError
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import AddedToken, Regex, Tokenizer as HFTokenizer, decoders, models, pre_tokenizers
+
+# GPT-2's split: contractions, letters, digits, other symbols, spaces.
+GPT2_PATTERN = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
+LLAMA3_PATTERN = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+QWEN2_PATTERN = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+
+# GGUF token types (llama.cpp's llama_token_type)
+_CONTROL, _USER_DEFINED = 3, 4
+
+
+class ChatTemplateError(ValueError):
+    """The conversation cannot be rendered (bad roles, missing template, ...)."""
+
+
+def _byte_level_pre_tokenizer(pre: str) -> pre_tokenizers.PreTokenizer:
+    """The pre-tokenizer llama.cpp uses for a ``tokenizer.ggml.pre`` value."""
+    if pre in ("llama-bpe", "llama3", "dbrx", "smaug-bpe"):
+        split = pre_tokenizers.Split(Regex(LLAMA3_PATTERN), behavior="isolated")
+        return pre_tokenizers.Sequence([split, pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    if pre in ("qwen2", "deepseek-r1-qwen"):
+        split = pre_tokenizers.Split(Regex(QWEN2_PATTERN), behavior="isolated")
+        return pre_tokenizers.Sequence([split, pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    if pre == "smollm":
+        # Each digit is its own pre-token, then GPT-2's split.
+        return pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
+    return byte_level
+
+
+def tokenizer_from_gguf(fields: dict[str, Any]) -> tuple[HFTokenizer, dict[str, Any]]:
+    """Build a byte-level BPE tokenizer from GGUF ``tokenizer.ggml.*`` metadata.
+
+    Returns:
+        The tokenizer and its settings: bos/eos ids, add_bos, chat_template.
+    """
+
+    def get(key: str, default: Any = None) -> Any:
+        field = fields.get(key)
+        return default if field is None else field.contents()
+
+    kind = get("tokenizer.ggml.model")
+    if kind != "gpt2":
+        raise ValueError(
+            f"GGUF tokenizer model {kind!r} is not supported (supported: 'gpt2' byte-level BPE); "
+            "set [model] tokenizer to a tokenizer.json"
+        )
+    tokens: list[str] = get("tokenizer.ggml.tokens")
+    merges = [tuple(m.split(" ", 1)) for m in get("tokenizer.ggml.merges", [])]
+    types = get("tokenizer.ggml.token_type") or [1] * len(tokens)
+    tokenizer = HFTokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges))
+    tokenizer.pre_tokenizer = _byte_level_pre_tokenizer(get("tokenizer.ggml.pre", "default"))
+    tokenizer.decoder = decoders.ByteLevel()
+    special = [AddedToken(tokens[i], special=True, normalized=False) for i, t in enumerate(types) if t == _CONTROL]
+    user = [AddedToken(tokens[i], special=False, normalized=False) for i, t in enumerate(types) if t == _USER_DEFINED]
+    tokenizer.add_special_tokens(special)
+    tokenizer.add_tokens(user)
+    settings = {
+        "bos_token_id": get("tokenizer.ggml.bos_token_id"),
+        "eos_token_id": get("tokenizer.ggml.eos_token_id"),
+        "eot_token_id": get("tokenizer.ggml.eot_token_id"),
+        "add_bos": bool(get("tokenizer.ggml.add_bos_token", False)),
+        "chat_template": get("tokenizer.chat_template"),
+    }
+    return tokenizer, settings
+
+
+def tokenizer_from_dir(path: Path) -> tuple[HFTokenizer, dict[str, Any]]:
+    """Load tokenizer.json and the settings in tokenizer_config.json / generation_config.json."""
+    directory = path if path.is_dir() else path.parent
+    file = path if path.is_file() else path / "tokenizer.json"
+    if not file.is_file():
+        raise FileNotFoundError(f"no tokenizer.json at {str(path)!r}")
+    tokenizer = HFTokenizer.from_file(str(file))
+
+    def read(name: str) -> dict[str, Any]:
+        f = directory / name
+        return json.loads(f.read_text()) if f.is_file() else {}
+
+    config, generation, model_config = read("tokenizer_config.json"), read("generation_config.json"), read("config.json")
+
+    def token_id(value: Any) -> int | None:
+        if isinstance(value, dict):
+            value = value.get("content")
+        return tokenizer.token_to_id(value) if isinstance(value, str) else None
+
+    template = config.get("chat_template")
+    template_file = directory / "chat_template.jinja"
+    if template is None and template_file.is_file():
+        template = template_file.read_text()
+    eos = generation.get("eos_token_id", model_config.get("eos_token_id"))
+    eos_ids = eos if isinstance(eos, list) else [eos] if eos is not None else []
+    config_eos = token_id(config.get("eos_token"))
+    if config_eos is not None:
+        eos_ids.append(config_eos)
+    settings = {
+        "bos_token_id": token_id(config.get("bos_token")) or generation.get("bos_token_id"),
+        "eos_token_id": eos_ids[0] if eos_ids else None,
+        "extra_eos_ids": eos_ids[1:],
+        "add_bos": bool(config.get("add_bos_token", False)),
+        "chat_template": template,
+    }
+    return tokenizer, settings
+
+
+def _text_message(index: int, message: Any) -> dict[str, Any]:
+    """A message with string content (OpenAI text parts are joined)."""
+    if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+        raise ChatTemplateError(f"messages[{index}] must be an object with a string 'role'")
+    content = message.get("content") or ""
+    if isinstance(content, list):
+        parts = []
+        for part in content:
+            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise ChatTemplateError(f"messages[{index}].content: only text parts are supported")
+            parts.append(part["text"])
+        content = "".join(parts)
+    if not isinstance(content, str):
+        raise ChatTemplateError(f"messages[{index}].content must be a string or a list of text parts")
+    return {**message, "content": content}
+
+
+class Tokenizer:
+    """Text <-> token ids for one model, and its chat template."""
+
+    def __init__(self, tokenizer: HFTokenizer, settings: dict[str, Any]):
+        self.hf = tokenizer
+        self.bos_token_id: int | None = settings.get("bos_token_id")
+        self.eos_token_id: int | None = settings.get("eos_token_id")
+        self.add_bos: bool = settings.get("add_bos", False)
+        self.chat_template: str | None = settings.get("chat_template")
+        ends = [settings.get("eos_token_id"), settings.get("eot_token_id"), *settings.get("extra_eos_ids", [])]
+        # every id that ends a generation unless ignore_eos is set
+        self.eos_token_ids: frozenset[int] = frozenset(i for i in ends if i is not None)
+
+    @classmethod
+    def load(cls, model_path: Path, tokenizer_path: str = "", gguf_fields: dict[str, Any] | None = None) -> Tokenizer:
+        """The tokenizer of a model: an explicit tokenizer.json, else the one in the checkpoint."""
+        if tokenizer_path:
+            return cls(*tokenizer_from_dir(Path(tokenizer_path).expanduser()))
+        if gguf_fields is not None:
+            return cls(*tokenizer_from_gguf(gguf_fields))
+        return cls(*tokenizer_from_dir(model_path))
+
+    @property
+    def vocab_size(self) -> int:
+        return self.hf.get_vocab_size(with_added_tokens=True)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of ``text``; a BOS is prepended when the model asks for one."""
+        ids = self.hf.encode(text, add_special_tokens=False).ids
+        if add_special_tokens and self.add_bos and self.bos_token_id is not None:
+            ids.insert(0, self.bos_token_id)
+        return ids
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        return self.hf.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def token_text(self, token_id: int) -> str:
+        """The text of one token (as OpenAI logprobs show it)."""
+        return self.hf.decode([token_id], skip_special_tokens=False)
+
+    @cached_property
+    def _template(self):
+        if not self.chat_template:
+            return None
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
+
+        def raise_exception(message: str):
+            raise TemplateError(message)
+
+        env.globals["raise_exception"] = raise_exception
+        env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+        env.filters["tojson"] = lambda v, indent=None, ensure_ascii=False, **_: json.dumps(
+            v, indent=indent, ensure_ascii=ensure_ascii
+        )
+        return env.from_string(self.chat_template)
+
+    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
+        """Render a conversation to the prompt text the model was trained on.
+
+        Raises:
+            ChatTemplateError: no template, malformed messages, or the template refused them.
+        """
+        if self._template is None:
+            raise ChatTemplateError("this model has no chat template; send a plain prompt instead")
+        if not isinstance(messages, list) or not messages:
+            raise ChatTemplateError("messages must be a non-empty list")
+        messages = [_text_message(i, m) for i, m in enumerate(messages)]
+        token = self.hf.id_to_token
+        try:
+            return self._template.render(
+                messages=messages,
+                add_generation_prompt=add_generation_prompt,
+                bos_token=token(self.bos_token_id) if self.bos_token_id is not None else "",
+                eos_token=token(self.eos_token_id) if self.eos_token_id is not None else "",
+            )
+        except TemplateError as e:
+            raise ChatTemplateError(f"chat template: {e}") from None
+
+    def encode_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> list[int]:
+        # The template writes any BOS itself.
+        return self.encode(self.apply_chat_template(messages, add_generation_prompt), add_special_tokens=False)

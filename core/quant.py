@@ -1,0 +1,67 @@
+"""The quantization-method interface (plugin kind ``quant``).
+
+A quant method turns each full-precision linear weight into the tensors it
+stores (``prepare``) and multiplies activations by them (``linear``). The
+model keeps embeddings, norms and the output head in the model dtype; every
+other linear layer goes through the selected method.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import ClassVar
+
+import msgspec
+import torch
+
+Params = dict[str, torch.Tensor]
+
+
+class NoOptions(msgspec.Struct, forbid_unknown_fields=True):
+    """A plugin with no options of its own."""
+
+
+class QuantMethod(ABC):
+    """Stores and applies linear-layer weights in one format."""
+
+    name: ClassVar[str]
+    Options: ClassVar[type[msgspec.Struct]] = NoOptions
+
+    def __init__(self, options: msgspec.Struct, dtype: torch.dtype, device: torch.device):
+        """
+        Args:
+            options: an instance of ``Options`` (the TOML table's other keys).
+            dtype: the model's activation dtype.
+            device: where the weights live.
+        """
+        self.options = options
+        self.dtype = dtype
+        self.device = device
+
+    @abstractmethod
+    def prepare(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> Params:
+        """Convert one weight.
+
+        Args:
+            weight: ``[out_features, in_features]`` float32, on the CPU.
+            bias: ``[out_features]`` float32 or None.
+
+        Returns:
+            The tensors to store, on ``self.device``.
+        """
+
+    @abstractmethod
+    def linear(self, x: torch.Tensor, params: Params) -> torch.Tensor:
+        """``x @ weight.T (+ bias)``.
+
+        Args:
+            x: ``[num_tokens, in_features]`` in the model dtype.
+            params: what ``prepare`` returned.
+
+        Returns:
+            ``[num_tokens, out_features]`` in the model dtype.
+        """
+
+    def num_bytes(self, params: Params) -> int:
+        """Bytes the stored tensors occupy."""
+        return sum(t.numel() * t.element_size() for t in params.values())

@@ -1,0 +1,150 @@
+"""The engine-side state of one request."""
+
+from __future__ import annotations
+
+import enum
+import itertools
+import time
+from collections.abc import Collection
+
+import torch
+
+from conveyor.messages import EngineRequest
+from conveyor.sampling import SamplingParams
+
+_arrival_counter = itertools.count()
+
+
+class RequestStatus(enum.IntEnum):
+    WAITING = 0
+    RUNNING = 1
+    PREEMPTED = 2
+    FINISHED = 3
+
+
+class FinishReason(str, enum.Enum):
+    STOP = "stop"
+    LENGTH = "length"
+    ABORT = "abort"
+    ERROR = "error"
+
+
+class RequestRejected(ValueError):
+    """The engine cannot take this request; ``status`` is the HTTP status it maps to."""
+
+    def __init__(self, message: str, status: int = 400):
+        super().__init__(message)
+        self.status = status
+
+
+class Request:
+    """A request's tokens and progress, owned by the scheduler."""
+
+    __slots__ = (
+        "request_id",
+        "prompt_token_ids",
+        "output_token_ids",
+        "params",
+        "priority",
+        "arrival_time",
+        "arrival_order",
+        "status",
+        "finish_reason",
+        "num_computed_tokens",
+        "num_cached_tokens",
+        "max_total_tokens",
+        "eos_token_ids",
+        "generator",
+        "first_scheduled_time",
+    )
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        max_model_len: int,
+        eos_token_ids: Collection[int] = (),
+        priority: int = 0,
+        arrival_time: float | None = None,
+    ):
+        self.request_id = request_id
+        self.prompt_token_ids = prompt_token_ids
+        self.output_token_ids: list[int] = []
+        self.params = params
+        self.priority = priority
+        self.arrival_time = arrival_time or time.time()
+        self.arrival_order = next(_arrival_counter)
+        self.status = RequestStatus.WAITING
+        self.finish_reason: FinishReason | None = None
+        # tokens whose K and V are in the cache
+        self.num_computed_tokens = 0
+        # prompt tokens found in the prefix cache at admission
+        self.num_cached_tokens = 0
+        limit = max_model_len if params.max_tokens is None else len(prompt_token_ids) + params.max_tokens
+        # prompt + output never exceeds this
+        self.max_total_tokens = min(limit, max_model_len)
+        self.eos_token_ids = () if params.ignore_eos else eos_token_ids
+        self.generator: torch.Generator | None = None
+        if params.seed is not None:
+            self.generator = torch.Generator().manual_seed(params.seed)
+        self.first_scheduled_time: float | None = None
+
+    @classmethod
+    def from_message(cls, msg: EngineRequest, max_model_len: int, eos_token_ids: Collection[int]) -> Request:
+        return cls(
+            msg.request_id,
+            msg.prompt_token_ids,
+            msg.params,
+            max_model_len,
+            eos_token_ids,
+            msg.priority,
+            msg.arrival_time or None,
+        )
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        """Prompt plus output tokens so far."""
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status == RequestStatus.FINISHED
+
+    def token_ids(self, start: int, end: int) -> list[int]:
+        """Tokens ``start:end`` of prompt + output."""
+        num_prompt = len(self.prompt_token_ids)
+        if end <= num_prompt:
+            return self.prompt_token_ids[start:end]
+        if start >= num_prompt:
+            return self.output_token_ids[start - num_prompt : end - num_prompt]
+        return self.prompt_token_ids[start:] + self.output_token_ids[: end - num_prompt]
+
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    def append_token(self, token_id: int) -> FinishReason | None:
+        """Add a sampled token; return why the request ends now, if it does."""
+        self.output_token_ids.append(token_id)
+        num_output = len(self.output_token_ids)
+        if token_id in self.params.stop_token_ids:
+            return FinishReason.STOP
+        if token_id in self.eos_token_ids and num_output >= self.params.min_tokens:
+            return FinishReason.STOP
+        if self.num_tokens >= self.max_total_tokens:
+            return FinishReason.LENGTH
+        return None
+
+    def __repr__(self) -> str:
+        return (
+            f"Request({self.request_id!r}, status={self.status.name}, prompt={self.num_prompt_tokens}, "
+            f"output={self.num_output_tokens}, computed={self.num_computed_tokens})"
+        )

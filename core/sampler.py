@@ -1,0 +1,145 @@
+"""Batched token sampling: penalties, greedy, temperature, top-k, top-p, min-p, logprobs.
+
+NOTE: on CPU, ``torch.multinomial`` and ``exponential_`` cost about 1 ms per
+row of a 49k vocabulary, and a full sort 2 ms; this sampler draws one uniform
+number per row and inverts the CDF (about 0.03 ms per row), and finds the
+top-p nucleus in a partial ``topk`` before falling back to a full sort.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from conveyor.messages import TokenLogprob
+from conveyor.request import Request
+
+# candidates examined for the top-p nucleus before sorting the whole row
+TOP_P_CANDIDATES = 256
+
+
+class Sampler:
+    """Picks one token per row of logits, each row under its own request's params."""
+
+    def __init__(self, seed: int = 0):
+        # draws for requests without a seed of their own
+        self.generator = torch.Generator().manual_seed(seed)
+
+    def sample(self, logits: torch.Tensor, requests: list[Request]) -> tuple[list[int], list[TokenLogprob | None]]:
+        """
+        Args:
+            logits: ``[N, vocab]`` float32 (modified in place).
+            requests: the N requests, in row order.
+
+        Returns:
+            The chosen token of each row, and its logprobs entry (None for
+            requests that did not ask for logprobs).
+        """
+        logprobs = None
+        if any(r.params.logprobs is not None for r in requests):
+            # Logprobs describe the model's distribution, before penalties and filters.
+            logprobs = torch.log_softmax(logits, dim=-1)
+        penalized = [i for i, r in enumerate(requests) if r.params.has_penalties]
+        if penalized:
+            apply_penalties(logits, penalized, requests)
+        tokens = logits.argmax(dim=-1)
+        random_rows = [i for i, r in enumerate(requests) if not r.params.greedy]
+        if random_rows:
+            rows = torch.tensor(random_rows, device=logits.device)
+            tokens[rows] = self._sample_random(logits[rows], [requests[i] for i in random_rows])
+        token_list = tokens.tolist()
+        entries: list[TokenLogprob | None] = [None] * len(requests)
+        if logprobs is not None:
+            for i, request in enumerate(requests):
+                n = request.params.logprobs
+                if n is None:
+                    continue
+                top = logprobs[i].topk(n) if n else None
+                entries[i] = TokenLogprob(
+                    logprob=logprobs[i, token_list[i]].item(),
+                    top_ids=top.indices.tolist() if top is not None else [],
+                    top_logprobs=top.values.tolist() if top is not None else [],
+                )
+        return token_list, entries
+
+    def _sample_random(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+        params = [r.params for r in requests]
+        device = logits.device
+        temperature = torch.tensor([p.temperature for p in params], dtype=logits.dtype, device=device).unsqueeze(1)
+        logits = logits / temperature
+        top_k = [p.top_k if p.top_k > 0 else 0 for p in params]
+        if any(top_k):
+            logits = apply_top_k(logits, top_k)
+        probs = torch.softmax(logits, dim=-1)
+        top_p = [p.top_p for p in params]
+        if any(p < 1 for p in top_p):
+            probs = apply_top_p(probs, top_p)
+        min_p = [p.min_p for p in params]
+        if any(min_p):
+            threshold = torch.tensor(min_p, dtype=probs.dtype, device=device).unsqueeze(1) * probs.max(dim=-1, keepdim=True).values
+            probs = probs.masked_fill(probs < threshold, 0.0)
+        uniform = torch.rand(len(requests), 1, generator=self.generator, dtype=torch.float64)
+        for i, request in enumerate(requests):
+            if request.generator is not None:
+                uniform[i, 0] = torch.rand(1, generator=request.generator, dtype=torch.float64).item()
+        return inverse_cdf(probs, uniform.to(device))
+
+
+def inverse_cdf(probs: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
+    """Index drawn from each row of (unnormalized) ``probs`` given uniforms in [0, 1)."""
+    cdf = probs.double().cumsum(dim=-1)
+    target = uniform * cdf[:, -1:]
+    index = torch.searchsorted(cdf, target, right=True).squeeze(1)
+    # A zero-probability token cannot be drawn: clamp past the end, then step
+    # back over trailing zeros with the last nonzero index.
+    index = index.clamp(max=probs.shape[1] - 1)
+    last_nonzero = probs.shape[1] - 1 - (probs.flip(-1) > 0).int().argmax(dim=-1)
+    return torch.minimum(index, last_nonzero)
+
+
+def apply_top_k(logits: torch.Tensor, top_k: list[int]) -> torch.Tensor:
+    """Mask all but each row's k largest logits (k = 0: keep all)."""
+    k = torch.tensor([k if k else logits.shape[1] for k in top_k], device=logits.device).clamp(max=logits.shape[1])
+    values = logits.topk(int(k.max()), dim=-1).values
+    kth = values.gather(1, (k - 1).unsqueeze(1))
+    return logits.masked_fill(logits < kth, float("-inf"))
+
+
+def apply_top_p(probs: torch.Tensor, top_p: list[float]) -> torch.Tensor:
+    """Zero all but each row's nucleus: the most likely tokens whose mass reaches top_p."""
+    p = torch.tensor(top_p, dtype=torch.float64, device=probs.device).unsqueeze(1)
+    total = probs.double().sum(dim=-1, keepdim=True)
+    values = probs.topk(min(TOP_P_CANDIDATES, probs.shape[1]), dim=-1).values.double()
+    threshold = _nucleus_threshold(values, total, p)
+    # Rows whose nucleus reaches past the candidates sort their whole row.
+    uncovered = (values.sum(dim=-1, keepdim=True) / total < p) & (p < 1)
+    for row in uncovered.squeeze(1).nonzero().flatten().tolist():
+        full = probs[row].double().sort(descending=True).values.unsqueeze(0)
+        threshold[row] = _nucleus_threshold(full, total[row : row + 1], p[row : row + 1])[0]
+    threshold = torch.where(p >= 1, torch.zeros_like(threshold), threshold)
+    return probs.masked_fill(probs < threshold.to(probs.dtype), 0.0)
+
+
+def _nucleus_threshold(values: torch.Tensor, total: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+    """The smallest kept probability, given each row's values sorted high to low."""
+    normalized = values / total
+    # A token stays while the mass ranked above it is still short of top_p.
+    num_keep = ((normalized.cumsum(dim=-1) - normalized) < p).sum(dim=-1, keepdim=True).clamp(min=1)
+    return values.gather(1, num_keep - 1)
+
+
+def apply_penalties(logits: torch.Tensor, rows: list[int], requests: list[Request]) -> None:
+    """Repetition (prompt + output), presence and frequency (output) penalties, in place."""
+    vocab = logits.shape[1]
+    for row in rows:
+        params = requests[row].params
+        output = torch.tensor(requests[row].output_token_ids, dtype=torch.long, device=logits.device)
+        counts = torch.bincount(output[output < vocab], minlength=vocab).to(logits.dtype)
+        if params.repetition_penalty != 1:
+            seen = counts > 0
+            prompt = torch.tensor(requests[row].prompt_token_ids, dtype=torch.long, device=logits.device)
+            seen[prompt[prompt < vocab]] = True
+            values = logits[row]
+            penalized = torch.where(values > 0, values / params.repetition_penalty, values * params.repetition_penalty)
+            logits[row] = torch.where(seen, penalized, values)
+        if params.presence_penalty or params.frequency_penalty:
+            logits[row] -= params.frequency_penalty * counts + params.presence_penalty * (counts > 0).to(logits.dtype)

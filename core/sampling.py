@@ -1,0 +1,73 @@
+"""SamplingParams: how one request picks its tokens (fields named as in the OpenAI API)."""
+
+from __future__ import annotations
+
+import msgspec
+
+MAX_LOGPROBS = 20
+
+
+class SamplingParams(msgspec.Struct, omit_defaults=True, forbid_unknown_fields=True):
+    """Per-request sampling settings; out-of-range values raise ValueError naming the field."""
+
+    # most tokens to generate; None: until max_model_len
+    max_tokens: int | None = 16
+    # 0: greedy
+    temperature: float = 1.0
+    # nucleus: keep the smallest set of tokens whose probability reaches top_p
+    top_p: float = 1.0
+    # keep the k most likely tokens; 0 or -1: all
+    top_k: int = 0
+    # drop tokens less likely than min_p x the most likely one
+    min_p: float = 0.0
+    # per-request seed: the same seed and prompt give the same tokens
+    seed: int | None = None
+    # >1 discourages tokens already in the prompt or output (divides positive logits)
+    repetition_penalty: float = 1.0
+    # subtracted from the logit of every token already generated
+    presence_penalty: float = 0.0
+    # subtracted once per earlier occurrence in the output
+    frequency_penalty: float = 0.0
+    # generation ends before any of these strings (not included in the text)
+    stop: str | list[str] = msgspec.field(default_factory=list)
+    # generation ends after any of these tokens
+    stop_token_ids: list[int] = msgspec.field(default_factory=list)
+    # keep going past the end-of-sequence token
+    ignore_eos: bool = False
+    # end-of-sequence is not honored before this many tokens
+    min_tokens: int = 0
+    # return the chosen token's logprob and this many most likely alternatives
+    logprobs: int | None = None
+    skip_special_tokens: bool = True
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        _check(self.max_tokens is None or self.max_tokens >= 1, f"max_tokens={self.max_tokens} must be >= 1")
+        _check(self.temperature >= 0, f"temperature={self.temperature} must be >= 0")
+        _check(0 < self.top_p <= 1, f"top_p={self.top_p} must be in (0, 1]")
+        _check(self.top_k >= -1, f"top_k={self.top_k} must be -1 or 0 (off) or >= 1")
+        _check(0 <= self.min_p <= 1, f"min_p={self.min_p} must be in [0, 1]")
+        _check(self.repetition_penalty > 0, f"repetition_penalty={self.repetition_penalty} must be > 0")
+        _check(-2 <= self.presence_penalty <= 2, f"presence_penalty={self.presence_penalty} must be in [-2, 2]")
+        _check(-2 <= self.frequency_penalty <= 2, f"frequency_penalty={self.frequency_penalty} must be in [-2, 2]")
+        _check(self.min_tokens >= 0, f"min_tokens={self.min_tokens} must be >= 0")
+        _check(
+            self.logprobs is None or 0 <= self.logprobs <= MAX_LOGPROBS,
+            f"logprobs={self.logprobs} must be in [0, {MAX_LOGPROBS}]",
+        )
+        _check(all(isinstance(s, str) and s for s in self.stop), "stop strings must be non-empty")
+        _check(all(t >= 0 for t in self.stop_token_ids), "stop_token_ids must be >= 0")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    @property
+    def has_penalties(self) -> bool:
+        return self.repetition_penalty != 1 or self.presence_penalty != 0 or self.frequency_penalty != 0
+
+
+def _check(ok: bool, message: str) -> None:
+    if not ok:
+        raise ValueError(message)

@@ -1,0 +1,55 @@
+"""Conveyor's built-in plugins, and how to write your own.
+
+Everything with a policy in it is a plugin: schedulers, KV cache layouts,
+quantization methods and transports. The built-ins in this package are
+ordinary plugin modules; a third-party plugin takes exactly the same path.
+
+Writing a plugin
+----------------
+1. Subclass the interface of its kind and give the class a ``name`` (what a
+   config selects) and an ``Options`` msgspec Struct (the other keys of its
+   TOML table, validated at start-up)::
+
+       import msgspec
+       from conveyor.plugins.schedulers.continuous import ContinuousScheduler, ContinuousOptions
+
+       class ShortestFirst(ContinuousScheduler):
+           '''Shortest prompt first.'''
+           name = "sjf"
+           Options = ContinuousOptions
+
+           def waiting_key(self, request):
+               return (request.num_prompt_tokens, request.arrival_order)
+
+2. Register it from a hook implementation::
+
+       from conveyor.hookspecs import hookimpl
+
+       @hookimpl
+       def conveyor_register_schedulers(register):
+           register(ShortestFirst)
+
+3. Make Conveyor find the module, either as an installed package with an
+   entry point in its pyproject.toml::
+
+       [project.entry-points.conveyor]
+       sjf = "conveyor_sjf"
+
+   or, for a local module, by listing it in the config: ``plugins = ["my_module"]``.
+
+4. Select it: ``[scheduler]`` / ``plugin = "sjf"``. ``conveyor plugins``
+   lists every installed plugin with its options.
+
+Hooks and interfaces
+--------------------
+=================================== ================================
+hook                                interface
+=================================== ================================
+``conveyor_register_schedulers``    ``conveyor.scheduler.Scheduler``
+``conveyor_register_kvcaches``      ``conveyor.kvcache.KVCache``
+``conveyor_register_quant_methods`` ``conveyor.quant.QuantMethod``
+``conveyor_register_transports``    ``conveyor.transport.Transport``
+=================================== ================================
+
+See docs/plugins.md for a complete example package (examples/conveyor-sjf).
+"""

@@ -1,0 +1,70 @@
+"""Shared fixtures: the real SmolLM2 weights, Conveyor on them, and transformers as the oracle."""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+REPO = Path(__file__).resolve().parent.parent
+CHAT_PROMPTS = [
+    "What is the capital of France?",
+    "Write a haiku about the sea.",
+    "Explain photosynthesis in one sentence.",
+    "List three prime numbers greater than 10.",
+    "Translate 'good morning' into Spanish.",
+    "What is 17 times 3?",
+    "Give me a tip for learning to play the guitar.",
+    "Who wrote Romeo and Juliet?",
+]
+
+
+@pytest.fixture(scope="session")
+def smollm2_path() -> Path:
+    from conveyor.model.checkpoint import resolve_model_path
+
+    return resolve_model_path("smollm2-135m-instruct")
+
+
+@pytest.fixture(scope="session")
+def llm_fp32():
+    """Conveyor on SmolLM2 at float32, the configuration compared with transformers."""
+    from conveyor import LLM
+
+    logging.getLogger("conveyor").setLevel(logging.WARNING)
+    return LLM(overrides={"model.dtype": "float32", "engine.seed": 1234})
+
+
+@pytest.fixture(scope="session")
+def tokenizer():
+    """SmolLM2's tokenizer, built from the GGUF metadata."""
+    from conveyor.config import ModelConfig
+    from conveyor.model.loader import load_tokenizer
+
+    return load_tokenizer(ModelConfig())
+
+
+@pytest.fixture(scope="session")
+def hf_model(smollm2_path):
+    """transformers' own Llama on the same GGUF file: the independent reference."""
+    import torch
+    from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+    model = AutoModelForCausalLM.from_pretrained(
+        str(smollm2_path.parent), gguf_file=smollm2_path.name, dtype=torch.float32
+    )
+    return model.eval()
+
+
+@pytest.fixture(scope="session")
+def hf_tokenizer(smollm2_path):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(smollm2_path.parent), gguf_file=smollm2_path.name)

@@ -1,0 +1,56 @@
+"""Small factories for scheduler and KV cache tests: no model, no weights."""
+
+from __future__ import annotations
+
+import itertools
+
+import torch
+
+from conveyor.kvcache import KVCacheSpec
+from conveyor.plugins.kvcache.paged import PagedKVCache, PagedOptions
+from conveyor.request import Request
+from conveyor.sampling import SamplingParams
+from conveyor.scheduler import Scheduler
+
+_ids = itertools.count()
+
+
+def create_spec(max_model_len: int = 256, num_layers: int = 1, num_kv_heads: int = 1, head_dim: int = 4) -> KVCacheSpec:
+    return KVCacheSpec(num_layers, num_kv_heads, head_dim, torch.float32, torch.device("cpu"), max_model_len)
+
+
+def create_kvcache(num_blocks: int = 64, block_size: int = 4, max_model_len: int = 256) -> PagedKVCache:
+    return PagedKVCache(PagedOptions(block_size=block_size, num_blocks=num_blocks), create_spec(max_model_len))
+
+
+def create_request(
+    prompt_len: int, max_tokens: int = 4, max_model_len: int = 256, priority: int = 0, request_id: str | None = None
+) -> Request:
+    return Request(
+        request_id or f"r{next(_ids)}",
+        list(range(1, prompt_len + 1)),
+        SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True),
+        max_model_len,
+        priority=priority,
+    )
+
+
+def fake_step(scheduler: Scheduler, token: int = 7):
+    """One engine step with a fake runner: every request at the end of its known tokens gets `token`."""
+    batch = scheduler.schedule()
+    sampled = [
+        token if r.num_computed_tokens + n == r.num_tokens else None for r, n in zip(batch.requests, batch.num_tokens)
+    ]
+    outputs = scheduler.update(batch, sampled, [None] * len(batch))
+    return batch, outputs
+
+
+def run_to_completion(scheduler: Scheduler, max_steps: int = 10_000) -> list[str]:
+    """Step until nothing is left; return request ids in the order they finished."""
+    finished: list[str] = []
+    for _ in range(max_steps):
+        if not scheduler.has_unfinished():
+            return finished
+        _, outputs = fake_step(scheduler)
+        finished.extend(o.request_id for o in outputs if o.finish_reason)
+    raise AssertionError(f"not finished after {max_steps} steps")

@@ -1,0 +1,135 @@
+"""TOML config: defaults, overrides, and one-line errors naming file, key and allowed values."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+import tomllib
+
+import msgspec
+import pytest
+
+from conveyor.config import ConfigError, EngineConfig, ModelConfig, load_config, parse_override
+from conveyor.model import checkpoint
+from conveyor.model.loader import open_model
+from conveyor.registry import PluginRegistry
+from tests.conftest import REPO
+
+DEFAULT_TOML = REPO / "configs" / "default.toml"
+
+
+def write(tmp_path, text: str):
+    path = tmp_path / "conf.toml"
+    path.write_text(text)
+    return path
+
+
+def test_default_toml_is_the_builtin_default():
+    from_file = load_config(DEFAULT_TOML)
+    built_in = load_config(None)
+    assert msgspec.structs.replace(from_file, source="") == msgspec.structs.replace(built_in, source="")
+
+
+def test_default_toml_documents_every_key():
+    """Each key of every table is present and has a comment line right above it."""
+    text = DEFAULT_TOML.read_text()
+    raw = tomllib.loads(text)
+    registry = PluginRegistry()
+    expected = {
+        "model": ModelConfig,
+        "engine": EngineConfig,
+        "scheduler": registry.get("scheduler", raw["scheduler"]["plugin"]).Options,
+        "kvcache": registry.get("kvcache", raw["kvcache"]["plugin"]).Options,
+        "quant": registry.get("quant", raw["quant"]["plugin"]).Options,
+    }
+    lines = text.splitlines()
+    for table, struct in expected.items():
+        keys = [f.encode_name for f in msgspec.structs.fields(struct)]
+        assert set(raw[table]) - {"plugin"} == set(keys), table
+        for key in keys + (["plugin"] if table in ("scheduler", "kvcache", "quant") else []):
+            index = next(i for i, l in enumerate(lines) if re.match(rf"{key}\s*=", l) and _table_of(lines, i) == table)
+            assert lines[index - 1].startswith("#"), f"[{table}] {key} has no comment"
+
+
+def _table_of(lines: list[str], index: int) -> str:
+    for line in reversed(lines[:index]):
+        if line.startswith("["):
+            return line.strip("[] ")
+    return ""
+
+
+def test_overrides_are_parsed_as_toml_values(tmp_path):
+    config = load_config(
+        DEFAULT_TOML,
+        dict(map(parse_override, ["model.dtype=float32", "scheduler.max_num_seqs=8", "model.max_model_len = 512"])),
+    )
+    assert config.model.dtype == "float32"
+    assert config.scheduler.options.max_num_seqs == 8
+    assert config.model.max_model_len == 512
+
+
+@pytest.mark.parametrize(
+    "text, fragments",
+    [
+        ('[model]\ndtyp = "float32"\n', ["[model]", "unknown key 'dtyp'", "allowed: path, tokenizer, name, dtype"]),
+        ('[model]\nmax_model_len = "long"\n', ["[model]", "max_model_len = 'long'", "Expected `int`, got `str`"]),
+        ('[model]\ndtype = "float64"\n', ["dtype = 'float64'", "allowed: 'float32', 'float16', 'bfloat16'"]),
+        ('[scheduler]\nplugin = "fifo"\n', ["[scheduler] plugin = 'fifo'", "not available", "installed: 'continuous'"]),
+        ("[scheduler]\nmax_num_seqs = 0\n", ["[scheduler] max_num_seqs = 0", "Expected `int` >= 1"]),
+        ('[kvcache]\nblok_size = 8\n', ["[kvcache] unknown key 'blok_size'", "allowed: block_size, memory_gb"]),
+        ("[server]\nport = 1\n", ["unknown key 'server'"]),
+        ('plugins = ["no_such_module_xyz"]\n', ["no_such_module_xyz", "cannot be imported"]),
+    ],
+)
+def test_bad_config_is_one_line_naming_file_and_key(tmp_path, text, fragments):
+    path = write(tmp_path, text)
+    with pytest.raises(Exception) as info:
+        load_config(path)
+    message = str(info.value)
+    assert "\n" not in message
+    assert message.startswith(str(path))
+    for fragment in fragments:
+        assert fragment in message
+
+
+def test_override_errors_name_the_override():
+    with pytest.raises(ConfigError, match=r"^--set model.dtype: \[model\] dtype = 'fp64': allowed: "):
+        load_config(DEFAULT_TOML, {"model.dtype": "fp64"})
+    with pytest.raises(ConfigError, match="expected section.key=value"):
+        parse_override("dtype")
+
+
+def test_missing_model_file_names_file_and_key(tmp_path):
+    path = write(tmp_path, '[model]\npath = "/nowhere/model.gguf"\n')
+    config = load_config(path)
+    with pytest.raises(ConfigError, match=rf"^{re.escape(str(path))}: \[model\] path = '/nowhere/model.gguf': .*does not exist"):
+        open_model(config.model, config.source)
+
+
+def test_missing_alias_says_how_to_install(monkeypatch):
+    monkeypatch.setitem(
+        checkpoint.ALIASES, "tiny-test-model", ("no_such_weights_pkg", "m.gguf", "pip install no-such-weights")
+    )
+    config = load_config(None, {"model.path": "tiny-test-model"})
+    with pytest.raises(ConfigError, match="is not installed; install it with: pip install no-such-weights"):
+        open_model(config.model, config.source)
+
+
+@pytest.mark.parametrize(
+    "text, fragment",
+    [
+        ('[model]\ndtyp = "x"\n', "unknown key 'dtyp'"),
+        ('[scheduler]\nplugin = "fifo"\n', "scheduler 'fifo' is not available"),
+        ('[model]\npath = "/nowhere/m.gguf"\n', "[model] path = '/nowhere/m.gguf'"),
+    ],
+)
+def test_cli_reports_config_errors_in_one_line(tmp_path, text, fragment):
+    path = write(tmp_path, text)
+    result = subprocess.run(
+        [sys.executable, "-m", "conveyor", "generate", "--config", str(path), "--prompt", "hi"],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert result.returncode == 2
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"error: {path}") and fragment in lines[0], result.stderr

@@ -1,0 +1,69 @@
+"""Incremental detokenization and stop strings, with SmolLM2's real tokenizer."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from conveyor.detokenizer import TextStream
+from conveyor.sampling import SamplingParams
+
+TEXTS = [
+    "Plain ASCII text, with punctuation!",
+    "naïve café — “quotes” 日本語の文章 🤖🎉 emoji",
+    "mixed 𝔘𝔫𝔦𝔠𝔬𝔡𝔢 and Ω≈ç√∫ symbols\n\tindented",
+]
+
+
+@pytest.mark.parametrize("text", TEXTS)
+def test_deltas_are_whole_characters_and_add_up_to_the_text(tokenizer, text):
+    ids = tokenizer.encode(text)
+    stream = TextStream(tokenizer, SamplingParams())
+    deltas = [stream.add([token]) for token in ids]
+    assert "".join(deltas) == tokenizer.decode(ids) == text
+    assert all("\ufffd" not in d for d in deltas)
+    if not text.isascii():  # some token ended inside a multi-byte character and showed nothing yet
+        assert "" in deltas
+
+
+def test_stop_string_split_across_tokens_is_held_back_then_cut(tokenizer):
+    text = "The answer is 42. END of story"
+    ids = tokenizer.encode(text)
+    stream = TextStream(tokenizer, SamplingParams(stop=["END of"]))
+    shown = ""
+    for token in ids:
+        shown += stream.add([token])
+        assert "END" not in shown, "text that may start a stop string was shown too early"
+        if stream.stopped:
+            break
+    assert stream.stopped
+    assert shown == stream.text == "The answer is 42. "
+
+
+def test_held_back_text_is_released_when_it_is_not_a_stop(tokenizer):
+    stream = TextStream(tokenizer, SamplingParams(stop=["STOP here"]))
+    ids = tokenizer.encode("We STOP")
+    shown = "".join(stream.add([t]) for t in ids)
+    assert shown == "We "  # " STOP" could still become "STOP here"
+    shown += stream.add(tokenizer.encode(" now"))
+    assert shown == "We STOP now" and not stream.stopped
+
+
+def test_final_flushes_what_was_held_back(tokenizer):
+    stream = TextStream(tokenizer, SamplingParams(stop=["xyz"]))
+    shown = stream.add(tokenizer.encode("abc x"))
+    shown += stream.add([], final=True)
+    assert shown == "abc x"
+
+
+@settings(max_examples=60, deadline=None)
+@given(text=st.text(min_size=1, max_size=40), stop=st.text(min_size=1, max_size=4))
+def test_stop_strings_against_a_simple_reference(tokenizer, text, stop):
+    """Streaming with stop strings shows exactly the text before the first stop (or all of it)."""
+    ids = tokenizer.encode(text)
+    full = tokenizer.decode(ids)
+    stream = TextStream(tokenizer, SamplingParams(stop=[stop]))
+    shown = "".join(stream.add([t]) for t in ids) + stream.add([], final=True)
+    expected = full[: full.index(stop)] if stop in full else full
+    assert shown == expected
+    assert stream.stopped == (stop in full)

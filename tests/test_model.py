@@ -1,0 +1,173 @@
+"""Conveyor's Llama against transformers on tiny random checkpoints (safetensors and GGUF)."""
+
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import pytest
+import torch
+
+from conveyor.model.attention import dense_attention
+from conveyor.model.checkpoint import open_checkpoint
+from conveyor.model.gguf_checkpoint import unpermute_rows
+from conveyor.model.llama import LlamaModel
+from conveyor.plugins.quant.none import NoQuant
+
+TINY = dict(
+    vocab_size=96,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=128,
+    rms_norm_eps=1e-5,
+)
+
+
+def tiny_hf_model(kind: str = "llama", **overrides):
+    import transformers
+
+    torch.manual_seed(0)
+    if kind == "qwen2":
+        config = transformers.Qwen2Config(**TINY, **overrides)
+        model = transformers.Qwen2ForCausalLM(config)
+    else:
+        config = transformers.LlamaConfig(**TINY, **overrides)
+        model = transformers.LlamaForCausalLM(config)
+    with torch.no_grad():  # random norms, so a swapped or missing norm weight shows
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.uniform_(0.5, 1.5)
+    return model.eval()
+
+
+def conveyor_logits(path, sequences: list[list[int]]) -> torch.Tensor:
+    ckpt = open_checkpoint(path)
+    model = LlamaModel(ckpt, NoQuant(None, torch.float32, torch.device("cpu")), torch.float32, torch.device("cpu"), 128)
+    ids = torch.tensor([t for s in sequences for t in s])
+    positions = torch.tensor([p for s in sequences for p in range(len(s))])
+    with torch.inference_mode():
+        return model.compute_logits(model.forward(ids, positions, dense_attention([len(s) for s in sequences])))
+
+
+def hf_logits(model, sequences: list[list[int]]) -> torch.Tensor:
+    with torch.inference_mode():
+        return torch.cat([model(torch.tensor([s])).logits[0] for s in sequences])
+
+
+SEQUENCES = [[5, 17, 3, 88, 41, 2, 9], [60, 1, 33], [7] * 12]
+
+
+@pytest.mark.parametrize(
+    "kind, overrides",
+    [
+        ("llama", {}),
+        ("llama", {"tie_word_embeddings": True}),
+        ("llama", {"rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                    "high_freq_factor": 4.0, "original_max_position_embeddings": 16}}),
+        ("qwen2", {}),
+    ],
+    ids=["llama", "tied", "llama3-rope", "qwen2-bias"],
+)
+def test_safetensors_checkpoint_matches_transformers(tmp_path, kind, overrides):
+    model = tiny_hf_model(kind, **overrides)
+    model.save_pretrained(tmp_path)
+    torch.testing.assert_close(conveyor_logits(tmp_path, SEQUENCES), hf_logits(model, SEQUENCES), rtol=1e-4, atol=1e-4)
+
+
+def llama_cpp_permute(weight: np.ndarray, num_heads: int) -> np.ndarray:
+    """llama.cpp's converter: half-split RoPE rows -> interleaved pairs."""
+    return weight.reshape(num_heads, 2, weight.shape[0] // num_heads // 2, *weight.shape[1:]).swapaxes(1, 2).reshape(
+        weight.shape
+    )
+
+
+GGUF_NAMES = {
+    "model.embed_tokens.weight": "token_embd.weight",
+    "model.norm.weight": "output_norm.weight",
+    "lm_head.weight": "output.weight",
+    "input_layernorm.weight": "attn_norm.weight",
+    "post_attention_layernorm.weight": "ffn_norm.weight",
+    "self_attn.q_proj.weight": "attn_q.weight",
+    "self_attn.k_proj.weight": "attn_k.weight",
+    "self_attn.v_proj.weight": "attn_v.weight",
+    "self_attn.o_proj.weight": "attn_output.weight",
+    "mlp.gate_proj.weight": "ffn_gate.weight",
+    "mlp.up_proj.weight": "ffn_up.weight",
+    "mlp.down_proj.weight": "ffn_down.weight",
+}
+
+
+def write_gguf(path, model, qtype: gguf.GGMLQuantizationType) -> dict[str, np.ndarray]:
+    """Write a transformers Llama as llama.cpp would; return the float weights by HF name."""
+    cfg = model.config
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_block_count(cfg.num_hidden_layers)
+    writer.add_context_length(cfg.max_position_embeddings)
+    writer.add_embedding_length(cfg.hidden_size)
+    writer.add_feed_forward_length(cfg.intermediate_size)
+    writer.add_head_count(cfg.num_attention_heads)
+    writer.add_head_count_kv(cfg.num_key_value_heads)
+    writer.add_rope_freq_base(cfg.rope_parameters["rope_theta"] if hasattr(cfg, "rope_parameters") else cfg.rope_theta)
+    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    writer.add_vocab_size(cfg.vocab_size)
+    weights = {}
+    for name, tensor in model.state_dict().items():
+        array = tensor.float().numpy()
+        weights[name] = array
+        short = name.split(".", 3)[-1] if name.startswith("model.layers.") else name
+        gguf_name = GGUF_NAMES[short] if short in GGUF_NAMES else None
+        if name.startswith("model.layers."):
+            gguf_name = f"blk.{name.split('.')[2]}.{GGUF_NAMES[short]}"
+        if short == "self_attn.q_proj.weight":
+            array = llama_cpp_permute(array, cfg.num_attention_heads)
+        elif short == "self_attn.k_proj.weight":
+            array = llama_cpp_permute(array, cfg.num_key_value_heads)
+        if array.ndim == 2 and qtype not in (gguf.GGMLQuantizationType.F32,):
+            writer.add_tensor(gguf_name, gguf.quants.quantize(array, qtype), raw_dtype=qtype)
+        else:
+            writer.add_tensor(gguf_name, array)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return weights
+
+
+def test_gguf_checkpoint_matches_transformers(tmp_path):
+    model = tiny_hf_model()
+    path = tmp_path / "tiny.gguf"
+    write_gguf(path, model, gguf.GGMLQuantizationType.F32)
+    torch.testing.assert_close(conveyor_logits(path, SEQUENCES), hf_logits(model, SEQUENCES), rtol=1e-4, atol=1e-4)
+
+
+# the largest error each format allows, as a fraction of each 32-value block's absolute maximum
+FORMAT_ERROR = {
+    gguf.GGMLQuantizationType.F16: 1e-3,
+    gguf.GGMLQuantizationType.BF16: 8e-3,
+    gguf.GGMLQuantizationType.Q8_0: 1 / 127,
+    gguf.GGMLQuantizationType.Q4_0: 1 / 7,
+    gguf.GGMLQuantizationType.Q4_1: 2 / 15,
+}
+
+
+@pytest.mark.parametrize("qtype", list(FORMAT_ERROR), ids=lambda q: q.name)
+def test_gguf_dequantization_of_each_format(tmp_path, qtype):
+    model = tiny_hf_model()
+    path = tmp_path / f"tiny-{qtype.name}.gguf"
+    originals = write_gguf(path, model, qtype)
+    ckpt = open_checkpoint(path)
+    for name, original in originals.items():
+        loaded = ckpt.get(name).numpy()
+        assert loaded.shape == original.shape, name
+        blocks = np.abs(original).reshape(-1, 32).max(axis=1, keepdims=True) if original.ndim == 2 else np.abs(original)
+        error = np.abs(loaded - original).reshape(blocks.shape[0], -1)
+        assert (error <= FORMAT_ERROR[qtype] * blocks + 1e-7).all(), f"{name}: max error {error.max():.4g}"
+
+
+@pytest.mark.parametrize("num_heads, head_dim, cols", [(1, 2, 1), (4, 16, 8), (3, 64, 5)])
+def test_unpermute_inverts_llama_cpp_permute(num_heads, head_dim, cols):
+    weight = torch.randn(num_heads * head_dim, cols)
+    permuted = torch.from_numpy(llama_cpp_permute(weight.numpy(), num_heads))
+    assert torch.equal(unpermute_rows(permuted, num_heads), weight)

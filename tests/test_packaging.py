@@ -1,0 +1,45 @@
+"""core/ installs as `conveyor` and plugins/ as `conveyor.plugins`, editable or not."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import zipfile
+
+from tests.conftest import REPO
+
+PROBE = (
+    "import conveyor, conveyor.model.llama, conveyor.plugins.quant.none, conveyor.plugins.kvcache.paged, "
+    "conveyor.plugins.schedulers.continuous; from conveyor import LLM, SamplingParams; print(conveyor.__file__)"
+)
+
+
+def test_wheel_holds_both_packages_and_imports_outside_the_repo(tmp_path):
+    subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps", "--no-build-isolation", "-w", str(tmp_path), str(REPO)],
+        check=True, capture_output=True, timeout=300,
+    )
+    [wheel] = tmp_path.glob("conveyor_serve-*.whl")
+    names = zipfile.ZipFile(wheel).namelist()
+    for expected in ("conveyor/__init__.py", "conveyor/model/llama.py", "conveyor/plugins/__init__.py",
+                     "conveyor/plugins/quant/none.py", "conveyor/plugins/schedulers/continuous.py"):
+        assert expected in names
+    assert not any(n.startswith(("core/", "plugins/")) for n in names)
+    site = tmp_path / "site"
+    subprocess.run(
+        [sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--target", str(site), str(wheel)],
+        check=True, capture_output=True, timeout=300,
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", PROBE], cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(site)},
+        capture_output=True, text=True, check=True, timeout=120,
+    )
+    assert result.stdout.strip() == str(site / "conveyor" / "__init__.py")
+
+
+def test_editable_install_imports_from_any_directory(tmp_path):
+    result = subprocess.run(
+        [sys.executable, "-c", PROBE], cwd=tmp_path, capture_output=True, text=True, check=True, timeout=120
+    )
+    assert result.stdout.strip() == str(REPO / "core" / "__init__.py")

@@ -1,0 +1,82 @@
+"""Paged KV cache attention (torch path) against dense float64 attention."""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+
+import torch
+
+from conveyor.kvcache import KVCacheSpec
+from conveyor.plugins.kvcache.paged import PagedKVCache, PagedOptions
+from conveyor.request import Request
+from conveyor.sampling import SamplingParams
+
+
+def reference_attention(q, k, v, q_start):
+    """Causal attention in float64, with K/V heads repeated for GQA."""
+    group = q.shape[1] // k.shape[1]
+    k = k.double().repeat_interleave(group, dim=1)
+    v = v.double().repeat_interleave(group, dim=1)
+    scores = torch.einsum("qhd,khd->hqk", q.double(), k) / math.sqrt(q.shape[-1])
+    q_pos = torch.arange(q_start, q_start + q.shape[0]).unsqueeze(1)
+    scores = scores.masked_fill(torch.arange(k.shape[0]).unsqueeze(0) > q_pos, float("-inf"))
+    return torch.einsum("hqk,khd->qhd", torch.softmax(scores, dim=-1), v)
+
+
+def test_mixed_batch_of_decodes_and_chunks_matches_dense_attention():
+    heads, kv_heads, dim = 6, 2, 16
+    spec = KVCacheSpec(1, kv_heads, dim, torch.float32, torch.device("cpu"), 512)
+    cache = PagedKVCache(PagedOptions(block_size=4, num_blocks=200), spec)
+    # hand out blocks in random order so no block table is contiguous
+    cache.free_blocks = deque(torch.randperm(200).tolist())
+    # (total length, tokens already cached, tokens this step)
+    plan = [(9, 8, 1), (30, 29, 1), (1, 0, 1), (17, 0, 17), (40, 25, 15), (13, 12, 1)]
+    params = SamplingParams()
+    sequences = []
+    for i, (length, cached, _) in enumerate(plan):
+        r = Request(f"q{i}", list(range(length)), params, 512)
+        q = torch.randn(length, heads, dim)
+        k, v = torch.randn(length, kv_heads, dim), torch.randn(length, kv_heads, dim)
+        if cached:  # write the earlier tokens into the cache with a first pass
+            assert cache.allocate(r, cached)
+            attention = cache.prepare([r], [cached], 0)
+            attention(0, q[:cached], k[:cached], v[:cached])
+            r.num_computed_tokens = cached
+        sequences.append((r, q, k, v))
+    order = [(r, q, k, v, n) for (r, q, k, v), (_, _, n) in zip(sequences, plan)]
+    decodes = [e for e in order if e[4] == 1]
+    chunks = [e for e in order if e[4] != 1]
+    batch = decodes + chunks
+    for r, *_, n in batch:
+        assert cache.allocate(r, n)
+    attention = cache.prepare([e[0] for e in batch], [e[4] for e in batch], len(decodes))
+    q_flat = torch.cat([q[r.num_computed_tokens : r.num_computed_tokens + n] for r, q, k, v, n in batch])
+    k_flat = torch.cat([k[r.num_computed_tokens : r.num_computed_tokens + n] for r, q, k, v, n in batch])
+    v_flat = torch.cat([v[r.num_computed_tokens : r.num_computed_tokens + n] for r, q, k, v, n in batch])
+    out = attention(0, q_flat, k_flat, v_flat)
+    row = 0
+    for r, q, k, v, n in batch:
+        start = r.num_computed_tokens
+        expected = reference_attention(q[start : start + n], k[: start + n], v[: start + n], start)
+        torch.testing.assert_close(out[row : row + n].double(), expected, rtol=1e-4, atol=1e-5)
+        row += n
+
+
+def test_blocks_are_reused_after_free():
+    spec = KVCacheSpec(1, 1, 4, torch.float32, torch.device("cpu"), 64)
+    cache = PagedKVCache(PagedOptions(block_size=4, num_blocks=3), spec)
+    a = Request("a", list(range(10)), SamplingParams(), 64)
+    b = Request("b", list(range(10)), SamplingParams(), 64)
+    assert cache.allocate(a, 10) and cache.usage() == 1.0
+    assert not cache.allocate(b, 1)
+    cache.free(a)
+    assert cache.usage() == 0.0 and cache.allocate(b, 10)
+
+
+def test_cpu_budget_sizes_the_pool_from_bytes_per_token():
+    spec = KVCacheSpec(30, 3, 64, torch.bfloat16, torch.device("cpu"), 2048)
+    assert spec.bytes_per_token == 2 * 30 * 3 * 64 * 2
+    cache = PagedKVCache(PagedOptions(block_size=16, memory_gb=0.25), spec)
+    assert cache.num_blocks == int(0.25 * 2**30 // (16 * spec.bytes_per_token))
+    assert cache.k.nbytes + cache.v.nbytes <= 0.25 * 2**30

@@ -1,0 +1,163 @@
+"""The plugin registry: built-ins, TOML-listed modules, entry points, clear errors."""
+
+from __future__ import annotations
+
+import inspect
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from conveyor import hookspecs
+from conveyor.config import load_config
+from conveyor.registry import KIND_HOOKS, PluginError, PluginRegistry
+
+TESTS = Path(__file__).parent
+
+
+def test_builtins_register_through_the_public_hooks():
+    registry = PluginRegistry(load_entry_points=False)
+    assert registry.get("scheduler", "continuous").__module__ == "conveyor.plugins.schedulers.continuous"
+    assert registry.get("kvcache", "paged").__module__ == "conveyor.plugins.kvcache.paged"
+    assert registry.get("quant", "none").__module__ == "conveyor.plugins.quant.none"
+
+
+def test_unknown_name_lists_what_is_installed():
+    registry = PluginRegistry(load_entry_points=False)
+    with pytest.raises(KeyError, match=r"quant method 'int3' is not available .* installed: 'none'"):
+        registry.get("quant", "int3")
+
+
+def _module(tmp_path, monkeypatch, name: str, body: str) -> str:
+    (tmp_path / f"{name}.py").write_text(textwrap.dedent(body))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    return name
+
+
+LOCAL_PLUGIN = """
+    import msgspec
+    from conveyor.hookspecs import hookimpl
+    from conveyor.plugins.quant.none import NoQuant
+
+    class Opts(msgspec.Struct, forbid_unknown_fields=True):
+        scale: float = 1.0
+
+    class Scaled(NoQuant):
+        '''A local test quant method.'''
+        name = "scaled"
+        Options = Opts
+
+    @hookimpl
+    def conveyor_register_quant_methods(register):
+        register(Scaled)
+"""
+
+
+def test_toml_plugins_list_loads_a_local_module(tmp_path, monkeypatch):
+    _module(tmp_path, monkeypatch, "local_quant_plugin", LOCAL_PLUGIN)
+    config_file = tmp_path / "c.toml"
+    config_file.write_text('plugins = ["local_quant_plugin"]\n[quant]\nplugin = "scaled"\nscale = 2.5\n')
+    config = load_config(config_file)
+    assert config.quant.plugin == "scaled" and config.quant.options.scale == 2.5
+    bad = tmp_path / "bad.toml"
+    bad.write_text('plugins = ["local_quant_plugin"]\n[quant]\nplugin = "scaled"\nscale = "big"\n')
+    with pytest.raises(ValueError, match=r"\[quant\] scale = 'big': Expected `float`, got `str`"):
+        load_config(bad)
+
+
+def test_duplicate_names_are_an_error(tmp_path, monkeypatch):
+    body = """
+        from conveyor.hookspecs import hookimpl
+        from conveyor.plugins.quant.none import NoQuant
+
+        class Again(NoQuant):
+            name = "none"
+
+        @hookimpl
+        def conveyor_register_quant_methods(register):
+            register(Again)
+    """
+    _module(tmp_path, monkeypatch, "dup_quant_plugin", body)
+    with pytest.raises(PluginError, match="quant 'none' is already registered by conveyor.plugins.quant.none"):
+        PluginRegistry(modules=["dup_quant_plugin"], load_entry_points=False)
+
+
+def test_a_class_without_options_is_refused(tmp_path, monkeypatch):
+    body = """
+        from conveyor.hookspecs import hookimpl
+
+        class Bare:
+            name = "bare"
+
+        @hookimpl
+        def conveyor_register_schedulers(register):
+            register(Bare)
+    """
+    _module(tmp_path, monkeypatch, "bare_plugin", body)
+    with pytest.raises(PluginError, match="scheduler 'bare' needs an `Options` msgspec.Struct"):
+        PluginRegistry(modules=["bare_plugin"], load_entry_points=False)
+
+
+def test_blocked_builtin_is_not_loaded():
+    registry = PluginRegistry(blocked=["conveyor.plugins.quant.none"], load_entry_points=False)
+    assert registry.names("quant") == []
+
+
+def test_describe_lists_options_with_defaults_and_types():
+    text = PluginRegistry(load_entry_points=False).describe()
+    assert "max_num_batched_tokens = 512  (int >= 1)" in text
+    assert "policy = 'fcfs'  ('fcfs' | 'priority')" in text
+    assert "transports:\n  (none installed)" in text
+
+
+def test_every_hook_is_documented_and_tested():
+    """datasette's meta-test: each hookspec has a docstring and a test that names it."""
+    hooks = [name for name, fn in inspect.getmembers(hookspecs, inspect.isfunction) if name.startswith("conveyor_")]
+    assert sorted(hooks) == sorted(KIND_HOOKS.values())
+    plugin_guide = (TESTS.parent / "docs" / "plugins.md").read_text()
+    for name in hooks:
+        assert inspect.getdoc(getattr(hookspecs, name)), f"{name} has no docstring"
+        assert name in plugin_guide, f"{name} is missing from docs/plugins.md"
+        assert name in HOOK_PLUGINS, f"no test registers a plugin through {name}"
+
+
+HOOK_PLUGINS = {
+    "conveyor_register_schedulers": ("scheduler", "conveyor.plugins.schedulers.continuous", "ContinuousScheduler"),
+    "conveyor_register_kvcaches": ("kvcache", "conveyor.plugins.kvcache.paged", "PagedKVCache"),
+    "conveyor_register_quant_methods": ("quant", "conveyor.plugins.quant.none", "NoQuant"),
+    "conveyor_register_transports": ("transport", "conveyor.transport", "Transport"),
+}
+
+
+@pytest.mark.parametrize("hook", sorted(HOOK_PLUGINS))
+def test_each_hook_registers_a_local_plugin_that_toml_can_select(hook, tmp_path, monkeypatch):
+    kind, module, base = HOOK_PLUGINS[hook]
+    body = f"""
+        import msgspec
+        from conveyor.hookspecs import hookimpl
+        from {module} import {base}
+
+        class Opts(msgspec.Struct, forbid_unknown_fields=True):
+            level: int = 1
+
+        class Mine({base}):
+            '''A local {kind}.'''
+            name = "mine"
+            Options = Opts
+
+            async def serve(self, engine, *, task_status=None):
+                pass
+
+        @hookimpl
+        def {hook}(register):
+            register(Mine)
+    """
+    module_name = _module(tmp_path, monkeypatch, f"hook_test_{kind}_plugin", body)
+    registry = PluginRegistry(modules=[module_name], load_entry_points=False)
+    assert registry.names(kind).count("mine") == 1
+    table = "[[transport]]" if kind == "transport" else f"[{kind}]"
+    config_file = tmp_path / "c.toml"
+    config_file.write_text(f'plugins = ["{module_name}"]\n{table}\nplugin = "mine"\nlevel = 3\n')
+    config = load_config(config_file)
+    spec = config.transport[0] if kind == "transport" else getattr(config, kind)
+    assert (spec.plugin, spec.options.level) == ("mine", 3)

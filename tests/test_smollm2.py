@@ -1,0 +1,186 @@
+"""Conveyor on the real SmolLM2 weights against Hugging Face transformers (fp32)."""
+
+from __future__ import annotations
+
+import inspect
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from conveyor import SamplingParams
+from tests.conftest import CHAT_PROMPTS
+
+pytestmark = pytest.mark.slow
+
+NUM_TOKENS = 48
+
+
+def hf_greedy(hf_model, prompt_ids: list[int], num_tokens: int) -> tuple[list[int], list[torch.Tensor]]:
+    """Greedy decoding with transformers' forward pass; returns tokens and each step's log_softmax."""
+    from transformers import DynamicCache
+
+    tokens: list[int] = []
+    logprobs: list[torch.Tensor] = []
+    # transformers 5 names the argument `cache`, 4.x `past_key_values`; the cache fills in place.
+    name = "cache" if "cache" in inspect.signature(hf_model.forward).parameters else "past_key_values"
+    cache = DynamicCache(config=hf_model.config)
+    inputs = torch.tensor([prompt_ids])
+    with torch.inference_mode():
+        for _ in range(num_tokens):
+            out = hf_model(inputs, use_cache=True, **{name: cache})
+            step = torch.log_softmax(out.logits[0, -1].double(), dim=-1)
+            token = int(step.argmax())
+            tokens.append(token)
+            logprobs.append(step)
+            inputs = torch.tensor([[token]])
+    return tokens, logprobs
+
+
+def assert_same_or_near_tie(ours, ref_tokens, ref_logprobs, label: str) -> None:
+    """Equal token for token, or the first difference is a near tie (vLLM's rule)."""
+    for i, (mine, theirs) in enumerate(zip(ours.token_ids, ref_tokens)):
+        if mine == theirs:
+            continue
+        ref_top5 = ref_logprobs[i].topk(5).indices.tolist()
+        our_top5 = ours.logprobs[i].top_ids
+        gap = abs(float(ref_logprobs[i][mine] - ref_logprobs[i][theirs]))
+        assert mine in ref_top5 and theirs in our_top5 and gap < 0.01, (
+            f"{label}: token {i} differs ({mine} vs transformers {theirs}) and is no near tie (gap {gap:.4f})"
+        )
+        return
+    assert len(ours.token_ids) == len(ref_tokens), label
+
+
+@pytest.fixture(scope="module")
+def reference(hf_model, tokenizer):
+    """transformers' greedy continuation of each chat prompt."""
+    results = []
+    for prompt in CHAT_PROMPTS:
+        ids = tokenizer.encode_chat([{"role": "user", "content": prompt}])
+        results.append((ids, *hf_greedy(hf_model, ids, NUM_TOKENS)))
+    return results
+
+
+def test_greedy_matches_transformers_in_a_batch(llm_fp32, reference):
+    params = SamplingParams(max_tokens=NUM_TOKENS, temperature=0, ignore_eos=True, logprobs=5)
+    completions = llm_fp32.generate([[{"role": "user", "content": p}] for p in CHAT_PROMPTS], params)
+    for prompt, completion, (ids, ref_tokens, ref_logprobs) in zip(CHAT_PROMPTS, completions, reference):
+        assert completion.prompt_token_ids == ids
+        assert len(completion.token_ids) == NUM_TOKENS
+        assert_same_or_near_tie(completion, ref_tokens, ref_logprobs, prompt)
+
+
+def test_logprobs_match_transformers(llm_fp32, reference):
+    ids, ref_tokens, ref_logprobs = reference[0]
+    [completion] = llm_fp32.generate(
+        [{"role": "user", "content": CHAT_PROMPTS[0]}],
+        SamplingParams(max_tokens=16, temperature=0, ignore_eos=True, logprobs=5),
+    )
+    assert completion.token_ids == ref_tokens[:16]
+    for step, entry in enumerate(completion.logprobs):
+        ref = ref_logprobs[step]
+        assert abs(entry.logprob - float(ref[completion.token_ids[step]])) < 1e-3
+        assert entry.top_ids[0] == completion.token_ids[step]
+        for token, logprob in zip(entry.top_ids, entry.top_logprobs):
+            assert abs(logprob - float(ref[token])) < 1e-3
+
+
+def test_generate_cli_matches_transformers(reference):
+    ids, ref_tokens, _ = reference[1]
+    result = subprocess.run(
+        [sys.executable, "-m", "conveyor", "--log-level", "WARNING", "generate", "--config", "configs/default.toml",
+         "--set", "model.dtype=float32", "--chat", "--prompt", CHAT_PROMPTS[1],
+         "--max-tokens", "24", "--ignore-eos", "--json"],
+        capture_output=True, text=True, timeout=300, check=True,
+    )
+    output = json.loads(result.stdout)
+    assert output["token_ids"] == ref_tokens[:24]
+    assert output["finish_reason"] == "length"
+    assert output["text"]
+
+
+def test_answers_the_question(llm_fp32):
+    [completion] = llm_fp32.generate(
+        [{"role": "user", "content": "What is the capital of France?"}], SamplingParams(max_tokens=32, temperature=0)
+    )
+    assert "Paris" in completion.text
+    assert completion.finish_reason == "stop"  # ended on <|im_end|>, not the token limit
+
+
+def test_top_k_1_equals_greedy(llm_fp32):
+    prompt = [{"role": "user", "content": "Describe a forest."}]
+    [greedy] = llm_fp32.generate(prompt, SamplingParams(max_tokens=24, temperature=0, ignore_eos=True))
+    [top1] = llm_fp32.generate(prompt, SamplingParams(max_tokens=24, temperature=1.3, top_k=1, ignore_eos=True))
+    assert top1.token_ids == greedy.token_ids
+
+
+def test_seeded_sampling_is_reproducible_in_any_batch(llm_fp32):
+    prompt = [{"role": "user", "content": "Tell me a story about a robot."}]
+    params = SamplingParams(max_tokens=32, temperature=1.0, top_p=0.95, seed=7, ignore_eos=True)
+    [alone] = llm_fp32.generate(prompt, params)
+    others = [[{"role": "user", "content": f"Say something about {t}."}] for t in ("tea", "snow", "maps")]
+    batched = llm_fp32.generate(
+        others + [prompt], [SamplingParams(max_tokens=32, temperature=1.0)] * 3 + [params]
+    )
+    assert batched[-1].token_ids == alone.token_ids
+    [other_seed] = llm_fp32.generate(prompt, SamplingParams(max_tokens=32, temperature=1.0, top_p=0.95, seed=8, ignore_eos=True))
+    assert other_seed.token_ids != alone.token_ids
+
+
+def test_stop_string_ends_the_text_before_it(llm_fp32):
+    prompt = [{"role": "user", "content": "What is the capital of France?"}]
+    [full] = llm_fp32.generate(prompt, SamplingParams(max_tokens=32, temperature=0))
+    assert "Paris" in full.text
+    [stopped] = llm_fp32.generate(prompt, SamplingParams(max_tokens=32, temperature=0, stop=["Paris"]))
+    assert stopped.finish_reason == "stop"
+    assert stopped.text == full.text[: full.text.index("Paris")]
+
+
+def test_max_tokens_and_stop_token_ids(llm_fp32):
+    prompt = "Once upon a time"
+    [limited] = llm_fp32.generate(prompt, SamplingParams(max_tokens=5, temperature=0, ignore_eos=True))
+    assert len(limited.token_ids) == 5 and limited.finish_reason == "length"
+    [stopped] = llm_fp32.generate(
+        prompt, SamplingParams(max_tokens=5, temperature=0, stop_token_ids=[limited.token_ids[2]])
+    )
+    assert stopped.token_ids == limited.token_ids[:3] and stopped.finish_reason == "stop"
+
+
+def test_chunked_prefill_gives_the_same_tokens(llm_fp32):
+    from conveyor import LLM
+
+    prompt = " ".join(f"Item {i} is a {c}." for i, c in enumerate(["cat", "dog", "bird", "fish"] * 12))
+    params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True, logprobs=0)
+    [whole] = llm_fp32.generate(prompt, params)
+    chunked = LLM(overrides={"model.dtype": "float32", "scheduler.max_num_batched_tokens": 37})
+    [pieces] = chunked.generate(prompt, params)
+    assert len(whole.prompt_token_ids) > 3 * 37
+    assert pieces.token_ids == whole.token_ids
+    for a, b in zip(pieces.logprobs, whole.logprobs):
+        assert abs(a.logprob - b.logprob) < 1e-3
+
+
+def test_tokenizer_matches_transformers(tokenizer, hf_tokenizer):
+    texts = [
+        "Hello world",
+        "In 2024, we had 3.14 apples; costs $1,000.",
+        "naïve café — “quotes” 日本語 🤖",
+        "  leading\tand\ttabs\r\n\n",
+        "it's we'll I'd",
+        "x = [1, 2, 3]\nprint(x)",
+    ]
+    for text in texts:
+        ids = tokenizer.encode(text)
+        assert ids == hf_tokenizer(text)["input_ids"], text
+        assert tokenizer.decode(ids) == text
+    conversation = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Hi"},
+        {"role": "assistant", "content": "Hello!"},
+        {"role": "user", "content": "Bye"},
+    ]
+    expected = hf_tokenizer.apply_chat_template(conversation, add_generation_prompt=True, tokenize=False)
+    assert tokenizer.apply_chat_template(conversation) == expected
