@@ -9,11 +9,12 @@ import sys
 import time
 
 from conveyor import __version__
+from conveyor.registry import PluginError
 
 logger = logging.getLogger("conveyor")
 
 # errors that are the user's to fix: one line, no traceback
-USER_ERRORS: tuple[type[Exception], ...] = (ValueError, FileNotFoundError, ImportError)
+USER_ERRORS: tuple[type[Exception], ...] = (ValueError, FileNotFoundError, ImportError, PluginError)
 
 
 def _add_config_args(parser: argparse.ArgumentParser, required: bool = False) -> None:

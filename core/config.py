@@ -75,21 +75,21 @@ class PluginSpec(msgspec.Struct):
     options: Any = None
 
 
-# table name -> (plugin kind, default plugin name)
-PLUGIN_KINDS: dict[str, tuple[str, str | None]] = {
-    "scheduler": ("scheduler", "continuous"),
-    "kvcache": ("kvcache", "paged"),
-    "quant": ("quant", "none"),
-    "transport": ("transport", None),
+# plugin table (named after its kind) -> the plugin used when the table names none
+PLUGIN_KINDS: dict[str, str | None] = {
+    "scheduler": "continuous",
+    "kvcache": "paged",
+    "quant": "none",
+    "transport": None,
 }
 
 
 class Config(msgspec.Struct):
     model: ModelConfig = msgspec.field(default_factory=ModelConfig)
     engine: EngineConfig = msgspec.field(default_factory=EngineConfig)
-    scheduler: PluginSpec = msgspec.field(default_factory=lambda: PluginSpec("continuous"))
-    kvcache: PluginSpec = msgspec.field(default_factory=lambda: PluginSpec("paged"))
-    quant: PluginSpec = msgspec.field(default_factory=lambda: PluginSpec("none"))
+    scheduler: PluginSpec = msgspec.field(default_factory=lambda: PluginSpec(PLUGIN_KINDS["scheduler"]))
+    kvcache: PluginSpec = msgspec.field(default_factory=lambda: PluginSpec(PLUGIN_KINDS["kvcache"]))
+    quant: PluginSpec = msgspec.field(default_factory=lambda: PluginSpec(PLUGIN_KINDS["quant"]))
     transport: list[PluginSpec] = msgspec.field(default_factory=list)
     # extra plugin modules to load by import path
     plugins: list[str] = msgspec.field(default_factory=list)
@@ -212,20 +212,19 @@ def _build(raw: dict[str, Any], origin: _Origin, registry: PluginRegistry | None
         registry = PluginRegistry(modules=plugins, source=origin.source)
 
     specs: dict[str, Any] = {}
-    for table_name, (kind, default) in PLUGIN_KINDS.items():
-        value = raw.get(table_name)
-        if table_name == "transport":
+    for kind, default in PLUGIN_KINDS.items():
+        value = raw.get(kind)
+        if kind == "transport":
             entries = value if value is not None else []
             if isinstance(entries, dict):
                 entries = [entries]
             if not isinstance(entries, list):
-                raise ConfigError(f"{origin.of(table_name)}: [[transport]] must be a list of tables")
-            specs[table_name] = [
-                _plugin_spec(entry, kind, None, f"transport.{i}", origin, registry)
-                for i, entry in enumerate(entries)
+                raise ConfigError(f"{origin.of(kind)}: [[transport]] must be a list of tables")
+            specs[kind] = [
+                _plugin_spec(entry, kind, None, f"transport.{i}", origin, registry) for i, entry in enumerate(entries)
             ]
         else:
-            specs[table_name] = _plugin_spec(value or {}, kind, default, table_name, origin, registry)
+            specs[kind] = _plugin_spec(value or {}, kind, default, kind, origin, registry)
     return Config(**tables, **specs, plugins=list(plugins), source=origin.source)
 
 

@@ -87,8 +87,14 @@ class LLM:
             raise ValueError(f"got {len(params)} SamplingParams for {len(prompts)} prompts")
         ids = [f"offline-{next(self._ids)}" for _ in prompts]
         prompt_ids = [self.encode(p) for p in prompts]
-        for request_id, tokens, p in zip(ids, prompt_ids, params):
-            self.engine.add_request(EngineRequest(request_id, tokens, p, arrival_time=time.time()))
+        added: list[str] = []
+        try:
+            for request_id, tokens, p in zip(ids, prompt_ids, params):
+                self.engine.add_request(EngineRequest(request_id, tokens, p, arrival_time=time.time()))
+                added.append(request_id)
+        except Exception:
+            self.engine.abort(added)  # all or nothing
+            raise
         streams = {i: TextStream(self.tokenizer, p) for i, p in zip(ids, params)}
         tokens: dict[str, list[int]] = {i: [] for i in ids}
         logprobs: dict[str, list[TokenLogprob]] = {i: [] for i in ids}

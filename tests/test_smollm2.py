@@ -184,3 +184,40 @@ def test_tokenizer_matches_transformers(tokenizer, hf_tokenizer):
     ]
     expected = hf_tokenizer.apply_chat_template(conversation, add_generation_prompt=True, tokenize=False)
     assert tokenizer.apply_chat_template(conversation) == expected
+
+
+def test_one_sampling_params_per_prompt(llm_fp32):
+    prompts = ["The sky is", "Water boils at"]
+    outputs = llm_fp32.generate(
+        prompts, [SamplingParams(max_tokens=3, temperature=0, ignore_eos=True), SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)]
+    )
+    assert [len(o.token_ids) for o in outputs] == [3, 6]
+    with pytest.raises(ValueError, match="got 1 SamplingParams for 2 prompts"):
+        llm_fp32.generate(prompts, [SamplingParams()])
+
+
+def test_a_failed_step_fails_its_requests_and_the_engine_keeps_serving(llm_fp32, monkeypatch):
+    engine = llm_fp32.engine
+    free_before = engine.kvcache.num_free_blocks
+
+    def broken(batch):
+        raise RuntimeError("simulated device fault")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(engine.runner, "execute", broken)
+        from conveyor.messages import EngineRequest
+
+        engine.add_request(EngineRequest("doomed", [1, 2, 3, 4], SamplingParams(max_tokens=4)))
+        outputs = engine.step()
+    assert [(o.request_id, o.finish_reason) for o in outputs] == [("doomed", "error")]
+    assert "simulated device fault" in outputs[0].error
+    assert engine.kvcache.num_free_blocks == free_before and not engine.has_unfinished()
+    [after] = llm_fp32.generate("The sky is", SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
+    assert len(after.token_ids) == 4
+
+
+def test_a_rejected_prompt_leaves_nothing_queued(llm_fp32):
+    too_long = "word " * 3000
+    with pytest.raises(ValueError, match="max_model_len=2048 leaves no room"):
+        llm_fp32.generate(["A fine prompt", too_long], SamplingParams(max_tokens=2))
+    assert not llm_fp32.engine.has_unfinished()
