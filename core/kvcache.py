@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import ClassVar
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
 
 import msgspec
 import torch
@@ -38,6 +38,16 @@ class KVCacheSpec:
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.dtype.itemsize
 
 
+@dataclass
+class PrefixMatch:
+    """The start of a request found in the cache (see ``KVCache.match_prefix``)."""
+
+    # tokens whose K and V are already stored (a multiple of the block size)
+    num_tokens: int = 0
+    # the cache's own handle on them (block ids for the built-in layouts)
+    blocks: list[Any] = field(default_factory=list)
+
+
 class KVCache(ABC):
     """Stores K and V for running requests and computes attention over them."""
 
@@ -54,13 +64,28 @@ class KVCache(ABC):
         """Tokens the whole cache holds at once."""
 
     @abstractmethod
-    def can_fit(self, num_tokens: int) -> bool:
-        """Whether one request of ``num_tokens`` tokens fits in the empty cache
-        (a request that never fits is rejected at admission)."""
+    def can_fit(self, sizes: Sequence[int]) -> bool:
+        """Whether requests growing to these numbers of tokens fit in the empty
+        cache together (a request that never fits is rejected at admission)."""
+
+    def match_prefix(self, request: Request) -> PrefixMatch:
+        """Find the longest start of the request's tokens already in the cache.
+
+        Reserves nothing: pass the result to ``allocate`` in the same step.
+        Layouts without prefix caching find nothing.
+        """
+        return PrefixMatch()
 
     @abstractmethod
-    def allocate(self, request: Request, num_new_tokens: int) -> bool:
-        """Make room for ``request.num_computed_tokens + num_new_tokens`` tokens.
+    def allocate(self, request: Request, num_new_tokens: int, prefix: PrefixMatch | None = None) -> bool:
+        """Make room for ``num_new_tokens`` more tokens of ``request``.
+
+        Args:
+            request: room is made for ``request.num_computed_tokens +
+                num_new_tokens`` tokens; on its first allocation with a
+                ``prefix``, for ``prefix.num_tokens + num_new_tokens``.
+            num_new_tokens: tokens this step computes.
+            prefix: what ``match_prefix`` found, claimed now (first allocation only).
 
         Returns:
             False, changing nothing, when there is not enough free memory.
@@ -75,7 +100,7 @@ class KVCache(ABC):
         """Fraction of the cache in use, 0..1."""
 
     def stats(self) -> dict[str, float]:
-        """Numbers for metrics (names are the plugin's own)."""
+        """Numbers for metrics and logs; ``usage`` always, other names are the layout's own."""
         return {"usage": self.usage()}
 
     @abstractmethod

@@ -103,7 +103,10 @@ class LLM:
         done: dict[str, float] = {}
         start = time.perf_counter()
         while self.engine.has_unfinished():
-            for output in self.engine.step():
+            step_outputs, stats = self.engine.step()
+            if stats is None:  # a batching scheduler is still collecting requests
+                time.sleep(0.001)
+            for output in step_outputs:
                 rid = output.request_id
                 if rid in reasons:
                     continue

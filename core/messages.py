@@ -39,6 +39,32 @@ class RequestOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fals
     finish_reason: str | None = None
     # error text when finish_reason is "error" or the request was rejected
     error: str | None = None
+    # for a rejected request, the HTTP status that describes why (400 too long, 429 queue full, ...)
+    error_status: int = 0
     num_prompt_tokens: int = 0
     # prompt tokens whose KV came from the prefix cache
     num_cached_tokens: int = 0
+
+
+class StepStats(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """What one engine step did and how long its parts took."""
+
+    step: int
+    # time.time() at the end of the step
+    timestamp: float
+    num_running: int
+    num_waiting: int
+    num_prefill_tokens: int
+    num_decode_tokens: int
+    # fraction of the KV cache in use after the step
+    kv_usage: float
+    # cumulative
+    num_preemptions: int = 0
+    # prompt tokens served from the prefix cache, cumulative
+    num_prefix_hit_tokens: int = 0
+    num_wasted_slots: int = 0
+    # seconds: choosing the batch; building inputs + the forward pass; sampling; recording the results
+    schedule_time: float = 0.0
+    forward_time: float = 0.0
+    sample_time: float = 0.0
+    update_time: float = 0.0

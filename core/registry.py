@@ -22,7 +22,10 @@ from conveyor import hookspecs
 DEFAULT_PLUGINS: tuple[str, ...] = (
     "conveyor.plugins.quant.none",
     "conveyor.plugins.kvcache.paged",
+    "conveyor.plugins.kvcache.contiguous",
     "conveyor.plugins.schedulers.continuous",
+    "conveyor.plugins.schedulers.static",
+    "conveyor.plugins.schedulers.dynamic",
 )
 
 # kind -> registration hook name

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 from conveyor.kvcache import KVCache
@@ -19,6 +21,9 @@ class ModelRunner:
         self.kvcache = kvcache
         self.sampler = sampler
         self.device = model.device
+        # seconds the last execute() spent before sampling (inputs + forward) and sampling
+        self.forward_time = 0.0
+        self.sample_time = 0.0
 
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch) -> tuple[list[int | None], list[TokenLogprob | None]]:
@@ -30,6 +35,7 @@ class ModelRunner:
             Per batch entry, the sampled token (None for a prefill chunk that
             stops short of the end of the known tokens) and its logprobs.
         """
+        start = time.perf_counter()
         input_ids: list[int] = []
         positions: list[int] = []
         sample_rows: list[int] = []
@@ -51,8 +57,15 @@ class ModelRunner:
         logprobs: list[TokenLogprob | None] = [None] * len(batch)
         if sample_rows:
             logits = self.model.compute_logits(hidden[torch.tensor(sample_rows, device=self.device)])
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            middle = time.perf_counter()
+            self.forward_time = middle - start
             tokens, entries = self.sampler.sample(logits, [batch.requests[i] for i in sample_entries])
             for i, token, entry in zip(sample_entries, tokens, entries):
                 sampled[i] = token
                 logprobs[i] = entry
+            self.sample_time = time.perf_counter() - middle
+        else:
+            self.forward_time, self.sample_time = time.perf_counter() - start, 0.0
         return sampled, logprobs

@@ -30,6 +30,13 @@ class ScheduledBatch:
     # how many leading entries are decodes (one token, after the prompt)
     num_decodes: int = 0
 
+    @classmethod
+    def of(cls, scheduled: dict[Request, int]) -> ScheduledBatch:
+        """Order a step's work for the forward pass: single-token entries first."""
+        decodes = [(r, n) for r, n in scheduled.items() if n == 1]
+        entries = decodes + [(r, n) for r, n in scheduled.items() if n != 1]
+        return cls([r for r, _ in entries], [n for _, n in entries], len(decodes))
+
     @property
     def total_tokens(self) -> int:
         return sum(self.num_tokens)
@@ -42,10 +49,12 @@ class ScheduledBatch:
 class SchedulerStats:
     num_running: int = 0
     num_waiting: int = 0
+    # the rest are cumulative counts since start
     num_preemptions: int = 0
-    # cumulative counts since start
     num_finished: int = 0
     num_rejected: int = 0
+    # run-to-completion batching: slot-steps a batch held for requests already finished (or never there)
+    num_wasted_slots: int = 0
 
 
 class Scheduler(ABC):
@@ -64,6 +73,8 @@ class Scheduler(ABC):
         self.options = options
         self.kvcache = kvcache
         self.max_model_len = max_model_len
+        # every unfinished request, by id
+        self.requests: dict[str, Request] = {}
         # cumulative counts; stats() adds the queue lengths
         self.counters = SchedulerStats()
 
@@ -118,6 +129,20 @@ class Scheduler(ABC):
 
     # Helpers shared by the built-in schedulers.
 
+    def accept(self, request: Request, num_waiting: int, max_waiting: int) -> None:
+        """Admission control: register the request, or reject it with the reason.
+
+        Raises:
+            RequestRejected: duplicate id, can never run, or the waiting queue is full (429).
+        """
+        if request.request_id in self.requests:
+            raise RequestRejected(f"request id {request.request_id!r} is already in use")
+        self.check_admission(request)
+        if num_waiting >= max_waiting:
+            self.counters.num_rejected += 1
+            raise RequestRejected(f"the waiting queue is full (max_waiting={max_waiting})", 429)
+        self.requests[request.request_id] = request
+
     def check_admission(self, request: Request) -> None:
         """Reject what can never run."""
         if request.num_prompt_tokens == 0:
@@ -129,7 +154,7 @@ class Scheduler(ABC):
                 f"the prompt has {request.num_prompt_tokens} tokens; max_model_len={self.max_model_len} "
                 "leaves no room for output"
             )
-        if not self.kvcache.can_fit(request.max_total_tokens):
+        if not self.kvcache.can_fit([request.max_total_tokens]):
             self.counters.num_rejected += 1
             raise RequestRejected(
                 f"the request needs {request.max_total_tokens} tokens of KV cache but the whole cache holds "

@@ -35,11 +35,18 @@ def create_request(
     )
 
 
-def fake_step(scheduler: Scheduler, token: int = 7):
-    """One engine step with a fake runner: every request at the end of its known tokens gets `token`."""
+def next_token(request: Request) -> int:
+    """A fake model: the next token is a fixed function of every token so far."""
+    tokens = request.all_token_ids()
+    return (sum(t * (i + 1) for i, t in enumerate(tokens)) * 2654435761) % 50_000
+
+
+def fake_step(scheduler: Scheduler, model=next_token):
+    """One engine step with a fake runner: each request at the end of its known tokens gets model(request)."""
     batch = scheduler.schedule()
     sampled = [
-        token if r.num_computed_tokens + n == r.num_tokens else None for r, n in zip(batch.requests, batch.num_tokens)
+        model(r) if r.num_computed_tokens + n == r.num_tokens else None
+        for r, n in zip(batch.requests, batch.num_tokens)
     ]
     outputs = scheduler.update(batch, sampled, [None] * len(batch))
     return batch, outputs
@@ -54,3 +61,10 @@ def run_to_completion(scheduler: Scheduler, max_steps: int = 10_000) -> list[str
         _, outputs = fake_step(scheduler)
         finished.extend(o.request_id for o in outputs if o.finish_reason)
     raise AssertionError(f"not finished after {max_steps} steps")
+
+
+def assert_no_leak(kvcache) -> None:
+    """Every block is free again and no reference is left."""
+    assert kvcache.num_free_blocks == kvcache.num_blocks
+    if hasattr(kvcache, "ref_counts"):
+        assert not any(kvcache.ref_counts) and not kvcache.tables

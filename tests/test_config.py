@@ -133,3 +133,13 @@ def test_cli_reports_config_errors_in_one_line(tmp_path, text, fragment):
     assert result.returncode == 2
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith(f"error: {path}") and fragment in lines[0], result.stderr
+
+
+@pytest.mark.parametrize("name", ["static", "dynamic", "contiguous", "default"])
+def test_every_showcase_config_loads(name):
+    config = load_config(REPO / "configs" / f"{name}.toml")
+    expected = {"static": ("static", "paged"), "dynamic": ("dynamic", "paged"),
+                "contiguous": ("continuous", "contiguous"), "default": ("continuous", "paged")}[name]
+    assert (config.scheduler.plugin, config.kvcache.plugin) == expected
+    if name == "default":
+        assert config.kvcache.options.enable_prefix_caching

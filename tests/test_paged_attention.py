@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from collections import deque
+from collections import OrderedDict
 
 import torch
 
@@ -29,7 +29,7 @@ def test_mixed_batch_of_decodes_and_chunks_matches_dense_attention():
     spec = KVCacheSpec(1, kv_heads, dim, torch.float32, torch.device("cpu"), 512)
     cache = PagedKVCache(PagedOptions(block_size=4, num_blocks=200), spec)
     # hand out blocks in random order so no block table is contiguous
-    cache.free_blocks = deque(torch.randperm(200).tolist())
+    cache.free_blocks = OrderedDict.fromkeys(torch.randperm(200).tolist())
     # (total length, tokens already cached, tokens this step)
     plan = [(9, 8, 1), (30, 29, 1), (1, 0, 1), (17, 0, 17), (40, 25, 15), (13, 12, 1)]
     params = SamplingParams()
@@ -79,4 +79,4 @@ def test_cpu_budget_sizes_the_pool_from_bytes_per_token():
     assert spec.bytes_per_token == 2 * 30 * 3 * 64 * 2
     cache = PagedKVCache(PagedOptions(block_size=16, memory_gb=0.25), spec)
     assert cache.num_blocks == int(0.25 * 2**30 // (16 * spec.bytes_per_token))
-    assert cache.k.nbytes + cache.v.nbytes <= 0.25 * 2**30
+    assert cache.storage.num_bytes <= 0.25 * 2**30

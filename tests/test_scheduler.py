@@ -5,9 +5,19 @@ from __future__ import annotations
 import pytest
 from hypothesis import given, settings, strategies as st
 
+from conveyor.plugins.kvcache.contiguous import ContiguousKVCache, ContiguousOptions
 from conveyor.plugins.schedulers.continuous import ContinuousOptions, ContinuousScheduler
+from conveyor.plugins.schedulers.dynamic import DynamicOptions, DynamicScheduler
+from conveyor.plugins.schedulers.static import StaticOptions, StaticScheduler
 from conveyor.request import RequestRejected, RequestStatus
-from tests.factories import create_kvcache, create_request, fake_step, run_to_completion
+from tests.factories import (
+    assert_no_leak,
+    create_kvcache,
+    create_request,
+    create_spec,
+    fake_step,
+    run_to_completion,
+)
 
 
 def create_scheduler(num_blocks: int = 64, block_size: int = 4, max_model_len: int = 256, **options):
@@ -61,7 +71,26 @@ def test_out_of_blocks_preempts_the_newest_and_everything_still_finishes():
     assert sorted(finished) == sorted(r.request_id for r in requests)
     assert scheduler.stats().num_preemptions >= 1
     assert all(len(r.output_token_ids) == 8 for r in requests)
-    assert scheduler.kvcache.num_free_blocks == 10
+    assert_no_leak(scheduler.kvcache)
+
+
+@pytest.mark.parametrize("prefix_caching", [True, False])
+def test_preemption_and_resumption_produce_the_same_tokens(prefix_caching):
+    def outputs(num_blocks: int):
+        kvcache = create_kvcache(num_blocks, 4)
+        kvcache.options.enable_prefix_caching = prefix_caching
+        scheduler = ContinuousScheduler(ContinuousOptions(max_num_batched_tokens=16), kvcache, 256)
+        requests = [create_request(5 + 3 * i, max_tokens=12 + i, request_id=f"p{i}") for i in range(6)]
+        for r in requests:
+            scheduler.add(r)
+        run_to_completion(scheduler)
+        assert_no_leak(kvcache)
+        return {r.request_id: r.output_token_ids for r in requests}, scheduler.stats().num_preemptions
+
+    roomy, no_preemptions = outputs(200)
+    tight, preemptions = outputs(12)
+    assert no_preemptions == 0 and preemptions > 0
+    assert tight == roomy
 
 
 def test_priority_policy_runs_urgent_requests_first_and_preempts_the_least_urgent():
@@ -130,3 +159,145 @@ def test_any_workload_completes_within_budget_without_leaking(prompts, budget, n
         assert all(n == 1 for n in batch.num_tokens[: batch.num_decodes])
     assert all(len(r.output_token_ids) == m for r, (_, m) in zip(requests, prompts))
     assert scheduler.kvcache.num_free_blocks == num_blocks
+
+
+def test_static_batches_wait_for_a_full_batch_and_nobody_joins():
+    kvcache = create_kvcache()
+    scheduler = StaticScheduler(StaticOptions(batch_size=3, max_wait_ms=1000), kvcache, 256)
+    now = [0.0]
+    scheduler.clock = lambda: now[0]
+    first = [create_request(4, max_tokens=m) for m in (2, 5, 3)]
+    for r in first[:2]:
+        scheduler.add(r)
+    assert len(scheduler.schedule()) == 0  # 2 of 3, and nobody waited a second yet
+    scheduler.add(first[2])
+    batch, _ = fake_step(scheduler)
+    assert set(batch.requests) == set(first)
+    late = create_request(4, max_tokens=2)
+    scheduler.add(late)
+    steps = 0
+    while not all(r.is_finished for r in first):
+        batch, _ = fake_step(scheduler)
+        assert late not in batch.requests
+        steps += 1
+    # max_tokens 2, 5, 3: after the prefill step, decode steps run 3, 2, 1 and 1 requests in 3 slots
+    assert steps == 4
+    assert scheduler.stats().num_wasted_slots == 0 + 1 + 2 + 2
+    assert len(scheduler.schedule()) == 0  # `late` waits for two more, or for max_wait
+    now[0] = 1.5
+    batch, _ = fake_step(scheduler)
+    assert batch.requests == [late]
+
+
+def test_dynamic_batches_close_after_the_window():
+    scheduler = DynamicScheduler(DynamicOptions(max_batch_size=8, window_ms=50), create_kvcache(), 256)
+    now = [10.0]
+    scheduler.clock = lambda: now[0]
+    a, b = create_request(3, max_tokens=4), create_request(6, max_tokens=1)
+    scheduler.add(a)
+    now[0] += 0.03
+    scheduler.add(b)
+    assert len(scheduler.schedule()) == 0  # the window opened by `a` is still open
+    now[0] += 0.03
+    batch, _ = fake_step(scheduler)
+    assert set(batch.requests) == {a, b}
+    c = create_request(3)
+    scheduler.add(c)
+    now[0] += 1.0
+    while not a.is_finished:
+        batch, _ = fake_step(scheduler)
+        assert c not in batch.requests
+    # the batch had two slots; `b` finished at the prefill and left its slot idle for 3 steps
+    assert scheduler.stats().num_wasted_slots == 3
+    batch, _ = fake_step(scheduler)
+    assert batch.requests == [c]
+
+
+def test_static_batch_only_takes_what_fits_together():
+    kvcache = create_kvcache(num_blocks=10, block_size=4)  # 40 tokens
+    scheduler = StaticScheduler(StaticOptions(batch_size=4, max_wait_ms=0), kvcache, 256)
+    requests = [create_request(8, max_tokens=8) for _ in range(4)]  # 16 tokens = 4 blocks each
+    for r in requests:
+        scheduler.add(r)
+    batch, _ = fake_step(scheduler)
+    assert len(batch) == 2
+    run_to_completion(scheduler)
+    assert all(len(r.output_token_ids) == 8 for r in requests)
+    assert_no_leak(kvcache)
+
+
+def build(kind: str, kv: str, num_blocks: int, budget: int):
+    kvcache = (
+        create_kvcache(num_blocks, 4)
+        if kv == "paged"
+        else ContiguousKVCache(ContiguousOptions(num_tokens=num_blocks * 4, reserve="request"), create_spec())
+    )
+    if kind == "static":
+        return StaticScheduler(StaticOptions(batch_size=3, max_wait_ms=0, max_num_batched_tokens=budget), kvcache, 256)
+    if kind == "dynamic":
+        return DynamicScheduler(DynamicOptions(max_batch_size=4, window_ms=0, max_num_batched_tokens=budget), kvcache, 256)
+    policy = "priority" if kind == "priority" else "fcfs"
+    return ContinuousScheduler(
+        ContinuousOptions(max_num_batched_tokens=budget, max_num_seqs=5, policy=policy, max_waiting=6), kvcache, 256
+    )
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    kind=st.sampled_from(["continuous", "priority", "static", "dynamic"]),
+    kv=st.sampled_from(["paged", "contiguous"]),
+    events=st.lists(
+        st.one_of(
+            st.tuples(st.just("add"), st.integers(1, 60), st.integers(1, 10), st.integers(0, 3), st.booleans()),
+            st.tuples(st.just("abort"), st.integers(0, 30)),
+            st.tuples(st.just("step"), st.integers(1, 4)),
+        ),
+        max_size=40,
+    ),
+    num_blocks=st.integers(8, 40),
+    budget=st.integers(1, 64),
+)
+def test_random_arrivals_and_aborts_always_end_and_never_leak(kind, kv, events, num_blocks, budget):
+    """Every request ends (stop/length/abort) or is rejected with a reason; all memory comes back."""
+    scheduler = build(kind, kv, num_blocks, budget)
+    shared = list(range(500, 520))  # a common prefix, for the prefix cache
+    added, rejected, ended = [], {}, {}
+
+    def step():
+        batch, outputs = fake_step(scheduler)
+        assert batch.total_tokens <= budget
+        for o in outputs:
+            if o.finish_reason:
+                assert o.request_id not in ended
+                ended[o.request_id] = o.finish_reason
+
+    for event in events:
+        if event[0] == "add":
+            _, length, max_tokens, priority, share = event
+            request = create_request(length, max_tokens=max_tokens, priority=priority)
+            if share:
+                request.prompt_token_ids = (shared + request.prompt_token_ids)[:length]
+            try:
+                scheduler.add(request)
+                added.append(request)
+            except RequestRejected as e:
+                assert str(e) and e.status in (400, 429)
+                rejected[request.request_id] = str(e)
+        elif event[0] == "abort" and added:
+            victim = added[event[1] % len(added)]
+            for o in scheduler.abort([victim.request_id]):
+                assert o.finish_reason == "abort"
+                ended[o.request_id] = "abort"
+        else:
+            for _ in range(event[1]):
+                step()
+    for _ in range(5_000):
+        if not scheduler.has_unfinished():
+            break
+        step()
+    assert not scheduler.has_unfinished()
+    for request in added:
+        assert ended[request.request_id] in ("stop", "length", "abort")
+        if ended[request.request_id] == "length":
+            assert len(request.output_token_ids) == request.params.max_tokens
+    assert_no_leak(scheduler.kvcache)

@@ -12,6 +12,7 @@ import torch
 
 from conveyor import SamplingParams
 from tests.conftest import CHAT_PROMPTS
+from tests.helpers import assert_matches_reference
 
 pytestmark = pytest.mark.slow
 
@@ -39,21 +40,6 @@ def hf_greedy(hf_model, prompt_ids: list[int], num_tokens: int) -> tuple[list[in
     return tokens, logprobs
 
 
-def assert_same_or_near_tie(ours, ref_tokens, ref_logprobs, label: str) -> None:
-    """Equal token for token, or the first difference is a near tie (vLLM's rule)."""
-    for i, (mine, theirs) in enumerate(zip(ours.token_ids, ref_tokens)):
-        if mine == theirs:
-            continue
-        ref_top5 = ref_logprobs[i].topk(5).indices.tolist()
-        our_top5 = ours.logprobs[i].top_ids
-        gap = abs(float(ref_logprobs[i][mine] - ref_logprobs[i][theirs]))
-        assert mine in ref_top5 and theirs in our_top5 and gap < 0.01, (
-            f"{label}: token {i} differs ({mine} vs transformers {theirs}) and is no near tie (gap {gap:.4f})"
-        )
-        return
-    assert len(ours.token_ids) == len(ref_tokens), label
-
-
 @pytest.fixture(scope="module")
 def reference(hf_model, tokenizer):
     """transformers' greedy continuation of each chat prompt."""
@@ -70,7 +56,7 @@ def test_greedy_matches_transformers_in_a_batch(llm_fp32, reference):
     for prompt, completion, (ids, ref_tokens, ref_logprobs) in zip(CHAT_PROMPTS, completions, reference):
         assert completion.prompt_token_ids == ids
         assert len(completion.token_ids) == NUM_TOKENS
-        assert_same_or_near_tie(completion, ref_tokens, ref_logprobs, prompt)
+        assert_matches_reference(completion, ref_tokens, ref_logprobs, prompt)
 
 
 def test_logprobs_match_transformers(llm_fp32, reference):
@@ -208,7 +194,7 @@ def test_a_failed_step_fails_its_requests_and_the_engine_keeps_serving(llm_fp32,
         from conveyor.messages import EngineRequest
 
         engine.add_request(EngineRequest("doomed", [1, 2, 3, 4], SamplingParams(max_tokens=4)))
-        outputs = engine.step()
+        outputs, _ = engine.step()
     assert [(o.request_id, o.finish_reason) for o in outputs] == [("doomed", "error")]
     assert "simulated device fault" in outputs[0].error
     assert engine.kvcache.num_free_blocks == free_before and not engine.has_unfinished()

@@ -1,22 +1,25 @@
-"""``paged``: fixed-size KV blocks from one pool, per-request block tables."""
+"""``paged``: fixed-size KV blocks from one pool, per-request block tables,
+and automatic prefix caching."""
 
 from __future__ import annotations
 
+import hashlib
 import logging
-from collections import deque
+from array import array
+from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Annotated
 
 import msgspec
 import torch
 
+from conveyor.block_attention import BlockStorage
 from conveyor.hookspecs import hookimpl
-from conveyor.kvcache import KVCache, KVCacheSpec
-from conveyor.model.attention import causal_attention, decode_attention
+from conveyor.kvcache import KVCache, KVCacheSpec, PrefixMatch
 from conveyor.model.llama import AttentionFn
 from conveyor.request import Request
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger("conveyor")
 
 
 class PagedOptions(msgspec.Struct, forbid_unknown_fields=True):
@@ -28,6 +31,8 @@ class PagedOptions(msgspec.Struct, forbid_unknown_fields=True):
     memory_fraction: Annotated[float, msgspec.Meta(gt=0, le=1)] = 0.9
     # a fixed number of blocks instead of sizing from memory; 0: size from memory
     num_blocks: Annotated[int, msgspec.Meta(ge=0)] = 0
+    # reuse the blocks of earlier requests that start with the same tokens
+    enable_prefix_caching: bool = True
 
 
 def blocks_for_budget(spec: KVCacheSpec, block_size: int, memory_gb: float, memory_fraction: float) -> int:
@@ -40,8 +45,42 @@ def blocks_for_budget(spec: KVCacheSpec, block_size: int, memory_gb: float, memo
     return int(budget // (block_size * spec.bytes_per_token))
 
 
+def log_capacity(name: str, num_blocks: int, block_size: int, spec: KVCacheSpec) -> None:
+    capacity = num_blocks * block_size
+    logger.info(
+        "KV cache (%s): %d blocks x %d tokens = %d tokens, %.2f GiB (%d B/token = 2 x %d layers x %d kv heads x %d x %d B);"
+        " max concurrency at max_model_len %d: %.1f",
+        name, num_blocks, block_size, capacity, capacity * spec.bytes_per_token / 2**30, spec.bytes_per_token,
+        spec.num_layers, spec.num_kv_heads, spec.head_dim, spec.dtype.itemsize, spec.max_model_len,
+        capacity / spec.max_model_len,
+    )
+
+
+def block_digest(parent: bytes, tokens: Sequence[int]) -> bytes:
+    """Identity of a full block: its tokens and, through the parent, every token before it."""
+    return hashlib.blake2b(parent + array("q", tokens).tobytes(), digest_size=16).digest()
+
+
+class _Table:
+    """A request's blocks and how many of them are registered in the prefix cache."""
+
+    __slots__ = ("blocks", "num_hashed", "digest")
+
+    def __init__(self, blocks: list[int], digest: bytes):
+        self.blocks = blocks
+        self.num_hashed = len(blocks)
+        # digest of the last registered block (b"" before the first)
+        self.digest = digest
+
+
 class PagedKVCache(KVCache):
-    """Paged KV cache: memory in blocks of ``block_size`` tokens, no reservation."""
+    """Paged KV cache: blocks of ``block_size`` tokens handed out as requests grow.
+
+    Full blocks are registered under a chained digest of all tokens up to
+    their end. A new request whose tokens start the same way shares those
+    blocks (ref counts) instead of recomputing them. Freed blocks keep their
+    contents and stay findable until they are reused, least recently used first.
+    """
 
     name = "paged"
     Options = PagedOptions
@@ -54,26 +93,18 @@ class PagedKVCache(KVCache):
         )
         if self.num_blocks < 1:
             raise ValueError(f"[kvcache] the memory budget holds no block of {options.block_size} tokens")
-        shape = (spec.num_layers, self.num_blocks * self.block_size, spec.num_kv_heads, spec.head_dim)
-        self.k = torch.zeros(shape, dtype=spec.dtype, device=spec.device)
-        self.v = torch.zeros(shape, dtype=spec.dtype, device=spec.device)
-        self.free_blocks: deque[int] = deque(range(self.num_blocks))
-        self.block_tables: dict[str, list[int]] = {}
-        logger.info(
-            "KV cache: %d blocks x %d tokens = %d tokens, %.2f GiB (%d B/token = 2 x %d layers x %d kv heads x %d x %d B); "
-            "max concurrency at max_model_len %d: %.1f",
-            self.num_blocks,
-            self.block_size,
-            self.capacity_tokens,
-            self.k.nbytes * 2 / 2**30,
-            spec.bytes_per_token,
-            spec.num_layers,
-            spec.num_kv_heads,
-            spec.head_dim,
-            spec.dtype.itemsize,
-            spec.max_model_len,
-            self.capacity_tokens / spec.max_model_len,
-        )
+        self.storage = BlockStorage(spec, self.num_blocks, self.block_size)
+        self.ref_counts = [0] * self.num_blocks
+        self.block_digests: list[bytes | None] = [None] * self.num_blocks
+        # digest -> block id, for blocks whose contents are known
+        self.cached: dict[bytes, int] = {}
+        # blocks with no user, least recently used first; cached ones among them can be revived
+        self.free_blocks: OrderedDict[int, None] = OrderedDict.fromkeys(range(self.num_blocks))
+        self.tables: dict[str, _Table] = {}
+        self.num_prefix_queries = 0
+        self.num_prefix_hits = 0
+        self.num_evictions = 0
+        log_capacity(self.name, self.num_blocks, self.block_size, spec)
 
     @property
     def capacity_tokens(self) -> int:
@@ -83,23 +114,96 @@ class PagedKVCache(KVCache):
     def num_free_blocks(self) -> int:
         return len(self.free_blocks)
 
-    def can_fit(self, num_tokens: int) -> bool:
-        return self._blocks_for(num_tokens) <= self.num_blocks
+    def can_fit(self, sizes: Sequence[int]) -> bool:
+        return sum(self._blocks_for(n) for n in sizes) <= self.num_blocks
 
     def _blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
-    def allocate(self, request: Request, num_new_tokens: int) -> bool:
-        table = self.block_tables.setdefault(request.request_id, [])
-        needed = self._blocks_for(request.num_computed_tokens + num_new_tokens) - len(table)
-        if needed > len(self.free_blocks):
-            return False
+    def block_table(self, request_id: str) -> list[int]:
+        return self.tables[request_id].blocks
+
+    def match_prefix(self, request: Request) -> PrefixMatch:
+        if not self.options.enable_prefix_caching or not self.cached:
+            return PrefixMatch()
+        tokens = request.all_token_ids()
+        size = self.block_size
+        # The last token is always computed: its logits pick the next token.
+        blocks: list[int] = []
+        digest = b""
+        for start in range(0, len(tokens) - size, size):
+            digest = block_digest(digest, tokens[start : start + size])
+            block = self.cached.get(digest)
+            if block is None:
+                break
+            blocks.append(block)
+        return PrefixMatch(len(blocks) * size, blocks)
+
+    def allocate(self, request: Request, num_new_tokens: int, prefix: PrefixMatch | None = None) -> bool:
+        table = self.tables.get(request.request_id)
+        if table is None:
+            claimed = prefix.blocks if prefix else []
+            needed = self._blocks_for(len(claimed) * self.block_size + num_new_tokens) - len(claimed)
+            revived = sum(1 for b in claimed if self.ref_counts[b] == 0)
+            if needed > len(self.free_blocks) - revived:
+                return False
+            for block in claimed:
+                if self.ref_counts[block] == 0:
+                    del self.free_blocks[block]
+                self.ref_counts[block] += 1
+            digest = self.block_digests[claimed[-1]] if claimed else b""
+            table = self.tables[request.request_id] = _Table(list(claimed), digest)
+            if self.options.enable_prefix_caching:
+                self.num_prefix_queries += request.num_tokens
+                self.num_prefix_hits += len(claimed) * self.block_size
+        else:
+            self._register_full_blocks(request, table)
+            needed = self._blocks_for(request.num_computed_tokens + num_new_tokens) - len(table.blocks)
+            if needed > len(self.free_blocks):
+                return False
         for _ in range(needed):
-            table.append(self.free_blocks.popleft())
+            table.blocks.append(self._take_free_block())
         return True
 
+    def _take_free_block(self) -> int:
+        block, _ = self.free_blocks.popitem(last=False)
+        digest = self.block_digests[block]
+        if digest is not None:
+            self.num_evictions += 1
+            del self.cached[digest]
+            self.block_digests[block] = None
+        self.ref_counts[block] = 1
+        return block
+
+    def _register_full_blocks(self, request: Request, table: _Table) -> None:
+        """Make the request's newly completed blocks findable by later requests."""
+        if not self.options.enable_prefix_caching:
+            return
+        num_full = min(request.num_computed_tokens // self.block_size, len(table.blocks))
+        if num_full <= table.num_hashed:
+            return
+        size = self.block_size
+        tokens = request.token_ids(table.num_hashed * size, num_full * size)
+        for i in range(table.num_hashed, num_full):
+            offset = (i - table.num_hashed) * size
+            table.digest = block_digest(table.digest, tokens[offset : offset + size])
+            block = table.blocks[i]
+            # A twin computed at the same time stays private; the first one is the cached copy.
+            if table.digest not in self.cached:
+                self.cached[table.digest] = block
+                self.block_digests[block] = table.digest
+        table.num_hashed = num_full
+
     def free(self, request: Request) -> None:
-        self.free_blocks.extend(self.block_tables.pop(request.request_id, ()))
+        table = self.tables.pop(request.request_id, None)
+        if table is None:
+            return
+        self._register_full_blocks(request, table)
+        # Tail blocks first, so they are evicted before the shared prefix blocks.
+        for block in reversed(table.blocks):
+            self.ref_counts[block] -= 1
+            if self.ref_counts[block] == 0:
+                self.free_blocks[block] = None
 
     def usage(self) -> float:
         return 1.0 - len(self.free_blocks) / self.num_blocks
@@ -110,65 +214,15 @@ class PagedKVCache(KVCache):
             "num_blocks": self.num_blocks,
             "num_free_blocks": len(self.free_blocks),
             "block_size": self.block_size,
+            "num_cached_blocks": len(self.cached),
+            "prefix_queries": self.num_prefix_queries,
+            "prefix_hits": self.num_prefix_hits,
+            "evictions": self.num_evictions,
         }
 
     def prepare(self, requests: Sequence[Request], num_tokens: Sequence[int], num_decodes: int) -> AttentionFn:
-        return PagedAttention(self, requests, num_tokens, num_decodes)
-
-
-class PagedAttention:
-    """Attention over block tables for one batch (torch path)."""
-
-    def __init__(self, cache: PagedKVCache, requests: Sequence[Request], num_tokens: Sequence[int], num_decodes: int):
-        self.cache = cache
-        device = cache.spec.device
-        size = cache.block_size
-        tables = [cache.block_tables[r.request_id] for r in requests]
-        slots: list[int] = []
-        for table, request, n in zip(tables, requests, num_tokens):
-            start = request.num_computed_tokens
-            slots.extend(table[p // size] * size + p % size for p in range(start, start + n))
-        self.slot_mapping = torch.tensor(slots, dtype=torch.long, device=device)
-        self.num_decodes = num_decodes
-        if num_decodes:
-            # Decodes attend as one padded batch over their block tables.
-            width = max(len(t) for t in tables[:num_decodes])
-            padded = [t + [0] * (width - len(t)) for t in tables[:num_decodes]]
-            # NOTE: index_select over whole blocks is ~4x faster than advanced indexing on CPU.
-            self.decode_blocks = torch.tensor(padded, dtype=torch.long, device=device).flatten()
-            context = torch.tensor([r.num_computed_tokens + 1 for r in requests[:num_decodes]], device=device)
-            self.decode_mask = torch.arange(width * size, device=device) < context.unsqueeze(1)
-        # (first row, rows, first position, slots of the whole context or None when it starts at 0)
-        self.prefills: list[tuple[int, int, int, torch.Tensor | None]] = []
-        row = num_decodes
-        for table, request, n in zip(tables[num_decodes:], requests[num_decodes:], num_tokens[num_decodes:]):
-            start = request.num_computed_tokens
-            context_slots = None
-            if start > 0:
-                blocks = torch.tensor(table, dtype=torch.long, device=device)
-                context_slots = (blocks.unsqueeze(1) * size + torch.arange(size, device=device)).flatten()[: start + n]
-            self.prefills.append((row, n, start, context_slots))
-            row += n
-
-    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        k_cache, v_cache = self.cache.k[layer], self.cache.v[layer]
-        k_cache.index_copy_(0, self.slot_mapping, k)
-        v_cache.index_copy_(0, self.slot_mapping, v)
-        out = torch.empty_like(q)
-        b = self.num_decodes
-        if b:
-            num_blocks = self.cache.num_blocks
-            kv_shape = (b, -1, k.shape[1], k.shape[2])
-            keys = k_cache.view(num_blocks, -1).index_select(0, self.decode_blocks).view(kv_shape).transpose(1, 2)
-            values = v_cache.view(num_blocks, -1).index_select(0, self.decode_blocks).view(kv_shape).transpose(1, 2)
-            out[:b] = decode_attention(q[:b], keys, values, self.decode_mask)
-        for row, n, start, context_slots in self.prefills:
-            if context_slots is None:
-                keys, values = k[row : row + n], v[row : row + n]
-            else:
-                keys, values = k_cache.index_select(0, context_slots), v_cache.index_select(0, context_slots)
-            out[row : row + n] = causal_attention(q[row : row + n], keys, values, start)
-        return out
+        tables = [self.tables[r.request_id].blocks for r in requests]
+        return self.storage.attention(tables, requests, num_tokens, num_decodes)
 
 
 @hookimpl

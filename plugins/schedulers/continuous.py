@@ -12,7 +12,7 @@ import msgspec
 from conveyor.hookspecs import hookimpl
 from conveyor.kvcache import KVCache
 from conveyor.messages import RequestOutput, TokenLogprob
-from conveyor.request import Request, RequestRejected, RequestStatus
+from conveyor.request import Request, RequestStatus
 from conveyor.scheduler import ScheduledBatch, Scheduler, SchedulerStats, abort_output
 
 
@@ -48,7 +48,6 @@ class ContinuousScheduler(Scheduler):
         self.waiting: list[tuple[tuple, Request]] = []
         # in admission order
         self.running: list[Request] = []
-        self.requests: dict[str, Request] = {}
 
     def waiting_key(self, request: Request) -> tuple:
         """Order of the waiting queue; smaller runs first. Subclasses may change it."""
@@ -57,13 +56,7 @@ class ContinuousScheduler(Scheduler):
         return (request.arrival_order,)
 
     def add(self, request: Request) -> None:
-        if request.request_id in self.requests:
-            raise RequestRejected(f"request id {request.request_id!r} is already in use")
-        self.check_admission(request)
-        if len(self.waiting) >= self.options.max_waiting:
-            self.counters.num_rejected += 1
-            raise RequestRejected(f"the waiting queue is full (max_waiting={self.options.max_waiting})", 429)
-        self.requests[request.request_id] = request
+        self.accept(request, len(self.waiting), self.options.max_waiting)
         heapq.heappush(self.waiting, (self.waiting_key(request), request))
 
     def abort(self, request_ids: Iterable[str]) -> list[RequestOutput]:
@@ -110,15 +103,19 @@ class ContinuousScheduler(Scheduler):
         # Admitting new work while memory is short would only cause more preemption.
         while not preempted and self.waiting and budget > 0 and len(self.running) < self.options.max_num_seqs:
             request = self.waiting[0][1]
-            n = min(request.num_tokens - request.num_computed_tokens, budget, chunk_cap)
-            if not self.kvcache.allocate(request, n):
+            prefix = self.kvcache.match_prefix(request)
+            n = min(request.num_tokens - prefix.num_tokens, budget, chunk_cap)
+            if not self.kvcache.allocate(request, n, prefix):
                 break
             heapq.heappop(self.waiting)
+            if request.status == RequestStatus.WAITING:
+                request.num_cached_tokens = prefix.num_tokens
+            request.num_computed_tokens = prefix.num_tokens
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             scheduled[request] = n
             budget -= n
-        return make_batch(scheduled)
+        return ScheduledBatch.of(scheduled)
 
     def pick_victim(self) -> Request:
         if self.options.policy == "priority":
@@ -151,14 +148,6 @@ class ContinuousScheduler(Scheduler):
         self.counters.num_running = len(self.running)
         self.counters.num_waiting = len(self.waiting)
         return self.counters
-
-
-def make_batch(scheduled: dict[Request, int]) -> ScheduledBatch:
-    """Order a step's work for the forward pass: single-token entries first."""
-    decodes = [(r, n) for r, n in scheduled.items() if n == 1]
-    chunks = [(r, n) for r, n in scheduled.items() if n != 1]
-    entries = decodes + chunks
-    return ScheduledBatch([r for r, _ in entries], [n for _, n in entries], len(decodes))
 
 
 @hookimpl

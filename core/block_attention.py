@@ -1,0 +1,102 @@
+"""KV storage in fixed-size blocks, and attention over per-request block tables.
+
+Both built-in KV cache layouts store K and V here; they differ only in how
+they hand out blocks (paged: one at a time, shared through the prefix cache;
+contiguous: a whole slab of consecutive blocks per request). On CUDA the
+attention runs in Triton kernels (conveyor.kernels.attention); on CPU in torch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from conveyor.kvcache import KVCacheSpec
+from conveyor.model.attention import causal_attention, decode_attention
+from conveyor.request import Request
+
+
+class BlockStorage:
+    """K and V tensors for every layer: ``[layers, num_blocks * block_size, kv_heads, head_dim]``."""
+
+    def __init__(self, spec: KVCacheSpec, num_blocks: int, block_size: int):
+        self.spec = spec
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        shape = (spec.num_layers, num_blocks * block_size, spec.num_kv_heads, spec.head_dim)
+        self.k = torch.zeros(shape, dtype=spec.dtype, device=spec.device)
+        self.v = torch.zeros(shape, dtype=spec.dtype, device=spec.device)
+
+    @property
+    def num_bytes(self) -> int:
+        return self.k.nbytes + self.v.nbytes
+
+    def attention(
+        self, tables: Sequence[list[int]], requests: Sequence[Request], num_tokens: Sequence[int], num_decodes: int
+    ) -> BlockTableAttention:
+        return BlockTableAttention(self, tables, requests, num_tokens, num_decodes)
+
+
+class BlockTableAttention:
+    """One step's attention: writes the new K, V through the slot mapping, then attends.
+
+    Decodes (one query each) attend as one padded batch over their block
+    tables; each prefill chunk attends over its own context.
+    """
+
+    def __init__(
+        self,
+        storage: BlockStorage,
+        tables: Sequence[list[int]],
+        requests: Sequence[Request],
+        num_tokens: Sequence[int],
+        num_decodes: int,
+    ):
+        self.storage = storage
+        device = storage.spec.device
+        size = storage.block_size
+        slots: list[int] = []
+        for table, request, n in zip(tables, requests, num_tokens):
+            start = request.num_computed_tokens
+            slots.extend(table[p // size] * size + p % size for p in range(start, start + n))
+        self.slot_mapping = torch.tensor(slots, dtype=torch.long, device=device)
+        self.num_decodes = num_decodes
+        if num_decodes:
+            width = max(len(t) for t in tables[:num_decodes])
+            padded = [t + [0] * (width - len(t)) for t in tables[:num_decodes]]
+            # NOTE: index_select over whole blocks is ~4x faster than advanced indexing on CPU.
+            self.decode_blocks = torch.tensor(padded, dtype=torch.long, device=device).flatten()
+            context = torch.tensor([r.num_computed_tokens + 1 for r in requests[:num_decodes]], device=device)
+            self.decode_mask = torch.arange(width * size, device=device) < context.unsqueeze(1)
+        # (first row, rows, first position, slots of the whole context or None when it starts at 0)
+        self.prefills: list[tuple[int, int, int, torch.Tensor | None]] = []
+        row = num_decodes
+        for table, request, n in zip(tables[num_decodes:], requests[num_decodes:], num_tokens[num_decodes:]):
+            start = request.num_computed_tokens
+            context_slots = None
+            if start > 0:
+                blocks = torch.tensor(table, dtype=torch.long, device=device)
+                context_slots = (blocks.unsqueeze(1) * size + torch.arange(size, device=device)).flatten()[: start + n]
+            self.prefills.append((row, n, start, context_slots))
+            row += n
+
+    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        k_cache, v_cache = self.storage.k[layer], self.storage.v[layer]
+        k_cache.index_copy_(0, self.slot_mapping, k)
+        v_cache.index_copy_(0, self.slot_mapping, v)
+        out = torch.empty_like(q)
+        b = self.num_decodes
+        if b:
+            num_blocks = self.storage.num_blocks
+            kv_shape = (b, -1, k.shape[1], k.shape[2])
+            keys = k_cache.view(num_blocks, -1).index_select(0, self.decode_blocks).view(kv_shape).transpose(1, 2)
+            values = v_cache.view(num_blocks, -1).index_select(0, self.decode_blocks).view(kv_shape).transpose(1, 2)
+            out[:b] = decode_attention(q[:b], keys, values, self.decode_mask)
+        for row, n, start, context_slots in self.prefills:
+            if context_slots is None:
+                keys, values = k[row : row + n], v[row : row + n]
+            else:
+                keys, values = k_cache.index_select(0, context_slots), v_cache.index_select(0, context_slots)
+            out[row : row + n] = causal_attention(q[row : row + n], keys, values, start)
+        return out

@@ -1,0 +1,47 @@
+"""``dynamic``: batches collected over a time window, each run to completion.
+
+A batch opens when a request arrives and closes after ``window_ms`` or at
+``max_batch_size`` requests, whichever comes first; then it runs until its
+slowest request is done, while new arrivals wait for the next window.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import msgspec
+
+from conveyor.hookspecs import hookimpl
+from conveyor.kvcache import KVCache
+from conveyor.plugins.schedulers.static import RunToCompletionScheduler
+
+
+class DynamicOptions(msgspec.Struct, forbid_unknown_fields=True):
+    # most requests per batch
+    max_batch_size: Annotated[int, msgspec.Meta(ge=1)] = 16
+    # how long a batch collects requests after the first one arrives
+    window_ms: Annotated[float, msgspec.Meta(ge=0)] = 50.0
+    # token budget of one step; a batch's prompts are split into steps under it
+    max_num_batched_tokens: Annotated[int, msgspec.Meta(ge=1)] = 8192
+    # most requests waiting; more are rejected (HTTP 429)
+    max_waiting: Annotated[int, msgspec.Meta(ge=1)] = 1024
+
+
+class DynamicScheduler(RunToCompletionScheduler):
+    """Dynamic batching: whatever arrived within a time window, run to completion."""
+
+    name = "dynamic"
+    Options = DynamicOptions
+
+    def __init__(self, options: DynamicOptions, kvcache: KVCache, max_model_len: int):
+        super().__init__(options, kvcache, max_model_len)
+        self.max_batch_size = options.max_batch_size
+        self.max_wait_s = options.window_ms / 1000
+
+    def slots_for(self, batch_size: int) -> int:
+        return batch_size
+
+
+@hookimpl
+def conveyor_register_schedulers(register):
+    register(DynamicScheduler)

@@ -1,0 +1,40 @@
+"""Comparisons shared by the end-to-end tests (ARCHITECTURE.md's near-tie rule)."""
+
+from __future__ import annotations
+
+import torch
+
+from conveyor.llm import Completion
+
+
+def assert_matches_reference(ours: Completion, ref_tokens: list[int], ref_logprobs: list[torch.Tensor], label: str) -> None:
+    """Equal to transformers token for token, or the first difference is a near tie.
+
+    Near tie: each run's token is in the other's top 5, and the reference
+    gives the two tokens logprobs within 0.01 of each other.
+    """
+    for i, (mine, theirs) in enumerate(zip(ours.token_ids, ref_tokens)):
+        if mine == theirs:
+            continue
+        ref_top5 = ref_logprobs[i].topk(5).indices.tolist()
+        gap = abs(float(ref_logprobs[i][mine] - ref_logprobs[i][theirs]))
+        assert mine in ref_top5 and theirs in ours.logprobs[i].top_ids and gap < 0.01, (
+            f"{label}: token {i} differs ({mine} vs transformers {theirs}) and is no near tie (gap {gap:.4f})"
+        )
+        return
+    assert len(ours.token_ids) == len(ref_tokens), label
+
+
+def assert_same_or_near_tie(a: Completion, b: Completion, label: str) -> None:
+    """Two Conveyor runs (both with logprobs >= 5) agree up to a near tie at their first difference."""
+    for i, (x, y) in enumerate(zip(a.token_ids, b.token_ids)):
+        if x == y:
+            continue
+        a_top = dict(zip(a.logprobs[i].top_ids, a.logprobs[i].top_logprobs))
+        b_top = dict(zip(b.logprobs[i].top_ids, b.logprobs[i].top_logprobs))
+        assert y in a_top and x in b_top, f"{label}: token {i} differs ({x} vs {y}) outside each other's top 5"
+        gap = max(abs(a_top[x] - a_top[y]), abs(b_top[x] - b_top[y]))
+        assert gap < 0.01, f"{label}: token {i} differs ({x} vs {y}) with a logprob gap of {gap:.4f}"
+        return
+    assert a.token_ids == b.token_ids, f"{label}: one run is a prefix of the other"
+    assert a.finish_reason == b.finish_reason, label

@@ -1,0 +1,154 @@
+"""The engine on SmolLM2 at fp32: a busy mixed batch gives the tokens each request gives alone,
+whatever the KV layout, chunking or memory pressure; the prefix cache saves prefill work."""
+
+from __future__ import annotations
+
+import random
+
+import anyio
+import pytest
+
+from conveyor import LLM, SamplingParams
+from conveyor.messages import EngineRequest
+from conveyor.engine import AsyncEngine
+from tests.helpers import assert_same_or_near_tie
+
+pytestmark = pytest.mark.slow
+
+TOPICS = ["rivers", "volcanoes", "bread", "bicycles", "owls", "glass", "tides", "chess", "copper", "maps", "tea", "moss"]
+SENTENCE = "Here is some background about {t}: people have studied {t} for a long time, and there is much to say. "
+
+
+def mixed_workload(count: int = 48, seed: int = 0):
+    """Chat prompts of 30 to ~260 tokens, outputs of 4 to 16 tokens, greedy with top-5 logprobs."""
+    rng = random.Random(seed)
+    prompts, params = [], []
+    for i in range(count):
+        topic = TOPICS[i % len(TOPICS)]
+        background = SENTENCE.format(t=topic) * rng.randint(0, 10)
+        prompts.append([{"role": "user", "content": f"{background}Tell me one fact about {topic}."}])
+        params.append(SamplingParams(max_tokens=rng.randint(4, 16), temperature=0, logprobs=5))
+    return prompts, params
+
+
+@pytest.fixture(scope="module")
+def workload():
+    return mixed_workload()
+
+
+@pytest.fixture(scope="module")
+def alone(llm_fp32, workload):
+    """Each request of the workload run by itself."""
+    prompts, params = workload
+    return [llm_fp32.generate([p], [sp])[0] for p, sp in zip(prompts, params)]
+
+
+def make_llm(**overrides) -> LLM:
+    return LLM(overrides={"model.dtype": "float32", **overrides})
+
+
+@pytest.mark.parametrize(
+    "label, overrides",
+    [
+        ("paged, whole prompts", {"scheduler.max_num_batched_tokens": 8192, "kvcache.enable_prefix_caching": False}),
+        ("paged, chunked prefill", {"scheduler.max_num_batched_tokens": 64}),
+        ("contiguous", {"kvcache.plugin": "contiguous", "kvcache.reserve": "request", "scheduler.max_num_batched_tokens": 256}),
+        ("paged, preempting", {"kvcache.num_blocks": 60, "kvcache.block_size": 16, "scheduler.max_num_batched_tokens": 256}),
+    ],
+)
+def test_busy_batch_gives_the_same_tokens_as_alone(workload, alone, label, overrides):
+    prompts, params = workload
+    llm = make_llm(**overrides)
+    together = llm.generate(prompts, params)
+    for i, (a, b) in enumerate(zip(together, alone)):
+        assert_same_or_near_tie(a, b, f"{label}, request {i}")
+    if label == "paged, preempting":
+        assert llm.engine.scheduler.stats().num_preemptions > 0
+    assert llm.engine.kvcache.usage() == 0.0 or llm.engine.kvcache.name == "paged"
+
+
+def run_engine(engine, requests: list[EngineRequest]):
+    """Submit and step to the end; return token ids by request and the step stats."""
+    for request in requests:
+        engine.add_request(request)
+    tokens = {r.request_id: [] for r in requests}
+    stats = []
+    while engine.has_unfinished():
+        outputs, step = engine.step()
+        stats.append(step)
+        for output in outputs:
+            tokens[output.request_id].extend(output.new_token_ids)
+    return tokens, stats
+
+
+def test_shared_system_prompt_hits_the_prefix_cache(llm_fp32, tokenizer):
+    system = "You are a meticulous assistant for a museum of natural history. " * 12
+    conversations = [
+        [{"role": "system", "content": system}, {"role": "user", "content": f"Question {i}: name an animal."}]
+        for i in range(6)
+    ]
+    ids = [tokenizer.encode_chat(c) for c in conversations]
+    params = SamplingParams(max_tokens=6, temperature=0)
+
+    def requests(tag: str):
+        return [EngineRequest(f"{tag}-{i}", prompt, params) for i, prompt in enumerate(ids)]
+
+    uncached_llm = make_llm(**{"kvcache.enable_prefix_caching": False})
+    reference, plain_stats = run_engine(uncached_llm.engine, requests("plain"))
+    engine = llm_fp32.engine
+    hits_before = engine.kvcache.stats()["prefix_hits"]
+    first, _ = run_engine(engine, requests("warm")[:1])
+    rest, cached_stats = run_engine(engine, requests("cached")[1:])
+    hits = engine.kvcache.stats()["prefix_hits"] - hits_before
+    shared_tokens = len(tokenizer.encode_chat([{"role": "system", "content": system}], add_generation_prompt=False))
+    assert hits >= 5 * (shared_tokens // 16) * 16 > 5 * 100
+    computed_plain = sum(s.num_prefill_tokens for s in plain_stats)
+    computed_cached = sum(s.num_prefill_tokens for s in cached_stats) + sum(len(p) for p in ids[:1])
+    assert computed_plain - computed_cached == hits
+    assert [first["warm-0"]] + [rest[f"cached-{i}"] for i in range(1, 6)] == [reference[f"plain-{i}"] for i in range(6)]
+
+
+async def test_async_engine_streams_aborts_and_rejects(llm_fp32, tokenizer):
+    engine = llm_fp32.engine
+    free_before = engine.kvcache.num_free_blocks
+    steps = []
+    loop = AsyncEngine(engine, on_step=steps.append)
+    prompt = tokenizer.encode_chat([{"role": "user", "content": "Count from one to twenty in words."}])
+    greedy = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    [expected] = llm_fp32.generate([[{"role": "user", "content": "Count from one to twenty in words."}]], greedy)
+
+    async def collect(request_id: str, params: SamplingParams, stop_after: int | None = None, ids=prompt):
+        tokens, last = [], None
+        async for output in loop.generate(EngineRequest(request_id, ids, params)):
+            tokens.extend(output.new_token_ids)
+            last = output
+            if stop_after is not None and len(tokens) >= stop_after:
+                break  # the client goes away
+        return tokens, last
+
+    results = {}
+    async with anyio.create_task_group() as tg:
+        await tg.start(loop.run)
+
+        async def run(name, *args):
+            results[name] = await collect(name, *args)
+
+        tg.start_soon(run, "a", greedy)
+        tg.start_soon(run, "b", greedy)
+        tg.start_soon(run, "leaver", SamplingParams(max_tokens=200, temperature=0, ignore_eos=True), 3)
+        tg.start_soon(run, "too-long", SamplingParams(max_tokens=4), None, list(range(1, 3000)))
+        await anyio.sleep(0)
+        with anyio.fail_after(120):
+            while len(results) < 4:
+                await anyio.sleep(0.05)
+            while engine.has_unfinished():
+                await anyio.sleep(0.05)
+        tg.cancel_scope.cancel()
+    assert results["a"][0] == results["b"][0] == expected.token_ids
+    assert results["a"][1].finish_reason == "length"
+    assert len(results["leaver"][0]) == 3
+    rejected = results["too-long"][1]
+    assert rejected.finish_reason == "error" and rejected.error_status == 400
+    assert "max_model_len=2048" in rejected.error
+    assert engine.kvcache.num_free_blocks == free_before  # the leaver's blocks came back
+    assert steps and all(s.num_prefill_tokens + s.num_decode_tokens > 0 for s in steps)

@@ -1,0 +1,86 @@
+"""Block allocation: prefix caching (sharing, LRU eviction, ref counts) and contiguous slabs."""
+
+from __future__ import annotations
+
+from conveyor.plugins.kvcache.contiguous import ContiguousKVCache, ContiguousOptions
+from conveyor.plugins.schedulers.continuous import ContinuousOptions, ContinuousScheduler
+from tests.factories import assert_no_leak, create_kvcache, create_request, create_spec, fake_step, run_to_completion
+
+
+def test_a_shared_prefix_is_computed_once_and_outputs_do_not_change():
+    def run(prefix_caching: bool):
+        kvcache = create_kvcache(num_blocks=64, block_size=4)
+        kvcache.options.enable_prefix_caching = prefix_caching
+        scheduler = ContinuousScheduler(ContinuousOptions(), kvcache, 256)
+        system = list(range(900, 930))  # 30 shared tokens = 7 full blocks + 2
+        first = create_request(1, max_tokens=5, request_id="first")
+        first.prompt_token_ids = system + [1, 2, 3]
+        scheduler.add(first)
+        run_to_completion(scheduler)
+        second = create_request(1, max_tokens=5, request_id="second")
+        second.prompt_token_ids = system + [7, 8]
+        scheduler.add(second)
+        batch, _ = fake_step(scheduler)
+        computed = dict(zip([r.request_id for r in batch.requests], batch.num_tokens))["second"]
+        run_to_completion(scheduler)
+        assert_no_leak(kvcache)
+        return second, computed, kvcache
+
+    cached, computed_cached, kvcache = run(True)
+    plain, computed_plain, _ = run(False)
+    assert cached.num_cached_tokens == 28 and plain.num_cached_tokens == 0
+    assert (computed_plain, computed_cached) == (32, 4)
+    assert cached.output_token_ids == plain.output_token_ids
+    assert kvcache.stats()["prefix_hits"] == 28
+
+
+def test_a_whole_cached_prompt_still_computes_its_last_token():
+    kvcache = create_kvcache(num_blocks=16, block_size=4)
+    scheduler = ContinuousScheduler(ContinuousOptions(), kvcache, 256)
+    a, b = create_request(8, max_tokens=1), create_request(8, max_tokens=1)
+    scheduler.add(a)
+    run_to_completion(scheduler)
+    scheduler.add(b)
+    batch, _ = fake_step(scheduler)
+    assert b.num_cached_tokens == 4 and batch.num_tokens == [4]
+    assert b.output_token_ids == a.output_token_ids
+
+
+def test_eviction_takes_the_least_recently_freed_block_and_never_one_in_use():
+    kvcache = create_kvcache(num_blocks=6, block_size=4)
+    old, recent, holder = (create_request(9, request_id=n) for n in ("old", "recent", "holder"))
+    recent.prompt_token_ids = list(range(100, 109))
+    for request in (old, recent):
+        assert kvcache.allocate(request, 8)
+        request.num_computed_tokens = 8
+        kvcache.free(request)  # 2 cached blocks each, now free
+    assert kvcache.stats()["num_cached_blocks"] == 4
+    holder.prompt_token_ids = recent.prompt_token_ids
+    match = kvcache.match_prefix(holder)
+    assert match.num_tokens == 8
+    assert kvcache.allocate(holder, 1, match)  # revives recent's 2 blocks, takes 1 fresh
+    # 3 blocks left free: old's two (oldest) go first, then nothing else is evictable
+    newcomer = create_request(12, request_id="new")
+    assert kvcache.allocate(newcomer, 12)
+    assert kvcache.match_prefix(create_request(9, request_id="again")).num_tokens == 0  # old's blocks are gone
+    assert set(kvcache.block_table("holder")[:2]).isdisjoint(kvcache.block_table("new"))
+    assert not kvcache.allocate(create_request(4, request_id="x"), 4)  # holder's blocks are in use
+    kvcache.free(holder)
+    kvcache.free(newcomer)
+    assert_no_leak(kvcache)
+
+
+def test_contiguous_reserves_whole_slabs_and_reports_the_unused_part():
+    spec = create_spec(max_model_len=64)
+    kvcache = ContiguousKVCache(ContiguousOptions(num_tokens=160), spec)  # 10 granules of 16
+    requests = [create_request(10, max_tokens=5, max_model_len=64) for _ in range(3)]
+    assert kvcache.allocate(requests[0], 10) and kvcache.allocate(requests[1], 10)
+    assert not kvcache.allocate(requests[2], 10)  # 2 x 64 reserved; 32 left, a slab needs 64
+    stats = kvcache.stats()
+    assert stats["reserved_tokens"] == 128 and stats["used_tokens"] == 20
+    assert stats["reserved_unused_tokens"] == 108
+    kvcache.free(requests[0])
+    assert kvcache.allocate(requests[2], 10)
+    per_request = ContiguousKVCache(ContiguousOptions(num_tokens=160, reserve="request"), spec)
+    assert all(per_request.allocate(r, 10) for r in requests)  # 15 tokens -> one granule each
+    assert per_request.stats()["reserved_tokens"] == 48
