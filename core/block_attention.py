@@ -20,10 +20,15 @@ from conveyor.request import Request
 class BlockStorage:
     """K and V tensors for every layer: ``[layers, num_blocks * block_size, kv_heads, head_dim]``."""
 
-    def __init__(self, spec: KVCacheSpec, num_blocks: int, block_size: int):
+    def __init__(self, spec: KVCacheSpec, num_blocks: int, block_size: int, backend: str = "auto"):
+        """
+        Args:
+            backend: "triton" (kernels), "torch", or "auto": triton on CUDA, torch elsewhere.
+        """
         self.spec = spec
         self.num_blocks = num_blocks
         self.block_size = block_size
+        self.use_triton = backend == "triton" or (backend == "auto" and spec.device.type == "cuda")
         shape = (spec.num_layers, num_blocks * block_size, spec.num_kv_heads, spec.head_dim)
         self.k = torch.zeros(shape, dtype=spec.dtype, device=spec.device)
         self.v = torch.zeros(shape, dtype=spec.dtype, device=spec.device)
@@ -75,16 +80,40 @@ class BlockTableAttention:
         for table, request, n in zip(tables[num_decodes:], requests[num_decodes:], num_tokens[num_decodes:]):
             start = request.num_computed_tokens
             context_slots = None
-            if start > 0:
+            if start > 0 and not storage.use_triton:
                 blocks = torch.tensor(table, dtype=torch.long, device=device)
                 context_slots = (blocks.unsqueeze(1) * size + torch.arange(size, device=device)).flatten()[: start + n]
             self.prefills.append((row, n, start, context_slots))
             row += n
+        if storage.use_triton:
+            self._prepare_kernels(tables, requests, num_decodes)
+
+    def _prepare_kernels(self, tables: Sequence[list[int]], requests: Sequence[Request], num_decodes: int) -> None:
+        device = self.storage.spec.device
+
+        def int32(values) -> torch.Tensor:
+            return torch.tensor(values, dtype=torch.int32, device=device)
+
+        def padded(rows: Sequence[list[int]]) -> torch.Tensor:
+            width = max(len(t) for t in rows)
+            return int32([t + [0] * (width - len(t)) for t in rows])
+
+        if num_decodes:
+            self.decode_tables = padded(tables[:num_decodes])
+            self.decode_context = int32([r.num_computed_tokens + 1 for r in requests[:num_decodes]])
+        if self.prefills:
+            self.prefill_tables = padded(tables[num_decodes:])
+            self.prefill_rows = int32([row for row, _, _, _ in self.prefills])
+            self.prefill_lens = int32([n for _, n, _, _ in self.prefills])
+            self.prefill_starts = int32([start for _, _, start, _ in self.prefills])
+            self.max_prefill_len = max(n for _, n, _, _ in self.prefills)
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         k_cache, v_cache = self.storage.k[layer], self.storage.v[layer]
         k_cache.index_copy_(0, self.slot_mapping, k)
         v_cache.index_copy_(0, self.slot_mapping, v)
+        if self.storage.use_triton:
+            return self._kernels(q, k_cache, v_cache)
         out = torch.empty_like(q)
         b = self.num_decodes
         if b:
@@ -99,4 +128,20 @@ class BlockTableAttention:
             else:
                 keys, values = k_cache.index_select(0, context_slots), v_cache.index_select(0, context_slots)
             out[row : row + n] = causal_attention(q[row : row + n], keys, values, start)
+        return out
+
+    def _kernels(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
+        from conveyor.kernels.attention import paged_decode_attention, paged_prefill_attention
+
+        size = self.storage.block_size
+        out = torch.empty_like(q)
+        if self.num_decodes:
+            out[: self.num_decodes] = paged_decode_attention(
+                q[: self.num_decodes], k_cache, v_cache, self.decode_tables, self.decode_context, size
+            )
+        if self.prefills:
+            paged_prefill_attention(
+                q, k_cache, v_cache, self.prefill_tables, self.prefill_rows, self.prefill_lens,
+                self.prefill_starts, size, self.max_prefill_len, out=out,
+            )
         return out

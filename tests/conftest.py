@@ -10,6 +10,18 @@ import pytest
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+
+def _has_cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+# Triton kernels run on CPU tensors in the interpreter; it must be chosen
+# before any kernel is defined, so before test modules import them.
+if not _has_cuda():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 REPO = Path(__file__).resolve().parent.parent
 CHAT_PROMPTS = [
     "What is the capital of France?",

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 from collections import OrderedDict
 
+import pytest
 import torch
 
 from conveyor.kvcache import KVCacheSpec
@@ -24,10 +25,13 @@ def reference_attention(q, k, v, q_start):
     return torch.einsum("hqk,khd->qhd", torch.softmax(scores, dim=-1), v)
 
 
-def test_mixed_batch_of_decodes_and_chunks_matches_dense_attention():
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_mixed_batch_of_decodes_and_chunks_matches_dense_attention(backend):
+    """The whole step path: slot mapping, cache writes, then decode and prefill attention
+    (the Triton kernels run under TRITON_INTERPRET=1 on CPU)."""
     heads, kv_heads, dim = 6, 2, 16
     spec = KVCacheSpec(1, kv_heads, dim, torch.float32, torch.device("cpu"), 512)
-    cache = PagedKVCache(PagedOptions(block_size=4, num_blocks=200), spec)
+    cache = PagedKVCache(PagedOptions(block_size=4, num_blocks=200, attention=backend), spec)
     # hand out blocks in random order so no block table is contiguous
     cache.free_blocks = OrderedDict.fromkeys(torch.randperm(200).tolist())
     # (total length, tokens already cached, tokens this step)

@@ -30,6 +30,8 @@ class ContiguousOptions(msgspec.Struct, forbid_unknown_fields=True):
     reserve: Literal["max_model_len", "request"] = "max_model_len"
     # a fixed capacity in tokens instead of sizing from memory; 0: size from memory
     num_tokens: Annotated[int, msgspec.Meta(ge=0)] = 0
+    # attention implementation: "auto" (Triton kernels on CUDA, torch elsewhere), "torch" or "triton"
+    attention: Literal["auto", "torch", "triton"] = "auto"
 
 
 class ContiguousKVCache(KVCache):
@@ -51,7 +53,7 @@ class ContiguousKVCache(KVCache):
         if num_blocks < 1:
             raise ValueError(f"[kvcache] the memory budget holds no block of {GRANULE} tokens")
         self.num_blocks = num_blocks
-        self.storage = BlockStorage(spec, num_blocks, GRANULE)
+        self.storage = BlockStorage(spec, num_blocks, GRANULE, options.attention)
         # free runs as sorted (start block, length)
         self.holes: list[tuple[int, int]] = [(0, num_blocks)]
         # request id -> (first block, number of blocks)

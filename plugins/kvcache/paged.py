@@ -8,7 +8,7 @@ import logging
 from array import array
 from collections import OrderedDict
 from collections.abc import Sequence
-from typing import Annotated
+from typing import Annotated, Literal
 
 import msgspec
 import torch
@@ -33,6 +33,8 @@ class PagedOptions(msgspec.Struct, forbid_unknown_fields=True):
     num_blocks: Annotated[int, msgspec.Meta(ge=0)] = 0
     # reuse the blocks of earlier requests that start with the same tokens
     enable_prefix_caching: bool = True
+    # attention implementation: "auto" (Triton kernels on CUDA, torch elsewhere), "torch" or "triton"
+    attention: Literal["auto", "torch", "triton"] = "auto"
 
 
 def blocks_for_budget(spec: KVCacheSpec, block_size: int, memory_gb: float, memory_fraction: float) -> int:
@@ -93,7 +95,7 @@ class PagedKVCache(KVCache):
         )
         if self.num_blocks < 1:
             raise ValueError(f"[kvcache] the memory budget holds no block of {options.block_size} tokens")
-        self.storage = BlockStorage(spec, self.num_blocks, self.block_size)
+        self.storage = BlockStorage(spec, self.num_blocks, self.block_size, options.attention)
         self.ref_counts = [0] * self.num_blocks
         self.block_digests: list[bytes | None] = [None] * self.num_blocks
         # digest -> block id, for blocks whose contents are known

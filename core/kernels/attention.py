@@ -1,0 +1,236 @@
+"""Triton attention over block tables (the CUDA path of the block KV storage).
+
+K and V of one layer are ``[num_slots, kv_heads, head_dim]`` with slot =
+``block * block_size + offset``; each sequence finds its blocks in a row of
+``block_tables``. Both kernels use an online softmax in float32 and never
+materialize the gathered keys.
+
+The torch reference for both is ``conveyor.block_attention`` (and, in the
+tests, a float64 dense attention). Set ``TRITON_INTERPRET=1`` before this
+module is imported to run the kernels on CPU tensors.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+# NOTE: the interpreter computes tl.dot on bfloat16 operands wrongly (as if
+# they were integers); fp16 and fp32 are right. Under the interpreter the
+# prefill kernel upcasts bf16 operands to fp32 before its dots.
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+@triton.jit
+def _decode_kernel(
+    q_ptr,  # [B, Hq, D]
+    k_ptr,  # [S, Hkv, D]
+    v_ptr,
+    out_ptr,  # [B, Hq, D]
+    tables_ptr,  # [B, max_blocks] int32
+    context_ptr,  # [B] int32
+    scale,
+    stride_qb, stride_qh,
+    stride_ks, stride_kh,
+    stride_ob, stride_oh,
+    stride_tb,
+    GROUP: tl.constexpr,  # query heads per kv head
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,  # tokens per KV block (any size)
+    BLOCK_N: tl.constexpr,  # keys per iteration
+):
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    kv_head = head // GROUP
+    dims = tl.arange(0, BLOCK_D)
+    dim_mask = dims < HEAD_DIM
+    q = tl.load(q_ptr + seq * stride_qb + head * stride_qh + dims, mask=dim_mask, other=0.0).to(tl.float32)
+    context = tl.load(context_ptr + seq)
+    m_i = -float("inf")
+    l_i = 0.0
+    acc = tl.zeros([BLOCK_D], dtype=tl.float32)
+    for start in range(0, context, BLOCK_N):
+        pos = start + tl.arange(0, BLOCK_N)
+        valid = pos < context
+        block = tl.load(tables_ptr + seq * stride_tb + pos // BLOCK_SIZE, mask=valid, other=0)
+        slot = block.to(tl.int64) * BLOCK_SIZE + pos % BLOCK_SIZE
+        offsets = slot[:, None] * stride_ks + kv_head * stride_kh + dims[None, :]
+        mask = valid[:, None] & dim_mask[None, :]
+        k = tl.load(k_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
+        scores = tl.sum(k * q[None, :], axis=1) * scale
+        scores = tl.where(valid, scores, -float("inf"))
+        m_new = tl.maximum(m_i, tl.max(scores, axis=0))
+        p = tl.exp(scores - m_new)
+        alpha = tl.exp(m_i - m_new)
+        v = tl.load(v_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
+        acc = acc * alpha + tl.sum(p[:, None] * v, axis=0)
+        l_i = l_i * alpha + tl.sum(p, axis=0)
+        m_i = m_new
+    out = acc / l_i
+    tl.store(out_ptr + seq * stride_ob + head * stride_oh + dims, out.to(out_ptr.dtype.element_ty), mask=dim_mask)
+
+
+def paged_decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    block_size: int,
+) -> torch.Tensor:
+    """One query per sequence over its paged context.
+
+    Args:
+        q: ``[B, Hq, D]``.
+        k_cache, v_cache: ``[num_slots, Hkv, D]`` (one layer).
+        block_tables: ``[B, max_blocks]`` int32.
+        context_lens: ``[B]`` int32, keys per sequence (the new token's included).
+        block_size: tokens per block.
+
+    Returns:
+        ``[B, Hq, D]`` in q's dtype.
+    """
+    batch, num_heads, head_dim = q.shape
+    num_kv_heads = k_cache.shape[1]
+    out = torch.empty_like(q)
+    _decode_kernel[(batch, num_heads)](
+        q, k_cache, v_cache, out, block_tables, context_lens, head_dim**-0.5,
+        q.stride(0), q.stride(1),
+        k_cache.stride(0), k_cache.stride(1),
+        out.stride(0), out.stride(1),
+        block_tables.stride(0),
+        GROUP=num_heads // num_kv_heads,
+        HEAD_DIM=head_dim,
+        BLOCK_D=triton.next_power_of_2(head_dim),
+        BLOCK_SIZE=block_size,
+        BLOCK_N=64,
+    )
+    return out
+
+
+@triton.jit
+def _prefill_kernel(
+    q_ptr,  # [T, Hq, D]: the chunks of all sequences, back to back
+    k_ptr,  # [S, Hkv, D]
+    v_ptr,
+    out_ptr,  # [T, Hq, D]
+    tables_ptr,  # [N, max_blocks] int32
+    q_rows_ptr,  # [N] int32: first row of each sequence's chunk in q
+    q_lens_ptr,  # [N] int32: rows of each chunk
+    starts_ptr,  # [N] int32: position of each chunk's first token
+    scale,
+    stride_qt, stride_qh,
+    stride_ks, stride_kh,
+    stride_ot, stride_oh,
+    stride_tb,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_M: tl.constexpr,  # query rows per program
+    BLOCK_N: tl.constexpr,  # keys per iteration
+    UPCAST_DOT: tl.constexpr,  # fp32 dots (see INTERPRETED)
+):
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    tile = tl.program_id(2)
+    q_len = tl.load(q_lens_ptr + seq)
+    if tile * BLOCK_M < q_len:
+        kv_head = head // GROUP
+        first_row = tl.load(q_rows_ptr + seq)
+        start = tl.load(starts_ptr + seq)
+        rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
+        row_mask = rows < q_len
+        query_pos = start + rows
+        dims = tl.arange(0, BLOCK_D)
+        dim_mask = dims < HEAD_DIM
+        q_offsets = (first_row + rows)[:, None] * stride_qt + head * stride_qh + dims[None, :]
+        # native dtype into tl.dot (tensor cores), float32 accumulation
+        q = tl.load(q_ptr + q_offsets, mask=row_mask[:, None] & dim_mask[None, :], other=0.0)
+        if UPCAST_DOT:
+            q = q.to(tl.float32)
+        m_i = tl.full([BLOCK_M], -float("inf"), dtype=tl.float32)
+        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+        # keys up to the last query of this tile (causal)
+        end = start + tl.minimum((tile + 1) * BLOCK_M, q_len)
+        for key_start in range(0, end, BLOCK_N):
+            key_pos = key_start + tl.arange(0, BLOCK_N)
+            key_valid = key_pos < end
+            block = tl.load(tables_ptr + seq * stride_tb + key_pos // BLOCK_SIZE, mask=key_valid, other=0)
+            slot = block.to(tl.int64) * BLOCK_SIZE + key_pos % BLOCK_SIZE
+            kv_offsets = slot[:, None] * stride_ks + kv_head * stride_kh + dims[None, :]
+            kv_mask = key_valid[:, None] & dim_mask[None, :]
+            k = tl.load(k_ptr + kv_offsets, mask=kv_mask, other=0.0)
+            if UPCAST_DOT:
+                k = k.to(tl.float32)
+            scores = tl.dot(q, tl.trans(k)).to(tl.float32) * scale
+            allowed = (key_pos[None, :] <= query_pos[:, None]) & key_valid[None, :]
+            scores = tl.where(allowed, scores, -float("inf"))
+            m_new = tl.maximum(m_i, tl.max(scores, axis=1))
+            # rows with nothing allowed yet keep m = -inf; avoid inf - inf
+            m_safe = tl.where(m_new == -float("inf"), 0.0, m_new)
+            p = tl.exp(scores - m_safe[:, None])
+            alpha = tl.exp(m_i - m_safe)
+            v = tl.load(v_ptr + kv_offsets, mask=kv_mask, other=0.0)
+            if UPCAST_DOT:
+                v = v.to(tl.float32)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v).to(tl.float32)
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            m_i = m_new
+        out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+        out_offsets = (first_row + rows)[:, None] * stride_ot + head * stride_oh + dims[None, :]
+        tl.store(out_ptr + out_offsets, out.to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & dim_mask[None, :])
+
+
+def paged_prefill_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    q_rows: torch.Tensor,
+    q_lens: torch.Tensor,
+    starts: torch.Tensor,
+    block_size: int,
+    max_q_len: int,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Prefill chunks attending causally over their paged context.
+
+    Args:
+        q: ``[T, Hq, D]``; sequence i's chunk is rows ``q_rows[i] .. q_rows[i] + q_lens[i]``.
+        k_cache, v_cache: ``[num_slots, Hkv, D]`` (one layer), already holding the chunks' keys.
+        block_tables: ``[N, max_blocks]`` int32.
+        q_rows, q_lens, starts: ``[N]`` int32; ``starts[i]`` is the position of the chunk's first token.
+        block_size: tokens per block.
+        max_q_len: the longest chunk.
+        out: where to write (rows outside the chunks are left alone); a new tensor if None.
+
+    Returns:
+        ``out``.
+    """
+    _, num_heads, head_dim = q.shape
+    num_kv_heads = k_cache.shape[1]
+    if out is None:
+        out = torch.empty_like(q)
+    block_m = 16
+    grid = (q_lens.shape[0], num_heads, triton.cdiv(max_q_len, block_m))
+    _prefill_kernel[grid](
+        q, k_cache, v_cache, out, block_tables, q_rows, q_lens, starts, head_dim**-0.5,
+        q.stride(0), q.stride(1),
+        k_cache.stride(0), k_cache.stride(1),
+        out.stride(0), out.stride(1),
+        block_tables.stride(0),
+        GROUP=num_heads // num_kv_heads,
+        HEAD_DIM=head_dim,
+        BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
+        BLOCK_SIZE=block_size,
+        BLOCK_M=block_m,
+        BLOCK_N=32,
+        UPCAST_DOT=INTERPRETED and q.dtype == torch.bfloat16,
+    )
+    return out
