@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from conveyor.llm import Completion
@@ -38,3 +40,17 @@ def assert_same_or_near_tie(a: Completion, b: Completion, label: str) -> None:
         return
     assert a.token_ids == b.token_ids, f"{label}: one run is a prefix of the other"
     assert a.finish_reason == b.finish_reason, label
+
+
+def reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_start: int) -> torch.Tensor:
+    """Causal attention of one sequence in float64, K/V heads repeated for GQA.
+
+    q: [n, Hq, D] at positions q_start..; k, v: [L, Hkv, D] at positions 0..L-1.
+    """
+    group = q.shape[1] // k.shape[1]
+    k = k.double().repeat_interleave(group, dim=1)
+    v = v.double().repeat_interleave(group, dim=1)
+    scores = torch.einsum("qhd,khd->hqk", q.double(), k) / math.sqrt(q.shape[-1])
+    q_pos = torch.arange(q_start, q_start + q.shape[0]).unsqueeze(1)
+    scores = scores.masked_fill(torch.arange(k.shape[0]).unsqueeze(0) > q_pos, float("-inf"))
+    return torch.einsum("hqk,khd->qhd", torch.softmax(scores, dim=-1), v)

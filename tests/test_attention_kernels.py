@@ -6,28 +6,17 @@ error bounds per dtype are stated in TOLERANCE.
 
 from __future__ import annotations
 
-import math
 import random
 
 import pytest
 import torch
 
 from conveyor.kernels.attention import paged_decode_attention, paged_prefill_attention
+from tests.helpers import reference_attention
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 # max |kernel - reference| / max |reference|
 TOLERANCE = {torch.float32: 2e-3 if DEVICE == "cuda" else 1e-5, torch.float16: 5e-3, torch.bfloat16: 3e-2}
-
-
-def reference(q, k, v, q_start):
-    """Causal attention in float64 for one sequence; K/V heads repeated for GQA."""
-    group = q.shape[1] // k.shape[1]
-    k = k.double().repeat_interleave(group, dim=1)
-    v = v.double().repeat_interleave(group, dim=1)
-    scores = torch.einsum("qhd,khd->hqk", q.double(), k) / math.sqrt(q.shape[-1])
-    q_pos = torch.arange(q_start, q_start + q.shape[0]).unsqueeze(1)
-    scores = scores.masked_fill(torch.arange(k.shape[0]).unsqueeze(0) > q_pos, float("-inf"))
-    return torch.einsum("hqk,khd->qhd", torch.softmax(scores, dim=-1), v)
 
 
 def paged_store(lengths, kv_heads, head_dim, block_size, dtype):
@@ -63,7 +52,7 @@ def relative_error(out, expected):
         (12, 9, 3, 24, torch.bfloat16),  # SmolLM2's ratio; block and head sizes not powers of two
     ],
 )
-def test_paged_decode_matches_reference(block_size, heads, kv_heads, head_dim, dtype):
+def test_paged_decode_matches_reference_attention(block_size, heads, kv_heads, head_dim, dtype):
     lengths = [random.randint(1, 70) for _ in range(3)] + [1]
     k_cache, v_cache, tables, keys, values = paged_store(lengths, kv_heads, head_dim, block_size, dtype)
     q = torch.randn(len(lengths), heads, head_dim, dtype=dtype)
@@ -71,7 +60,7 @@ def test_paged_decode_matches_reference(block_size, heads, kv_heads, head_dim, d
         q.to(DEVICE), k_cache, v_cache, tables, torch.tensor(lengths, dtype=torch.int32, device=DEVICE), block_size
     )
     for i, n in enumerate(lengths):
-        expected = reference(q[i : i + 1], keys[i], values[i], n - 1)[0]
+        expected = reference_attention(q[i : i + 1], keys[i], values[i], n - 1)[0]
         assert relative_error(out[i], expected) < TOLERANCE[dtype], f"sequence {i} (length {n})"
 
 
@@ -83,7 +72,7 @@ def test_paged_decode_matches_reference(block_size, heads, kv_heads, head_dim, d
         (8, 9, 3, 24, torch.bfloat16),
     ],
 )
-def test_paged_prefill_chunks_match_reference(block_size, heads, kv_heads, head_dim, dtype):
+def test_paged_prefill_chunks_match_reference_attention(block_size, heads, kv_heads, head_dim, dtype):
     # (tokens already cached, chunk length): a fresh prompt, continued chunks, a one-token chunk
     plan = [(0, random.randint(17, 40)), (random.randint(1, 30), random.randint(2, 20)), (21, 1), (0, 5)]
     lengths = [start + n for start, n in plan]
@@ -99,5 +88,5 @@ def test_paged_prefill_chunks_match_reference(block_size, heads, kv_heads, head_
         block_size, max(n for _, n in plan), out=out,
     )
     for i, ((start, n), row) in enumerate(zip(plan, q_rows.tolist())):
-        expected = reference(chunks[i], keys[i], values[i], start)
+        expected = reference_attention(chunks[i], keys[i], values[i], start)
         assert relative_error(out[row : row + n], expected) < TOLERANCE[dtype], f"sequence {i} {plan[i]}"

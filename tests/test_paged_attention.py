@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 from collections import OrderedDict
 
 import pytest
@@ -12,17 +11,7 @@ from conveyor.kvcache import KVCacheSpec
 from conveyor.plugins.kvcache.paged import PagedKVCache, PagedOptions
 from conveyor.request import Request
 from conveyor.sampling import SamplingParams
-
-
-def reference_attention(q, k, v, q_start):
-    """Causal attention in float64, with K/V heads repeated for GQA."""
-    group = q.shape[1] // k.shape[1]
-    k = k.double().repeat_interleave(group, dim=1)
-    v = v.double().repeat_interleave(group, dim=1)
-    scores = torch.einsum("qhd,khd->hqk", q.double(), k) / math.sqrt(q.shape[-1])
-    q_pos = torch.arange(q_start, q_start + q.shape[0]).unsqueeze(1)
-    scores = scores.masked_fill(torch.arange(k.shape[0]).unsqueeze(0) > q_pos, float("-inf"))
-    return torch.einsum("hqk,khd->qhd", torch.softmax(scores, dim=-1), v)
+from tests.helpers import reference_attention
 
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])
