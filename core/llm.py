@@ -12,7 +12,7 @@ from typing import Any, Union
 import msgspec
 
 from conveyor.config import Config, load_config
-from conveyor.detokenizer import TextStream
+from conveyor.model.detokenizer import TextStream
 from conveyor.engine import EngineCore
 from conveyor.messages import EngineRequest, TokenLogprob
 from conveyor.sampling import SamplingParams

@@ -11,7 +11,7 @@ import random
 import pytest
 import torch
 
-from conveyor.kernels.attention import paged_decode_attention, paged_prefill_attention
+from conveyor.attention.kernels import paged_decode_attention, paged_prefill_attention
 from tests.helpers import reference_attention
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from conveyor.detokenizer import TextStream
+from conveyor.model.detokenizer import TextStream
 from conveyor.sampling import SamplingParams
 
 TEXTS = [

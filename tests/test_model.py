@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from conveyor.model.attention import dense_attention
+from conveyor.attention.ops import dense_attention
 from conveyor.model.checkpoint import open_checkpoint
 from conveyor.model.gguf_checkpoint import unpermute_rows
 from conveyor.model.llama import LlamaModel

@@ -9,7 +9,7 @@ from hypothesis import given, settings, strategies as st
 from scipy import stats
 
 from conveyor.request import Request
-from conveyor.sampler import Sampler, apply_top_p, inverse_cdf
+from conveyor.engine.sampler import Sampler, apply_top_p, inverse_cdf
 from conveyor.sampling import SamplingParams
 
 
@@ -108,7 +108,7 @@ def test_repetition_penalty_matches_transformers():
     prompt, output = [1, 5, 9], [5, 12, 30, 12]
     [request] = make_requests(SamplingParams(temperature=0, repetition_penalty=1.7), 1, prompt, output)
     ours = logits.clone()
-    from conveyor.sampler import apply_penalties
+    from conveyor.engine.sampler import apply_penalties
 
     apply_penalties(ours, [0], [request])
     reference = RepetitionPenaltyLogitsProcessor(1.7)(torch.tensor([prompt + output]), logits.clone())
@@ -116,7 +116,7 @@ def test_repetition_penalty_matches_transformers():
 
 
 def test_presence_and_frequency_penalties_follow_the_openai_formula():
-    from conveyor.sampler import apply_penalties
+    from conveyor.engine.sampler import apply_penalties
 
     logits = torch.randn(1, 20)
     output = [3, 3, 3, 7]

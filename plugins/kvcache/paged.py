@@ -13,7 +13,7 @@ from typing import Annotated, Literal
 import msgspec
 import torch
 
-from conveyor.block_attention import BlockStorage
+from conveyor.attention.blocks import BlockStorage
 from conveyor.hookspecs import hookimpl
 from conveyor.kvcache import KVCache, KVCacheSpec, PrefixMatch
 from conveyor.model.llama import AttentionFn

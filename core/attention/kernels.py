@@ -5,7 +5,7 @@ K and V of one layer are ``[num_slots, kv_heads, head_dim]`` with slot =
 ``block_tables``. Both kernels use an online softmax in float32 and never
 materialize the gathered keys.
 
-The torch reference for both is ``conveyor.block_attention`` (and, in the
+The torch reference for both is ``conveyor.attention.blocks`` (and, in the
 tests, a float64 dense attention). Set ``TRITON_INTERPRET=1`` before this
 module is imported to run the kernels on CPU tensors.
 """

@@ -9,7 +9,7 @@ import torch
 from conveyor.kvcache import KVCache
 from conveyor.messages import TokenLogprob
 from conveyor.model.llama import LlamaModel
-from conveyor.sampler import Sampler
+from conveyor.engine.sampler import Sampler
 from conveyor.scheduler import ScheduledBatch
 
 

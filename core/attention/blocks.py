@@ -3,7 +3,7 @@
 Both built-in KV cache layouts store K and V here; they differ only in how
 they hand out blocks (paged: one at a time, shared through the prefix cache;
 contiguous: a whole slab of consecutive blocks per request). On CUDA the
-attention runs in Triton kernels (conveyor.kernels.attention); on CPU in torch.
+attention runs in Triton kernels (conveyor.attention.kernels); on CPU in torch.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from collections.abc import Sequence
 import torch
 
 from conveyor.kvcache import KVCacheSpec
-from conveyor.model.attention import causal_attention, decode_attention
+from conveyor.attention.ops import causal_attention, decode_attention
 from conveyor.request import Request
 
 
@@ -131,7 +131,7 @@ class BlockTableAttention:
         return out
 
     def _kernels(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
-        from conveyor.kernels.attention import paged_decode_attention, paged_prefill_attention
+        from conveyor.attention.kernels import paged_decode_attention, paged_prefill_attention
 
         size = self.storage.block_size
         out = torch.empty_like(q)

@@ -1,0 +1,1 @@
+"""Attention over the KV cache: torch ops (CPU path), Triton kernels (CUDA path), and block storage."""

@@ -1,1 +1,0 @@
-"""Triton kernels (the CUDA path); each has a torch reference and a test against float64."""
