@@ -36,6 +36,8 @@ def paged_store(lengths, kv_heads, head_dim, block_size, dtype):
         tables.append(table)
     width = max(len(t) for t in tables)
     block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
+    # the storage layout: head-major
+    k_cache, v_cache = k_cache.transpose(0, 1).contiguous(), v_cache.transpose(0, 1).contiguous()
     return k_cache.to(DEVICE), v_cache.to(DEVICE), block_tables.to(DEVICE), keys, values
 
 

@@ -4,6 +4,8 @@ whatever the KV layout, chunking or memory pressure; the prefix cache saves pref
 from __future__ import annotations
 
 import random
+import time
+from contextlib import aclosing
 
 import anyio
 import pytest
@@ -119,14 +121,16 @@ async def test_async_engine_streams_aborts_and_rejects(llm_fp32, tokenizer):
 
     async def collect(request_id: str, params: SamplingParams, stop_after: int | None = None, ids=prompt):
         tokens, last = [], None
-        async for output in loop.generate(EngineRequest(request_id, ids, params)):
-            tokens.extend(output.new_token_ids)
-            last = output
-            if stop_after is not None and len(tokens) >= stop_after:
-                break  # the client goes away
+        async with aclosing(loop.generate(EngineRequest(request_id, ids, params))) as stream:
+            async for output in stream:
+                tokens.extend(output.new_token_ids)
+                last = output
+                if stop_after is not None and len(tokens) >= stop_after:
+                    break  # the client goes away
         return tokens, last
 
     results = {}
+    started = time.perf_counter()
     async with anyio.create_task_group() as tg:
         await tg.start(loop.run)
 
@@ -144,6 +148,7 @@ async def test_async_engine_streams_aborts_and_rejects(llm_fp32, tokenizer):
             while engine.has_unfinished():
                 await anyio.sleep(0.05)
         tg.cancel_scope.cancel()
+    wall = time.perf_counter() - started
     assert results["a"][0] == results["b"][0] == expected.token_ids
     assert results["a"][1].finish_reason == "length"
     assert len(results["leaver"][0]) == 3
@@ -152,3 +157,8 @@ async def test_async_engine_streams_aborts_and_rejects(llm_fp32, tokenizer):
     assert "max_model_len=2048" in rejected.error
     assert engine.kvcache.num_free_blocks == free_before  # the leaver's blocks came back
     assert steps and all(s.num_prefill_tokens + s.num_decode_tokens > 0 for s in steps)
+    assert sum(s.num_decode_tokens for s in steps) >= 2 * 11  # a and b decoded 11 tokens each
+    for s in steps:  # the parts of a step are each a part of it
+        assert 0 < s.forward_time and 0 <= s.sample_time and 0 <= s.schedule_time and 0 <= s.update_time
+        assert s.timestamp <= time.time()
+    assert max(s.forward_time for s in steps) < wall

@@ -1,6 +1,6 @@
 """Triton attention over block tables (the CUDA path of the block KV storage).
 
-K and V of one layer are ``[num_slots, kv_heads, head_dim]`` with slot =
+K and V of one layer are ``[kv_heads, num_slots, head_dim]`` with slot =
 ``block * block_size + offset``; each sequence finds its blocks in a row of
 ``block_tables``. Both kernels use an online softmax in float32 and never
 materialize the gathered keys.
@@ -27,7 +27,7 @@ INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 @triton.jit
 def _decode_kernel(
     q_ptr,  # [B, Hq, D]
-    k_ptr,  # [S, Hkv, D]
+    k_ptr,  # [Hkv, S, D]
     v_ptr,
     out_ptr,  # [B, Hq, D]
     tables_ptr,  # [B, max_blocks] int32
@@ -86,7 +86,7 @@ def paged_decode_attention(
 
     Args:
         q: ``[B, Hq, D]``.
-        k_cache, v_cache: ``[num_slots, Hkv, D]`` (one layer).
+        k_cache, v_cache: ``[Hkv, num_slots, D]`` (one layer).
         block_tables: ``[B, max_blocks]`` int32.
         context_lens: ``[B]`` int32, keys per sequence (the new token's included).
         block_size: tokens per block.
@@ -95,12 +95,12 @@ def paged_decode_attention(
         ``[B, Hq, D]`` in q's dtype.
     """
     batch, num_heads, head_dim = q.shape
-    num_kv_heads = k_cache.shape[1]
+    num_kv_heads = k_cache.shape[0]
     out = torch.empty_like(q)
     _decode_kernel[(batch, num_heads)](
         q, k_cache, v_cache, out, block_tables, context_lens, head_dim**-0.5,
         q.stride(0), q.stride(1),
-        k_cache.stride(0), k_cache.stride(1),
+        k_cache.stride(1), k_cache.stride(0),
         out.stride(0), out.stride(1),
         block_tables.stride(0),
         GROUP=num_heads // num_kv_heads,
@@ -115,7 +115,7 @@ def paged_decode_attention(
 @triton.jit
 def _prefill_kernel(
     q_ptr,  # [T, Hq, D]: the chunks of all sequences, back to back
-    k_ptr,  # [S, Hkv, D]
+    k_ptr,  # [Hkv, S, D]
     v_ptr,
     out_ptr,  # [T, Hq, D]
     tables_ptr,  # [N, max_blocks] int32
@@ -203,7 +203,7 @@ def paged_prefill_attention(
 
     Args:
         q: ``[T, Hq, D]``; sequence i's chunk is rows ``q_rows[i] .. q_rows[i] + q_lens[i]``.
-        k_cache, v_cache: ``[num_slots, Hkv, D]`` (one layer), already holding the chunks' keys.
+        k_cache, v_cache: ``[Hkv, num_slots, D]`` (one layer), already holding the chunks' keys.
         block_tables: ``[N, max_blocks]`` int32.
         q_rows, q_lens, starts: ``[N]`` int32; ``starts[i]`` is the position of the chunk's first token.
         block_size: tokens per block.
@@ -214,7 +214,7 @@ def paged_prefill_attention(
         ``out``.
     """
     _, num_heads, head_dim = q.shape
-    num_kv_heads = k_cache.shape[1]
+    num_kv_heads = k_cache.shape[0]
     if out is None:
         out = torch.empty_like(q)
     block_m = 16
@@ -222,7 +222,7 @@ def paged_prefill_attention(
     _prefill_kernel[grid](
         q, k_cache, v_cache, out, block_tables, q_rows, q_lens, starts, head_dim**-0.5,
         q.stride(0), q.stride(1),
-        k_cache.stride(0), k_cache.stride(1),
+        k_cache.stride(1), k_cache.stride(0),
         out.stride(0), out.stride(1),
         block_tables.stride(0),
         GROUP=num_heads // num_kv_heads,

@@ -89,7 +89,12 @@ class AsyncEngine:
         self._wakeup.set()
 
     async def generate(self, request: EngineRequest) -> AsyncIterator[RequestOutput]:
-        """Submit a request and yield its outputs until the final one."""
+        """Submit a request and yield its outputs until the final one.
+
+        Iterate it inside ``contextlib.aclosing`` so that leaving early (a
+        client that disconnects) aborts the request at once, not when the
+        generator is garbage-collected.
+        """
         if request.request_id in self._streams:
             raise RequestRejected(f"request id {request.request_id!r} is already in use")
         # Unbounded: a slow reader must not stall the engine; max_tokens bounds it.

@@ -35,7 +35,7 @@ class ModelRunner:
             Per batch entry, the sampled token (None for a prefill chunk that
             stops short of the end of the known tokens) and its logprobs.
         """
-        start = time.perf_counter()
+        began = time.perf_counter()
         input_ids: list[int] = []
         positions: list[int] = []
         sample_rows: list[int] = []
@@ -60,12 +60,12 @@ class ModelRunner:
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
             middle = time.perf_counter()
-            self.forward_time = middle - start
+            self.forward_time = middle - began
             tokens, entries = self.sampler.sample(logits, [batch.requests[i] for i in sample_entries])
             for i, token, entry in zip(sample_entries, tokens, entries):
                 sampled[i] = token
                 logprobs[i] = entry
             self.sample_time = time.perf_counter() - middle
         else:
-            self.forward_time, self.sample_time = time.perf_counter() - start, 0.0
+            self.forward_time, self.sample_time = time.perf_counter() - began, 0.0
         return sampled, logprobs

@@ -66,13 +66,15 @@ def block_digest(parent: bytes, tokens: Sequence[int]) -> bytes:
 class _Table:
     """A request's blocks and how many of them are registered in the prefix cache."""
 
-    __slots__ = ("blocks", "num_hashed", "digest")
+    __slots__ = ("blocks", "num_hashed", "digest", "num_tokens")
 
     def __init__(self, blocks: list[int], digest: bytes):
         self.blocks = blocks
         self.num_hashed = len(blocks)
         # digest of the last registered block (b"" before the first)
         self.digest = digest
+        # tokens stored (after this step's allocation)
+        self.num_tokens = 0
 
 
 class PagedKVCache(KVCache):
@@ -165,6 +167,7 @@ class PagedKVCache(KVCache):
                 return False
         for _ in range(needed):
             table.blocks.append(self._take_free_block())
+        table.num_tokens = (prefix.num_tokens if prefix else request.num_computed_tokens) + num_new_tokens
         return True
 
     def _take_free_block(self) -> int:
@@ -216,6 +219,9 @@ class PagedKVCache(KVCache):
             "num_blocks": self.num_blocks,
             "num_free_blocks": len(self.free_blocks),
             "block_size": self.block_size,
+            # held by running requests, and what they actually store
+            "reserved_tokens": (self.num_blocks - len(self.free_blocks)) * self.block_size,
+            "used_tokens": sum(t.num_tokens for t in self.tables.values()),
             "num_cached_blocks": len(self.cached),
             "prefix_queries": self.num_prefix_queries,
             "prefix_hits": self.num_prefix_hits,

@@ -1,0 +1,1 @@
+"""Benchmark support: workloads that need no download."""
