@@ -100,7 +100,8 @@ class KVCache(ABC):
         """Fraction of the cache in use, 0..1."""
 
     def stats(self) -> dict[str, float]:
-        """Numbers for metrics and logs; ``usage`` always, other names are the layout's own."""
+        """Numbers for metrics and logs: ``usage`` always; block layouts add
+        ``num_blocks`` and ``num_free_blocks``; other names are the layout's own."""
         return {"usage": self.usage()}
 
     @abstractmethod

@@ -56,8 +56,10 @@ class StepStats(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     num_waiting: int
     num_prefill_tokens: int
     num_decode_tokens: int
-    # fraction of the KV cache in use after the step
+    # fraction of the KV cache in use after the step, and its blocks
     kv_usage: float
+    num_kv_blocks: int = 0
+    num_free_kv_blocks: int = 0
     # cumulative
     num_preemptions: int = 0
     # prompt tokens served from the prefix cache, cumulative

@@ -158,6 +158,8 @@ async def test_async_engine_streams_aborts_and_rejects(llm_fp32, tokenizer):
     assert engine.kvcache.num_free_blocks == free_before  # the leaver's blocks came back
     assert steps and all(s.num_prefill_tokens + s.num_decode_tokens > 0 for s in steps)
     assert sum(s.num_decode_tokens for s in steps) >= 2 * 11  # a and b decoded 11 tokens each
+    assert all(0 <= s.num_free_kv_blocks <= s.num_kv_blocks == engine.kvcache.num_blocks for s in steps)
+    assert min(s.num_free_kv_blocks for s in steps) < free_before  # blocks were in use during the run
     for s in steps:  # the parts of a step are each a part of it
         assert 0 < s.forward_time and 0 <= s.sample_time and 0 <= s.schedule_time and 0 <= s.update_time
         assert s.timestamp <= time.time()

@@ -106,6 +106,8 @@ class EngineCore:
             num_prefill_tokens=batch.total_tokens - num_decode,
             num_decode_tokens=num_decode,
             kv_usage=kv_stats["usage"],
+            num_kv_blocks=int(kv_stats.get("num_blocks", 0)),
+            num_free_kv_blocks=int(kv_stats.get("num_free_blocks", 0)),
             num_preemptions=scheduler_stats.num_preemptions,
             num_prefix_hit_tokens=int(kv_stats.get("prefix_hits", 0)),
             num_wasted_slots=scheduler_stats.num_wasted_slots,

@@ -115,6 +115,8 @@ class ContiguousKVCache(KVCache):
         used = sum(self.used.values())
         return {
             "usage": self.usage(),
+            "num_blocks": self.num_blocks,
+            "num_free_blocks": self.num_free_blocks,
             "reserved_tokens": reserved,
             "used_tokens": used,
             # reserved for tokens that are not there (yet)
