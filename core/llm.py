@@ -10,11 +10,10 @@ from pathlib import Path
 from typing import Any, Union
 
 import msgspec
-
 from conveyor.config import Config, load_config
-from conveyor.model.detokenizer import TextStream
 from conveyor.engine import EngineCore
 from conveyor.messages import EngineRequest, TokenLogprob
+from conveyor.model.detokenizer import TextStream
 from conveyor.sampling import SamplingParams
 
 logger = logging.getLogger("conveyor")

@@ -8,7 +8,6 @@ import time
 from collections.abc import Collection
 
 import torch
-
 from conveyor.messages import EngineRequest
 from conveyor.sampling import SamplingParams
 

@@ -5,15 +5,15 @@ from __future__ import annotations
 import re
 import subprocess
 import sys
-import tomllib
 
 import msgspec
 import pytest
-
+import tomllib
 from conveyor.config import ConfigError, EngineConfig, ModelConfig, load_config, parse_override
 from conveyor.model import checkpoint
 from conveyor.model.loader import open_model
 from conveyor.registry import PluginRegistry
+
 from tests.conftest import REPO
 
 DEFAULT_TOML = REPO / "configs" / "default.toml"
@@ -48,7 +48,9 @@ def test_default_toml_documents_every_key():
         keys = [f.encode_name for f in msgspec.structs.fields(struct)]
         assert set(raw[table]) - {"plugin"} == set(keys), table
         for key in keys + (["plugin"] if table in ("scheduler", "kvcache", "quant") else []):
-            index = next(i for i, l in enumerate(lines) if re.match(rf"{key}\s*=", l) and _table_of(lines, i) == table)
+            index = next(
+                i for i, line in enumerate(lines) if re.match(rf"{key}\s*=", line) and _table_of(lines, i) == table
+            )
             assert lines[index - 1].startswith("#"), f"[{table}] {key} has no comment"
 
 

@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import pytest
-from hypothesis import given, settings, strategies as st
-
 from conveyor.model.detokenizer import TextStream
 from conveyor.sampling import SamplingParams
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 TEXTS = [
     "Plain ASCII text, with punctuation!",

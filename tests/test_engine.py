@@ -9,10 +9,10 @@ from contextlib import aclosing
 
 import anyio
 import pytest
-
 from conveyor import LLM, SamplingParams
-from conveyor.messages import EngineRequest
 from conveyor.engine import AsyncEngine
+from conveyor.messages import EngineRequest
+
 from tests.helpers import assert_same_or_near_tie
 
 pytestmark = pytest.mark.slow

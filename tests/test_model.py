@@ -6,7 +6,6 @@ import gguf
 import numpy as np
 import pytest
 import torch
-
 from conveyor.attention.ops import dense_attention
 from conveyor.model.checkpoint import open_checkpoint
 from conveyor.model.gguf_checkpoint import unpermute_rows
@@ -116,10 +115,12 @@ def write_gguf(path, model, qtype: gguf.GGMLQuantizationType) -> dict[str, np.nd
     for name, tensor in model.state_dict().items():
         array = tensor.float().numpy()
         weights[name] = array
-        short = name.split(".", 3)[-1] if name.startswith("model.layers.") else name
-        gguf_name = GGUF_NAMES[short] if short in GGUF_NAMES else None
         if name.startswith("model.layers."):
-            gguf_name = f"blk.{name.split('.')[2]}.{GGUF_NAMES[short]}"
+            _, _, layer, short = name.split(".", 3)
+            gguf_name = f"blk.{layer}.{GGUF_NAMES[short]}"
+        else:
+            short = name
+            gguf_name = GGUF_NAMES[name]
         if short == "self_attn.q_proj.weight":
             array = llama_cpp_permute(array, cfg.num_attention_heads)
         elif short == "self_attn.k_proj.weight":

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import msgspec
 import pytest
-
 from conveyor.sampling import SamplingParams
 
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 
 import pytest
-
 from conveyor.model.tokenizer import ChatTemplateError, Tokenizer
 
 

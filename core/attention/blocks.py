@@ -11,11 +11,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
-
-from conveyor.kvcache import KVCacheSpec
 from conveyor.attention.ops import causal_attention, decode_attention
+from conveyor.kvcache import KVCacheSpec
 from conveyor.request import Request
-
 
 # decodes per step are split into at most this many length groups, of at least this many each
 MAX_DECODE_GROUPS = 4

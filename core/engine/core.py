@@ -12,15 +12,14 @@ import time
 from collections.abc import Iterable
 
 import torch
-
 from conveyor.config import Config
+from conveyor.engine.runner import ModelRunner
+from conveyor.engine.sampler import Sampler
 from conveyor.kvcache import KVCacheSpec
 from conveyor.messages import EngineRequest, RequestOutput, StepStats
 from conveyor.model.loader import DTYPES, load_model, load_tokenizer, model_len, open_model, resolve_device
 from conveyor.registry import PluginRegistry
 from conveyor.request import FinishReason, Request
-from conveyor.engine.runner import ModelRunner
-from conveyor.engine.sampler import Sampler
 
 logger = logging.getLogger("conveyor")
 

@@ -9,7 +9,6 @@ from typing import Any
 import anyio
 import anyio.abc
 from anyio.streams.memory import MemoryObjectSendStream
-
 from conveyor.engine.core import EngineCore
 from conveyor.messages import EngineRequest, RequestOutput, StepStats
 from conveyor.request import FinishReason, RequestRejected

@@ -5,11 +5,10 @@ from __future__ import annotations
 import time
 
 import torch
-
+from conveyor.engine.sampler import Sampler
 from conveyor.kvcache import KVCache
 from conveyor.messages import TokenLogprob
 from conveyor.model.llama import LlamaModel
-from conveyor.engine.sampler import Sampler
 from conveyor.scheduler import ScheduledBatch
 
 

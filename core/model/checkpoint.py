@@ -14,7 +14,6 @@ from abc import ABC, abstractmethod
 from pathlib import Path
 
 import torch
-
 from conveyor.model.spec import ModelSpec
 
 

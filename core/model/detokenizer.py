@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-from tokenizers.decoders import DecodeStream
-
 from conveyor.model.tokenizer import Tokenizer
 from conveyor.sampling import SamplingParams
+from tokenizers.decoders import DecodeStream
 
 
 class TextStream:

@@ -15,7 +15,6 @@ from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
-
 from conveyor.model.checkpoint import Checkpoint
 from conveyor.model.spec import ModelSpec
 from conveyor.quant import Params, QuantMethod
@@ -198,7 +197,8 @@ class LlamaModel:
 
     def num_weight_bytes(self) -> int:
         """Bytes of every weight, as stored (quantized layers at their packed size)."""
-        dense = [self.embed, self.norm.weight] + [w for l in self.layers for w in (l.input_norm.weight, l.post_norm.weight)]
+        norms = [w for layer in self.layers for w in (layer.input_norm.weight, layer.post_norm.weight)]
+        dense = [self.embed, self.norm.weight, *norms]
         if self.lm_head is not self.embed:
             dense.append(self.lm_head)
         total = sum(t.numel() * t.element_size() for t in dense)

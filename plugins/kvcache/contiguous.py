@@ -8,7 +8,6 @@ from collections.abc import Sequence
 from typing import Annotated, Literal
 
 import msgspec
-
 from conveyor.attention.blocks import BlockStorage
 from conveyor.hookspecs import hookimpl
 from conveyor.kvcache import KVCache, KVCacheSpec, PrefixMatch

@@ -12,7 +12,6 @@ from typing import Annotated, Literal
 
 import msgspec
 import torch
-
 from conveyor.attention.blocks import BlockStorage
 from conveyor.hookspecs import hookimpl
 from conveyor.kvcache import KVCache, KVCacheSpec, PrefixMatch

@@ -8,7 +8,6 @@ from collections.abc import Iterable
 from typing import Annotated, Literal
 
 import msgspec
-
 from conveyor.hookspecs import hookimpl
 from conveyor.kvcache import KVCache
 from conveyor.messages import RequestOutput, TokenLogprob

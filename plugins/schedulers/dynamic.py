@@ -10,7 +10,6 @@ from __future__ import annotations
 from typing import Annotated
 
 import msgspec
-
 from conveyor.hookspecs import hookimpl
 from conveyor.kvcache import KVCache
 from conveyor.plugins.schedulers.static import RunToCompletionScheduler
