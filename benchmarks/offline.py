@@ -27,6 +27,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
+
 from conveyor.bench.datasets import mixed
 from conveyor.config import load_config
 from conveyor.engine import EngineCore

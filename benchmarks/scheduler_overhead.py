@@ -14,6 +14,7 @@ import statistics
 import time
 
 import torch
+
 from conveyor.kvcache import KVCacheSpec
 from conveyor.plugins.kvcache.paged import PagedKVCache, PagedOptions
 from conveyor.plugins.schedulers.continuous import ContinuousOptions, ContinuousScheduler

@@ -16,6 +16,7 @@ from typing import Any, ClassVar
 
 import msgspec
 import torch
+
 from conveyor.model.llama import AttentionFn
 from conveyor.request import Request
 

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any, Union
 
 import msgspec
+
 from conveyor.config import Config, load_config
 from conveyor.engine import EngineCore
 from conveyor.messages import EngineRequest, TokenLogprob

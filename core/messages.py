@@ -6,6 +6,7 @@ Every message is an array-like msgspec Struct; a decoder is built per type.
 from __future__ import annotations
 
 import msgspec
+
 from conveyor.sampling import SamplingParams
 
 

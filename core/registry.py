@@ -16,6 +16,7 @@ from typing import Annotated, Any, Literal
 
 import msgspec
 import pluggy
+
 from conveyor import hookspecs
 
 DEFAULT_PLUGINS: tuple[str, ...] = (

@@ -8,6 +8,7 @@ import time
 from collections.abc import Collection
 
 import torch
+
 from conveyor.messages import EngineRequest
 from conveyor.sampling import SamplingParams
 

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import ClassVar
 
 import msgspec
+
 from conveyor.kvcache import KVCache
 from conveyor.messages import RequestOutput, TokenLogprob
 from conveyor.request import FinishReason, Request, RequestRejected, RequestStatus

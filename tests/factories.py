@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 
 import torch
+
 from conveyor.kvcache import KVCacheSpec
 from conveyor.plugins.kvcache.paged import PagedKVCache, PagedOptions
 from conveyor.request import Request

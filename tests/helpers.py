@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 
 import torch
+
 from conveyor.llm import Completion
 
 

@@ -10,8 +10,8 @@ import random
 
 import pytest
 import torch
-from conveyor.attention.kernels import paged_decode_attention, paged_prefill_attention
 
+from conveyor.attention.kernels import paged_decode_attention, paged_prefill_attention
 from tests.helpers import reference_attention
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"

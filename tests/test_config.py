@@ -9,11 +9,11 @@ import sys
 import msgspec
 import pytest
 import tomllib
+
 from conveyor.config import ConfigError, EngineConfig, ModelConfig, load_config, parse_override
 from conveyor.model import checkpoint
 from conveyor.model.loader import open_model
 from conveyor.registry import PluginRegistry
-
 from tests.conftest import REPO
 
 DEFAULT_TOML = REPO / "configs" / "default.toml"

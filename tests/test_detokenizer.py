@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import pytest
-from conveyor.model.detokenizer import TextStream
-from conveyor.sampling import SamplingParams
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
+from conveyor.model.detokenizer import TextStream
+from conveyor.sampling import SamplingParams
 
 TEXTS = [
     "Plain ASCII text, with punctuation!",

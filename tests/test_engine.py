@@ -9,10 +9,10 @@ from contextlib import aclosing
 
 import anyio
 import pytest
+
 from conveyor import LLM, SamplingParams
 from conveyor.engine import AsyncEngine
 from conveyor.messages import EngineRequest
-
 from tests.helpers import assert_same_or_near_tie
 
 pytestmark = pytest.mark.slow
@@ -66,7 +66,7 @@ def test_busy_batch_gives_the_same_tokens_as_alone(workload, alone, label, overr
         assert_same_or_near_tie(a, b, f"{label}, request {i}")
     if label == "paged, preempting":
         assert llm.engine.scheduler.stats().num_preemptions > 0
-    assert llm.engine.kvcache.usage() == 0.0 or llm.engine.kvcache.name == "paged"
+    assert llm.engine.kvcache.usage() == 0.0  # everything finished: every block is free again
 
 
 def run_engine(engine, requests: list[EngineRequest]):

@@ -7,9 +7,9 @@ import subprocess
 import sys
 
 import pytest
+
 from conveyor.config import load_config
 from conveyor.registry import PluginRegistry
-
 from tests.conftest import REPO
 from tests.factories import create_kvcache, create_request, run_to_completion
 

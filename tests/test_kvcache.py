@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from conveyor.plugins.kvcache.contiguous import ContiguousKVCache, ContiguousOptions
 from conveyor.plugins.schedulers.continuous import ContinuousOptions, ContinuousScheduler
-
 from tests.factories import assert_no_leak, create_kvcache, create_request, create_spec, fake_step, run_to_completion
 
 

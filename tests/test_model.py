@@ -6,6 +6,7 @@ import gguf
 import numpy as np
 import pytest
 import torch
+
 from conveyor.attention.ops import dense_attention
 from conveyor.model.checkpoint import open_checkpoint
 from conveyor.model.gguf_checkpoint import unpermute_rows

@@ -6,11 +6,11 @@ from collections import OrderedDict
 
 import pytest
 import torch
+
 from conveyor.kvcache import KVCacheSpec
 from conveyor.plugins.kvcache.paged import PagedKVCache, PagedOptions
 from conveyor.request import Request
 from conveyor.sampling import SamplingParams
-
 from tests.helpers import reference_attention
 
 

@@ -7,6 +7,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
+
 from conveyor import hookspecs
 from conveyor.config import load_config
 from conveyor.registry import KIND_HOOKS, PluginError, PluginRegistry

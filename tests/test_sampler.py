@@ -5,12 +5,13 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from conveyor.engine.sampler import Sampler, apply_top_p, inverse_cdf
-from conveyor.request import Request
-from conveyor.sampling import SamplingParams
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from scipy import stats
+
+from conveyor.engine.sampler import Sampler, apply_top_p, inverse_cdf
+from conveyor.request import Request
+from conveyor.sampling import SamplingParams
 
 
 def make_requests(params: SamplingParams, n: int, prompt=(1, 2, 3), output=()) -> list[Request]:

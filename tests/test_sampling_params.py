@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import msgspec
 import pytest
+
 from conveyor.sampling import SamplingParams
 
 

@@ -3,14 +3,14 @@
 from __future__ import annotations
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
 from conveyor.plugins.kvcache.contiguous import ContiguousKVCache, ContiguousOptions
 from conveyor.plugins.schedulers.continuous import ContinuousOptions, ContinuousScheduler
 from conveyor.plugins.schedulers.dynamic import DynamicOptions, DynamicScheduler
 from conveyor.plugins.schedulers.static import StaticOptions, StaticScheduler
 from conveyor.request import RequestRejected, RequestStatus
-from hypothesis import given, settings
-from hypothesis import strategies as st
-
 from tests.factories import (
     assert_no_leak,
     create_kvcache,

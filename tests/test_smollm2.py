@@ -9,8 +9,8 @@ import sys
 
 import pytest
 import torch
-from conveyor import SamplingParams
 
+from conveyor import SamplingParams
 from tests.conftest import CHAT_PROMPTS
 from tests.helpers import assert_matches_reference
 

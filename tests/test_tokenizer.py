@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
+
 from conveyor.model.tokenizer import ChatTemplateError, Tokenizer
 
 

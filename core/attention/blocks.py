@@ -8,16 +8,41 @@ attention runs in Triton kernels (conveyor.attention.kernels); on CPU in torch.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 
 import torch
+
 from conveyor.attention.ops import causal_attention, decode_attention
 from conveyor.kvcache import KVCacheSpec
 from conveyor.request import Request
 
+logger = logging.getLogger("conveyor")
+
 # decodes per step are split into at most this many length groups, of at least this many each
 MAX_DECODE_GROUPS = 4
 MIN_DECODE_GROUP = 8
+
+
+def blocks_for_budget(spec: KVCacheSpec, block_size: int, memory_gb: float, memory_fraction: float) -> int:
+    """How many blocks the memory budget holds: measured free memory on GPU, ``memory_gb`` on CPU."""
+    if spec.device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(spec.device)
+        budget = free * memory_fraction
+    else:
+        budget = memory_gb * 2**30
+    return int(budget // (block_size * spec.bytes_per_token))
+
+
+def log_capacity(name: str, num_blocks: int, block_size: int, spec: KVCacheSpec) -> None:
+    capacity = num_blocks * block_size
+    logger.info(
+        "KV cache (%s): %d blocks x %d tokens = %d tokens, %.2f GiB (%d B/token = 2 x %d layers x %d kv heads x %d x %d B);"
+        " max concurrency at max_model_len %d: %.1f",
+        name, num_blocks, block_size, capacity, capacity * spec.bytes_per_token / 2**30, spec.bytes_per_token,
+        spec.num_layers, spec.num_kv_heads, spec.head_dim, spec.dtype.itemsize, spec.max_model_len,
+        capacity / spec.max_model_len,
+    )
 
 
 class BlockStorage:

@@ -12,6 +12,7 @@ import time
 from collections.abc import Iterable
 
 import torch
+
 from conveyor.config import Config
 from conveyor.engine.runner import ModelRunner
 from conveyor.engine.sampler import Sampler

@@ -9,6 +9,7 @@ from typing import Any
 import anyio
 import anyio.abc
 from anyio.streams.memory import MemoryObjectSendStream
+
 from conveyor.engine.core import EngineCore
 from conveyor.messages import EngineRequest, RequestOutput, StepStats
 from conveyor.request import FinishReason, RequestRejected
@@ -30,27 +31,22 @@ class AsyncEngine:
         self._inbox: list[tuple[str, Any]] = []
         self._streams: dict[str, MemoryObjectSendStream[RequestOutput]] = {}
         self._wakeup = anyio.Event()
-        self.running = False
 
     async def run(self, *, task_status: anyio.abc.TaskStatus = anyio.TASK_STATUS_IGNORED) -> None:
         """The step loop; runs until cancelled."""
-        self.running = True
         task_status.started()
-        try:
-            while True:
-                self._take_inbox()
-                if not self.core.has_unfinished():
-                    await self._wakeup.wait()
-                    self._wakeup = anyio.Event()
-                    continue
-                outputs, stats = await anyio.to_thread.run_sync(self.core.step)
-                self._publish(outputs)
-                if stats is None:
-                    await anyio.sleep(0.002)  # a batching scheduler is still collecting requests
-                elif self.on_step is not None:
-                    self.on_step(stats)
-        finally:
-            self.running = False
+        while True:
+            self._take_inbox()
+            if not self.core.has_unfinished():
+                await self._wakeup.wait()
+                self._wakeup = anyio.Event()
+                continue
+            outputs, stats = await anyio.to_thread.run_sync(self.core.step)
+            self._publish(outputs)
+            if stats is None:
+                await anyio.sleep(0.002)  # a batching scheduler is still collecting requests
+            elif self.on_step is not None:
+                self.on_step(stats)
 
     def _take_inbox(self) -> None:
         inbox, self._inbox = self._inbox, []

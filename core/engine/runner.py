@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 
 import torch
+
 from conveyor.engine.sampler import Sampler
 from conveyor.kvcache import KVCache
 from conveyor.messages import TokenLogprob

@@ -9,6 +9,7 @@ top-p nucleus in a partial ``topk`` before falling back to a full sort.
 from __future__ import annotations
 
 import torch
+
 from conveyor.messages import TokenLogprob
 from conveyor.request import Request
 

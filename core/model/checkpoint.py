@@ -14,6 +14,7 @@ from abc import ABC, abstractmethod
 from pathlib import Path
 
 import torch
+
 from conveyor.model.spec import ModelSpec
 
 

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+from tokenizers.decoders import DecodeStream
+
 from conveyor.model.tokenizer import Tokenizer
 from conveyor.sampling import SamplingParams
-from tokenizers.decoders import DecodeStream
 
 
 class TextStream:

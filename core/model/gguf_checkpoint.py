@@ -8,6 +8,7 @@ from pathlib import Path
 import gguf
 import numpy as np
 import torch
+
 from conveyor.model.checkpoint import Checkpoint
 from conveyor.model.spec import ModelSpec
 

@@ -15,6 +15,7 @@ from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
+
 from conveyor.model.checkpoint import Checkpoint
 from conveyor.model.spec import ModelSpec
 from conveyor.quant import Params, QuantMethod

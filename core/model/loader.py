@@ -8,6 +8,7 @@ import time
 from pathlib import Path
 
 import torch
+
 from conveyor.config import ConfigError, ModelConfig
 from conveyor.model.checkpoint import Checkpoint, ModelNotFoundError, open_checkpoint, resolve_model_path
 from conveyor.model.llama import LlamaModel

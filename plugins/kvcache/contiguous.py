@@ -8,11 +8,11 @@ from collections.abc import Sequence
 from typing import Annotated, Literal
 
 import msgspec
-from conveyor.attention.blocks import BlockStorage
+
+from conveyor.attention.blocks import BlockStorage, blocks_for_budget, log_capacity
 from conveyor.hookspecs import hookimpl
 from conveyor.kvcache import KVCache, KVCacheSpec, PrefixMatch
 from conveyor.model.llama import AttentionFn
-from conveyor.plugins.kvcache.paged import blocks_for_budget, log_capacity
 from conveyor.request import Request
 
 # Slabs are runs of consecutive blocks of this many tokens in the shared storage.

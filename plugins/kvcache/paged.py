@@ -4,21 +4,18 @@ and automatic prefix caching."""
 from __future__ import annotations
 
 import hashlib
-import logging
 from array import array
 from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Annotated, Literal
 
 import msgspec
-import torch
-from conveyor.attention.blocks import BlockStorage
+
+from conveyor.attention.blocks import BlockStorage, blocks_for_budget, log_capacity
 from conveyor.hookspecs import hookimpl
 from conveyor.kvcache import KVCache, KVCacheSpec, PrefixMatch
 from conveyor.model.llama import AttentionFn
 from conveyor.request import Request
-
-logger = logging.getLogger("conveyor")
 
 
 class PagedOptions(msgspec.Struct, forbid_unknown_fields=True):
@@ -34,27 +31,6 @@ class PagedOptions(msgspec.Struct, forbid_unknown_fields=True):
     enable_prefix_caching: bool = True
     # attention implementation: "auto" (Triton kernels on CUDA, torch elsewhere), "torch" or "triton"
     attention: Literal["auto", "torch", "triton"] = "auto"
-
-
-def blocks_for_budget(spec: KVCacheSpec, block_size: int, memory_gb: float, memory_fraction: float) -> int:
-    """How many blocks the memory budget holds: measured free memory on GPU, ``memory_gb`` on CPU."""
-    if spec.device.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(spec.device)
-        budget = free * memory_fraction
-    else:
-        budget = memory_gb * 2**30
-    return int(budget // (block_size * spec.bytes_per_token))
-
-
-def log_capacity(name: str, num_blocks: int, block_size: int, spec: KVCacheSpec) -> None:
-    capacity = num_blocks * block_size
-    logger.info(
-        "KV cache (%s): %d blocks x %d tokens = %d tokens, %.2f GiB (%d B/token = 2 x %d layers x %d kv heads x %d x %d B);"
-        " max concurrency at max_model_len %d: %.1f",
-        name, num_blocks, block_size, capacity, capacity * spec.bytes_per_token / 2**30, spec.bytes_per_token,
-        spec.num_layers, spec.num_kv_heads, spec.head_dim, spec.dtype.itemsize, spec.max_model_len,
-        capacity / spec.max_model_len,
-    )
 
 
 def block_digest(parent: bytes, tokens: Sequence[int]) -> bytes:

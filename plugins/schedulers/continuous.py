@@ -8,6 +8,7 @@ from collections.abc import Iterable
 from typing import Annotated, Literal
 
 import msgspec
+
 from conveyor.hookspecs import hookimpl
 from conveyor.kvcache import KVCache
 from conveyor.messages import RequestOutput, TokenLogprob

@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Annotated
 
 import msgspec
+
 from conveyor.hookspecs import hookimpl
 from conveyor.kvcache import KVCache
 from conveyor.plugins.schedulers.static import RunToCompletionScheduler

@@ -16,6 +16,7 @@ from collections.abc import Iterable
 from typing import Annotated
 
 import msgspec
+
 from conveyor.hookspecs import hookimpl
 from conveyor.kvcache import KVCache
 from conveyor.messages import RequestOutput, TokenLogprob
