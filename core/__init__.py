@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 __version__ = "0.1.0"
-__all__ = ["LLM", "SamplingParams", "Completion", "Config", "load_config"]
+__all__ = ["LLM", "Completion", "Config", "SamplingParams", "load_config"]
 
 if TYPE_CHECKING:
     from conveyor.config import Config, load_config

@@ -1,4 +1,4 @@
-"""The ``conveyor`` command: generate, plugins (serve and bench come with the server)."""
+"""The ``conveyor`` command: serve, generate, plugins."""
 
 from __future__ import annotations
 
@@ -71,6 +71,16 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_serve(args: argparse.Namespace) -> int:
+    import anyio
+
+    from conveyor.serving.server import serve
+
+    if args.config_file and args.config:
+        raise ValueError("give the config file once: as an argument or with --config")
+    return anyio.run(serve, args.config_file or args.config, _overrides(args), args.log_level)
+
+
 def cmd_plugins(args: argparse.Namespace) -> int:
     from conveyor.config import load_config
     from conveyor.registry import PluginRegistry
@@ -87,6 +97,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"conveyor {__version__}")
     parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     sub = parser.add_subparsers(dest="command", required=True)
+
+    serve = sub.add_parser("serve", help="serve the model over HTTP (OpenAI API) and the other configured transports")
+    serve.add_argument("config_file", nargs="?", help="TOML config file (default: built-in defaults)")
+    _add_config_args(serve)
+    serve.set_defaults(func=cmd_serve)
 
     gen = sub.add_parser("generate", help="complete prompts offline and print the text")
     _add_config_args(gen)

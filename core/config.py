@@ -1,6 +1,6 @@
 """TOML configuration -> typed msgspec Structs.
 
-A config file has two core tables, ``[model]`` and ``[engine]``, one table per
+A config file has three core tables, ``[model]``, ``[engine]`` and ``[server]``, one table per
 plugin kind (``[scheduler]``, ``[kvcache]``, ``[quant]``, ``[[transport]]``)
 and a top-level ``plugins = [...]`` list of extra plugin modules. Each plugin
 table names its plugin with ``plugin = "name"``; its other keys are that
@@ -30,13 +30,14 @@ if TYPE_CHECKING:
     from conveyor.registry import PluginRegistry
 
 __all__ = [
+    "PLUGIN_KINDS",
     "Config",
     "ConfigError",
     "EngineConfig",
     "ModelConfig",
     "PluginSpec",
+    "ServerConfig",
     "load_config",
-    "PLUGIN_KINDS",
 ]
 
 
@@ -66,6 +67,21 @@ class EngineConfig(msgspec.Struct, forbid_unknown_fields=True):
     seed: int = 0
 
 
+class ServerConfig(msgspec.Struct, forbid_unknown_fields=True):
+    # frontend <-> engine sockets: "ipc" (Unix sockets in a private directory) or "tcp://HOST" (free ports)
+    engine_address: str = "ipc"
+    # on SIGINT/SIGTERM: seconds to let in-flight requests finish before aborting them
+    drain_timeout: Annotated[float, msgspec.Meta(ge=0)] = 30.0
+    # seconds between status lines while busy; 0: none
+    status_interval: Annotated[float, msgspec.Meta(ge=0)] = 10.0
+    # engine process deaths tolerated within ten minutes before the server exits non-zero
+    max_engine_restarts: Annotated[int, msgspec.Meta(ge=0)] = 3
+
+    def __post_init__(self) -> None:
+        if self.engine_address != "ipc" and not self.engine_address.startswith("tcp://"):
+            raise ValueError(f"engine_address = {self.engine_address!r}: allowed: 'ipc' or 'tcp://HOST'")
+
+
 class PluginSpec(msgspec.Struct):
     """One plugin table after validation."""
 
@@ -87,6 +103,7 @@ PLUGIN_KINDS: dict[str, str | None] = {
 class Config(msgspec.Struct):
     model: ModelConfig = msgspec.field(default_factory=ModelConfig)
     engine: EngineConfig = msgspec.field(default_factory=EngineConfig)
+    server: ServerConfig = msgspec.field(default_factory=ServerConfig)
     scheduler: PluginSpec = msgspec.field(default_factory=lambda: PluginSpec(PLUGIN_KINDS["scheduler"]))
     kvcache: PluginSpec = msgspec.field(default_factory=lambda: PluginSpec(PLUGIN_KINDS["kvcache"]))
     quant: PluginSpec = msgspec.field(default_factory=lambda: PluginSpec(PLUGIN_KINDS["quant"]))
@@ -97,8 +114,8 @@ class Config(msgspec.Struct):
     source: str = "<defaults>"
 
 
-_CORE_TABLES: dict[str, type[msgspec.Struct]] = {"model": ModelConfig, "engine": EngineConfig}
-_TOP_LEVEL_KEYS = ("model", "engine", "scheduler", "kvcache", "quant", "transport", "plugins")
+_CORE_TABLES: dict[str, type[msgspec.Struct]] = {"model": ModelConfig, "engine": EngineConfig, "server": ServerConfig}
+_TOP_LEVEL_KEYS = ("model", "engine", "server", "scheduler", "kvcache", "quant", "transport", "plugins")
 
 
 class _Origin:
@@ -215,7 +232,7 @@ def _build(raw: dict[str, Any], origin: _Origin, registry: PluginRegistry | None
     for kind, default in PLUGIN_KINDS.items():
         value = raw.get(kind)
         if kind == "transport":
-            entries = value if value is not None else []
+            entries = value if value is not None else [{"plugin": "http"}]
             if isinstance(entries, dict):
                 entries = [entries]
             if not isinstance(entries, list):

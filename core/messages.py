@@ -1,9 +1,13 @@
 """Messages that cross process boundaries (msgspec, no pickle).
 
 Every message is an array-like msgspec Struct; a decoder is built per type.
+Between the frontend and the engine process each message is two ZMQ frames:
+one byte naming its type (``MessageType``), then the msgpack body.
 """
 
 from __future__ import annotations
+
+import enum
 
 import msgspec
 
@@ -44,6 +48,8 @@ class RequestOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fals
     num_prompt_tokens: int = 0
     # prompt tokens whose KV came from the prefix cache
     num_cached_tokens: int = 0
+    # on the first token: seconds from arrival to the first step that ran the request
+    queue_time: float = 0.0
 
 
 class StepStats(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
@@ -70,3 +76,62 @@ class StepStats(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     forward_time: float = 0.0
     sample_time: float = 0.0
     update_time: float = 0.0
+
+
+class EngineOutputs(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """What the engine process publishes after a step (or after taking requests it rejected)."""
+
+    outputs: list[RequestOutput]
+    stats: StepStats | None = None
+
+
+class EngineReady(msgspec.Struct, array_like=True, gc=False):
+    """The engine process's first message: the model is loaded and the KV cache sized."""
+
+    pid: int
+    max_model_len: int
+    num_kv_blocks: int
+    block_size: int
+    # requests of max_model_len tokens that fit in the KV cache at once
+    max_concurrency: float
+    # seconds from process start to ready
+    load_time: float
+
+
+class MessageType(bytes, enum.Enum):
+    """The first frame of every frontend <-> engine message."""
+
+    # frontend -> engine
+    ADD = b"a"  # EngineRequest
+    ABORT = b"x"  # list[str]: request ids
+    SHUTDOWN = b"q"  # empty body: finish the current step and exit
+    # engine -> frontend
+    READY = b"r"  # EngineReady
+    OUTPUTS = b"o"  # EngineOutputs
+
+
+MESSAGE_BODIES: dict[MessageType, type] = {
+    MessageType.ADD: EngineRequest,
+    MessageType.ABORT: list[str],
+    MessageType.SHUTDOWN: type(None),
+    MessageType.READY: EngineReady,
+    MessageType.OUTPUTS: EngineOutputs,
+}
+_encoder = msgspec.msgpack.Encoder()
+_decoders = {kind: msgspec.msgpack.Decoder(body) for kind, body in MESSAGE_BODIES.items()}
+
+
+def encode(kind: MessageType, body: object = None) -> list[bytes]:
+    """The two frames of one message."""
+    return [kind.value, _encoder.encode(body)]
+
+
+def decode(frames: list[bytes]) -> tuple[MessageType, object]:
+    """The type and typed body of a message; raises ValueError for an unknown type or a bad body."""
+    if len(frames) != 2:
+        raise ValueError(f"expected 2 frames, got {len(frames)}")
+    kind = MessageType(bytes(frames[0]))
+    try:
+        return kind, _decoders[kind].decode(frames[1])
+    except msgspec.DecodeError as e:  # ValidationError is a DecodeError
+        raise ValueError(f"bad {kind.name} message: {e}") from None

@@ -26,6 +26,8 @@ DEFAULT_PLUGINS: tuple[str, ...] = (
     "conveyor.plugins.schedulers.continuous",
     "conveyor.plugins.schedulers.static",
     "conveyor.plugins.schedulers.dynamic",
+    "conveyor.plugins.transport.http",
+    "conveyor.plugins.transport.zmq",
 )
 
 # kind -> registration hook name

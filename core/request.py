@@ -41,21 +41,21 @@ class Request:
     """A request's tokens and progress, owned by the scheduler."""
 
     __slots__ = (
-        "request_id",
-        "prompt_token_ids",
+        "arrival_order",
+        "arrival_time",
+        "eos_token_ids",
+        "finish_reason",
+        "first_scheduled_time",
+        "generator",
+        "max_total_tokens",
+        "num_cached_tokens",
+        "num_computed_tokens",
         "output_token_ids",
         "params",
         "priority",
-        "arrival_time",
-        "arrival_order",
+        "prompt_token_ids",
+        "request_id",
         "status",
-        "finish_reason",
-        "num_computed_tokens",
-        "num_cached_tokens",
-        "max_total_tokens",
-        "eos_token_ids",
-        "generator",
-        "first_scheduled_time",
     )
 
     def __init__(
@@ -88,6 +88,7 @@ class Request:
         self.generator: torch.Generator | None = None
         if params.seed is not None:
             self.generator = torch.Generator().manual_seed(params.seed)
+        # time.time() of the first step that ran this request
         self.first_scheduled_time: float | None = None
 
     @classmethod
@@ -114,6 +115,13 @@ class Request:
     @property
     def num_output_tokens(self) -> int:
         return len(self.output_token_ids)
+
+    @property
+    def queue_time(self) -> float:
+        """Seconds from arrival to the first step that ran this request (0 until then)."""
+        if self.first_scheduled_time is None:
+            return 0.0
+        return max(0.0, self.first_scheduled_time - self.arrival_time)
 
     @property
     def is_finished(self) -> bool:

@@ -189,6 +189,7 @@ class Scheduler(ABC):
                     reason.value if reason else None,
                     num_prompt_tokens=request.num_prompt_tokens,
                     num_cached_tokens=request.num_cached_tokens,
+                    queue_time=request.queue_time if request.num_output_tokens == 1 else 0.0,
                 )
             )
         return outputs, finished

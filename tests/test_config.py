@@ -10,7 +10,7 @@ import msgspec
 import pytest
 import tomllib
 
-from conveyor.config import ConfigError, EngineConfig, ModelConfig, load_config, parse_override
+from conveyor.config import ConfigError, EngineConfig, ModelConfig, ServerConfig, load_config, parse_override
 from conveyor.model import checkpoint
 from conveyor.model.loader import open_model
 from conveyor.registry import PluginRegistry
@@ -42,12 +42,15 @@ def test_default_toml_documents_every_key():
         "scheduler": registry.get("scheduler", raw["scheduler"]["plugin"]).Options,
         "kvcache": registry.get("kvcache", raw["kvcache"]["plugin"]).Options,
         "quant": registry.get("quant", raw["quant"]["plugin"]).Options,
+        "server": ServerConfig,
+        "transport": registry.get("transport", raw["transport"][0]["plugin"]).Options,
     }
+    raw["transport"] = raw["transport"][0]
     lines = text.splitlines()
     for table, struct in expected.items():
         keys = [f.encode_name for f in msgspec.structs.fields(struct)]
         assert set(raw[table]) - {"plugin"} == set(keys), table
-        for key in keys + (["plugin"] if table in ("scheduler", "kvcache", "quant") else []):
+        for key in keys + (["plugin"] if table in ("scheduler", "kvcache", "quant", "transport") else []):
             index = next(
                 i for i, line in enumerate(lines) if re.match(rf"{key}\s*=", line) and _table_of(lines, i) == table
             )
@@ -80,7 +83,9 @@ def test_overrides_are_parsed_as_toml_values(tmp_path):
         ('[scheduler]\nplugin = "fifo"\n', ["[scheduler] plugin = 'fifo'", "not available", "installed: 'continuous'"]),
         ("[scheduler]\nmax_num_seqs = 0\n", ["[scheduler] max_num_seqs = 0", "Expected `int` >= 1"]),
         ('[kvcache]\nblok_size = 8\n', ["[kvcache] unknown key 'blok_size'", "allowed: block_size, memory_gb"]),
-        ("[server]\nport = 1\n", ["unknown key 'server'"]),
+        ("[serve]\nport = 1\n", ["unknown key 'serve'"]),
+        ("[server]\ndrain_timeout = -1\n", ["[server] drain_timeout = -1", "Expected `float` >= 0.0"]),
+        ('[[transport]]\nplugin = "http"\nhost = 1\n', ["[transport.0] host = 1", "Expected `str`"]),
         ('plugins = ["no_such_module_xyz"]\n', ["no_such_module_xyz", "cannot be imported"]),
     ],
 )

@@ -83,6 +83,10 @@ class EngineCore:
         if not batch.requests:
             return [], None
         scheduled = time.perf_counter()
+        now = time.time()
+        for request in batch.requests:
+            if request.first_scheduled_time is None:
+                request.first_scheduled_time = now
         num_decode = sum(
             1
             for request in batch.requests[: batch.num_decodes]
@@ -90,33 +94,41 @@ class EngineCore:
         )
         try:
             sampled, logprobs = self.runner.execute(batch)
-        except Exception as e:  # noqa: BLE001 - a failed step fails its requests, not the engine
+        except Exception as e:
             logger.exception("step failed; ending its %d requests with an error", len(batch))
             return self._fail(batch.requests, f"{type(e).__name__}: {e}"), None
         executed = time.perf_counter()
         outputs = self.scheduler.update(batch, sampled, logprobs)
         self.num_steps += 1
-        scheduler_stats = self.scheduler.stats()
-        kv_stats = self.kvcache.stats()
-        stats = StepStats(
-            step=self.num_steps,
-            timestamp=time.time(),
-            num_running=scheduler_stats.num_running,
-            num_waiting=scheduler_stats.num_waiting,
+        stats = self.stats(
             num_prefill_tokens=batch.total_tokens - num_decode,
             num_decode_tokens=num_decode,
-            kv_usage=kv_stats["usage"],
-            num_kv_blocks=int(kv_stats.get("num_blocks", 0)),
-            num_free_kv_blocks=int(kv_stats.get("num_free_blocks", 0)),
-            num_preemptions=scheduler_stats.num_preemptions,
-            num_prefix_hit_tokens=int(kv_stats.get("prefix_hits", 0)),
-            num_wasted_slots=scheduler_stats.num_wasted_slots,
             schedule_time=scheduled - start,
             forward_time=self.runner.forward_time,
             sample_time=self.runner.sample_time,
             update_time=time.perf_counter() - executed,
         )
         return outputs, stats
+
+    def stats(self, **step: float) -> StepStats:
+        """The queues and the KV cache now; ``step`` adds what the last step did (tokens, timings)."""
+        scheduler_stats = self.scheduler.stats()
+        kv_stats = self.kvcache.stats()
+        return StepStats(
+            step=self.num_steps,
+            timestamp=time.time(),
+            num_running=scheduler_stats.num_running,
+            num_waiting=scheduler_stats.num_waiting,
+            num_prefill_tokens=int(step.pop("num_prefill_tokens", 0)),
+            num_decode_tokens=int(step.pop("num_decode_tokens", 0)),
+            kv_usage=kv_stats["usage"],
+            num_kv_blocks=int(kv_stats.get("num_blocks", 0)),
+            num_free_kv_blocks=int(kv_stats.get("num_free_blocks", 0)),
+            num_preemptions=scheduler_stats.num_preemptions,
+            num_prefix_hit_tokens=int(kv_stats.get("prefix_hits", 0)),
+            num_wasted_slots=scheduler_stats.num_wasted_slots,
+            **step,
+        )
 
     def _fail(self, requests: list[Request], error: str) -> list[RequestOutput]:
         outputs = self.scheduler.abort(r.request_id for r in requests)

@@ -2,15 +2,15 @@
 
 from __future__ import annotations
 
-import math
 from collections.abc import AsyncIterator, Callable
+from contextlib import aclosing
 from typing import Any
 
 import anyio
 import anyio.abc
-from anyio.streams.memory import MemoryObjectSendStream
 
 from conveyor.engine.core import EngineCore
+from conveyor.engine.streams import OutputStreams, follow
 from conveyor.messages import EngineRequest, RequestOutput, StepStats
 from conveyor.request import FinishReason, RequestRejected
 
@@ -29,7 +29,7 @@ class AsyncEngine:
         self.on_step = on_step
         # ("add", EngineRequest) or ("abort", request id), in arrival order
         self._inbox: list[tuple[str, Any]] = []
-        self._streams: dict[str, MemoryObjectSendStream[RequestOutput]] = {}
+        self._streams = OutputStreams()
         self._wakeup = anyio.Event()
 
     async def run(self, *, task_status: anyio.abc.TaskStatus = anyio.TASK_STATUS_IGNORED) -> None:
@@ -42,7 +42,7 @@ class AsyncEngine:
                 self._wakeup = anyio.Event()
                 continue
             outputs, stats = await anyio.to_thread.run_sync(self.core.step)
-            self._publish(outputs)
+            self._streams.route(outputs)
             if stats is None:
                 await anyio.sleep(0.002)  # a batching scheduler is still collecting requests
             elif self.on_step is not None:
@@ -55,29 +55,15 @@ class AsyncEngine:
             if kind != "add":
                 continue
             if payload.request_id in aborts:  # withdrawn before it reached the engine
-                self._publish([RequestOutput(payload.request_id, finish_reason=FinishReason.ABORT.value)])
+                self._streams.route([RequestOutput(payload.request_id, finish_reason=FinishReason.ABORT.value)])
                 continue
             try:
                 self.core.add_request(payload)
             except RequestRejected as e:
                 rejection = RequestOutput(payload.request_id, finish_reason="error", error=str(e), error_status=e.status)
-                self._publish([rejection])
+                self._streams.route([rejection])
         if aborts:
-            self._publish(self.core.abort(aborts))
-
-    def _publish(self, outputs: list[RequestOutput]) -> None:
-        for output in outputs:
-            stream = self._streams.get(output.request_id)
-            if stream is None:
-                continue
-            try:
-                stream.send_nowait(output)
-            except anyio.BrokenResourceError:  # the reader left; its abort is on the way
-                del self._streams[output.request_id]
-                continue
-            if output.finish_reason is not None:
-                stream.close()
-                del self._streams[output.request_id]
+            self._streams.route(self.core.abort(aborts))
 
     def _post(self, kind: str, payload: Any) -> None:
         self._inbox.append((kind, payload))
@@ -90,21 +76,11 @@ class AsyncEngine:
         client that disconnects) aborts the request at once, not when the
         generator is garbage-collected.
         """
-        if request.request_id in self._streams:
-            raise RequestRejected(f"request id {request.request_id!r} is already in use")
-        # Unbounded: a slow reader must not stall the engine; max_tokens bounds it.
-        send, receive = anyio.create_memory_object_stream[RequestOutput](math.inf)
-        self._streams[request.request_id] = send
+        receive = self._streams.open(request.request_id)
         self._post("add", request)
-        finished = False
-        try:
-            async with receive:
-                async for output in receive:
-                    finished = output.finish_reason is not None
-                    yield output
-        finally:
-            if not finished:
-                self.abort(request.request_id)
+        async with aclosing(follow(receive, lambda: self.abort(request.request_id))) as outputs:
+            async for output in outputs:
+                yield output
 
     def abort(self, request_id: str) -> None:
         """Stop a request wherever it is; its stream ends with an ``abort`` output."""

@@ -66,7 +66,7 @@ class Sampler:
         device = logits.device
         temperature = torch.tensor([p.temperature for p in params], dtype=logits.dtype, device=device).unsqueeze(1)
         logits = logits / temperature
-        top_k = [p.top_k if p.top_k > 0 else 0 for p in params]
+        top_k = [max(0, p.top_k) for p in params]
         if any(top_k):
             logits = apply_top_k(logits, top_k)
         probs = torch.softmax(logits, dim=-1)

@@ -1,0 +1,1 @@
+"""Serving: the engine process client, the frontend shared by transports, metrics, and `conveyor serve`."""

@@ -1,0 +1,234 @@
+"""The frontend: prompts to token ids, engine outputs to text, per-request metrics.
+
+Every transport (HTTP, ZMQ, a third-party one) serves clients through one
+``Frontend``: it checks a request against the model's limits, submits it to
+the engine process, turns the token stream into text incrementally (whole
+UTF-8 characters only, stop strings cut), and records TTFT, ITL, queue time
+and end-to-end latency.
+"""
+
+from __future__ import annotations
+
+import itertools
+import sys
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import aclosing
+from typing import Any
+
+import anyio
+import msgspec
+
+from conveyor.messages import EngineRequest, TokenLogprob
+from conveyor.model.detokenizer import TextStream
+from conveyor.model.tokenizer import ChatTemplateError, Tokenizer
+from conveyor.request import RequestRejected
+from conveyor.sampling import SamplingParams
+from conveyor.serving.engine_client import EngineClient, EngineUnavailable
+from conveyor.serving.metrics import ServerMetrics
+
+if sys.version_info < (3, 11):
+    from exceptiongroup import BaseExceptionGroup
+
+
+class RequestError(Exception):
+    """A request the server refuses or could not finish, with the HTTP status that says why.
+
+    Args:
+        message: what is wrong, naming the offending field and value.
+        status: 400 bad input, 413 too large, 429 queue full, 503 engine unavailable, ...
+        param: the request field at fault, when there is one.
+    """
+
+    def __init__(self, message: str, status: int = 400, param: str | None = None):
+        super().__init__(message)
+        self.message = message
+        self.status = status
+        self.param = param
+
+
+class Chunk(msgspec.Struct):
+    """What one engine output added to one request."""
+
+    # text that is now final (may be empty while a character or a stop string is pending)
+    text: str
+    token_ids: list[int]
+    # one per token in token_ids when the request asked for logprobs
+    logprobs: list[TokenLogprob] | None
+    # "stop", "length" or "abort" on the last chunk
+    finish_reason: str | None
+    num_prompt_tokens: int
+    # generated so far, this chunk included
+    num_output_tokens: int
+    num_cached_tokens: int = 0
+
+
+class Frontend:
+    """Tokenizes, submits, detokenizes; shared by all transports of a server."""
+
+    def __init__(self, engine: EngineClient, tokenizer: Tokenizer, model_name: str, metrics: ServerMetrics):
+        self.engine = engine
+        self.tokenizer = tokenizer
+        self.model_name = model_name
+        self.metrics = metrics
+        self.max_model_len = engine.ready.max_model_len if engine.ready else 0
+        # set when the server stops taking requests (shutdown)
+        self.draining = False
+        self._ids = itertools.count()
+
+    @property
+    def healthy(self) -> bool:
+        return self.engine.alive and not self.draining
+
+    @property
+    def num_in_flight(self) -> int:
+        return self.engine.num_in_flight
+
+    def new_request_id(self, prefix: str = "req") -> str:
+        return f"{prefix}-{next(self._ids)}-{time.monotonic_ns() % 10**9:09d}"
+
+    def encode(self, prompt: str | list[int], field: str = "prompt") -> list[int]:
+        """Token ids of a text, or token ids given as they are.
+
+        Raises:
+            RequestError: 400, naming ``field``.
+        """
+        if isinstance(prompt, str):
+            return self.tokenizer.encode(prompt)
+        if isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            vocab = self.tokenizer.vocab_size
+            bad = [t for t in prompt if not 0 <= t < vocab]
+            if bad:
+                raise RequestError(f"{field}: token id {bad[0]} is outside the vocabulary (0..{vocab - 1})", 400, field)
+            return list(prompt)
+        raise RequestError(f"{field} must be a string or a list of token ids", 400, field)
+
+    def encode_chat(self, messages: list[dict[str, Any]], field: str = "messages") -> list[int]:
+        """Token ids of a conversation rendered with the model's chat template."""
+        try:
+            return self.tokenizer.encode_chat(messages)
+        except ChatTemplateError as e:
+            raise RequestError(f"{field}: {e}", 400, field) from None
+
+    def check(self, prompt_ids: list[int], params: SamplingParams) -> None:
+        """Refuse what the model cannot do (400) and new work while draining (503)."""
+        if self.draining:
+            raise RequestError("the server is shutting down", 503)
+        num_prompt = len(prompt_ids)
+        if num_prompt == 0:
+            raise RequestError("the prompt is empty", 400, "prompt")
+        limit = self.max_model_len
+        if num_prompt >= limit:
+            raise RequestError(
+                f"the prompt has {num_prompt} tokens; max_model_len={limit} leaves no room for output", 400, "prompt"
+            )
+        if params.max_tokens is not None and num_prompt + params.max_tokens > limit:
+            raise RequestError(
+                f"the prompt ({num_prompt} tokens) + max_tokens ({params.max_tokens}) = "
+                f"{num_prompt + params.max_tokens} exceeds max_model_len={limit}",
+                400,
+                "max_tokens",
+            )
+
+    async def generate(
+        self, prompt_ids: list[int], params: SamplingParams, *, request_id: str, priority: int = 0
+    ) -> AsyncIterator[Chunk]:
+        """Run one sequence; yield its chunks until the one with a finish_reason.
+
+        Iterate inside ``contextlib.aclosing``: leaving early aborts the request.
+
+        Raises:
+            RequestError: refused (400/429/503), or the engine failed it (5xx).
+        """
+        self.check(prompt_ids, params)
+        start = time.perf_counter()
+        request = EngineRequest(request_id, prompt_ids, params, priority, time.time())
+        text = TextStream(self.tokenizer, params)
+        num_output = 0
+        last_token: float | None = None
+        reason: str | None = None
+        began = False
+        try:
+            async with aclosing(self.engine.generate(request)) as outputs:
+                began = True
+                async for output in outputs:
+                    if output.error is not None:
+                        reason = "error"
+                        raise RequestError(output.error, output.error_status or 500)
+                    now = time.perf_counter()
+                    if output.new_token_ids:
+                        if last_token is None:
+                            self.metrics.first_token(now - start, output.queue_time, len(prompt_ids))
+                        else:
+                            self.metrics.next_token(now - last_token)
+                        last_token = now
+                        num_output += len(output.new_token_ids)
+                    reason = output.finish_reason
+                    delta = text.add(output.new_token_ids, final=reason is not None)
+                    if reason is None and text.stopped:
+                        reason = "stop"
+                    yield Chunk(
+                        delta,
+                        output.new_token_ids,
+                        output.new_logprobs,
+                        reason,
+                        len(prompt_ids),
+                        num_output,
+                        output.num_cached_tokens,
+                    )
+                    if reason is not None:
+                        return
+        except EngineUnavailable as e:
+            raise RequestError(str(e), 503) from None
+        except RequestRejected as e:
+            raise RequestError(str(e), e.status) from None
+        finally:
+            if began:
+                outcome = reason or "abort"
+                self.metrics.request_done(outcome, time.perf_counter() - start, num_output)
+
+    async def run_choices(
+        self,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        n: int,
+        *,
+        request_id: str,
+        priority: int = 0,
+        on_chunk: Callable[[int, Chunk], Awaitable[None]],
+    ) -> None:
+        """Run ``n`` sequences of one prompt at once, calling ``on_chunk(index, chunk)`` as they come.
+
+        With a seed, sequence i uses seed + i, so the choices differ and are reproducible.
+        """
+        self.check(prompt_ids, params)
+
+        async def one(index: int) -> None:
+            p = params
+            if index and params.seed is not None:
+                p = msgspec.structs.replace(params, seed=params.seed + index)
+            rid = request_id if n == 1 else f"{request_id}-{index}"
+            async with aclosing(self.generate(prompt_ids, p, request_id=rid, priority=priority)) as chunks:
+                async for chunk in chunks:
+                    await on_chunk(index, chunk)
+
+        if n == 1:
+            await one(0)
+            return
+        try:
+            async with anyio.create_task_group() as tg:
+                for index in range(n):
+                    tg.start_soon(one, index)
+        except BaseExceptionGroup as group:
+            errors = group.subgroup(RequestError)
+            if errors is not None and errors.exceptions and len(errors.exceptions) == len(group.exceptions):
+                raise _first_error(errors) from None
+            raise
+
+
+def _first_error(group: BaseExceptionGroup) -> RequestError:
+    error = group.exceptions[0]
+    while isinstance(error, BaseExceptionGroup):
+        error = error.exceptions[0]
+    assert isinstance(error, RequestError)
+    return error

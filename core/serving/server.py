@@ -1,0 +1,133 @@
+"""``conveyor serve``: the frontend process, its transports, and the engine process behind them.
+
+Start-up prints where the server listens, the model, the KV capacity and an
+example curl. While busy, a one-line status is logged every
+``[server] status_interval`` seconds. SIGINT or SIGTERM stops taking new
+requests, lets in-flight ones finish for up to ``[server] drain_timeout``
+seconds, aborts the rest, stops the engine and returns 0.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import sys
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import anyio
+
+from conveyor.config import ConfigError, load_config
+from conveyor.messages import EngineReady
+from conveyor.model.loader import load_tokenizer, served_name
+from conveyor.registry import PluginRegistry
+from conveyor.serving.engine_client import EngineClient, EngineFailed
+from conveyor.serving.frontend import Frontend
+from conveyor.serving.metrics import ServerMetrics
+
+if sys.version_info < (3, 11):
+    from exceptiongroup import BaseExceptionGroup
+
+logger = logging.getLogger("conveyor")
+
+
+async def serve(config_path: str | Path | None, overrides: Mapping[str, Any] | None = None, log_level: str = "INFO") -> int:
+    """Serve until SIGINT/SIGTERM; returns the process exit code.
+
+    Raises:
+        ConfigError, PluginError: the config is wrong (before anything starts).
+    """
+    config = load_config(config_path, overrides)
+    registry = PluginRegistry(config.plugins, source=config.source)
+    if not config.transport:
+        raise ConfigError(f"{config.source}: no [[transport]] to serve on")
+    transports = [registry.get("transport", spec.plugin)(spec.options) for spec in config.transport]
+    tokenizer = load_tokenizer(config.model, source=config.source)
+    model_name = served_name(config.model)
+    metrics = ServerMetrics(model_name)
+    engine = EngineClient(
+        config_path,
+        overrides,
+        address=config.server.engine_address,
+        max_restarts=config.server.max_engine_restarts,
+        log_level=log_level,
+    )
+    engine.stats_observers.append(metrics.engine_step)
+    engine.ready_observers.append(metrics.engine_ready)
+    try:
+        async with anyio.create_task_group() as tg:
+            logger.info("starting the engine process")
+            ready = await tg.start(engine.run)
+            frontend = Frontend(engine, tokenizer, model_name, metrics)
+            urls = [await tg.start(transport.serve, frontend) for transport in transports]
+            _print_banner(model_name, config.kvcache.plugin, ready, urls)
+            if config.server.status_interval:
+                tg.start_soon(_report_status, frontend, config.server.status_interval)
+            with anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+                async for signum in signals:
+                    logger.info("%s: draining %d requests (up to %.0f s)", signal.Signals(signum).name,
+                                frontend.num_in_flight, config.server.drain_timeout)
+                    break
+            await _drain(frontend, config.server.drain_timeout)
+            await engine.shutdown()
+            tg.cancel_scope.cancel()
+    except BaseExceptionGroup as group:
+        failed = group.subgroup(EngineFailed)
+        if failed is None:
+            raise
+        logger.error("error: %s", failed.exceptions[0])
+        return 1
+    except EngineFailed as e:
+        logger.error("error: %s", e)
+        return 1
+    logger.info("stopped")
+    return 0
+
+
+async def _drain(frontend: Frontend, timeout: float) -> None:
+    frontend.draining = True
+    with anyio.move_on_after(timeout):
+        while frontend.num_in_flight:
+            await anyio.sleep(0.05)
+    if frontend.num_in_flight:
+        logger.warning("aborting %d requests still running after %.0f s", frontend.num_in_flight, timeout)
+        frontend.engine.abort_all()
+        with anyio.move_on_after(5):
+            while frontend.num_in_flight:
+                await anyio.sleep(0.05)
+
+
+async def _report_status(frontend: Frontend, interval: float) -> None:
+    idle_reported = False
+    while True:
+        await anyio.sleep(interval)
+        busy = frontend.num_in_flight > 0
+        if busy or not idle_reported:
+            logger.info("%s", frontend.metrics.status_line())
+        idle_reported = not busy
+
+
+def _print_banner(model_name: str, kv_layout: str, ready: EngineReady, urls: list[str]) -> None:
+    lines = [
+        (
+            f"Conveyor is serving {model_name} (max_model_len {ready.max_model_len}; engine pid {ready.pid}, "
+            f"ready in {ready.load_time:.1f} s)"
+        ),
+        (
+            f"KV cache ({kv_layout}): {ready.num_kv_blocks} blocks x {ready.block_size} tokens; "
+            f"{ready.max_concurrency:.1f} requests of max_model_len fit at once"
+        ),
+    ]
+    lines += [f"Listening on {url}" for url in urls]
+    http = next((u for u in urls if u.startswith("http")), None)
+    if http:
+        lines += [
+            "Try:",
+            f"  curl {http}/v1/chat/completions -H 'Content-Type: application/json' \\",
+            (
+                f"    -d '{{\"model\": \"{model_name}\", \"messages\": [{{\"role\": \"user\", "
+                "\"content\": \"What is the capital of France?\"}]}'"
+            ),
+        ]
+    print("\n".join(lines), flush=True)

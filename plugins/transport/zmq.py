@@ -1,0 +1,190 @@
+"""The ``zmq`` transport: a ROUTER socket speaking the Conveyor ZMQ protocol (docs/zmq-protocol.md).
+
+Any client with ZeroMQ and msgpack can integrate: send ``generate``, receive
+``chunk`` messages until one has a ``finish_reason``; ``abort`` stops a
+request. With CURVE keys in the config, only clients whose public key is in
+the authorized directory can connect.
+"""
+
+from __future__ import annotations
+
+import logging
+from contextlib import aclosing
+from pathlib import Path
+from typing import Any, ClassVar
+
+import anyio
+import anyio.abc
+import msgspec
+import zmq
+import zmq.asyncio
+from zmq.auth.asyncio import AsyncioAuthenticator
+
+from conveyor.hookspecs import hookimpl
+from conveyor.serving import protocol
+from conveyor.serving.frontend import Frontend, RequestError
+from conveyor.transport import Transport
+
+logger = logging.getLogger("conveyor")
+
+
+class ZMQOptions(msgspec.Struct, forbid_unknown_fields=True):
+    # where clients connect; tcp://127.0.0.1:* picks a free port
+    address: str = "tcp://127.0.0.1:5556"
+    # CURVE: the server's secret key file (zmq.auth.create_certificates makes NAME.key_secret) ...
+    curve_secret_key_file: str = ""
+    # ... and a directory of the public key files (*.key) of the clients allowed in
+    curve_authorized_keys_dir: str = ""
+
+    def __post_init__(self) -> None:
+        if bool(self.curve_secret_key_file) != bool(self.curve_authorized_keys_dir):
+            raise ValueError("CURVE needs both curve_secret_key_file and curve_authorized_keys_dir (or neither)")
+
+
+class ZMQTransport(Transport):
+    """External clients over a ZMQ ROUTER socket."""
+
+    name: ClassVar[str] = "zmq"
+    Options: ClassVar[type[msgspec.Struct]] = ZMQOptions
+
+    def __init__(self, options: ZMQOptions):
+        super().__init__(options)
+        self._keys: tuple[bytes, bytes] | None = None
+        if options.curve_secret_key_file:
+            if not zmq.has("curve"):
+                raise ValueError("[transport] CURVE keys are set but this libzmq has no CURVE support")
+            for path in (options.curve_secret_key_file, options.curve_authorized_keys_dir):
+                if not Path(path).exists():
+                    raise ValueError(f"[transport] {path}: no such file or directory")
+            public, secret = zmq.auth.load_certificate(options.curve_secret_key_file)
+            if secret is None:
+                raise ValueError(f"[transport] curve_secret_key_file = {options.curve_secret_key_file!r} "
+                                 "holds no secret key (use the .key_secret file)")
+            self._keys = (public, secret)
+        # (client identity, client request id) -> the cancel scope of that request
+        self._running: dict[tuple[bytes, str], anyio.CancelScope] = {}
+
+    async def serve(self, engine: Frontend, *, task_status: anyio.abc.TaskStatus = anyio.TASK_STATUS_IGNORED) -> None:
+        context = zmq.asyncio.Context()
+        authenticator = None
+        socket = context.socket(zmq.ROUTER)
+        try:
+            if self._keys is not None:
+                authenticator = AsyncioAuthenticator(context)
+                authenticator.start()
+                authenticator.configure_curve(domain="*", location=self.options.curve_authorized_keys_dir)
+                socket.curve_server = True
+                socket.curve_publickey, socket.curve_secretkey = self._keys
+            socket.setsockopt(zmq.SNDHWM, 0)  # never drop a chunk for a slow client
+            socket.bind(self.options.address)
+            task_status.started(socket.getsockopt_string(zmq.LAST_ENDPOINT))
+            async with anyio.create_task_group() as tg:
+                while True:
+                    frames = await socket.recv_multipart()
+                    self._dispatch(socket, engine, tg, frames)
+        finally:
+            socket.close(linger=0)
+            if authenticator is not None:
+                authenticator.stop()
+            context.term()
+
+    def _dispatch(self, socket: zmq.asyncio.Socket, frontend: Frontend, tg: anyio.abc.TaskGroup,
+                  frames: list[bytes]) -> None:
+        identity = frames[0]
+        reply = _Replier(socket, identity)
+        if len(frames) != 3 or frames[1] not in protocol.CLIENT_DECODERS:
+            kinds = ", ".join(k.decode() for k in protocol.CLIENT_MESSAGES)
+            tg.start_soon(reply.error, None, 400, f"expected two frames: a message type ({kinds}) and a msgpack map")
+            return
+        kind = frames[1]
+        try:
+            body = protocol.CLIENT_DECODERS[kind].decode(frames[2])
+        except (msgspec.DecodeError, ValueError) as e:
+            tg.start_soon(reply.error, None, 400, f"bad {kind.decode()} message: {e}")
+            return
+        if kind == b"health":
+            ready = frontend.engine.ready
+            health = protocol.HealthReply(frontend.healthy, frontend.model_name,
+                                          ready.max_model_len if ready else 0, frontend.num_in_flight)
+            tg.start_soon(reply.send, b"health", health)
+        elif kind == b"abort":
+            scope = self._running.get((identity, body.request_id))
+            if scope is not None:
+                scope.cancel()
+        else:
+            key = (identity, body.request_id)
+            if key in self._running:
+                tg.start_soon(reply.error, body.request_id, 400,
+                              f"request_id {body.request_id!r} is already in flight")
+                return
+            scope = anyio.CancelScope()
+            self._running[key] = scope
+            tg.start_soon(self._generate, frontend, reply, body, scope)
+
+    async def _generate(self, frontend: Frontend, reply: _Replier, request: protocol.GenerateRequest,
+                        scope: anyio.CancelScope) -> None:
+        rid = request.request_id
+        text, token_ids, logprobs = [], [], []
+        last: Any = None
+        try:
+            with scope:
+                try:
+                    if (request.prompt is None) == (request.messages is None):
+                        raise RequestError("give exactly one of prompt and messages", 400, "prompt")
+                    if request.messages is not None:
+                        prompt_ids = frontend.encode_chat(request.messages)
+                    else:
+                        prompt_ids = frontend.encode(request.prompt)
+                    internal_id = f"zmq-{reply.identity.hex()}-{rid}"
+                    chunks = frontend.generate(prompt_ids, request.params, request_id=internal_id,
+                                               priority=request.priority)
+                    async with aclosing(chunks):
+                        async for chunk in chunks:
+                            last = chunk
+                            message = _chunk(rid, chunk)
+                            if request.stream:
+                                if message.text or message.finish_reason or message.logprobs:
+                                    await reply.send(b"chunk", message)
+                            else:
+                                text.append(message.text)
+                                token_ids += message.token_ids
+                                logprobs += message.logprobs or []
+                    if not request.stream and last is not None:
+                        whole = _chunk(rid, last)
+                        whole.text, whole.token_ids, whole.logprobs = "".join(text), token_ids, logprobs or None
+                        await reply.send(b"chunk", whole)
+                except RequestError as e:
+                    await reply.error(rid, e.status, e.message)
+            if scope.cancel_called:  # the client aborted it
+                usage = protocol.Usage(last.num_prompt_tokens, last.num_output_tokens) if last else None
+                await reply.send(b"chunk", protocol.StreamChunk(rid, finish_reason="abort", usage=usage))
+        finally:
+            self._running.pop((reply.identity, rid), None)
+
+
+class _Replier:
+    def __init__(self, socket: zmq.asyncio.Socket, identity: bytes):
+        self.socket = socket
+        self.identity = identity
+
+    async def send(self, kind: bytes, body: msgspec.Struct) -> None:
+        await self.socket.send_multipart([self.identity, *protocol.encode(kind, body)])
+
+    async def error(self, request_id: str | None, status: int, message: str) -> None:
+        await self.send(b"error", protocol.ErrorReply(request_id, status, message))
+
+
+def _chunk(request_id: str, chunk: Any) -> protocol.StreamChunk:
+    logprobs = None
+    if chunk.logprobs is not None:
+        logprobs = [protocol.Logprob(t, lp.logprob, lp.top_ids, lp.top_logprobs)
+                    for t, lp in zip(chunk.token_ids, chunk.logprobs)]
+    usage = None
+    if chunk.finish_reason is not None:
+        usage = protocol.Usage(chunk.num_prompt_tokens, chunk.num_output_tokens, chunk.num_cached_tokens)
+    return protocol.StreamChunk(request_id, chunk.text, chunk.token_ids, logprobs, chunk.finish_reason, usage)
+
+
+@hookimpl
+def conveyor_register_transports(register) -> None:
+    register(ZMQTransport)

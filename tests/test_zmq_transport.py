@@ -1,0 +1,189 @@
+"""The ZMQ transport on a real server: a raw client written from docs/zmq-protocol.md,
+conveyor.client sync and async, HTTP and ZMQ served at once, and CURVE."""
+
+from __future__ import annotations
+
+import anyio
+import msgspec
+import pytest
+import zmq
+import zmq.auth
+
+from conveyor.client import AsyncClient, Client, ServerError
+from tests.server import Server
+
+pytestmark = pytest.mark.slow
+
+QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+def zmq_config(curve: str = "") -> str:
+    return f"""
+[server]
+status_interval = 0
+
+[[transport]]
+plugin = "http"
+port = 0
+
+[[transport]]
+plugin = "zmq"
+address = "tcp://127.0.0.1:*"
+{curve}
+"""
+
+
+@pytest.fixture(scope="module")
+def keys(tmp_path_factory):
+    """A server key pair, one authorized client and one stranger."""
+    root = tmp_path_factory.mktemp("keys")
+    (root / "clients").mkdir()
+    (root / "strangers").mkdir()
+    zmq.auth.create_certificates(root, "server")
+    zmq.auth.create_certificates(root / "clients", "alice")
+    zmq.auth.create_certificates(root / "strangers", "mallory")
+    return root
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory, keys):
+    curve = (
+        f'curve_secret_key_file = "{keys / "server.key_secret"}"\n'
+        f'curve_authorized_keys_dir = "{keys / "clients"}"'
+    )
+    server = Server(zmq_config(curve), tmp_path_factory.mktemp("zmq-server")).start()
+    yield server
+    assert server.stop() == 0
+
+
+@pytest.fixture()
+def client_keys(keys):
+    return {"server_public_key_file": keys / "server.key", "secret_key_file": keys / "clients" / "alice.key_secret"}
+
+
+def raw_socket(server: Server, keys, client: str = "clients/alice") -> zmq.Socket:
+    """A DEALER socket set up the way docs/zmq-protocol.md says, with CURVE keys."""
+    socket = zmq.Context.instance().socket(zmq.DEALER)
+    socket.setsockopt(zmq.LINGER, 0)
+    socket.curve_serverkey, _ = zmq.auth.load_certificate(keys / "server.key")
+    socket.curve_publickey, socket.curve_secretkey = zmq.auth.load_certificate(keys / f"{client}.key_secret")
+    socket.connect(server.url("tcp"))
+    return socket
+
+
+def test_raw_client_from_the_protocol_document(server, keys, tokenizer):
+    socket = raw_socket(server, keys)
+    request = {
+        "request_id": "r1",
+        "messages": QUESTION,
+        "params": {"max_tokens": 12, "temperature": 0, "ignore_eos": True, "logprobs": 2},
+    }
+    socket.send_multipart([b"generate", msgspec.msgpack.encode(request)])
+    chunks = []
+    while True:
+        assert socket.poll(60_000), "no reply"
+        kind, body = socket.recv_multipart()
+        assert kind == b"chunk", msgspec.msgpack.decode(body)
+        message = msgspec.msgpack.decode(body)
+        assert message["request_id"] == "r1"
+        chunks.append(message)
+        if message.get("finish_reason"):
+            break
+    token_ids = [t for c in chunks for t in c["token_ids"]]
+    text = "".join(c["text"] for c in chunks)
+    final = chunks[-1]
+    assert final["finish_reason"] == "length"
+    assert final["usage"]["completion_tokens"] == len(token_ids) == 12
+    assert final["usage"]["prompt_tokens"] == len(tokenizer.encode_chat(QUESTION))
+    assert text == tokenizer.decode(token_ids)
+    logprobs = [lp for c in chunks for lp in c.get("logprobs") or []]
+    assert [lp["token_id"] for lp in logprobs] == token_ids
+    assert all(len(lp["top_ids"]) == 2 and lp["top_ids"][0] == lp["token_id"] for lp in logprobs)  # greedy
+
+    # a malformed message gets an error naming the problem, and the socket keeps working
+    socket.send_multipart([b"generate", msgspec.msgpack.encode({"request_id": "r2", "prompt": "hi", "params": {"tempreature": 1}})])
+    assert socket.poll(60_000)
+    kind, body = socket.recv_multipart()
+    assert kind == b"error"
+    error = msgspec.msgpack.decode(body)
+    assert error["status"] == 400 and "tempreature" in error["message"]
+    socket.send_multipart([b"health", msgspec.msgpack.encode({})])
+    assert socket.poll(60_000)
+    kind, body = socket.recv_multipart()
+    assert kind == b"health" and msgspec.msgpack.decode(body)["alive"] is True
+    socket.close()
+
+
+def test_raw_client_abort(server, keys):
+    socket = raw_socket(server, keys)
+    request = {"request_id": "long", "prompt": "Tell me a story.", "params": {"max_tokens": 500, "ignore_eos": True}}
+    socket.send_multipart([b"generate", msgspec.msgpack.encode(request)])
+    assert socket.poll(60_000)
+    socket.recv_multipart()
+    socket.send_multipart([b"abort", msgspec.msgpack.encode({"request_id": "long"})])
+    while True:
+        assert socket.poll(60_000), "no final chunk after abort"
+        _, body = socket.recv_multipart()
+        message = msgspec.msgpack.decode(body)
+        if message.get("finish_reason"):
+            break
+    assert message["finish_reason"] == "abort"
+    assert message["usage"]["completion_tokens"] < 500
+    server.wait_for(lambda: server.metric("conveyor_kv_cache_free_blocks") == server.metric("conveyor_kv_cache_blocks"),
+                    what="the aborted request's blocks to be freed")
+    socket.close()
+
+
+def test_sync_client_matches_http(server, client_keys):
+    import openai
+
+    with Client(server.url("tcp"), timeout=60, **client_keys) as client:
+        assert client.health().alive
+        whole = client.generate(messages=QUESTION, max_tokens=16, temperature=0)
+        chunks = list(client.stream(messages=QUESTION, max_tokens=16, temperature=0))
+        with pytest.raises(ServerError) as error:
+            client.generate("hello", max_tokens=10**6)
+        assert error.value.status == 400 and "max_model_len" in error.value.message
+    assert "".join(c.text for c in chunks) == whole.text
+    assert chunks[-1].finish_reason == whole.finish_reason and chunks[-1].usage == whole.usage
+    http = openai.OpenAI(base_url=f"{server.http}/v1", api_key="unused")
+    reply = http.chat.completions.create(model="smollm2-135m-instruct", messages=QUESTION, max_tokens=16, temperature=0)
+    assert reply.choices[0].message.content == whole.text
+    assert reply.usage.completion_tokens == whole.usage.completion_tokens
+
+
+async def test_async_client_runs_requests_concurrently(server, client_keys, tokenizer):
+    prompts = [f"Count from {i} to {i + 5}:" for i in range(6)]
+    async with AsyncClient(server.url("tcp"), timeout=120, **client_keys) as client:
+        assert (await client.health()).alive
+        results: dict[int, object] = {}
+
+        async def one(i: int) -> None:
+            results[i] = await client.generate(prompts[i], max_tokens=4 + i, temperature=0, ignore_eos=True)
+
+        async with anyio.create_task_group() as tg:
+            for i in range(len(prompts)):
+                tg.start_soon(one, i)
+        # leaving a stream early aborts the request
+        async for chunk in client.stream("Tell me a long story.", max_tokens=400, ignore_eos=True):
+            break
+    for i, prompt in enumerate(prompts):
+        result = results[i]
+        assert result.finish_reason == "length"
+        assert result.usage.completion_tokens == len(result.token_ids) == 4 + i
+        assert result.usage.prompt_tokens == len(tokenizer.encode(prompt))
+    server.wait_for(lambda: server.metric("conveyor_num_requests_running") == 0, what="the abandoned stream's abort")
+
+
+def test_curve_rejects_a_client_with_the_wrong_key(server, keys):
+    stranger = raw_socket(server, keys, client="strangers/mallory")
+    stranger.send_multipart([b"health", msgspec.msgpack.encode({})])
+    assert stranger.poll(3_000) == 0, "a client with an unauthorized key got a reply"
+    stranger.close()
+    with Client(server.url("tcp"), timeout=3) as plain, pytest.raises(TimeoutError):
+        plain.health()  # no CURVE at all
+    # the authorized client still gets through
+    trusted = raw_socket(server, keys)
+    trusted.send_multipart([b"health", msgspec.msgpack.encode({})])
+    assert trusted.poll(60_000)
+    trusted.close()
