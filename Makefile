@@ -6,7 +6,7 @@ PIP    := $(PY) -m pip --quiet --disable-pip-version-check
 STAMP  := $(VENV)/.conveyor-setup
 CONFIG ?= configs/default.toml
 
-.PHONY: setup serve test clean
+.PHONY: setup serve test bench clean
 
 setup: $(STAMP)
 
@@ -27,6 +27,10 @@ serve: setup
 
 test: setup
 	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+# Static vs dynamic vs continuous batching under a request-rate sweep: tables and plots in bench-results/.
+bench: setup
+	$(PY) benchmarks/serving.py --out bench-results
 
 clean:
 	rm -rf $(VENV) build *.egg-info core/*.egg-info

@@ -1,4 +1,4 @@
-"""The ``conveyor`` command: serve, generate, plugins."""
+"""The ``conveyor`` command: serve, generate, bench, plugins."""
 
 from __future__ import annotations
 
@@ -81,6 +81,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return anyio.run(serve, args.config_file or args.config, _overrides(args), args.log_level)
 
 
+def cmd_bench(args: argparse.Namespace) -> int:
+    from conveyor.bench.command import main
+
+    return main(args)
+
+
 def cmd_plugins(args: argparse.Namespace) -> int:
     from conveyor.config import load_config
     from conveyor.registry import PluginRegistry
@@ -116,6 +122,12 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--ignore-eos", action="store_true")
     gen.add_argument("--json", action="store_true", help='print {"text", "token_ids", "finish_reason"} per prompt')
     gen.set_defaults(func=cmd_generate)
+
+    bench = sub.add_parser("bench", help="measure an OpenAI-compatible server under load (TTFT, ITL, throughput)")
+    from conveyor.bench.command import add_arguments
+
+    add_arguments(bench)
+    bench.set_defaults(func=cmd_bench)
 
     plugins = sub.add_parser("plugins", help="list installed plugins by kind, with their options")
     plugins.add_argument("--config", "-c", help="also load the plugin modules this config lists")

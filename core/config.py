@@ -163,6 +163,8 @@ def load_config(
             raise ConfigError(f"{source}: no such config file") from None
         except tomllib.TOMLDecodeError as e:
             raise ConfigError(f"{source}: not valid TOML: {e}") from None
+    # the default transport, materialized so that --set transport.0.port=... works on any file
+    raw.setdefault("transport", [{"plugin": "http"}])
     overridden = set()
     for dotted, value in (overrides or {}).items():
         _apply_override(raw, dotted, value, source)
@@ -232,7 +234,7 @@ def _build(raw: dict[str, Any], origin: _Origin, registry: PluginRegistry | None
     for kind, default in PLUGIN_KINDS.items():
         value = raw.get(kind)
         if kind == "transport":
-            entries = value if value is not None else [{"plugin": "http"}]
+            entries = value if value is not None else []
             if isinstance(entries, dict):
                 entries = [entries]
             if not isinstance(entries, list):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import random
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -61,3 +62,47 @@ def mixed(
             messages = [{"role": "user", "content": f"Background: {' '.join(background)}\n\n{question}"}]
         requests.append(ChatRequest(messages, rng.randint(*output_len)))
     return requests
+
+
+def random_prompts(
+    num_requests: int,
+    seed: int,
+    vocab_size: int,
+    input_len: int = 256,
+    output_len: int = 128,
+    range_ratio: float = 0.0,
+    special_ids: frozenset[int] = frozenset(),
+) -> list[tuple[list[int], int]]:
+    """Prompts of random token ids and their max_tokens, lengths uniform in ``len x [1 - r, 1 + r]``."""
+    if not 0 <= range_ratio < 1:
+        raise ValueError(f"range ratio {range_ratio} must be in [0, 1)")
+    rng = random.Random(seed)
+
+    def length(center: int) -> int:
+        return max(1, rng.randint(int(center * (1 - range_ratio)), int(center * (1 + range_ratio))))
+
+    requests = []
+    for _ in range(num_requests):
+        ids: list[int] = []
+        target = length(input_len)
+        while len(ids) < target:
+            token = rng.randrange(vocab_size)
+            if token not in special_ids:
+                ids.append(token)
+        requests.append((ids, length(output_len)))
+    return requests
+
+
+def sharegpt(path: str, num_requests: int, seed: int) -> list[tuple[str, str]]:
+    """(first human turn, first model reply) pairs from a ShareGPT JSON file, shuffled by ``seed``."""
+    with open(path, encoding="utf-8") as f:
+        data = json.load(f)
+    pairs = []
+    for item in data:
+        turns = item.get("conversations") or item.get("conversation") or []
+        if len(turns) >= 2 and isinstance(turns[0].get("value"), str) and isinstance(turns[1].get("value"), str):
+            pairs.append((turns[0]["value"], turns[1]["value"]))
+    if not pairs:
+        raise ValueError(f"{path}: no conversations with a question and an answer (ShareGPT format)")
+    random.Random(seed).shuffle(pairs)
+    return pairs[:num_requests]

@@ -122,10 +122,17 @@ def tokenizer_from_dir(path: Path) -> tuple[HFTokenizer, dict[str, Any]]:
     return tokenizer, settings
 
 
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
+
+
 def _text_message(index: int, message: Any) -> dict[str, Any]:
     """A message with string content (OpenAI text parts are joined)."""
     if not isinstance(message, dict) or not isinstance(message.get("role"), str):
         raise ChatTemplateError(f"messages[{index}] must be an object with a string 'role'")
+    if message["role"] not in CHAT_ROLES:
+        raise ChatTemplateError(f"messages[{index}].role = {message['role']!r}: allowed: {', '.join(CHAT_ROLES)}")
+    if message.get("content") is None and message["role"] != "assistant":
+        raise ChatTemplateError(f"messages[{index}] ({message['role']}) has no content")
     content = message.get("content") or ""
     if isinstance(content, list):
         parts = []

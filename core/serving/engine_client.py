@@ -74,6 +74,8 @@ class EngineClient:
         self.startup_timeout = startup_timeout
         self.log_level = log_level
         self.ready: EngineReady | None = None
+        # from the first EngineReady on (0 before); it stays while the engine restarts
+        self.max_model_len = 0
         self.alive = False
         self.num_restarts = 0
         # called with every step's stats, and with each new EngineReady
@@ -155,6 +157,7 @@ class EngineClient:
                     if kind is not MessageType.READY:
                         raise EngineFailed(f"the engine process sent {kind.name} before READY")
                     self.ready = ready
+                    self.max_model_len = ready.max_model_len
                     self._push = push
                     self.alive = True
                     for observe in self.ready_observers:

@@ -71,10 +71,13 @@ class Frontend:
         self.tokenizer = tokenizer
         self.model_name = model_name
         self.metrics = metrics
-        self.max_model_len = engine.ready.max_model_len if engine.ready else 0
         # set when the server stops taking requests (shutdown)
         self.draining = False
         self._ids = itertools.count()
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.max_model_len
 
     @property
     def healthy(self) -> bool:
@@ -111,9 +114,11 @@ class Frontend:
             raise RequestError(f"{field}: {e}", 400, field) from None
 
     def check(self, prompt_ids: list[int], params: SamplingParams) -> None:
-        """Refuse what the model cannot do (400) and new work while draining (503)."""
+        """Refuse what the model cannot do (400) and new work while starting or draining (503)."""
         if self.draining:
             raise RequestError("the server is shutting down", 503)
+        if not self.max_model_len:
+            raise RequestError("the engine is starting", 503)
         num_prompt = len(prompt_ids)
         if num_prompt == 0:
             raise RequestError("the prompt is empty", 400, "prompt")

@@ -57,10 +57,11 @@ async def serve(config_path: str | Path | None, overrides: Mapping[str, Any] | N
     engine.ready_observers.append(metrics.engine_ready)
     try:
         async with anyio.create_task_group() as tg:
-            logger.info("starting the engine process")
-            ready = await tg.start(engine.run)
+            # Transports first: a busy port fails at once, and /health answers 503 while the model loads.
             frontend = Frontend(engine, tokenizer, model_name, metrics)
             urls = [await tg.start(transport.serve, frontend) for transport in transports]
+            logger.info("starting the engine process")
+            ready = await tg.start(engine.run)
             _print_banner(model_name, config.kvcache.plugin, ready, urls)
             if config.server.status_interval:
                 tg.start_soon(_report_status, frontend, config.server.status_interval)
@@ -73,12 +74,14 @@ async def serve(config_path: str | Path | None, overrides: Mapping[str, Any] | N
             await engine.shutdown()
             tg.cancel_scope.cancel()
     except BaseExceptionGroup as group:
-        failed = group.subgroup(EngineFailed)
+        failed = group.subgroup((EngineFailed, OSError))
         if failed is None:
             raise
-        logger.error("error: %s", failed.exceptions[0])
+        while isinstance(failed, BaseExceptionGroup):
+            failed = failed.exceptions[0]
+        logger.error("error: %s", failed)
         return 1
-    except EngineFailed as e:
+    except (EngineFailed, OSError) as e:
         logger.error("error: %s", e)
         return 1
     logger.info("stopped")

@@ -41,7 +41,7 @@ def block_digest(parent: bytes, tokens: Sequence[int]) -> bytes:
 class _Table:
     """A request's blocks and how many of them are registered in the prefix cache."""
 
-    __slots__ = ("blocks", "num_hashed", "digest", "num_tokens")
+    __slots__ = ("blocks", "digest", "num_hashed", "num_tokens")
 
     def __init__(self, blocks: list[int], digest: bytes):
         self.blocks = blocks

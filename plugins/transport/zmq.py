@@ -103,9 +103,8 @@ class ZMQTransport(Transport):
             tg.start_soon(reply.error, None, 400, f"bad {kind.decode()} message: {e}")
             return
         if kind == b"health":
-            ready = frontend.engine.ready
-            health = protocol.HealthReply(frontend.healthy, frontend.model_name,
-                                          ready.max_model_len if ready else 0, frontend.num_in_flight)
+            health = protocol.HealthReply(frontend.healthy, frontend.model_name, frontend.max_model_len,
+                                          frontend.num_in_flight)
             tg.start_soon(reply.send, b"health", health)
         elif kind == b"abort":
             scope = self._running.get((identity, body.request_id))

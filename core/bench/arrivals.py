@@ -1,0 +1,33 @@
+"""When requests arrive: gamma-distributed gaps (burstiness 1 is a Poisson process), or all at once."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+
+def arrival_gaps(num_requests: int, rate: float, burstiness: float = 1.0, seed: int = 0) -> np.ndarray:
+    """Seconds between consecutive arrivals (the first request waits for its gap too).
+
+    The gaps are gamma-distributed with shape ``burstiness`` and mean
+    ``1 / rate``: burstiness 1 gives exponential gaps (Poisson arrivals);
+    below 1 the arrivals come in bursts, above 1 they are more even. The
+    gaps' coefficient of variation is ``1 / sqrt(burstiness)``.
+
+    Args:
+        rate: requests per second; ``inf`` sends everything at once.
+    """
+    if rate <= 0:
+        raise ValueError(f"request rate {rate} must be > 0 (or inf)")
+    if burstiness <= 0:
+        raise ValueError(f"burstiness {burstiness} must be > 0")
+    if math.isinf(rate):
+        return np.zeros(num_requests)
+    rng = np.random.default_rng(seed)
+    return rng.gamma(shape=burstiness, scale=1.0 / (rate * burstiness), size=num_requests)
+
+
+def arrival_times(num_requests: int, rate: float, burstiness: float = 1.0, seed: int = 0) -> np.ndarray:
+    """Seconds from the start at which each request is sent."""
+    return np.cumsum(arrival_gaps(num_requests, rate, burstiness, seed))

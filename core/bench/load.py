@@ -1,0 +1,204 @@
+"""The load generator: send a workload to an OpenAI-compatible server on an arrival schedule, streaming every
+request, and record what each client saw."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import anyio
+import httpx
+import msgspec
+
+from conveyor.bench.arrivals import arrival_times
+from conveyor.bench.stats import RequestRecord
+
+
+class BenchRequest(msgspec.Struct):
+    """One request of a workload: a chat conversation or a completion prompt."""
+
+    # [{"role": ..., "content": ...}] for /v1/chat/completions, or None
+    messages: list[dict[str, Any]] | None
+    # text or token ids for /v1/completions, or None
+    prompt: str | list[int] | None
+    # prompt tokens as the workload's tokenizer counts them (the server's usage wins when it reports one)
+    prompt_tokens: int
+    max_tokens: int
+
+
+class LoadOptions(msgspec.Struct):
+    # requests per second; inf: all at once
+    rate: float = math.inf
+    # gamma shape of the gaps between arrivals; 1: Poisson
+    burstiness: float = 1.0
+    # most requests in flight; 0: no limit
+    max_concurrency: int = 0
+    seed: int = 0
+    temperature: float = 0.0
+    ignore_eos: bool = False
+    api_key: str | None = None
+
+
+def base_url(url: str) -> str:
+    """``http://host:port`` from a URL that may end in /v1."""
+    return url.rstrip("/").removesuffix("/v1")
+
+
+async def served_model(client: httpx.AsyncClient, url: str) -> str:
+    """The first model the server lists at /v1/models."""
+    response = await client.get(f"{base_url(url)}/v1/models")
+    response.raise_for_status()
+    return response.json()["data"][0]["id"]
+
+
+async def scrape_metrics(client: httpx.AsyncClient, url: str) -> dict[str, float]:
+    """Sums of the server's Prometheus samples by name (labels dropped); empty when it has no /metrics."""
+    try:
+        response = await client.get(f"{base_url(url)}/metrics")
+    except httpx.HTTPError:
+        return {}
+    if response.status_code != 200:
+        return {}
+    totals: dict[str, float] = {}
+    for line in response.text.splitlines():
+        if not line or line.startswith("#"):
+            continue
+        name, _, value = line.rpartition(" ")
+        name = name.split("{", 1)[0]
+        try:
+            totals[name] = totals.get(name, 0.0) + float(value)
+        except ValueError:
+            continue
+    return totals
+
+
+async def run_load(
+    url: str,
+    model: str,
+    requests: Sequence[BenchRequest],
+    options: LoadOptions,
+    on_done: Any = None,
+) -> tuple[list[RequestRecord], float]:
+    """Send every request on its arrival time; return the records (in workload order) and the run's duration.
+
+    Args:
+        on_done: called with each RequestRecord as it finishes (progress).
+    """
+    times = arrival_times(len(requests), options.rate, options.burstiness, options.seed)
+    records: list[RequestRecord | None] = [None] * len(requests)
+    limit = anyio.Semaphore(options.max_concurrency) if options.max_concurrency else None
+    timeout = httpx.Timeout(None, connect=30.0)
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
+    async with httpx.AsyncClient(timeout=timeout, limits=limits) as client:
+        start = time.perf_counter()
+
+        async def one(index: int, request: BenchRequest) -> None:
+            try:
+                record = await _send(client, url, model, request, options, index, start)
+            finally:
+                if limit is not None:
+                    limit.release()
+            records[index] = record
+            if on_done is not None:
+                on_done(record)
+
+        async with anyio.create_task_group() as tg:
+            for index, (request, at) in enumerate(zip(requests, times)):
+                delay = start + at - time.perf_counter()
+                if delay > 0:
+                    await anyio.sleep(delay)
+                if limit is not None:
+                    await limit.acquire()
+                tg.start_soon(one, index, request)
+        duration = time.perf_counter() - start
+    return [r for r in records if r is not None], duration
+
+
+def _payload(model: str, request: BenchRequest, options: LoadOptions) -> tuple[str, dict[str, Any]]:
+    payload: dict[str, Any] = {
+        "model": model,
+        "max_tokens": request.max_tokens,
+        "temperature": options.temperature,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    if options.ignore_eos:
+        payload["ignore_eos"] = True
+    if request.messages is not None:
+        return "/v1/chat/completions", {**payload, "messages": request.messages}
+    return "/v1/completions", {**payload, "prompt": request.prompt}
+
+
+async def _send(
+    client: httpx.AsyncClient,
+    url: str,
+    model: str,
+    request: BenchRequest,
+    options: LoadOptions,
+    index: int,
+    run_start: float,
+) -> RequestRecord:
+    path, payload = _payload(model, request, options)
+    headers = {"Authorization": f"Bearer {options.api_key}"} if options.api_key else {}
+    record = RequestRecord(index, request.prompt_tokens)
+    sent = time.perf_counter()
+    record.start = sent - run_start
+    chunk_times: list[float] = []
+    usage: dict[str, Any] | None = None
+    done = False
+    try:
+        async with client.stream("POST", base_url(url) + path, json=payload, headers=headers) as response:
+            if response.status_code != 200:
+                body = (await response.aread()).decode(errors="replace")
+                record.error = f"HTTP {response.status_code}: {_error_message(body)}"
+                return record
+            async for line in response.aiter_lines():
+                if not line.startswith("data:"):
+                    continue
+                data = line[5:].strip()
+                if data == "[DONE]":
+                    done = True
+                    break
+                event = json.loads(data)
+                if "error" in event:
+                    record.error = f"stream error: {_error_message(data)}"
+                    break
+                for choice in event.get("choices") or ():
+                    text = (choice.get("delta") or {}).get("content") or choice.get("text")
+                    if text:
+                        chunk_times.append(time.perf_counter())
+                if event.get("usage"):
+                    usage = event["usage"]
+    except (httpx.HTTPError, OSError, json.JSONDecodeError) as e:
+        record.error = f"{type(e).__name__}: {e}"
+    end = time.perf_counter()
+    if record.error is None and not done:
+        record.error = "the stream ended before [DONE]"
+    if record.error is not None:
+        return record
+    record.e2e = end - sent
+    record.ttft = (chunk_times[0] if chunk_times else end) - sent
+    record.itl = [b - a for a, b in itertools.pairwise(chunk_times)]
+    if usage is not None:
+        record.output_tokens = int(usage.get("completion_tokens", 0))
+        record.prompt_tokens = int(usage.get("prompt_tokens", record.prompt_tokens))
+    else:  # the server reported no usage: one token per content chunk is the best guess
+        record.output_tokens = len(chunk_times)
+    return record
+
+
+def _error_message(body: str) -> str:
+    try:
+        parsed = json.loads(body)
+    except json.JSONDecodeError:
+        return body.strip()[:300] or "(empty body)"
+    if isinstance(parsed, dict):
+        error = parsed.get("error", parsed)
+        if isinstance(error, dict) and "message" in error:
+            return str(error["message"])[:300]
+        return str(error)[:300]
+    return body[:300]

@@ -1,0 +1,110 @@
+"""Benchmark reports: the printed table, the sweep and comparison tables, and the plot."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+LATENCIES = (("ttft_ms", "TTFT"), ("tpot_ms", "TPOT"), ("itl_ms", "ITL"), ("e2e_ms", "E2E latency"))
+
+
+def rate_label(rate: float) -> str:
+    return "inf" if math.isinf(rate) else f"{rate:g}"
+
+
+def run_table(run: dict[str, Any]) -> str:
+    """The report of one run: counts, throughput, and mean/P50/P90/P95/P99 of each latency, in ms."""
+    s = run["summary"]
+    rows = [
+        ("Requests ok / failed", f"{s['completed']} / {s['failed']}"),
+        ("Offered rate (req/s)", rate_label(run["config"]["rate"])),
+        ("Duration (s)", f"{s['duration_s']:.2f}"),
+        ("Prompt tokens / output tokens", f"{s['prompt_tokens']} / {s['output_tokens']}"),
+        ("Request throughput (req/s)", f"{s['request_throughput']:.2f}"),
+        ("Output token throughput (tok/s)", f"{s['output_throughput']:.1f}"),
+        ("Total token throughput (tok/s)", f"{s['total_token_throughput']:.1f}"),
+    ]
+    if "goodput" in s:
+        slos = ", ".join(f"{k} <= {v:g} ms" for k, v in s["slos_ms"].items())
+        rows.append((f"Goodput (req/s; {slos})", f"{s['goodput']:.2f}"))
+    queue = run.get("server", {}).get("queue_time_mean_ms")
+    if queue is not None:
+        rows.append(("Queue time, mean (ms, from the server)", f"{queue:.1f}"))
+    width = max(len(name) for name, _ in rows)
+    lines = [f"{name:<{width}}  {value}" for name, value in rows]
+    lines += ["", f"{'(ms)':<12}{'mean':>10}{'P50':>10}{'P90':>10}{'P95':>10}{'P99':>10}"]
+    for key, title in LATENCIES:
+        stats = s[key]
+        lines.append(f"{title:<12}" + "".join(f"{stats[k]:>10.1f}" for k in ("mean", "p50", "p90", "p95", "p99")))
+    for error in s["errors"]:
+        lines.append(f"error: {error}")
+    return "\n".join(lines)
+
+
+def sweep_table(runs: Sequence[dict[str, Any]], label: str = "") -> str:
+    """One row per offered rate: throughput and P50/P99 of TTFT and ITL."""
+    header = (f"{'rate':>6} {'ok':>5} {'failed':>6} {'req/s':>7} {'out tok/s':>10} {'TTFT P50':>9} {'TTFT P99':>9}"
+              f" {'ITL P50':>8} {'ITL P99':>8} {'E2E P50':>9}")
+    lines = [label] if label else []
+    lines.append(header)
+    for run in runs:
+        s = run["summary"]
+        lines.append(
+            f"{rate_label(run['config']['rate']):>6} {s['completed']:>5} {s['failed']:>6} "
+            f"{s['request_throughput']:>7.2f} {s['output_throughput']:>10.1f} {s['ttft_ms']['p50']:>9.0f} "
+            f"{s['ttft_ms']['p99']:>9.0f} {s['itl_ms']['p50']:>8.0f} {s['itl_ms']['p99']:>8.0f} "
+            f"{s['e2e_ms']['p50']:>9.0f}"
+        )
+    return "\n".join(lines)
+
+
+def runs_of(result: dict[str, Any]) -> list[dict[str, Any]]:
+    """The runs of a result file: a sweep's list, or the one run."""
+    return result.get("runs", [result])
+
+
+def compare_table(results: Sequence[dict[str, Any]]) -> str:
+    """Results side by side: each one's sweep table under its label."""
+    return "\n\n".join(sweep_table(runs_of(r), r.get("label", "")) for r in results)
+
+
+def plot(results: Sequence[dict[str, Any]], path: str | Path, title: str = "") -> Path:
+    """Output tokens/s, TTFT and ITL (P50 solid, P99 dashed) against the offered rate, one line per result."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise ImportError("plots need matplotlib: pip install 'conveyor-serve[bench]'") from None
+    rates = sorted({run["config"]["rate"] for r in results for run in runs_of(r)})
+    position = {rate: i for i, rate in enumerate(rates)}
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.5))
+    for index, result in enumerate(results):
+        runs = sorted(runs_of(result), key=lambda run: run["config"]["rate"])
+        x = [position[run["config"]["rate"]] for run in runs]
+        color = f"C{index}"
+        label = result.get("label") or f"run {index + 1}"
+        axes[0].plot(x, [run["summary"]["output_throughput"] for run in runs], "o-", color=color, label=label)
+        for ax, key in ((axes[1], "ttft_ms"), (axes[2], "itl_ms")):
+            ax.plot(x, [run["summary"][key]["p50"] for run in runs], "o-", color=color, label=f"{label} P50")
+            ax.plot(x, [run["summary"][key]["p99"] for run in runs], "s--", color=color, label=f"{label} P99")
+    titles = ("Output tokens/s", "Time to first token (ms)", "Inter-token latency (ms)")
+    for ax, name in zip(axes, titles):
+        ax.set_title(name)
+        ax.set_xticks(range(len(rates)), [rate_label(r) for r in rates])
+        ax.set_xlabel("offered request rate (req/s)")
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=7)
+    axes[1].set_yscale("log")
+    axes[2].set_yscale("log")
+    if title:
+        fig.suptitle(title)
+    fig.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

@@ -1,0 +1,375 @@
+"""The ``http`` transport: an OpenAI-compatible API (Starlette on uvicorn) with SSE streaming.
+
+Routes: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET
+/v1/models``, ``GET /health`` (503 while the engine is down or the server
+drains), ``GET /metrics`` (Prometheus text). Errors use OpenAI's error JSON
+with the status that says why. A client that disconnects, streaming or not,
+aborts its request in the engine at once.
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+import os
+import socket
+from collections.abc import Awaitable, Callable
+from typing import Annotated, Any, ClassVar
+
+import anyio
+import anyio.abc
+import msgspec
+import uvicorn
+from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+from starlette.types import Receive, Scope, Send
+
+from conveyor.hookspecs import hookimpl
+from conveyor.plugins.transport import openai_api as api
+from conveyor.serving.frontend import Chunk, Frontend, RequestError
+from conveyor.transport import Transport
+
+logger = logging.getLogger("conveyor")
+
+Emit = Callable[[dict[str, Any]], Awaitable[None]]
+
+
+class HTTPOptions(msgspec.Struct, forbid_unknown_fields=True):
+    # interface to listen on; 127.0.0.1 keeps the server private to this machine
+    host: str = "127.0.0.1"
+    # 0 picks a free port
+    port: Annotated[int, msgspec.Meta(ge=0, le=65535)] = 8000
+    # name of an environment variable holding the API key clients must send as "Authorization: Bearer KEY";
+    # empty: no key
+    api_key_env: str = ""
+    # largest request body, in bytes (HTTP 413 beyond)
+    max_body_bytes: Annotated[int, msgspec.Meta(ge=1024)] = 4 * 1024 * 1024
+    # seconds to wait for open connections when the server stops
+    graceful_timeout: Annotated[float, msgspec.Meta(ge=0)] = 5.0
+
+
+def json_response(body: Any, status: int = 200) -> Response:
+    return Response(msgspec.json.encode(body), status, media_type="application/json")
+
+
+def error_response(error: RequestError) -> Response:
+    return json_response(api.error_body(error.message, error.status, error.param), error.status)
+
+
+class _Server(uvicorn.Server):
+    # The conveyor server owns SIGINT/SIGTERM: it drains requests before the HTTP server stops.
+    def install_signal_handlers(self) -> None:
+        pass
+
+    def capture_signals(self):  # uvicorn >= 0.29
+        import contextlib
+
+        return contextlib.nullcontext()
+
+
+class EventStream:
+    """An SSE response fed by ``produce(emit)``; the client leaving cancels the producer."""
+
+    def __init__(self, produce: Callable[[Emit], Awaitable[None]]):
+        self.produce = produce
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        headers = [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache"),
+                   (b"x-accel-buffering", b"no")]
+        await send({"type": "http.response.start", "status": 200, "headers": headers})
+
+        async def emit(event: dict[str, Any]) -> None:
+            body = b"data: " + msgspec.json.encode(event) + b"\n\n"
+            await send({"type": "http.response.body", "body": body, "more_body": True})
+
+        try:
+            finished = await until_disconnect(receive, self.produce(emit))
+        except RequestError as e:  # after the 200 went out, an error is an event
+            await emit(api.error_body(e.message, e.status, e.param))
+            finished = True
+        except OSError:  # the connection broke while sending
+            return
+        if finished:
+            await send({"type": "http.response.body", "body": b"data: [DONE]\n\n", "more_body": False})
+
+
+async def until_disconnect(receive: Receive, work: Awaitable[Any]) -> bool:
+    """Run ``work``; cancel it if the client disconnects first. Returns True when it finished."""
+    finished = False
+    error: RequestError | OSError | None = None
+    async with anyio.create_task_group() as tg:
+
+        async def watch() -> None:
+            while (await receive())["type"] != "http.disconnect":
+                pass
+            tg.cancel_scope.cancel()
+
+        tg.start_soon(watch)
+        try:
+            await work
+            finished = True
+        except (RequestError, OSError) as e:  # past the task group it would arrive in an ExceptionGroup
+            error = e
+        tg.cancel_scope.cancel()
+    if error is not None:
+        raise error
+    return finished
+
+
+class HTTPTransport(Transport):
+    """OpenAI-compatible HTTP."""
+
+    name: ClassVar[str] = "http"
+    Options: ClassVar[type[msgspec.Struct]] = HTTPOptions
+
+    def __init__(self, options: HTTPOptions):
+        super().__init__(options)
+        self.api_key: str | None = None
+        if options.api_key_env:
+            self.api_key = os.environ.get(options.api_key_env) or None
+            if self.api_key is None:
+                raise ValueError(
+                    f"[transport] api_key_env = {options.api_key_env!r}: that environment variable is not set"
+                )
+
+    def url(self, port: int) -> str:
+        return f"http://{self.options.host}:{port}"
+
+    async def serve(self, engine: Frontend, *, task_status: anyio.abc.TaskStatus = anyio.TASK_STATUS_IGNORED) -> None:
+        listener = self._listen()
+        config = uvicorn.Config(self.app(engine), log_level="warning", lifespan="off",
+                                timeout_graceful_shutdown=self.options.graceful_timeout)
+        server = _Server(config)
+
+        async def run() -> None:
+            # Shielded: when the server stops, uvicorn closes its connections itself (graceful_timeout).
+            with anyio.CancelScope(shield=True):
+                await server.serve(sockets=[listener])
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(run)
+            while not server.started:
+                await anyio.sleep(0.01)
+            task_status.started(self.url(listener.getsockname()[1]))
+            try:
+                await anyio.sleep_forever()
+            finally:
+                server.should_exit = True
+
+    def _listen(self) -> socket.socket:
+        """The listening socket, bound here so that a busy port is a clear error, not a uvicorn exit."""
+        host, port = self.options.host, self.options.port
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        listener = socket.socket(family, socket.SOCK_STREAM)
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            listener.bind((host, port))
+        except OSError as e:
+            listener.close()
+            raise OSError(f"[transport] http cannot listen on {host}:{port}: {e.strerror}") from None
+        return listener
+
+    def app(self, frontend: Frontend) -> Starlette:
+        routes = _Routes(frontend, self.api_key, self.options.max_body_bytes)
+        return Starlette(
+            routes=[
+                Route("/v1/completions", routes.completions, methods=["POST"]),
+                Route("/v1/chat/completions", routes.chat_completions, methods=["POST"]),
+                Route("/v1/models", routes.models, methods=["GET"]),
+                Route("/health", routes.health, methods=["GET"]),
+                Route("/metrics", routes.metrics, methods=["GET"]),
+            ],
+            exception_handlers={404: routes.not_found, 405: routes.not_allowed, Exception: routes.internal_error},
+        )
+
+
+class _Routes:
+    def __init__(self, frontend: Frontend, api_key: str | None, max_body_bytes: int):
+        self.frontend = frontend
+        self.api_key = api_key
+        self.max_body_bytes = max_body_bytes
+
+    async def not_found(self, request: Request, exc: Exception) -> Response:
+        return error_response(RequestError(f"no route {request.method} {request.url.path}", 404))
+
+    async def not_allowed(self, request: Request, exc: Exception) -> Response:
+        return error_response(RequestError(f"{request.method} is not allowed on {request.url.path}", 405))
+
+    async def internal_error(self, request: Request, exc: Exception) -> Response:
+        logger.exception("%s %s failed", request.method, request.url.path, exc_info=exc)
+        return error_response(RequestError(f"internal error: {type(exc).__name__}: {exc}", 500))
+
+    async def health(self, request: Request) -> Response:
+        if self.frontend.draining:
+            return error_response(RequestError("the server is shutting down", 503))
+        if not self.frontend.engine.alive:
+            return error_response(RequestError("the engine is not running (starting or restarting)", 503))
+        return json_response({"status": "ok"})
+
+    async def metrics(self, request: Request) -> Response:
+        body = self.frontend.metrics.render(self.frontend.engine.alive)
+        return Response(body, media_type=CONTENT_TYPE_LATEST)
+
+    async def models(self, request: Request) -> Response:
+        if (denied := self._check_key(request)) is not None:
+            return denied
+        model = {"id": self.frontend.model_name, "object": "model", "created": 0, "owned_by": "conveyor",
+                 "max_model_len": self.frontend.max_model_len}
+        return json_response({"object": "list", "data": [model]})
+
+    def _check_key(self, request: Request) -> Response | None:
+        if self.api_key is None:
+            return None
+        scheme, _, key = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() == "bearer" and hmac.compare_digest(key.strip().encode(), self.api_key.encode()):
+            return None
+        return error_response(RequestError("invalid or missing API key (send Authorization: Bearer KEY)", 401))
+
+    async def _read_body(self, request: Request) -> bytes:
+        declared = request.headers.get("content-length")
+        if declared is not None and declared.isdigit() and int(declared) > self.max_body_bytes:
+            raise RequestError(f"the body has {declared} bytes; the limit is {self.max_body_bytes}", 413)
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > self.max_body_bytes:
+                raise RequestError(f"the body exceeds the limit of {self.max_body_bytes} bytes", 413)
+            chunks.append(chunk)
+        return b"".join(chunks)
+
+    async def _parse(self, request: Request, kind: type[msgspec.Struct]) -> Any:
+        body = api.decode_body(await self._read_body(request), kind)
+        if body.model not in (None, self.frontend.model_name):
+            raise RequestError(f"the model {body.model!r} does not exist; this server has {self.frontend.model_name!r}",
+                               404, "model")
+        return body
+
+    async def completions(self, request: Request) -> Response | EventStream:
+        return await self._handle(request, chat=False)
+
+    async def chat_completions(self, request: Request) -> Response | EventStream:
+        return await self._handle(request, chat=True)
+
+    async def _handle(self, request: Request, chat: bool) -> Response | EventStream:
+        if (denied := self._check_key(request)) is not None:
+            return denied
+        try:
+            if chat:
+                body = await self._parse(request, api.ChatCompletionRequest)
+                prompt_ids = self.frontend.encode_chat(body.messages)
+                default_max_tokens = None  # chat: until the end of the context
+            else:
+                body = await self._parse(request, api.CompletionRequest)
+                prompt = body.prompt
+                if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
+                    if len(prompt) != 1:
+                        raise RequestError("send one prompt per request (a list of prompts is not supported)", 400,
+                                           "prompt")
+                    prompt = prompt[0]
+                prompt_ids = self.frontend.encode(prompt, "prompt")
+                default_max_tokens = 16  # OpenAI's default for completions
+            params = api.sampling_params(body, default_max_tokens)
+            self.frontend.check(prompt_ids, params)
+        except RequestError as e:
+            return error_response(e)
+        call = _Call(self.frontend, body, prompt_ids, params, chat)
+        if body.stream:
+            return EventStream(call.stream)
+        try:
+            if not await until_disconnect(request.receive, call.run()):
+                return Response(status_code=499)  # nobody is listening
+        except RequestError as e:
+            return error_response(e)
+        return json_response(call.result())
+
+
+class _Call:
+    """One completions or chat completions call, with its n choices."""
+
+    def __init__(self, frontend: Frontend, body: Any, prompt_ids: list[int], params: Any, chat: bool):
+        self.frontend = frontend
+        self.body = body
+        self.prompt_ids = prompt_ids
+        self.params = params
+        self.chat = chat
+        prefix = "chatcmpl" if chat else "cmpl"
+        self.id = frontend.new_request_id(prefix)
+        self.object = "chat.completion" if chat else "text_completion"
+        self.texts = [""] * body.n
+        self.token_ids: list[list[int]] = [[] for _ in range(body.n)]
+        self.logprobs: list[list[Any]] = [[] for _ in range(body.n)]
+        self.finish_reasons: list[str | None] = [None] * body.n
+        self.num_cached_tokens = 0
+
+    async def run(self, on_chunk: Callable[[int, Chunk], Awaitable[None]] | None = None) -> None:
+        async def collect(index: int, chunk: Chunk) -> None:
+            if on_chunk is not None:
+                await on_chunk(index, chunk)
+            self.texts[index] += chunk.text
+            self.token_ids[index] += chunk.token_ids
+            self.logprobs[index] += chunk.logprobs or []
+            self.finish_reasons[index] = chunk.finish_reason
+            self.num_cached_tokens = max(self.num_cached_tokens, chunk.num_cached_tokens)
+
+        await self.frontend.run_choices(self.prompt_ids, self.params, self.body.n, request_id=self.id,
+                                        priority=self.body.priority, on_chunk=collect)
+
+    def usage(self) -> dict[str, Any]:
+        return api.usage(len(self.prompt_ids), sum(map(len, self.token_ids)), self.num_cached_tokens)
+
+    def _logprobs(self, index: int, token_ids: list[int], logprobs: list[Any], text_offset: int) -> Any:
+        if self.params.logprobs is None:
+            return None
+        tokenizer = self.frontend.tokenizer
+        if self.chat:
+            return api.chat_logprobs(tokenizer, token_ids, logprobs)
+        return api.completion_logprobs(tokenizer, token_ids, logprobs, text_offset)
+
+    def result(self) -> dict[str, Any]:
+        choices = []
+        for i in range(self.body.n):
+            choice: dict[str, Any] = {"index": i}
+            if self.chat:
+                choice["message"] = {"role": "assistant", "content": self.texts[i]}
+            else:
+                choice["text"] = self.texts[i]
+            choice["logprobs"] = self._logprobs(i, self.token_ids[i], self.logprobs[i], 0)
+            choice["finish_reason"] = self.finish_reasons[i]
+            choices.append(choice)
+        return api.envelope(self.id, self.object, self.frontend.model_name, choices, usage=self.usage())
+
+    async def stream(self, emit: Emit) -> None:
+        include_usage = self.body.stream_options is not None and self.body.stream_options.include_usage
+        chunk_object = "chat.completion.chunk" if self.chat else "text_completion"
+        model = self.frontend.model_name
+        extra = {"usage": None} if include_usage else {}
+        if self.chat:  # the role comes first, as OpenAI sends it
+            for i in range(self.body.n):
+                choice = {"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                          "finish_reason": None}
+                await emit(api.envelope(self.id, chunk_object, model, [choice], **extra))
+
+        async def on_chunk(index: int, chunk: Chunk) -> None:
+            if not chunk.text and chunk.finish_reason is None and self.params.logprobs is None:
+                return  # nothing to show yet (a character or a stop string is pending)
+            choice: dict[str, Any] = {"index": index}
+            if self.chat:
+                choice["delta"] = {"content": chunk.text} if chunk.text else {}
+            else:
+                choice["text"] = chunk.text
+            offset = len(self.texts[index])
+            choice["logprobs"] = self._logprobs(index, chunk.token_ids, chunk.logprobs or [], offset)
+            choice["finish_reason"] = chunk.finish_reason
+            await emit(api.envelope(self.id, chunk_object, model, [choice], **extra))
+
+        await self.run(on_chunk)
+        if include_usage:
+            await emit(api.envelope(self.id, chunk_object, model, [], usage=self.usage()))
+
+
+@hookimpl
+def conveyor_register_transports(register) -> None:
+    register(HTTPTransport)

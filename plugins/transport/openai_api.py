@@ -1,0 +1,192 @@
+"""The OpenAI API's request bodies and response objects (completions and chat completions).
+
+Requests are msgspec Structs, so a wrong type is reported with the field's
+path; fields that OpenAI clients send and Conveyor does not use are
+accepted and ignored. vLLM's extra sampling fields (``top_k``, ``min_p``,
+``repetition_penalty``, ``ignore_eos``, ``priority``, ...) are accepted too.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Annotated, Any
+
+import msgspec
+
+from conveyor.messages import TokenLogprob
+from conveyor.model.tokenizer import Tokenizer
+from conveyor.sampling import SamplingParams
+from conveyor.serving.frontend import RequestError
+
+MAX_N = 16
+# integers travel to the engine as 64-bit msgpack ints; larger ones are a 400, not a failed send
+Int = Annotated[int, msgspec.Meta(ge=-(2**63), le=2**63 - 1)]
+
+
+class StreamOptions(msgspec.Struct):
+    include_usage: bool = False
+
+
+class _Common(msgspec.Struct, kw_only=True):
+    model: str | None = None
+    max_tokens: Int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    n: Int = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    stop: str | list[str] | None = None
+    seed: Int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    user: str | None = None
+    # vLLM's extras
+    top_k: Int | None = None
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    ignore_eos: bool = False
+    min_tokens: Int = 0
+    stop_token_ids: list[Int] | None = None
+    skip_special_tokens: bool = True
+    priority: Int = 0
+
+
+class CompletionRequest(_Common, kw_only=True):
+    # a string, a list of token ids, or a list of one string
+    prompt: str | list[Any]
+    logprobs: Int | None = None
+    echo: bool = False
+    suffix: str | None = None
+    best_of: Int | None = None
+
+
+class ChatCompletionRequest(_Common, kw_only=True):
+    messages: list[dict[str, Any]]
+    max_completion_tokens: Int | None = None
+    logprobs: bool = False
+    top_logprobs: Int | None = None
+
+
+def decode_body(body: bytes, kind: type[msgspec.Struct]) -> Any:
+    """Parse a JSON body into a request Struct.
+
+    Raises:
+        RequestError: 400 naming the bad field (or saying the JSON is malformed).
+    """
+    try:
+        return msgspec.json.decode(body, type=kind)
+    except msgspec.ValidationError as e:
+        message, _, path = str(e).partition(" - at ")
+        param = path.strip("`").removeprefix("$.") or None
+        raise RequestError(f"{param}: {message}" if param else message, 400, param) from None
+    except msgspec.DecodeError as e:
+        raise RequestError(f"the body is not valid JSON: {e}", 400) from None
+
+
+def sampling_params(request: CompletionRequest | ChatCompletionRequest, default_max_tokens: int | None) -> SamplingParams:
+    """The engine's SamplingParams for an API request.
+
+    Raises:
+        RequestError: 400 naming the out-of-range field.
+    """
+    if not 1 <= request.n <= MAX_N:
+        raise RequestError(f"n={request.n} must be between 1 and {MAX_N}", 400, "n")
+    if isinstance(request, ChatCompletionRequest):
+        max_tokens = request.max_completion_tokens if request.max_completion_tokens is not None else request.max_tokens
+        logprobs = (request.top_logprobs or 0) if request.logprobs else None
+        if request.top_logprobs is not None and not request.logprobs:
+            raise RequestError("top_logprobs needs logprobs=true", 400, "top_logprobs")
+    else:
+        max_tokens = request.max_tokens
+        logprobs = request.logprobs
+        if request.echo:
+            raise RequestError("echo=true is not supported", 400, "echo")
+        if request.suffix:
+            raise RequestError("suffix is not supported", 400, "suffix")
+        if request.best_of not in (None, request.n):
+            raise RequestError("best_of different from n is not supported", 400, "best_of")
+    try:
+        return SamplingParams(
+            max_tokens=max_tokens if max_tokens is not None else default_max_tokens,
+            temperature=1.0 if request.temperature is None else request.temperature,
+            top_p=1.0 if request.top_p is None else request.top_p,
+            top_k=request.top_k or 0,
+            min_p=request.min_p,
+            seed=request.seed,
+            repetition_penalty=request.repetition_penalty,
+            presence_penalty=request.presence_penalty,
+            frequency_penalty=request.frequency_penalty,
+            stop=request.stop or [],
+            stop_token_ids=request.stop_token_ids or [],
+            ignore_eos=request.ignore_eos,
+            min_tokens=request.min_tokens,
+            logprobs=logprobs,
+            skip_special_tokens=request.skip_special_tokens,
+        )
+    except ValueError as e:
+        message = str(e)
+        head = message.split(" ", 1)[0].split("=", 1)[0]  # "top_p=0 must ...", "stop strings must ..."
+        param = head if head in type(request).__struct_fields__ else None
+        if param == "logprobs" and isinstance(request, ChatCompletionRequest):
+            param = "top_logprobs"
+        raise RequestError(message, 400, param) from None
+
+
+def chat_logprobs(tokenizer: Tokenizer, token_ids: list[int], logprobs: list[TokenLogprob]) -> dict[str, Any]:
+    """Chat completions' ``logprobs`` object."""
+
+    def entry(token_id: int, logprob: float) -> dict[str, Any]:
+        text = tokenizer.token_text(token_id)
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+
+    content = []
+    for token_id, lp in zip(token_ids, logprobs):
+        item = entry(token_id, lp.logprob)
+        item["top_logprobs"] = [entry(t, v) for t, v in zip(lp.top_ids, lp.top_logprobs)]
+        content.append(item)
+    return {"content": content}
+
+
+def completion_logprobs(
+    tokenizer: Tokenizer, token_ids: list[int], logprobs: list[TokenLogprob], text_offset: int
+) -> dict[str, Any]:
+    """Completions' ``logprobs`` object; ``text_offset`` is where these tokens start in the choice's text."""
+    tokens, token_logprobs, top, offsets = [], [], [], []
+    for token_id, lp in zip(token_ids, logprobs):
+        text = tokenizer.token_text(token_id)
+        tokens.append(text)
+        token_logprobs.append(lp.logprob)
+        top.append({tokenizer.token_text(t): v for t, v in zip(lp.top_ids, lp.top_logprobs)})
+        offsets.append(text_offset)
+        text_offset += len(text)
+    return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top, "text_offset": offsets}
+
+
+def usage(num_prompt_tokens: int, num_completion_tokens: int, num_cached_tokens: int = 0) -> dict[str, Any]:
+    return {
+        "prompt_tokens": num_prompt_tokens,
+        "completion_tokens": num_completion_tokens,
+        "total_tokens": num_prompt_tokens + num_completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": num_cached_tokens},
+    }
+
+
+def envelope(request_id: str, obj: str, model: str, choices: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
+    return {"id": request_id, "object": obj, "created": int(time.time()), "model": model, "choices": choices, **extra}
+
+
+ERROR_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    404: "not_found_error",
+    405: "invalid_request_error",
+    413: "invalid_request_error",
+    429: "rate_limit_error",
+    503: "service_unavailable_error",
+}
+
+
+def error_body(message: str, status: int, param: str | None = None) -> dict[str, Any]:
+    """OpenAI's error object."""
+    return {"error": {"message": message, "type": ERROR_TYPES.get(status, "server_error"), "param": param,
+                      "code": status}}

@@ -1,0 +1,308 @@
+"""The OpenAI-compatible HTTP API end to end: a real ``conveyor serve`` on the real weights, driven by the
+official ``openai`` client (and httpx where a client would hide what is checked).
+
+Token counts are checked against Conveyor's tokenizer, greedy text against ``conveyor generate``, and
+cleanup after a client leaves against the server's own metrics.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import subprocess
+import sys
+
+import httpx
+import openai
+import pytest
+
+from tests.conftest import REPO
+from tests.server import Server, http_config
+
+pytestmark = pytest.mark.slow
+
+CLI_PROMPT = "What is the capital of France?"
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    server = Server(http_config(), tmp_path_factory.mktemp("http_api")).start()
+    yield server
+    assert server.stop() == 0, server.output
+
+
+@pytest.fixture(scope="module")
+def model(server) -> str:
+    return httpx.get(f"{server.http}/v1/models").json()["data"][0]["id"]
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    with openai.OpenAI(base_url=f"{server.http}/v1", api_key="unused", max_retries=0, timeout=120) as client:
+        yield client
+
+
+def user(text: str) -> list[dict[str, str]]:
+    return [{"role": "user", "content": text}]
+
+
+def wait_until_idle(server: Server) -> None:
+    """No request running or waiting, and every KV block free again."""
+    server.wait_for(
+        lambda: server.metric("conveyor_num_requests_running") == 0
+        and server.metric("conveyor_num_requests_waiting") == 0
+        and server.metric("conveyor_kv_cache_free_blocks") == server.metric("conveyor_kv_cache_blocks"),
+        timeout=30,
+        what="the server to be idle with every KV block free",
+    )
+
+
+def num_finished(server: Server, finish_reason: str) -> float:
+    try:
+        return server.metric("conveyor_requests_total", finish_reason=finish_reason)
+    except KeyError:  # no request has ended that way yet
+        return 0.0
+
+
+# Runs first, so the server's prefix cache is as cold as the offline engine's.
+def test_greedy_chat_matches_conveyor_generate(server, client, model):
+    offline = subprocess.run(
+        [sys.executable, "-m", "conveyor", "generate", "--json", "--chat", "-p", CLI_PROMPT, "--max-tokens", "24"],
+        cwd=REPO, capture_output=True, text=True, timeout=300, check=True,
+    )
+    expected = json.loads(offline.stdout.strip().splitlines()[-1])
+    wait_until_idle(server)
+
+    response = client.chat.completions.create(model=model, messages=user(CLI_PROMPT), max_tokens=24, temperature=0)
+
+    choice = response.choices[0]
+    assert choice.message.content == expected["text"]
+    assert choice.finish_reason == expected["finish_reason"]
+    assert response.usage.completion_tokens == len(expected["token_ids"])
+
+
+def test_models_lists_the_served_model(server, client):
+    models = client.models.list()
+    ids = [m.id for m in models.data]
+    assert len(ids) == 1
+    assert re.search(rf"Conveyor is serving {re.escape(ids[0])} ", server.output)
+
+
+def test_chat_usage_and_stream_match(client, model, tokenizer):
+    messages = user("Write a haiku about the sea.")
+    n = 12
+    kwargs = {"model": model, "messages": messages, "max_tokens": n, "temperature": 0,
+              "extra_body": {"ignore_eos": True}}
+    # the same request once before, so both compared runs find the same prefix cache
+    client.chat.completions.create(**kwargs)
+
+    response = client.chat.completions.create(**kwargs)
+    stream = client.chat.completions.create(**kwargs, stream=True, stream_options={"include_usage": True})
+
+    num_prompt = len(tokenizer.encode_chat(messages))
+    assert response.choices[0].finish_reason == "length"
+    assert response.usage.completion_tokens == n
+    assert response.usage.prompt_tokens == num_prompt
+    assert response.usage.total_tokens == num_prompt + n
+    assert response.choices[0].message.role == "assistant"
+
+    deltas, finish_reasons, usages, roles = [], [], [], []
+    for chunk in stream:
+        if chunk.usage is not None:
+            usages.append(chunk.usage)
+        for choice in chunk.choices:
+            deltas.append(choice.delta.content or "")
+            roles.append(choice.delta.role)
+            if choice.finish_reason is not None:
+                finish_reasons.append(choice.finish_reason)
+    assert "".join(deltas) == response.choices[0].message.content
+    assert finish_reasons == ["length"]
+    assert roles[0] == "assistant"
+    assert len(usages) == 1
+    assert usages[0].completion_tokens == n
+    assert usages[0].prompt_tokens == num_prompt
+
+
+def test_completions_usage_and_stream_match(client, model, tokenizer):
+    prompt = "The three primary colors are"
+    n = 10
+    kwargs = {"model": model, "prompt": prompt, "max_tokens": n, "temperature": 0, "extra_body": {"ignore_eos": True}}
+    client.completions.create(**kwargs)
+
+    response = client.completions.create(**kwargs)
+    stream = client.completions.create(**kwargs, stream=True, stream_options={"include_usage": True})
+
+    num_prompt = len(tokenizer.encode(prompt))
+    assert response.choices[0].finish_reason == "length"
+    assert response.usage.completion_tokens == n
+    assert response.usage.prompt_tokens == num_prompt
+    assert response.usage.total_tokens == num_prompt + n
+
+    texts, finish_reasons, usages = [], [], []
+    for chunk in stream:
+        if chunk.usage is not None:
+            usages.append(chunk.usage)
+        for choice in chunk.choices:
+            texts.append(choice.text)
+            if choice.finish_reason is not None:
+                finish_reasons.append(choice.finish_reason)
+    assert "".join(texts) == response.choices[0].text
+    assert finish_reasons == ["length"]
+    assert len(usages) == 1
+    assert (usages[0].prompt_tokens, usages[0].completion_tokens) == (num_prompt, n)
+
+
+async def test_concurrent_streams_all_complete(server, model, tokenizer):
+    prompts = [f"Count from {i} to {i + 5}." for i in range(32)]
+
+    async def one(aclient: openai.AsyncOpenAI, prompt: str, max_tokens: int):
+        stream = await aclient.chat.completions.create(
+            model=model, messages=user(prompt), max_tokens=max_tokens, temperature=0, stream=True,
+            stream_options={"include_usage": True}, extra_body={"ignore_eos": True},
+        )
+        text, finish_reasons, usage = "", [], None
+        async for chunk in stream:
+            usage = chunk.usage or usage
+            for choice in chunk.choices:
+                text += choice.delta.content or ""
+                if choice.finish_reason is not None:
+                    finish_reasons.append(choice.finish_reason)
+        return text, finish_reasons, usage
+
+    async with openai.AsyncOpenAI(base_url=f"{server.http}/v1", api_key="unused", max_retries=0,
+                                  timeout=300) as aclient:
+        max_tokens = [4 + i % 13 for i in range(len(prompts))]
+        results = await asyncio.gather(*(one(aclient, p, m) for p, m in zip(prompts, max_tokens)))
+
+    for prompt, n, (text, finish_reasons, usage) in zip(prompts, max_tokens, results):
+        assert finish_reasons == ["length"], prompt
+        assert usage is not None, prompt
+        assert usage.completion_tokens == n, prompt
+        assert usage.prompt_tokens == len(tokenizer.encode_chat(user(prompt))), prompt
+        assert text, prompt
+    wait_until_idle(server)
+
+
+def test_chat_logprobs(client, model):
+    n = 8
+    response = client.chat.completions.create(
+        model=model, messages=user("Explain photosynthesis in one sentence."), max_tokens=n, temperature=0,
+        logprobs=True, top_logprobs=3, extra_body={"ignore_eos": True},
+    )
+    choice = response.choices[0]
+    content = choice.logprobs.content
+    assert len(content) == response.usage.completion_tokens == n
+    for entry in content:
+        top = entry.top_logprobs
+        assert len(top) == 3
+        values = [t.logprob for t in top]
+        assert values == sorted(values, reverse=True)
+        assert all(v <= 0 for v in values)
+        # greedy: the chosen token is the most likely one
+        assert entry.token == top[0].token
+        assert entry.logprob == pytest.approx(top[0].logprob, abs=1e-6)
+        assert bytes(entry.bytes).decode() == entry.token
+    assert "".join(e.token for e in content) == choice.message.content
+
+
+def test_completion_logprobs(client, model):
+    n = 8
+    response = client.completions.create(
+        model=model, prompt="Photosynthesis is the process", max_tokens=n, temperature=0, logprobs=2,
+        extra_body={"ignore_eos": True},
+    )
+    choice = response.choices[0]
+    logprobs = choice.logprobs
+    assert len(logprobs.tokens) == len(logprobs.token_logprobs) == len(logprobs.top_logprobs) == n
+    assert len(logprobs.text_offset) == n
+    text = choice.text
+    assert "".join(logprobs.tokens) == text
+    for token, offset in zip(logprobs.tokens, logprobs.text_offset):
+        assert text[offset:offset + len(token)] == token
+    assert logprobs.text_offset[0] == 0
+    for token, logprob, top in zip(logprobs.tokens, logprobs.token_logprobs, logprobs.top_logprobs):
+        assert 1 <= len(top) <= 2
+        assert logprob == pytest.approx(max(top.values()), abs=1e-6)
+        assert top[token] == pytest.approx(logprob, abs=1e-6)
+
+
+def test_seed_reproduces_sampling(client, model):
+    kwargs = {"model": model, "messages": user("Write a haiku about the sea."), "max_tokens": 12,
+              "temperature": 1.0, "extra_body": {"ignore_eos": True}}
+    first = client.chat.completions.create(**kwargs, seed=1234).choices[0].message.content
+    again = client.chat.completions.create(**kwargs, seed=1234).choices[0].message.content
+    other = client.chat.completions.create(**kwargs, seed=99).choices[0].message.content
+    assert first == again
+    assert first != other  # the seed decides the sample
+
+
+def test_n_choices(client, model):
+    kwargs = {"model": model, "messages": user("Write a haiku about the sea."), "max_tokens": 8,
+              "temperature": 1.0, "n": 3, "seed": 7, "extra_body": {"ignore_eos": True}}
+    response = client.chat.completions.create(**kwargs)
+    assert [c.index for c in response.choices] == [0, 1, 2]
+    assert all(c.finish_reason == "length" for c in response.choices)
+    assert response.usage.completion_tokens == 3 * 8
+    texts = [c.message.content for c in response.choices]
+    assert len(set(texts)) > 1  # the choices are sampled apart
+    again = client.chat.completions.create(**kwargs)
+    assert [c.message.content for c in again.choices] == texts
+
+
+def test_stop_string_cuts_the_text(client, model):
+    kwargs = {"model": model, "messages": user("Who wrote Romeo and Juliet?"), "max_tokens": 16,
+              "temperature": 0, "extra_body": {"ignore_eos": True}}
+    client.chat.completions.create(**kwargs)
+    full = client.chat.completions.create(**kwargs).choices[0].message.content
+    words = full.split()
+    assert len(words) >= 4, full
+    stop = " " + words[3]
+    cut = full[: full.index(stop)]
+
+    response = client.chat.completions.create(**kwargs, stop=[stop])
+    assert response.choices[0].message.content == cut
+    assert response.choices[0].finish_reason == "stop"
+
+    stream = client.chat.completions.create(**kwargs, stop=stop, stream=True)
+    chunks = [(c.delta.content or "", c.finish_reason) for chunk in stream for c in chunk.choices]
+    assert "".join(text for text, _ in chunks) == cut
+    assert [reason for _, reason in chunks if reason] == ["stop"]
+
+
+def test_client_leaving_a_stream_aborts_the_request(server, client, model):
+    wait_until_idle(server)
+    aborted = num_finished(server, "abort")
+    body = {"model": model, "messages": user("Tell me a long story about a dragon."), "max_tokens": 200,
+            "ignore_eos": True, "temperature": 0, "stream": True}
+    with httpx.stream("POST", f"{server.http}/v1/chat/completions", json=body, timeout=60) as response:
+        assert response.status_code == 200
+        lines = response.iter_lines()  # held: dropping the iterator would close the connection here
+        events = 0
+        for line in lines:
+            if line.startswith("data: "):
+                events += 1
+            if events == 3:
+                break
+        # the request holds KV blocks while it runs
+        assert server.metric("conveyor_num_requests_running") == 1
+        assert server.metric("conveyor_kv_cache_free_blocks") < server.metric("conveyor_kv_cache_blocks")
+    wait_until_idle(server)
+    assert num_finished(server, "abort") == aborted + 1
+    after = client.chat.completions.create(model=model, messages=user("Hi"), max_tokens=4, temperature=0,
+                                           extra_body={"ignore_eos": True})
+    assert after.usage.completion_tokens == 4
+
+
+def test_client_timing_out_aborts_the_request(server, client, model):
+    wait_until_idle(server)
+    aborted = num_finished(server, "abort")
+    body = {"model": model, "messages": user("Tell me a long story about a dragon."), "max_tokens": 200,
+            "ignore_eos": True, "temperature": 0}
+    with pytest.raises(httpx.TimeoutException):
+        httpx.post(f"{server.http}/v1/chat/completions", json=body, timeout=1.0)
+    wait_until_idle(server)
+    assert num_finished(server, "abort") == aborted + 1
+    after = client.chat.completions.create(model=model, messages=user("Hi"), max_tokens=4, temperature=0,
+                                           extra_body={"ignore_eos": True})
+    assert after.usage.completion_tokens == 4

@@ -1,0 +1,204 @@
+"""Bad requests to a real ``conveyor serve``: each gets its HTTP status and an OpenAI error body that names
+the problem, never a 500, and the server keeps serving afterwards."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import openai
+import pytest
+
+from tests.server import Server
+
+pytestmark = pytest.mark.slow
+
+KEY = "test-key-1234"
+MAX_MODEL_LEN = 256
+MAX_BODY_BYTES = 4096
+CONFIG = f"""
+[model]
+max_model_len = {MAX_MODEL_LEN}
+
+[scheduler]
+max_num_seqs = 1
+max_waiting = 1
+
+[server]
+status_interval = 1.0
+
+[[transport]]
+plugin = "http"
+port = 0
+api_key_env = "CONVEYOR_TEST_KEY"
+max_body_bytes = {MAX_BODY_BYTES}
+"""
+AUTH = {"Authorization": f"Bearer {KEY}"}
+MESSAGES = [{"role": "user", "content": "Hi"}]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    server = Server(CONFIG, tmp_path_factory.mktemp("http_errors"), env={"CONVEYOR_TEST_KEY": KEY}).start()
+    yield server
+    assert server.stop() == 0, server.output
+
+
+@pytest.fixture(scope="module")
+def http(server):
+    with httpx.Client(base_url=server.http, headers=AUTH, timeout=60) as http:
+        yield http
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    with openai.OpenAI(base_url=f"{server.http}/v1", api_key=KEY, max_retries=0, timeout=60) as client:
+        yield client
+
+
+@pytest.fixture(scope="module")
+def model(http) -> str:
+    return http.get("/v1/models").json()["data"][0]["id"]
+
+
+def error_of(response: httpx.Response, status: int) -> dict:
+    """The OpenAI error object of a response that must have ``status``."""
+    assert response.status_code == status, response.text
+    assert response.headers["content-type"].startswith("application/json")
+    error = response.json()["error"]
+    assert set(error) >= {"message", "type", "param", "code"}
+    assert error["code"] == status
+    return error
+
+
+def assert_still_serving(http: httpx.Client) -> None:
+    response = http.post("/v1/chat/completions", json={"messages": MESSAGES, "max_tokens": 2, "ignore_eos": True})
+    assert response.status_code == 200, response.text
+    assert response.json()["usage"]["completion_tokens"] == 2
+
+
+def chat(**fields) -> bytes:
+    return json.dumps({"messages": MESSAGES, "max_tokens": 4, **fields}).encode()
+
+
+# (route, body, status, param, words the message must contain)
+BAD_REQUESTS = {
+    "malformed JSON": ("chat/completions", b'{"messages": [', 400, None, ["JSON"]),
+    "not an object": ("chat/completions", b"[1, 2]", 400, None, ["object"]),
+    "missing messages": ("chat/completions", b'{"max_tokens": 4}', 400, None, ["messages"]),
+    "messages wrong type": ("chat/completions", b'{"messages": "Hi"}', 400, "messages", ["messages"]),
+    "max_tokens a string": ("chat/completions", chat(max_tokens="ten"), 400, "max_tokens", ["max_tokens", "str"]),
+    "temperature a string": ("completions", b'{"prompt": "Hi", "temperature": "hot"}', 400, "temperature",
+                             ["temperature"]),
+    "negative max_tokens": ("chat/completions", chat(max_tokens=-5), 400, "max_tokens", ["max_tokens", "-5"]),
+    "zero max_tokens": ("completions", b'{"prompt": "Hi", "max_tokens": 0}', 400, "max_tokens", ["max_tokens"]),
+    "negative temperature": ("chat/completions", chat(temperature=-0.5), 400, "temperature",
+                             ["temperature", "-0.5"]),
+    "seed beyond 64 bits": ("chat/completions", chat(seed=2**70), 400, "seed", ["seed"]),
+    "priority beyond 64 bits": ("completions", json.dumps({"prompt": "Hi", "priority": -(2**70)}).encode(), 400,
+                                "priority", ["priority"]),
+    "empty stop string": ("chat/completions", chat(stop=["ok", ""]), 400, "stop", ["stop"]),
+    "top_p zero": ("chat/completions", chat(top_p=0), 400, "top_p", ["top_p"]),
+    "n zero": ("chat/completions", chat(n=0), 400, "n", ["n=0"]),
+    "too many top_logprobs": ("chat/completions", chat(logprobs=True, top_logprobs=50), 400, "top_logprobs",
+                              ["50"]),
+    "empty prompt": ("completions", b'{"prompt": ""}', 400, "prompt", ["empty"]),
+    "token id outside the vocabulary": ("completions", b'{"prompt": [1, 99999999]}', 400, "prompt",
+                                        ["99999999"]),
+    "prompt + max_tokens over max_model_len": (
+        "chat/completions", chat(max_tokens=MAX_MODEL_LEN), 400, "max_tokens", ["max_model_len=256", "256"]),
+    "prompt alone over max_model_len": (
+        "completions", json.dumps({"prompt": "hello " * 300, "max_tokens": 1}).encode(), 400, "prompt",
+        ["max_model_len=256"]),
+    "unknown role": ("chat/completions", json.dumps({"messages": [{"role": "bogus", "content": "Hi"}]}).encode(),
+                     400, "messages", ["bogus", "allowed"]),
+    "user message without content": ("chat/completions", json.dumps({"messages": [{"role": "user"}]}).encode(),
+                                     400, "messages", ["messages[0]", "no content"]),
+    "unknown model": ("chat/completions", chat(model="gpt-17"), 404, "model", ["gpt-17"]),
+    "oversized body": ("completions", json.dumps({"prompt": "x" * (2 * MAX_BODY_BYTES)}).encode(), 413, None,
+                       [str(MAX_BODY_BYTES)]),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_REQUESTS))
+def test_bad_request(http, case):
+    route, body, status, param, words = BAD_REQUESTS[case]
+    response = http.post(f"/v1/{route}", content=body, headers={"Content-Type": "application/json"})
+    error = error_of(response, status)
+    assert error["param"] == param
+    for word in words:
+        assert word in error["message"], error["message"]
+    assert_still_serving(http)
+
+
+def test_unknown_route_and_wrong_method(http):
+    error = error_of(http.get("/v1/engines"), 404)
+    assert "/v1/engines" in error["message"]
+    error = error_of(http.get("/v1/chat/completions"), 405)
+    assert "GET" in error["message"] and error["type"] == "invalid_request_error"
+    assert_still_serving(http)
+
+
+def test_oversized_body_without_content_length(http):
+    def chunks():
+        for _ in range(2 * MAX_BODY_BYTES // 512):
+            yield b" " * 512
+        yield b'{"prompt": "Hi"}'
+
+    response = http.post("/v1/completions", content=chunks(), headers={"Content-Type": "application/json"})
+    assert "content-length" not in response.request.headers
+    error = error_of(response, 413)
+    assert str(MAX_BODY_BYTES) in error["message"]
+    assert_still_serving(http)
+
+
+@pytest.mark.parametrize("headers", [{}, {"Authorization": "Bearer wrong-key"}, {"Authorization": KEY}],
+                         ids=["missing", "wrong", "no bearer"])
+def test_api_key_required(server, http, headers):
+    with httpx.Client(base_url=server.http, headers=headers, timeout=60) as anonymous:
+        for method, path in [("POST", "/v1/chat/completions"), ("POST", "/v1/completions"), ("GET", "/v1/models")]:
+            response = anonymous.request(method, path, json={"messages": MESSAGES, "prompt": "Hi", "max_tokens": 2})
+            error = error_of(response, 401)
+            assert "API key" in error["message"]
+        # health and metrics stay open to probes and scrapers
+        assert anonymous.get("/health").status_code == 200
+        assert anonymous.get("/metrics").status_code == 200
+    assert_still_serving(http)
+
+
+def test_openai_client_sees_typed_errors(server, client, model, http):
+    with pytest.raises(openai.NotFoundError) as e:
+        client.chat.completions.create(model="gpt-17", messages=MESSAGES, max_tokens=2)
+    assert "gpt-17" in e.value.message
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=model, messages=MESSAGES, max_tokens=2, temperature=-1)
+    assert "temperature" in e.value.message
+    stranger = openai.OpenAI(base_url=f"{server.http}/v1", api_key="wrong", max_retries=0)
+    with stranger, pytest.raises(openai.AuthenticationError):
+        stranger.chat.completions.create(model=model, messages=MESSAGES, max_tokens=2)
+    assert_still_serving(http)
+
+
+def test_full_queue_gets_429(server, client, model, http):
+    url = f"{server.http}/v1/chat/completions"
+    long = {"model": model, "messages": MESSAGES, "max_tokens": 200, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", url, json=long, headers=AUTH, timeout=60) as running:
+        lines = running.iter_lines()
+        next(line for line in lines if '"content"' in line and '"role"' not in line)  # it is generating
+        with httpx.stream("POST", url, json=long, headers=AUTH, timeout=60) as waiting:
+            assert waiting.status_code == 200
+            server.wait_for(lambda: server.metric("conveyor_num_requests_running") == 1
+                            and server.metric("conveyor_num_requests_waiting") == 1,
+                            timeout=30, what="one request running and one waiting")
+
+            response = http.post("/v1/chat/completions", json={"messages": MESSAGES, "max_tokens": 2})
+            error = error_of(response, 429)
+            assert "max_waiting=1" in error["message"], error["message"]
+            with pytest.raises(openai.RateLimitError):
+                client.chat.completions.create(model=model, messages=MESSAGES, max_tokens=2)
+    # both streams closed: the slot and the queue empty again
+    server.wait_for(lambda: server.metric("conveyor_num_requests_running") == 0
+                    and server.metric("conveyor_num_requests_waiting") == 0
+                    and server.metric("conveyor_kv_cache_free_blocks") == server.metric("conveyor_kv_cache_blocks"),
+                    timeout=30, what="the server to be idle")
+    assert_still_serving(http)

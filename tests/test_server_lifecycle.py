@@ -1,0 +1,150 @@
+"""A real ``conveyor serve`` through its life: health, losing its engine process, and stopping on SIGTERM
+with requests in flight."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import threading
+
+import httpx
+import pytest
+
+from tests.server import Server, http_config
+
+pytestmark = pytest.mark.slow
+
+MESSAGES = [{"role": "user", "content": "Tell me a long story about a dragon."}]
+
+
+def events(response: httpx.Response):
+    """The SSE ``data:`` payloads of a streaming response, decoded; ``[DONE]`` as the string."""
+    for line in response.iter_lines():
+        if line.startswith("data: "):
+            data = line.removeprefix("data: ")
+            yield data if data == "[DONE]" else json.loads(data)
+
+
+def health(server: Server) -> int | None:
+    try:
+        return httpx.get(f"{server.http}/health", timeout=5).status_code
+    except httpx.TransportError:
+        return None
+
+
+def chat(server: Server, **fields) -> httpx.Response:
+    body = {"messages": MESSAGES, "temperature": 0, **fields}
+    return httpx.post(f"{server.http}/v1/chat/completions", json=body, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    server = Server(http_config(), tmp_path_factory.mktemp("lifecycle")).start()
+    yield server
+    assert server.stop() == 0, server.output
+
+
+def test_health_is_ok_when_up(server):
+    response = httpx.get(f"{server.http}/health")
+    assert response.status_code == 200
+    assert response.json() == {"status": "ok"}
+    assert server.metric("conveyor_engine_alive") == 1
+
+
+def test_engine_death_fails_in_flight_requests_and_the_engine_restarts(server):
+    pid = int(re.search(r"engine pid (\d+)", server.output).group(1))
+    assert server.metric("conveyor_engine_restarts_total") == 0
+
+    # a non-streaming request in flight as well
+    results: list[httpx.Response] = []
+    plain = threading.Thread(target=lambda: results.append(chat(server, max_tokens=400, ignore_eos=True)))
+    body = {"messages": MESSAGES, "max_tokens": 400, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", f"{server.http}/v1/chat/completions", json=body, timeout=60) as response:
+        assert response.status_code == 200
+        received = events(response)
+        for _ in range(3):
+            next(received)
+        plain.start()
+        server.wait_for(lambda: server.metric("conveyor_num_requests_running") == 2, timeout=30,
+                        what="both requests running")
+        os.kill(pid, signal.SIGKILL)
+        rest = list(received)  # ends, or the client timeout fails the test
+    plain.join(60)
+
+    assert rest[-1] == "[DONE]"
+    errors = [e for e in rest[:-1] if "error" in e]
+    assert len(errors) == 1 and rest[-2] is errors[0]
+    assert errors[0]["error"]["code"] == 503
+    assert "engine" in errors[0]["error"]["message"]
+    assert not any(c.get("finish_reason") for e in rest[:-1] if "choices" in e for c in e["choices"])
+
+    assert len(results) == 1
+    assert results[0].status_code == 503
+    assert "engine" in results[0].json()["error"]["message"]
+
+    # down until the new engine is ready (loading the model takes seconds)
+    assert health(server) == 503
+    assert server.metric("conveyor_engine_alive") == 0
+    assert chat(server, max_tokens=2).status_code == 503
+    server.wait_for(lambda: health(server) == 200, timeout=180, what="the engine to restart")
+
+    response = chat(server, max_tokens=4, ignore_eos=True)
+    assert response.status_code == 200, response.text
+    assert response.json()["usage"]["completion_tokens"] == 4
+    assert server.metric("conveyor_engine_restarts_total") == 1
+    assert server.metric("conveyor_engine_alive") == 1
+    with pytest.raises(ProcessLookupError):
+        os.kill(pid, 0)
+
+
+def test_sigterm_lets_the_request_in_flight_finish(tmp_path):
+    server = Server(http_config(drain_timeout=60.0), tmp_path).start()
+    try:
+        n = 30
+        body = {"messages": MESSAGES, "max_tokens": n, "ignore_eos": True, "stream": True,
+                "stream_options": {"include_usage": True}}
+        with httpx.stream("POST", f"{server.http}/v1/chat/completions", json=body, timeout=120) as response:
+            received = events(response)
+            next(received)
+            server.process.send_signal(signal.SIGTERM)
+            # draining: not ready for new work, new requests refused, the one in flight goes on
+            server.wait_for(lambda: health(server) == 503, timeout=10, what="/health to report draining")
+            refused = chat(server, max_tokens=2)
+            assert refused.status_code == 503
+            assert "shutting down" in refused.json()["error"]["message"]
+            rest = list(received)
+        assert rest[-1] == "[DONE]"
+        finish_reasons = [c["finish_reason"] for e in rest[:-1] for c in e["choices"] if c["finish_reason"]]
+        assert finish_reasons == ["length"]
+        assert rest[-2]["usage"]["completion_tokens"] == n
+        assert not any("error" in e for e in rest[:-1])
+        assert server.process.wait(60) == 0
+    finally:
+        server.stop()
+
+
+def test_sigterm_aborts_what_outlasts_drain_timeout(tmp_path):
+    server = Server(http_config(drain_timeout=1.0), tmp_path).start()
+    try:
+        n = 400
+        body = {"messages": MESSAGES, "max_tokens": n, "ignore_eos": True, "stream": True,
+                "stream_options": {"include_usage": True}}
+        with httpx.stream("POST", f"{server.http}/v1/chat/completions", json=body, timeout=120) as response:
+            received = events(response)
+            next(received)
+            server.process.send_signal(signal.SIGTERM)
+            rest = list(received)  # a broken connection would raise here
+        # a clean end: the last choice says "abort", the usage follows, then [DONE]
+        assert rest[-1] == "[DONE]"
+        assert not any("error" in e for e in rest[:-1])
+        finish_reasons = [c["finish_reason"] for e in rest[:-1] for c in e["choices"] if c["finish_reason"]]
+        assert finish_reasons == ["abort"]
+        generated = rest[-2]["usage"]["completion_tokens"]
+        assert 0 < generated < n
+        assert server.process.wait(60) == 0
+        server.wait_for(lambda: any("aborting 1 requests" in line for line in server.lines), timeout=10,
+                        what="the abort to be logged")
+    finally:
+        server.stop()
