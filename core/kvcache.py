@@ -20,6 +20,9 @@ import torch
 from conveyor.model.llama import AttentionFn
 from conveyor.request import Request
 
+# the per-token, per-head scale of an fp8 cache
+SCALE_DTYPE = torch.bfloat16
+
 
 @dataclass(frozen=True)
 class KVCacheSpec:
@@ -28,14 +31,30 @@ class KVCacheSpec:
     num_layers: int
     num_kv_heads: int
     head_dim: int
+    # the model's activation dtype
     dtype: torch.dtype
     device: torch.device
     max_model_len: int
+    # what K and V are stored as: None (the model dtype) or torch.float8_e4m3fn (with one scale per token and head)
+    cache_dtype: torch.dtype | None = None
+
+    @property
+    def storage_dtype(self) -> torch.dtype:
+        return self.cache_dtype or self.dtype
+
+    @property
+    def quantized(self) -> bool:
+        return self.storage_dtype == torch.float8_e4m3fn
+
+    @property
+    def bytes_per_head(self) -> int:
+        """Bytes one token's K (or V) takes in one KV head: head_dim elements, plus a scale when quantized."""
+        return self.head_dim * self.storage_dtype.itemsize + (SCALE_DTYPE.itemsize if self.quantized else 0)
 
     @property
     def bytes_per_token(self) -> int:
-        """2 (K and V) x layers x kv_heads x head_dim x bytes per element."""
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.dtype.itemsize
+        """2 (K and V) x layers x kv_heads x bytes per head."""
+        return 2 * self.num_layers * self.num_kv_heads * self.bytes_per_head
 
 
 @dataclass

@@ -21,6 +21,8 @@ from conveyor import hookspecs
 
 DEFAULT_PLUGINS: tuple[str, ...] = (
     "conveyor.plugins.quant.none",
+    "conveyor.plugins.quant.int8",
+    "conveyor.plugins.quant.fp8",
     "conveyor.plugins.kvcache.paged",
     "conveyor.plugins.kvcache.contiguous",
     "conveyor.plugins.schedulers.continuous",

@@ -14,13 +14,21 @@ from conveyor.sampling import SamplingParams
 from tests.helpers import reference_attention
 
 
+def fp8_round_trip(x: torch.Tensor) -> torch.Tensor:
+    """What an fp8 cache gives back: e4m3 values with one bf16 scale per token and head (amax -> 448)."""
+    scale = (x.abs().amax(-1, keepdim=True) / 448).clamp_min(1e-8).bfloat16().double()
+    return (x.double() / scale).clamp(-448, 448).to(torch.float8_e4m3fn).double() * scale
+
+
+@pytest.mark.parametrize("kv_dtype", ["auto", "fp8"])
 @pytest.mark.parametrize("backend", ["torch", "triton"])
-def test_mixed_batch_of_decodes_and_chunks_matches_dense_attention(backend):
+def test_mixed_batch_of_decodes_and_chunks_matches_dense_attention(backend, kv_dtype):
     """The whole step path: slot mapping, cache writes, then decode and prefill attention
-    (the Triton kernels run under TRITON_INTERPRET=1 on CPU)."""
+    (the Triton kernels run under TRITON_INTERPRET=1 on CPU). With an fp8 cache, what is
+    read back from the cache is the fp8 round trip of K and V."""
     heads, kv_heads, dim = 6, 2, 16
     spec = KVCacheSpec(1, kv_heads, dim, torch.float32, torch.device("cpu"), 512)
-    cache = PagedKVCache(PagedOptions(block_size=4, num_blocks=200, attention=backend), spec)
+    cache = PagedKVCache(PagedOptions(block_size=4, num_blocks=200, attention=backend, dtype=kv_dtype), spec)
     # hand out blocks in random order so no block table is contiguous
     cache.free_blocks = OrderedDict.fromkeys(torch.randperm(200).tolist())
     # (total length, tokens already cached, tokens this step)
@@ -49,8 +57,11 @@ def test_mixed_batch_of_decodes_and_chunks_matches_dense_attention(backend):
     v_flat = torch.cat([v[r.num_computed_tokens : r.num_computed_tokens + n] for r, q, k, v, n in batch])
     out = attention(0, q_flat, k_flat, v_flat)
     row = 0
-    for r, q, k, v, n in batch:
+    for i, (r, q, k, v, n) in enumerate(batch):
         start = r.num_computed_tokens
+        # the torch path attends a fresh prompt chunk's own K and V; everything else comes from the cache
+        if kv_dtype == "fp8" and (backend == "triton" or start > 0 or i < len(decodes)):
+            k, v = fp8_round_trip(k), fp8_round_trip(v)
         expected = reference_attention(q[start : start + n], k[: start + n], v[: start + n], start)
         torch.testing.assert_close(out[row : row + n].double(), expected, rtol=1e-4, atol=1e-5)
         row += n
@@ -73,3 +84,11 @@ def test_cpu_budget_sizes_the_pool_from_bytes_per_token():
     cache = PagedKVCache(PagedOptions(block_size=16, memory_gb=0.25), spec)
     assert cache.num_blocks == int(0.25 * 2**30 // (16 * spec.bytes_per_token))
     assert cache.storage.num_bytes <= 0.25 * 2**30
+
+
+def test_fp8_cache_holds_nearly_twice_the_blocks():
+    spec = KVCacheSpec(30, 3, 64, torch.bfloat16, torch.device("cpu"), 2048)
+    bf16 = PagedKVCache(PagedOptions(block_size=16, memory_gb=0.25), spec)
+    fp8 = PagedKVCache(PagedOptions(block_size=16, memory_gb=0.25, dtype="fp8"), spec)
+    assert fp8.num_blocks >= 1.9 * bf16.num_blocks
+    assert fp8.storage.num_bytes <= 0.25 * 2**30

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 import torch
 
 from conveyor.attention.ops import causal_attention, decode_attention
-from conveyor.kvcache import KVCacheSpec
+from conveyor.kvcache import SCALE_DTYPE, KVCacheSpec
 from conveyor.request import Request
 
 logger = logging.getLogger("conveyor")
@@ -22,6 +22,7 @@ logger = logging.getLogger("conveyor")
 # decodes per step are split into at most this many length groups, of at least this many each
 MAX_DECODE_GROUPS = 4
 MIN_DECODE_GROUP = 8
+FP8_MAX = 448.0
 
 
 def blocks_for_budget(spec: KVCacheSpec, block_size: int, memory_gb: float, memory_fraction: float) -> int:
@@ -37,12 +38,33 @@ def blocks_for_budget(spec: KVCacheSpec, block_size: int, memory_gb: float, memo
 def log_capacity(name: str, num_blocks: int, block_size: int, spec: KVCacheSpec) -> None:
     capacity = num_blocks * block_size
     logger.info(
-        "KV cache (%s): %d blocks x %d tokens = %d tokens, %.2f GiB (%d B/token = 2 x %d layers x %d kv heads x %d x %d B);"
+        "KV cache (%s, %s): %d blocks x %d tokens = %d tokens, %.2f GiB (%d B/token = 2 x %d layers x %d kv heads x %s);"
         " max concurrency at max_model_len %d: %.1f",
-        name, num_blocks, block_size, capacity, capacity * spec.bytes_per_token / 2**30, spec.bytes_per_token,
-        spec.num_layers, spec.num_kv_heads, spec.head_dim, spec.dtype.itemsize, spec.max_model_len,
-        capacity / spec.max_model_len,
+        name, str(spec.storage_dtype).removeprefix("torch."), num_blocks, block_size, capacity,
+        capacity * spec.bytes_per_token / 2**30, spec.bytes_per_token, spec.num_layers, spec.num_kv_heads,
+        f"({spec.head_dim} x 1 B + {SCALE_DTYPE.itemsize} B scale)" if spec.quantized
+        else f"{spec.head_dim} x {spec.dtype.itemsize} B",
+        spec.max_model_len, capacity / spec.max_model_len,
     )
+
+
+def quantize_heads(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp8 e4m3 with one scale per token and head: ``x[t, h] ~= q[t, h] * scale[t, h]``.
+
+    Args:
+        x: ``[tokens, kv_heads, head_dim]``.
+
+    Returns:
+        q as uint8 bits ``[tokens, kv_heads, head_dim]`` and the scales ``[tokens, kv_heads]`` (SCALE_DTYPE).
+    """
+    scale = (x.abs().amax(dim=-1).float() / FP8_MAX).clamp_min(1e-8).to(SCALE_DTYPE)
+    q = (x.float() / scale.float()[..., None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return q.view(torch.uint8), scale
+
+
+def dequantize(bits: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The inverse of ``quantize_heads`` on gathered rows: ``bits [..., D]`` (uint8), ``scale [...]``."""
+    return bits.view(torch.float8_e4m3fn).to(dtype) * scale.to(dtype).unsqueeze(-1)
 
 
 class BlockStorage:
@@ -50,6 +72,9 @@ class BlockStorage:
 
     Head-major: the keys of one head in one block are a contiguous
     ``[block_size, head_dim]`` matrix, so gathered blocks multiply without a copy.
+    An fp8 cache (``spec.cache_dtype``) stores e4m3 values (kept as uint8 bits,
+    which CPU copies support) and a scale per token and head in ``k_scale``
+    and ``v_scale`` ``[layers, kv_heads, slots]``; attention dequantizes what it reads.
     """
 
     def __init__(self, spec: KVCacheSpec, num_blocks: int, block_size: int, backend: str = "auto"):
@@ -62,12 +87,19 @@ class BlockStorage:
         self.block_size = block_size
         self.use_triton = backend == "triton" or (backend == "auto" and spec.device.type == "cuda")
         shape = (spec.num_layers, spec.num_kv_heads, num_blocks * block_size, spec.head_dim)
-        self.k = torch.zeros(shape, dtype=spec.dtype, device=spec.device)
-        self.v = torch.zeros(shape, dtype=spec.dtype, device=spec.device)
+        self.quantized = spec.quantized
+        dtype = torch.uint8 if self.quantized else spec.dtype
+        self.k = torch.zeros(shape, dtype=dtype, device=spec.device)
+        self.v = torch.zeros(shape, dtype=dtype, device=spec.device)
+        self.k_scale = self.v_scale = None
+        if self.quantized:
+            self.k_scale = torch.zeros(shape[:-1], dtype=SCALE_DTYPE, device=spec.device)
+            self.v_scale = torch.zeros(shape[:-1], dtype=SCALE_DTYPE, device=spec.device)
 
     @property
     def num_bytes(self) -> int:
-        return self.k.nbytes + self.v.nbytes
+        scales = self.k_scale.nbytes + self.v_scale.nbytes if self.quantized else 0
+        return self.k.nbytes + self.v.nbytes + scales
 
     def attention(
         self, tables: Sequence[list[int]], requests: Sequence[Request], num_tokens: Sequence[int], num_decodes: int
@@ -148,39 +180,65 @@ class BlockTableAttention:
             self.max_prefill_len = max(n for _, n, _, _ in self.prefills)
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        storage = self.storage
         # [Hkv, slots, D] for this layer
-        k_cache, v_cache = self.storage.k[layer], self.storage.v[layer]
-        k_cache.index_copy_(1, self.slot_mapping, k.transpose(0, 1))
-        v_cache.index_copy_(1, self.slot_mapping, v.transpose(0, 1))
-        if self.storage.use_triton:
-            return self._kernels(q, k_cache, v_cache)
+        k_cache, v_cache = storage.k[layer], storage.v[layer]
+        k_scale = v_scale = None
+        if storage.quantized:
+            k_scale, v_scale = storage.k_scale[layer], storage.v_scale[layer]
+            for cache, scales, new in ((k_cache, k_scale, k), (v_cache, v_scale, v)):
+                bits, scale = quantize_heads(new)
+                cache.index_copy_(1, self.slot_mapping, bits.transpose(0, 1))
+                scales.index_copy_(1, self.slot_mapping, scale.transpose(0, 1))
+        else:
+            k_cache.index_copy_(1, self.slot_mapping, k.transpose(0, 1))
+            v_cache.index_copy_(1, self.slot_mapping, v.transpose(0, 1))
+        if storage.use_triton:
+            return self._kernels(q, k_cache, v_cache, k_scale, v_scale)
         out = torch.empty_like(q)
-        num_kv_heads, num_blocks = k_cache.shape[0], self.storage.num_blocks
+        num_kv_heads, num_blocks = k_cache.shape[0], storage.num_blocks
+
+        def gather_blocks(cache: torch.Tensor, scales: torch.Tensor | None, blocks: torch.Tensor, rows: int):
+            shape = (num_kv_heads, rows, -1, cache.shape[2])
+            gathered = cache.view(num_kv_heads, num_blocks, -1).index_select(1, blocks).view(shape)
+            if scales is None:
+                return gathered
+            gathered_scales = scales.view(num_kv_heads, num_blocks, -1).index_select(1, blocks).view(shape[:-1])
+            return dequantize(gathered, gathered_scales, q.dtype)
+
+        def gather_slots(cache: torch.Tensor, scales: torch.Tensor | None, slots: torch.Tensor):
+            gathered = cache.index_select(1, slots)
+            return gathered if scales is None else dequantize(gathered, scales.index_select(1, slots), q.dtype)
+
         for rows, blocks, mask in self.decode_groups:
-            shape = (num_kv_heads, rows.shape[0], -1, k_cache.shape[2])
-            keys = k_cache.view(num_kv_heads, num_blocks, -1).index_select(1, blocks).view(shape)
-            values = v_cache.view(num_kv_heads, num_blocks, -1).index_select(1, blocks).view(shape)
+            keys = gather_blocks(k_cache, k_scale, blocks, rows.shape[0])
+            values = gather_blocks(v_cache, v_scale, blocks, rows.shape[0])
             out[rows] = decode_attention(q[rows], keys, values, mask)
         for row, n, start, context_slots in self.prefills:
             if context_slots is None:
                 keys, values = k[row : row + n].transpose(0, 1), v[row : row + n].transpose(0, 1)
             else:
-                keys, values = k_cache.index_select(1, context_slots), v_cache.index_select(1, context_slots)
+                keys = gather_slots(k_cache, k_scale, context_slots)
+                values = gather_slots(v_cache, v_scale, context_slots)
             out[row : row + n] = causal_attention(q[row : row + n], keys, values, start)
         return out
 
-    def _kernels(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
+    def _kernels(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                 k_scale: torch.Tensor | None, v_scale: torch.Tensor | None) -> torch.Tensor:
         from conveyor.attention.kernels import paged_decode_attention, paged_prefill_attention
 
+        if k_scale is not None:  # the kernels read e4m3 values
+            k_cache, v_cache = k_cache.view(torch.float8_e4m3fn), v_cache.view(torch.float8_e4m3fn)
         size = self.storage.block_size
         out = torch.empty_like(q)
         if self.num_decodes:
             out[: self.num_decodes] = paged_decode_attention(
-                q[: self.num_decodes], k_cache, v_cache, self.decode_tables, self.decode_context, size
+                q[: self.num_decodes], k_cache, v_cache, self.decode_tables, self.decode_context, size,
+                k_scale, v_scale,
             )
         if self.prefills:
             paged_prefill_attention(
                 q, k_cache, v_cache, self.prefill_tables, self.prefill_rows, self.prefill_lens,
-                self.prefill_starts, size, self.max_prefill_len, out=out,
+                self.prefill_starts, size, self.max_prefill_len, out=out, k_scale=k_scale, v_scale=v_scale,
             )
         return out

@@ -32,11 +32,15 @@ def _decode_kernel(
     out_ptr,  # [B, Hq, D]
     tables_ptr,  # [B, max_blocks] int32
     context_ptr,  # [B] int32
+    k_scale_ptr,  # [Hkv, S]: per-slot scales of an fp8 cache (KV_SCALED)
+    v_scale_ptr,
     scale,
     stride_qb, stride_qh,
     stride_ks, stride_kh,
     stride_ob, stride_oh,
     stride_tb,
+    stride_sh,
+    KV_SCALED: tl.constexpr,
     GROUP: tl.constexpr,  # query heads per kv head
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -61,12 +65,16 @@ def _decode_kernel(
         offsets = slot[:, None] * stride_ks + kv_head * stride_kh + dims[None, :]
         mask = valid[:, None] & dim_mask[None, :]
         k = tl.load(k_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
+        if KV_SCALED:
+            k = k * tl.load(k_scale_ptr + kv_head * stride_sh + slot, mask=valid, other=0.0).to(tl.float32)[:, None]
         scores = tl.sum(k * q[None, :], axis=1) * scale
         scores = tl.where(valid, scores, -float("inf"))
         m_new = tl.maximum(m_i, tl.max(scores, axis=0))
         p = tl.exp(scores - m_new)
         alpha = tl.exp(m_i - m_new)
         v = tl.load(v_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
+        if KV_SCALED:
+            v = v * tl.load(v_scale_ptr + kv_head * stride_sh + slot, mask=valid, other=0.0).to(tl.float32)[:, None]
         acc = acc * alpha + tl.sum(p[:, None] * v, axis=0)
         l_i = l_i * alpha + tl.sum(p, axis=0)
         m_i = m_new
@@ -81,6 +89,8 @@ def paged_decode_attention(
     block_tables: torch.Tensor,
     context_lens: torch.Tensor,
     block_size: int,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One query per sequence over its paged context.
 
@@ -90,6 +100,7 @@ def paged_decode_attention(
         block_tables: ``[B, max_blocks]`` int32.
         context_lens: ``[B]`` int32, keys per sequence (the new token's included).
         block_size: tokens per block.
+        k_scale, v_scale: ``[Hkv, num_slots]`` scales of an fp8 cache (value = stored x scale), or None.
 
     Returns:
         ``[B, Hq, D]`` in q's dtype.
@@ -97,12 +108,16 @@ def paged_decode_attention(
     batch, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[0]
     out = torch.empty_like(q)
+    scaled = k_scale is not None
     _decode_kernel[(batch, num_heads)](
-        q, k_cache, v_cache, out, block_tables, context_lens, head_dim**-0.5,
+        q, k_cache, v_cache, out, block_tables, context_lens,
+        k_scale if scaled else k_cache, v_scale if scaled else v_cache, head_dim**-0.5,
         q.stride(0), q.stride(1),
         k_cache.stride(1), k_cache.stride(0),
         out.stride(0), out.stride(1),
         block_tables.stride(0),
+        k_scale.stride(0) if scaled else 0,
+        KV_SCALED=scaled,
         GROUP=num_heads // num_kv_heads,
         HEAD_DIM=head_dim,
         BLOCK_D=triton.next_power_of_2(head_dim),
@@ -122,11 +137,15 @@ def _prefill_kernel(
     q_rows_ptr,  # [N] int32: first row of each sequence's chunk in q
     q_lens_ptr,  # [N] int32: rows of each chunk
     starts_ptr,  # [N] int32: position of each chunk's first token
+    k_scale_ptr,  # [Hkv, S]: per-slot scales of an fp8 cache (KV_SCALED)
+    v_scale_ptr,
     scale,
     stride_qt, stride_qh,
     stride_ks, stride_kh,
     stride_ot, stride_oh,
     stride_tb,
+    stride_sh,
+    KV_SCALED: tl.constexpr,
     GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -166,7 +185,10 @@ def _prefill_kernel(
             kv_offsets = slot[:, None] * stride_ks + kv_head * stride_kh + dims[None, :]
             kv_mask = key_valid[:, None] & dim_mask[None, :]
             k = tl.load(k_ptr + kv_offsets, mask=kv_mask, other=0.0)
-            if UPCAST_DOT:
+            if KV_SCALED:
+                k_scale = tl.load(k_scale_ptr + kv_head * stride_sh + slot, mask=key_valid, other=0.0)
+                k = (k.to(tl.float32) * k_scale.to(tl.float32)[:, None]).to(q.dtype)
+            elif UPCAST_DOT:
                 k = k.to(tl.float32)
             scores = tl.dot(q, tl.trans(k)).to(tl.float32) * scale
             allowed = (key_pos[None, :] <= query_pos[:, None]) & key_valid[None, :]
@@ -177,7 +199,10 @@ def _prefill_kernel(
             p = tl.exp(scores - m_safe[:, None])
             alpha = tl.exp(m_i - m_safe)
             v = tl.load(v_ptr + kv_offsets, mask=kv_mask, other=0.0)
-            if UPCAST_DOT:
+            if KV_SCALED:
+                v_scale = tl.load(v_scale_ptr + kv_head * stride_sh + slot, mask=key_valid, other=0.0)
+                v = (v.to(tl.float32) * v_scale.to(tl.float32)[:, None]).to(q.dtype)
+            elif UPCAST_DOT:
                 v = v.to(tl.float32)
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v).to(tl.float32)
             l_i = l_i * alpha + tl.sum(p, axis=1)
@@ -198,6 +223,8 @@ def paged_prefill_attention(
     block_size: int,
     max_q_len: int,
     out: torch.Tensor | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Prefill chunks attending causally over their paged context.
 
@@ -209,6 +236,7 @@ def paged_prefill_attention(
         block_size: tokens per block.
         max_q_len: the longest chunk.
         out: where to write (rows outside the chunks are left alone); a new tensor if None.
+        k_scale, v_scale: ``[Hkv, num_slots]`` scales of an fp8 cache, or None.
 
     Returns:
         ``out``.
@@ -219,12 +247,16 @@ def paged_prefill_attention(
         out = torch.empty_like(q)
     block_m = 16
     grid = (q_lens.shape[0], num_heads, triton.cdiv(max_q_len, block_m))
+    scaled = k_scale is not None
     _prefill_kernel[grid](
-        q, k_cache, v_cache, out, block_tables, q_rows, q_lens, starts, head_dim**-0.5,
+        q, k_cache, v_cache, out, block_tables, q_rows, q_lens, starts,
+        k_scale if scaled else k_cache, v_scale if scaled else v_cache, head_dim**-0.5,
         q.stride(0), q.stride(1),
         k_cache.stride(1), k_cache.stride(0),
         out.stride(0), out.stride(1),
         block_tables.stride(0),
+        k_scale.stride(0) if scaled else 0,
+        KV_SCALED=scaled,
         GROUP=num_heads // num_kv_heads,
         HEAD_DIM=head_dim,
         BLOCK_D=max(16, triton.next_power_of_2(head_dim)),

@@ -3,6 +3,7 @@ and automatic prefix caching."""
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 from array import array
 from collections import OrderedDict
@@ -10,6 +11,7 @@ from collections.abc import Sequence
 from typing import Annotated, Literal
 
 import msgspec
+import torch
 
 from conveyor.attention.blocks import BlockStorage, blocks_for_budget, log_capacity
 from conveyor.hookspecs import hookimpl
@@ -31,6 +33,9 @@ class PagedOptions(msgspec.Struct, forbid_unknown_fields=True):
     enable_prefix_caching: bool = True
     # attention implementation: "auto" (Triton kernels on CUDA, torch elsewhere), "torch" or "triton"
     attention: Literal["auto", "torch", "triton"] = "auto"
+    # what K and V are stored as: "auto" (the model dtype) or "fp8" (e4m3 with a scale per token and head;
+    # about twice the blocks in the same memory)
+    dtype: Literal["auto", "fp8"] = "auto"
 
 
 def block_digest(parent: bytes, tokens: Sequence[int]) -> bytes:
@@ -65,6 +70,8 @@ class PagedKVCache(KVCache):
     Options = PagedOptions
 
     def __init__(self, options: PagedOptions, spec: KVCacheSpec):
+        if options.dtype == "fp8":
+            spec = dataclasses.replace(spec, cache_dtype=torch.float8_e4m3fn)
         super().__init__(options, spec)
         self.block_size = options.block_size
         self.num_blocks = options.num_blocks or blocks_for_budget(

@@ -1,0 +1,82 @@
+"""``fp8``: float8 e4m3 weights with one scale per output channel.
+
+``activations = "bf16"`` (W8A16) keeps activations in the model dtype and
+upcasts the weight (in registers on CUDA; by dequantizing on CPU).
+``activations = "fp8"`` (W8A8) also quantizes each token's activations to
+e4m3 with a dynamic scale and multiplies on fp8 matrix units: CUDA compute
+capability 8.9 or newer (Ada, Hopper). ``"auto"`` picks W8A8 where the
+hardware has fp8 units and W8A16 elsewhere.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import msgspec
+import torch
+import torch.nn.functional as F
+
+from conveyor.hookspecs import hookimpl
+from conveyor.quant import Params, QuantMethod
+
+FP8_MAX = 448.0
+
+
+class FP8Options(msgspec.Struct, forbid_unknown_fields=True):
+    # "auto": fp8 activations (W8A8) on CUDA >= 8.9, else the model dtype (W8A16)
+    activations: Literal["auto", "bf16", "fp8"] = "auto"
+
+
+def quantize_fp8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-row e4m3: ``weight ~= q * scale[:, None]`` with the row's largest magnitude at 448."""
+    scale = (weight.abs().amax(dim=1) / FP8_MAX).clamp_min(1e-12)
+    q = (weight / scale[:, None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return q, scale
+
+
+def has_fp8_units(device: torch.device) -> bool:
+    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
+
+
+class FP8(QuantMethod):
+    """e4m3 weights; W8A16 or W8A8."""
+
+    name = "fp8"
+    Options = FP8Options
+
+    def __init__(self, options: FP8Options, dtype: torch.dtype, device: torch.device):
+        super().__init__(options, dtype, device)
+        mode = options.activations
+        if mode == "auto":
+            mode = "fp8" if has_fp8_units(device) else "bf16"
+        if mode == "fp8" and device.type == "cuda" and not has_fp8_units(device):
+            raise ValueError("[quant] activations = 'fp8' needs a GPU with fp8 matrix units (compute capability >= 8.9)")
+        self.w8a8 = mode == "fp8"
+
+    def prepare(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> Params:
+        q, scale = quantize_fp8(weight.float())
+        params = {"qweight": q.to(self.device).contiguous(), "scale": scale.to(self.device)}
+        if bias is not None:
+            params["bias"] = bias.to(device=self.device, dtype=self.dtype)
+        return params
+
+    def linear(self, x: torch.Tensor, params: Params) -> torch.Tensor:
+        q, scale = params["qweight"], params["scale"]
+        if x.device.type == "cuda":
+            from conveyor.plugins.quant.kernels import w8a8_fp8_matmul, w8a16_matmul
+
+            y = (w8a8_fp8_matmul if self.w8a8 else w8a16_matmul)(x, q, scale)
+        elif self.w8a8:
+            from conveyor.plugins.quant.kernels import quantize_rows_fp8
+
+            xq, x_scale = quantize_rows_fp8(x)
+            y = torch._scaled_mm(xq, q.t(), scale_a=x_scale[:, None], scale_b=scale[None, :], out_dtype=x.dtype)
+        else:
+            y = F.linear(x, q.to(x.dtype) * scale[:, None].to(x.dtype))
+        bias = params.get("bias")
+        return y if bias is None else y + bias
+
+
+@hookimpl
+def conveyor_register_quant_methods(register):
+    register(FP8)

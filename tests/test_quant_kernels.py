@@ -1,0 +1,81 @@
+"""Triton GEMMs for int8 and fp8 weights against a float64 torch reference (TRITON_INTERPRET=1 on CPU).
+
+Fresh random inputs each run, odd shapes (M in {1, 7, 33}; K and N not
+multiples of any block size), the output poisoned first. The bound is
+max |kernel - reference| / max |reference|, per activation dtype: float32
+accumulation leaves ~1e-6; a bf16 or fp16 output rounds at 2^-8 or 2^-11.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conveyor.plugins.quant import kernels
+from conveyor.plugins.quant.fp8 import quantize_fp8
+from conveyor.plugins.quant.int8 import quantize_int8
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+TOLERANCE = {torch.float32: 1e-5 if DEVICE == "cpu" else 2e-3, torch.float16: 2e-3, torch.bfloat16: 1e-2}
+SHAPES = [(1, 200, 90), (7, 130, 33), (33, 77, 150)]  # (M, K, N)
+
+
+def relative_error(out: torch.Tensor, expected: torch.Tensor) -> float:
+    return float((out.double().cpu() - expected).abs().max() / expected.abs().max())
+
+
+def poisoned_launch(monkeypatch, fn, *args):
+    """Run ``fn`` with torch.empty returning NaN-filled buffers, so unwritten outputs show."""
+    real_empty = torch.empty
+
+    def empty(*shape, **kwargs):
+        return real_empty(*shape, **kwargs).fill_(float("nan"))
+
+    monkeypatch.setattr(kernels.torch, "empty", empty)
+    try:
+        return fn(*args)
+    finally:
+        monkeypatch.setattr(kernels.torch, "empty", real_empty)
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("fmt", ["int8", "fp8"])
+def test_w8a16_matches_reference(monkeypatch, shape, dtype, fmt):
+    m, k, n = shape
+    quantize = quantize_int8 if fmt == "int8" else quantize_fp8
+    w, w_scale = quantize(torch.randn(n, k))
+    x = torch.randn(m, k).to(dtype)
+    out = poisoned_launch(monkeypatch, kernels.w8a16_matmul, x.to(DEVICE), w.to(DEVICE), w_scale.to(DEVICE))
+    assert out.dtype == dtype and out.shape == (m, n)
+    expected = x.double() @ (w.double() * w_scale.double()[:, None]).T
+    assert relative_error(out, expected) < TOLERANCE[dtype]
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_w8a8_fp8_matches_reference(monkeypatch, shape, dtype):
+    m, k, n = shape
+    w, w_scale = quantize_fp8(torch.randn(n, k))
+    x = (torch.randn(m, k) * torch.rand(m, 1) * 4).to(dtype)  # rows of different magnitudes
+    out = poisoned_launch(monkeypatch, kernels.w8a8_fp8_matmul, x.to(DEVICE), w.to(DEVICE), w_scale.to(DEVICE))
+    # the reference quantizes each row of x to e4m3 on its own, independently of the kernel module
+    x_scale = x.double().abs().amax(dim=1, keepdim=True) / 448
+    xq = (x.double() / x_scale).to(torch.float8_e4m3fn).double() * x_scale
+    expected = xq @ (w.double() * w_scale.double()[:, None]).T
+    assert relative_error(out, expected) < TOLERANCE[dtype]
+    # and it stays near the unquantized product: e4m3 keeps 3 mantissa bits
+    exact = x.double() @ (w.double() * w_scale.double()[:, None]).T
+    assert relative_error(out, exact) < 0.1
+
+
+def test_weight_quantizers_round_to_nearest():
+    w = torch.randn(40, 50)
+    q, scale = quantize_int8(w)
+    assert q.dtype == torch.int8 and q.abs().max() == 127
+    assert (q.double() * scale.double()[:, None] - w.double()).abs().max() <= scale.max() / 2 + 1e-6
+    f, fscale = quantize_fp8(w)
+    assert f.dtype == torch.float8_e4m3fn and f.float().abs().amax(dim=1).eq(448).all()
+    # e4m3 rounds to within half a step: relative error <= 2^-4 for normal values
+    rel = ((f.double() * fscale.double()[:, None] - w.double()).abs() / w.double().abs().clamp_min(1e-3))
+    assert rel[w.abs() > fscale[:, None] * 2**-6].max() <= 2**-4 + 1e-6
