@@ -1,7 +1,7 @@
 """Static vs dynamic vs continuous batching as a server: the same request-rate sweep against each config.
 
     python benchmarks/serving.py [--configs static dynamic default] [--sweep 0.25,0.5,1,inf]
-                                 [--num-requests 32] [--out bench-results]
+                                 [--num-requests 32] [--out bench-results] [--reuse]
 
 For each config in configs/, it starts `conveyor serve` on a free port, runs
 `conveyor bench --sweep` with the seeded mixed chat workload (prompts ~30-600
@@ -35,12 +35,16 @@ def main() -> int:
     parser.add_argument("--num-requests", type=int, default=32)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default="bench-results")
+    parser.add_argument("--reuse", action="store_true", help="keep a config's results already in --out")
     args = parser.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     results = []
     for name in args.configs:
         config = CONFIGS / f"{name}.toml"
+        if args.reuse and (out / f"{name}.json").exists():
+            results.append(str(out / f"{name}.json"))
+            continue
         print(f"== {name}: starting conveyor serve {config.relative_to(CONFIGS.parent)}", file=sys.stderr, flush=True)
         with tempfile.TemporaryDirectory() as tmp:
             server = Server(config.read_text(), Path(tmp), overrides=["transport.0.port=0", "server.status_interval=0"])

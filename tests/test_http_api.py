@@ -182,6 +182,11 @@ async def test_concurrent_streams_all_complete(server, model, tokenizer):
         assert usage.prompt_tokens == len(tokenizer.encode_chat(user(prompt))), prompt
         assert text, prompt
     wait_until_idle(server)
+    # while busy, the server logged one-line status reports (status_interval = 1 s)
+    rates = [float(m.group(1)) for line in server.lines
+             if (m := re.search(r"running \d+, waiting \d+, KV [\d.]+%, prompt [\d.]+ tok/s, generation ([\d.]+) tok/s",
+                                line))]
+    assert any(rate > 0 for rate in rates), server.output[-2000:]
 
 
 def test_chat_logprobs(client, model):

@@ -79,3 +79,39 @@ def test_weight_quantizers_round_to_nearest():
     # e4m3 rounds to within half a step: relative error <= 2^-4 for normal values
     rel = ((f.double() * fscale.double()[:, None] - w.double()).abs() / w.double().abs().clamp_min(1e-3))
     assert rel[w.abs() > fscale[:, None] * 2**-6].max() <= 2**-4 + 1e-6
+
+
+@pytest.mark.parametrize("in_features", [128, 100])  # int8pack needs K % 32 == 0; 100 takes the other path
+@pytest.mark.parametrize("rows", [1, 64])  # below and above cpu_int8_max_rows
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("method", ["int8", "fp8-w8a16", "fp8-w8a8"])
+def test_cpu_paths_match_reference(method, dtype, rows, in_features):
+    from conveyor.plugins.quant.fp8 import FP8, FP8Options
+    from conveyor.plugins.quant.int8 import Int8Options, Int8WeightOnly
+
+    cpu = torch.device("cpu")
+    if method == "int8":
+        quant = Int8WeightOnly(Int8Options(cpu_int8_max_rows=32), dtype, cpu)
+    else:
+        quant = FP8(FP8Options(activations="fp8" if method == "fp8-w8a8" else "bf16"), dtype, cpu)
+    weight, bias = torch.randn(70, in_features), torch.randn(70)
+    params = quant.prepare(weight, bias)
+    x = torch.randn(rows, in_features).to(dtype)
+    out = quant.linear(x, params)
+    x_ref = x.double()
+    if method == "fp8-w8a8":
+        scale = x_ref.abs().amax(dim=1, keepdim=True) / 448
+        x_ref = (x_ref / scale).to(torch.float8_e4m3fn).double() * scale
+    w = params["qweight"].double() * params["scale"].double()[:, None]
+    expected = x_ref @ w.T + bias.to(dtype).double()
+    assert out.dtype == dtype
+    assert relative_error(out, expected) < (2e-2 if dtype == torch.bfloat16 else 1e-5)
+
+
+def test_cpu_fp8_upcast_is_exact_for_every_value():
+    from conveyor.plugins.quant.fp8 import upcast
+
+    every = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn)
+    finite = ~every.float().isnan()
+    for dtype in (torch.float32, torch.bfloat16):
+        assert torch.equal(upcast(every, dtype)[finite], every.to(dtype)[finite])

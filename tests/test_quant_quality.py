@@ -4,47 +4,23 @@ format saves in memory."""
 
 from __future__ import annotations
 
-import math
 from pathlib import Path
 
 import pytest
-import torch
 
 from conveyor import LLM
-from conveyor.request import Request
-from conveyor.sampling import SamplingParams
+from conveyor.bench.quality import agreement, perplexity, teacher_forced
 
 pytestmark = pytest.mark.slow
 
 TEXT = Path(__file__).parent / "data" / "GPL-3.txt"
 NUM_TOKENS = 2048
-CHUNK = 128  # chunked prefill: later chunks attend to K and V read back from the cache
 # (perplexity increase over fp32 allowed, top-1 agreement required)
 BOUNDS = {
     "int8": ({"quant.plugin": "int8"}, 0.015, 0.95),
     "fp8": ({"quant.plugin": "fp8"}, 0.03, 0.89),
     "fp8-kv": ({"kvcache.dtype": "fp8"}, 0.03, 0.90),
 }
-
-
-def teacher_forced(llm: LLM, ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per position: the logprob of the true next token, and the model's most likely next token."""
-    core = llm.engine
-    request = Request("teacher-forced", ids, SamplingParams(max_tokens=1), core.max_model_len)
-    target_logprobs, predictions = [], []
-    with torch.inference_mode():
-        for start in range(0, len(ids) - 1, CHUNK):
-            n = min(CHUNK, len(ids) - 1 - start)
-            assert core.kvcache.allocate(request, n)
-            attention = core.kvcache.prepare([request], [n], 0)
-            positions = torch.arange(start, start + n)
-            hidden = core.model.forward(torch.tensor(ids[start : start + n]), positions, attention)
-            logprobs = torch.log_softmax(core.model.compute_logits(hidden).float(), dim=-1)
-            target_logprobs.append(logprobs.gather(1, torch.tensor(ids[start + 1 : start + n + 1])[:, None])[:, 0])
-            predictions.append(logprobs.argmax(dim=-1))
-            request.num_computed_tokens += n
-    core.kvcache.free(request)
-    return torch.cat(target_logprobs), torch.cat(predictions)
 
 
 @pytest.fixture(scope="module")
@@ -69,12 +45,11 @@ def test_quality_against_fp32(method, text_ids, reference):
     overrides, max_ppl_increase, min_agreement = BOUNDS[method]
     ref_logprobs, ref_predictions = reference
     logprobs, predictions = teacher_forced(make_llm(**overrides), text_ids)
-    ref_ppl = math.exp(-ref_logprobs.double().mean())
-    ppl = math.exp(-logprobs.double().mean())
-    agreement = float((predictions == ref_predictions).double().mean())
-    print(f"{method}: perplexity {ppl:.4f} vs fp32 {ref_ppl:.4f} ({ppl / ref_ppl - 1:+.2%}), agreement {agreement:.2%}")
+    ref_ppl, ppl = perplexity(ref_logprobs), perplexity(logprobs)
+    agree = agreement(predictions, ref_predictions)
+    print(f"{method}: perplexity {ppl:.4f} vs fp32 {ref_ppl:.4f} ({ppl / ref_ppl - 1:+.2%}), agreement {agree:.2%}")
     assert ppl / ref_ppl - 1 <= max_ppl_increase
-    assert agreement >= min_agreement
+    assert agree >= min_agreement
 
 
 def linear_bytes(llm: LLM) -> int:

@@ -21,6 +21,8 @@ def zmq_config(curve: str = "") -> str:
     return f"""
 [server]
 status_interval = 0
+# the frontend <-> engine sockets over TCP instead of the default ipc://
+engine_address = "tcp://127.0.0.1"
 
 [[transport]]
 plugin = "http"

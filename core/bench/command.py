@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import math
 import sys
@@ -76,9 +75,12 @@ def main(args: argparse.Namespace) -> int:
     if not args.url:
         raise ValueError("--url is required, e.g. --url http://127.0.0.1:8000")
     slos = _slos(args.goodput)
-    requests = build_workload(args)
     rates = args.sweep or [args.request_rate]
-    result = anyio.run(_run_all, args, requests, rates, slos)
+    # NOTE: each rate of a sweep gets prompts of its own (seed + i): repeated prompts would be served from
+    # the prefix cache and flatter every rate after the first.
+    workloads = [build_workload(args, args.num_requests, args.seed + i) for i in range(len(rates))]
+    warmup = build_workload(args, args.warmup, args.seed - 1) if args.warmup else []
+    result = anyio.run(_run_all, args, workloads, warmup, rates, slos)
     runs = result["runs"]
     if len(runs) > 1:
         print("\n" + report.sweep_table(runs, result["label"]))
@@ -97,20 +99,15 @@ def main(args: argparse.Namespace) -> int:
 
 
 def compare(paths: list[str], plot_path: str | None) -> int:
-    results = []
-    for path in paths:
-        result = json.loads(Path(path).read_text())
-        result.setdefault("label", Path(path).stem)
-        results.append(result)
+    results = [report.load_result(path) for path in paths]
     print(report.compare_table(results))
     if plot_path:
         print(f"plot: {report.plot(results, plot_path)}")
     return 0
 
 
-def build_workload(args: argparse.Namespace) -> list[BenchRequest]:
+def build_workload(args: argparse.Namespace, n: int, seed: int) -> list[BenchRequest]:
     tokenizer = _tokenizer(args.tokenizer)
-    n, seed = args.num_requests, args.seed
     if args.dataset == "mixed":
         chats = datasets.mixed(n, seed, lambda m: len(tokenizer.encode_chat(m)))
         return [BenchRequest(c.messages, None, len(tokenizer.encode_chat(c.messages)), c.max_tokens) for c in chats]
@@ -140,23 +137,24 @@ def _tokenizer(path: str | None):
     return load_tokenizer(ModelConfig(tokenizer=path), source="--tokenizer")
 
 
-async def _run_all(args: argparse.Namespace, requests: list[BenchRequest], rates: list[float],
-                   slos: dict[str, float]) -> dict[str, Any]:
+async def _run_all(args: argparse.Namespace, workloads: list[list[BenchRequest]], warmup: list[BenchRequest],
+                   rates: list[float], slos: dict[str, float]) -> dict[str, Any]:
     async with httpx.AsyncClient(timeout=30.0) as client:
         model = args.model or await served_model(client, args.url)
-    config = {"url": args.url, "model": model, "dataset": args.dataset, "num_requests": len(requests),
+    config = {"url": args.url, "model": model, "dataset": args.dataset, "num_requests": args.num_requests,
               "burstiness": args.burstiness, "max_concurrency": args.max_concurrency, "seed": args.seed,
               "ignore_eos": args.ignore_eos, "temperature": args.temperature}
     label = args.label or args.url
-    if args.warmup:
-        warm = [msgspec.structs.replace(r, max_tokens=min(r.max_tokens, 8)) for r in requests[: args.warmup]]
+    if warmup:
+        warm = [msgspec.structs.replace(r, max_tokens=min(r.max_tokens, 8)) for r in warmup]
         print(f"warming up with {len(warm)} request(s)", file=sys.stderr)
         await run_load(args.url, model, warm, _options(args, math.inf))
     runs = []
-    for rate in rates:
+    for i, (rate, requests) in enumerate(zip(rates, workloads)):
         print(f"{label}: {len(requests)} requests at {report.rate_label(rate)} req/s", file=sys.stderr)
         records, duration, server = await _measure(args, model, requests, rate)
-        run = {"label": label, "config": {**config, "rate": rate}, "summary": summarize(records, duration, slos),
+        run_config = {**config, "rate": rate, "seed": args.seed + i}
+        run = {"label": label, "config": run_config, "summary": summarize(records, duration, slos),
                "server": server, "requests": [msgspec.to_builtins(r) for r in records]}
         print(report.run_table(run) + "\n")
         runs.append(run)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Sequence
 from pathlib import Path
@@ -63,6 +64,16 @@ def sweep_table(runs: Sequence[dict[str, Any]], label: str = "") -> str:
 def runs_of(result: dict[str, Any]) -> list[dict[str, Any]]:
     """The runs of a result file: a sweep's list, or the one run."""
     return result.get("runs", [result])
+
+
+def load_result(path: str | Path) -> dict[str, Any]:
+    """A result file written by ``conveyor bench --json`` (JSON has no infinity: a null rate is ``inf``)."""
+    result = json.loads(Path(path).read_text())
+    result.setdefault("label", Path(path).stem)
+    for run in runs_of(result):
+        if run["config"].get("rate") is None:
+            run["config"]["rate"] = math.inf
+    return result
 
 
 def compare_table(results: Sequence[dict[str, Any]]) -> str:

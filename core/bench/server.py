@@ -11,6 +11,11 @@ import threading
 import time
 from pathlib import Path
 
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
 import httpx
 
 STARTUP_TIMEOUT = 300.0
@@ -56,7 +61,7 @@ class Server:
         )
         threading.Thread(target=self._collect, daemon=True).start()
         deadline = time.monotonic() + STARTUP_TIMEOUT
-        expected = max(1, self.config_path.read_text().count("[[transport]]"))
+        expected = max(1, len(tomllib.loads(self.config_path.read_text()).get("transport", [])))
         while len(self.urls) < expected:
             if self.process.poll() is not None:
                 raise RuntimeError("the server exited during start-up:\n" + self.output)

@@ -94,7 +94,7 @@ class EngineCore:
         )
         try:
             sampled, logprobs = self.runner.execute(batch)
-        except Exception as e:
+        except Exception as e:  # a failed step fails its requests, not the engine
             logger.exception("step failed; ending its %d requests with an error", len(batch))
             return self._fail(batch.requests, f"{type(e).__name__}: {e}"), None
         executed = time.perf_counter()

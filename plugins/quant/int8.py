@@ -21,11 +21,14 @@ from conveyor.hookspecs import hookimpl
 from conveyor.quant import Params, QuantMethod
 
 INT8_MAX = 127.0
+# NOTE: torch._weight_int8pack_mm (CPU) crashes or miscomputes when in_features is not a multiple of 16;
+# such layers take the dequantizing path.
+INT8PACK_K_MULTIPLE = 32
 
 
 class Int8Options(msgspec.Struct, forbid_unknown_fields=True):
     # CPU: batches of up to this many tokens multiply the int8 weights directly; larger ones dequantize first
-    cpu_int8_max_rows: Annotated[int, msgspec.Meta(ge=0)] = 32
+    cpu_int8_max_rows: Annotated[int, msgspec.Meta(ge=0)] = 16
 
 
 def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -56,7 +59,7 @@ class Int8WeightOnly(QuantMethod):
             from conveyor.plugins.quant.kernels import w8a16_matmul
 
             y = w8a16_matmul(x, q, params["scale"])
-        elif x.shape[0] <= self.options.cpu_int8_max_rows:
+        elif x.shape[0] <= self.options.cpu_int8_max_rows and q.shape[1] % INT8PACK_K_MULTIPLE == 0:
             y = torch._weight_int8pack_mm(x.contiguous(), q, params["scale_model_dtype"])
         else:
             y = F.linear(x, q.to(x.dtype) * params["scale_model_dtype"][:, None])

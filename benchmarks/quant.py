@@ -1,0 +1,138 @@
+"""What each quantization method buys on this machine: weight bytes, KV blocks, decode speed, quality.
+
+    python benchmarks/quant.py [--methods none int8 fp8 fp8-kv] [--batches 1 32] [--decode-tokens 48]
+
+Each method is the default config (bf16 activations, 1 GiB of KV cache) with
+one change: ``quant.plugin = int8 | fp8``, or ``kvcache.dtype = fp8``.
+Decode tokens/s: B requests with 32-token prompts start together and
+generate ``--decode-tokens`` each (ignore_eos); the rate counts the tokens
+after every request's first, over the time after the last first token.
+Quality: teacher-forced over the first 2,048 tokens of tests/data/GPL-3.txt
+against the fp32 model (perplexity change and next-token top-1 agreement).
+Also prints the CPU matmul paths side by side (the choices behind
+``cpu_int8_max_rows`` and fp8's CPU path).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import logging
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from conveyor import LLM, SamplingParams
+from conveyor.bench.quality import agreement, perplexity, teacher_forced
+from conveyor.plugins.quant.fp8 import quantize_fp8
+from conveyor.plugins.quant.int8 import quantize_int8
+from conveyor.plugins.quant.kernels import quantize_rows_fp8
+
+TEXT = Path(__file__).resolve().parent.parent / "tests" / "data" / "GPL-3.txt"
+METHODS = {
+    "none": {},
+    "int8": {"quant.plugin": "int8"},
+    "fp8": {"quant.plugin": "fp8"},
+    "fp8-kv": {"kvcache.dtype": "fp8"},
+}
+QUALITY_TOKENS = 2048
+
+
+def decode_rate(llm: LLM, batch: int, tokens: int) -> float:
+    prompts = [f"Item {i}: write a long list of words about the sea, the sky and the fields." for i in range(batch)]
+    params = SamplingParams(max_tokens=tokens, temperature=0, ignore_eos=True)
+    llm.generate(prompts[:1], SamplingParams(max_tokens=4, ignore_eos=True))  # warm up
+    results = llm.generate(prompts, params)
+    first = max(r.time_to_first_token for r in results)
+    last = max(r.latency for r in results)
+    decoded = sum(len(r.token_ids) - 1 for r in results)
+    return decoded / (last - first)
+
+
+def time_it(fn, repeat: int = 20) -> float:
+    fn()
+    start = time.perf_counter()
+    for _ in range(repeat):
+        fn()
+    return (time.perf_counter() - start) / repeat
+
+
+def cpu_paths() -> None:
+    """Microseconds of the CPU matmul paths for SmolLM2's gate_up shape: bf16, int8 and fp8."""
+    w = torch.randn(3072, 576)
+    q, scale = quantize_int8(w)
+    f, fscale = quantize_fp8(w)
+    scale_bf16 = scale.bfloat16()
+    w_bf16 = w.bfloat16()
+    print("\nCPU matmul paths, [M, 576] x [576, 3072] in bf16, microseconds:")
+    print(f"{'M':>5} {'bf16':>7} {'int8pack':>9} {'int8 dequant':>13} {'fp8 dequant':>12} {'fp8 scaled_mm':>14}")
+    for m in (1, 4, 8, 16, 32, 64, 128, 256):
+        x = torch.randn(m, 576).bfloat16()
+        bf16 = time_it(lambda: F.linear(x, w_bf16))
+        packed = time_it(lambda: torch._weight_int8pack_mm(x, q, scale_bf16))
+        dequant = time_it(lambda: F.linear(x, q.to(torch.bfloat16) * scale_bf16[:, None]))
+        fp8_dequant = time_it(lambda: F.linear(x, f.to(torch.bfloat16) * fscale.bfloat16()[:, None]))
+
+        def scaled():
+            xq, xs = quantize_rows_fp8(x)
+            return torch._scaled_mm(xq, f.t(), scale_a=xs[:, None], scale_b=fscale[None, :], out_dtype=x.dtype)
+
+        fp8_scaled = time_it(scaled)
+        print(f"{m:>5} {bf16 * 1e6:>7.0f} {packed * 1e6:>9.0f} {dequant * 1e6:>13.0f} {fp8_dequant * 1e6:>12.0f}"
+              f" {fp8_scaled * 1e6:>14.0f}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS))
+    parser.add_argument("--batches", nargs="+", type=int, default=[1, 32])
+    parser.add_argument("--decode-tokens", type=int, default=48)
+    parser.add_argument("--no-quality", action="store_true")
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.WARNING)
+    cpu_paths()
+
+    reference = None
+    text_ids: list[int] = []
+    if not args.no_quality:
+        print("\nfp32 reference for quality ...", flush=True)
+        fp32 = LLM(overrides={"model.dtype": "float32", "model.max_model_len": QUALITY_TOKENS})
+        text_ids = fp32.tokenizer.encode(TEXT.read_text())[:QUALITY_TOKENS]
+        reference = teacher_forced(fp32, text_ids)
+        del fp32
+        gc.collect()
+
+    rows = []
+    for name in args.methods:
+        print(f"{name} ...", flush=True)
+        llm = LLM(overrides={"model.max_model_len": QUALITY_TOKENS, **METHODS[name]})
+        row = {
+            "method": name,
+            "weights MB": llm.engine.model.num_weight_bytes() / 1e6,
+            "KV blocks": llm.engine.kvcache.stats().get("num_blocks", 0),
+        }
+        for batch in args.batches:
+            row[f"decode tok/s @{batch}"] = decode_rate(llm, batch, args.decode_tokens)
+        if reference is not None:
+            logprobs, predictions = teacher_forced(llm, text_ids)
+            ref_ppl = perplexity(reference[0])
+            row["ppl vs fp32"] = f"{perplexity(logprobs):.3f} ({perplexity(logprobs) / ref_ppl - 1:+.2%})"
+            row["top-1 agreement"] = f"{agreement(predictions, reference[1]):.1%}"
+        rows.append(row)
+        del llm
+        gc.collect()
+
+    if reference is not None:
+        print(f"\nfp32 perplexity on {len(text_ids)} tokens of GPL-3: {perplexity(reference[0]):.3f}")
+    columns = list(rows[0])
+    print("\n| " + " | ".join(columns) + " |")
+    print("|" + "---|" * len(columns))
+    for row in rows:
+        cells = [f"{v:,.1f}" if isinstance(v, float) else str(v) for v in row.values()]
+        print("| " + " | ".join(cells) + " |")
+
+
+if __name__ == "__main__":
+    main()
