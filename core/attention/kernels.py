@@ -24,6 +24,22 @@ import triton.language as tl
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
 
+def _shared_args(q, k_cache, v_cache, out, block_tables, block_size, k_scale, v_scale) -> tuple[tuple, dict]:
+    """What both kernels take after their own pointers: scales, softmax scale, strides; and the layout constants."""
+    scaled = k_scale is not None
+    args = (
+        k_scale if scaled else k_cache, v_scale if scaled else v_cache, q.shape[2] ** -0.5,
+        q.stride(0), q.stride(1),
+        k_cache.stride(1), k_cache.stride(0),
+        out.stride(0), out.stride(1),
+        block_tables.stride(0),
+        k_scale.stride(0) if scaled else 0,
+    )
+    layout = {"KV_SCALED": scaled, "GROUP": q.shape[1] // k_cache.shape[0], "HEAD_DIM": q.shape[2],
+              "BLOCK_SIZE": block_size}
+    return args, layout
+
+
 @triton.jit
 def _decode_kernel(
     q_ptr,  # [B, Hq, D]
@@ -106,22 +122,11 @@ def paged_decode_attention(
         ``[B, Hq, D]`` in q's dtype.
     """
     batch, num_heads, head_dim = q.shape
-    num_kv_heads = k_cache.shape[0]
     out = torch.empty_like(q)
-    scaled = k_scale is not None
+    args, layout = _shared_args(q, k_cache, v_cache, out, block_tables, block_size, k_scale, v_scale)
     _decode_kernel[(batch, num_heads)](
-        q, k_cache, v_cache, out, block_tables, context_lens,
-        k_scale if scaled else k_cache, v_scale if scaled else v_cache, head_dim**-0.5,
-        q.stride(0), q.stride(1),
-        k_cache.stride(1), k_cache.stride(0),
-        out.stride(0), out.stride(1),
-        block_tables.stride(0),
-        k_scale.stride(0) if scaled else 0,
-        KV_SCALED=scaled,
-        GROUP=num_heads // num_kv_heads,
-        HEAD_DIM=head_dim,
+        q, k_cache, v_cache, out, block_tables, context_lens, *args, **layout,
         BLOCK_D=triton.next_power_of_2(head_dim),
-        BLOCK_SIZE=block_size,
         BLOCK_N=64,
     )
     return out
@@ -242,25 +247,14 @@ def paged_prefill_attention(
         ``out``.
     """
     _, num_heads, head_dim = q.shape
-    num_kv_heads = k_cache.shape[0]
     if out is None:
         out = torch.empty_like(q)
     block_m = 16
     grid = (q_lens.shape[0], num_heads, triton.cdiv(max_q_len, block_m))
-    scaled = k_scale is not None
+    args, layout = _shared_args(q, k_cache, v_cache, out, block_tables, block_size, k_scale, v_scale)
     _prefill_kernel[grid](
-        q, k_cache, v_cache, out, block_tables, q_rows, q_lens, starts,
-        k_scale if scaled else k_cache, v_scale if scaled else v_cache, head_dim**-0.5,
-        q.stride(0), q.stride(1),
-        k_cache.stride(1), k_cache.stride(0),
-        out.stride(0), out.stride(1),
-        block_tables.stride(0),
-        k_scale.stride(0) if scaled else 0,
-        KV_SCALED=scaled,
-        GROUP=num_heads // num_kv_heads,
-        HEAD_DIM=head_dim,
+        q, k_cache, v_cache, out, block_tables, q_rows, q_lens, starts, *args, **layout,
         BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
-        BLOCK_SIZE=block_size,
         BLOCK_M=block_m,
         BLOCK_N=32,
         UPCAST_DOT=INTERPRETED and q.dtype == torch.bfloat16,

@@ -7,12 +7,14 @@ import itertools
 import json
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import anyio
 import httpx
 import msgspec
+from prometheus_client.parser import text_string_to_metric_families
+from prometheus_client.samples import Sample
 
 from conveyor.bench.arrivals import arrival_times
 from conveyor.bench.stats import RequestRecord
@@ -55,6 +57,12 @@ async def served_model(client: httpx.AsyncClient, url: str) -> str:
     return response.json()["data"][0]["id"]
 
 
+def metric_samples(text: str) -> Iterator[Sample]:
+    """Every sample of a Prometheus text exposition."""
+    for family in text_string_to_metric_families(text):
+        yield from family.samples
+
+
 async def scrape_metrics(client: httpx.AsyncClient, url: str) -> dict[str, float]:
     """Sums of the server's Prometheus samples by name (labels dropped); empty when it has no /metrics."""
     try:
@@ -64,15 +72,11 @@ async def scrape_metrics(client: httpx.AsyncClient, url: str) -> dict[str, float
     if response.status_code != 200:
         return {}
     totals: dict[str, float] = {}
-    for line in response.text.splitlines():
-        if not line or line.startswith("#"):
-            continue
-        name, _, value = line.rpartition(" ")
-        name = name.split("{", 1)[0]
-        try:
-            totals[name] = totals.get(name, 0.0) + float(value)
-        except ValueError:
-            continue
+    try:
+        for sample in metric_samples(response.text):
+            totals[sample.name] = totals.get(sample.name, 0.0) + sample.value
+    except ValueError:  # not Prometheus text
+        return {}
     return totals
 
 

@@ -18,6 +18,8 @@ else:  # pragma: no cover
 
 import httpx
 
+from conveyor.bench.load import metric_samples
+
 STARTUP_TIMEOUT = 300.0
 
 
@@ -96,12 +98,9 @@ class Server:
 
     def metric(self, name: str, **labels: str) -> float:
         """One sample of /metrics: the sum over the label sets that have ``labels``."""
-        text = httpx.get(f"{self.http}/metrics").text
-        wanted = [f'{key}="{value}"' for key, value in labels.items()]
+        samples = metric_samples(httpx.get(f"{self.http}/metrics").text)
         values = [
-            float(line.rsplit(" ", 1)[1])
-            for line in text.splitlines()
-            if line.startswith(name + "{") and all(w in line.split("}", 1)[0] for w in wanted)
+            s.value for s in samples if s.name == name and all(s.labels.get(k) == v for k, v in labels.items())
         ]
         if not values:
             raise KeyError(f"{name}{labels or ''} not in /metrics")

@@ -206,7 +206,6 @@ class Frontend:
 
         With a seed, sequence i uses seed + i, so the choices differ and are reproducible.
         """
-        self.check(prompt_ids, params)
 
         async def one(index: int) -> None:
             p = params
