@@ -8,12 +8,13 @@ The workload: chat requests with prompts of ~30-600 tokens and outputs of
 output tokens/s (requested tokens only), mean and P99 request latency from
 t=0, peak KV memory reserved and actually used, preemptions, wasted slots.
 
-NOTE: on a 2-core CPU, prefill runs at about 1,100 tokens/s whatever the
-scheduler (compute-bound), so it sets a floor every system pays. Decode at
-64 running requests is bound by memory traffic in the torch attention path,
-which gathers each sequence's K and V blocks before multiplying (reading
-them three times); a fused paged kernel reads them once (the Triton path on
-CUDA does).
+NOTE: on a 2-core CPU every system pays for prefill at the matmul ceiling
+(about 360 GFLOP/s in bf16). Decode is where the schedulers differ: a step
+costs a fixed part (reading every weight, ~15 ms) plus a part per running
+request, so continuous batching wins by running fewer, fuller steps. The C++
+CPU kernels (conveyor.native) read each sequence's K and V once, in place;
+without them (no compiler) the torch path gathers the blocks first and
+decode at 64 running requests is bound by that memory traffic.
 """
 
 from __future__ import annotations

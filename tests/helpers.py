@@ -1,4 +1,4 @@
-"""Comparisons shared by the end-to-end tests (ARCHITECTURE.md's near-tie rule)."""
+"""Comparisons shared by the tests: ARCHITECTURE.md's near-tie rule, float64 attention, paged KV fixtures."""
 
 from __future__ import annotations
 
@@ -54,3 +54,29 @@ def reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_sta
     q_pos = torch.arange(q_start, q_start + q.shape[0]).unsqueeze(1)
     scores = scores.masked_fill(torch.arange(k.shape[0]).unsqueeze(0) > q_pos, float("-inf"))
     return torch.einsum("hqk,khd->qhd", torch.softmax(scores, dim=-1), v)
+
+
+def paged_store(lengths, kv_heads, head_dim, block_size, dtype, device="cpu"):
+    """Random K/V for each sequence, scattered into shuffled blocks; returns the pool and the tables."""
+    num_blocks = sum(-(-n // block_size) for n in lengths) + 3
+    order = torch.randperm(num_blocks).tolist()
+    k_cache = torch.full((num_blocks * block_size, kv_heads, head_dim), float("nan"), dtype=dtype)
+    v_cache = torch.full_like(k_cache, float("nan"))
+    keys, values, tables = [], [], []
+    for n in lengths:
+        table = [order.pop() for _ in range(-(-n // block_size))]
+        k, v = torch.randn(n, kv_heads, head_dim, dtype=dtype), torch.randn(n, kv_heads, head_dim, dtype=dtype)
+        slots = torch.tensor([table[p // block_size] * block_size + p % block_size for p in range(n)])
+        k_cache[slots], v_cache[slots] = k, v
+        keys.append(k)
+        values.append(v)
+        tables.append(table)
+    width = max(len(t) for t in tables)
+    block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
+    # the storage layout: head-major
+    k_cache, v_cache = k_cache.transpose(0, 1).contiguous(), v_cache.transpose(0, 1).contiguous()
+    return k_cache.to(device), v_cache.to(device), block_tables.to(device), keys, values
+
+
+def relative_error(out, expected):
+    return float((out.double().cpu() - expected).abs().max() / expected.abs().max())

@@ -12,37 +12,11 @@ import pytest
 import torch
 
 from conveyor.attention.kernels import paged_decode_attention, paged_prefill_attention
-from tests.helpers import reference_attention
+from tests.helpers import paged_store, reference_attention, relative_error
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 # max |kernel - reference| / max |reference|
 TOLERANCE = {torch.float32: 2e-3 if DEVICE == "cuda" else 1e-5, torch.float16: 5e-3, torch.bfloat16: 3e-2}
-
-
-def paged_store(lengths, kv_heads, head_dim, block_size, dtype):
-    """Random K/V for each sequence, scattered into shuffled blocks; returns the pool and the tables."""
-    num_blocks = sum(-(-n // block_size) for n in lengths) + 3
-    order = torch.randperm(num_blocks).tolist()
-    k_cache = torch.full((num_blocks * block_size, kv_heads, head_dim), float("nan"), dtype=dtype)
-    v_cache = torch.full_like(k_cache, float("nan"))
-    keys, values, tables = [], [], []
-    for n in lengths:
-        table = [order.pop() for _ in range(-(-n // block_size))]
-        k, v = torch.randn(n, kv_heads, head_dim, dtype=dtype), torch.randn(n, kv_heads, head_dim, dtype=dtype)
-        slots = torch.tensor([table[p // block_size] * block_size + p % block_size for p in range(n)])
-        k_cache[slots], v_cache[slots] = k, v
-        keys.append(k)
-        values.append(v)
-        tables.append(table)
-    width = max(len(t) for t in tables)
-    block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
-    # the storage layout: head-major
-    k_cache, v_cache = k_cache.transpose(0, 1).contiguous(), v_cache.transpose(0, 1).contiguous()
-    return k_cache.to(DEVICE), v_cache.to(DEVICE), block_tables.to(DEVICE), keys, values
-
-
-def relative_error(out, expected):
-    return float((out.double().cpu() - expected).abs().max() / expected.abs().max())
 
 
 @pytest.mark.parametrize(
@@ -56,7 +30,7 @@ def relative_error(out, expected):
 )
 def test_paged_decode_matches_reference_attention(block_size, heads, kv_heads, head_dim, dtype):
     lengths = [random.randint(1, 70) for _ in range(3)] + [1]
-    k_cache, v_cache, tables, keys, values = paged_store(lengths, kv_heads, head_dim, block_size, dtype)
+    k_cache, v_cache, tables, keys, values = paged_store(lengths, kv_heads, head_dim, block_size, dtype, DEVICE)
     q = torch.randn(len(lengths), heads, head_dim, dtype=dtype)
     out = paged_decode_attention(
         q.to(DEVICE), k_cache, v_cache, tables, torch.tensor(lengths, dtype=torch.int32, device=DEVICE), block_size
@@ -78,7 +52,7 @@ def test_paged_prefill_chunks_match_reference_attention(block_size, heads, kv_he
     # (tokens already cached, chunk length): a fresh prompt, continued chunks, a one-token chunk
     plan = [(0, random.randint(17, 40)), (random.randint(1, 30), random.randint(2, 20)), (21, 1), (0, 5)]
     lengths = [start + n for start, n in plan]
-    k_cache, v_cache, tables, keys, values = paged_store(lengths, kv_heads, head_dim, block_size, dtype)
+    k_cache, v_cache, tables, keys, values = paged_store(lengths, kv_heads, head_dim, block_size, dtype, DEVICE)
     chunks = [torch.randn(n, heads, head_dim, dtype=dtype) for _, n in plan]
     q = torch.cat(chunks).to(DEVICE)
     q_rows = torch.tensor([0] + [sum(n for _, n in plan[:i]) for i in range(1, len(plan))], dtype=torch.int32)

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 import torch
 
+from conveyor import native
 from conveyor.attention.ops import dense_attention
 from conveyor.model.checkpoint import open_checkpoint
 from conveyor.model.gguf_checkpoint import unpermute_rows
@@ -42,9 +43,11 @@ def tiny_hf_model(kind: str = "llama", **overrides):
     return model.eval()
 
 
-def conveyor_logits(path, sequences: list[list[int]]) -> torch.Tensor:
+def conveyor_logits(path, sequences: list[list[int]], fused: bool | None = None) -> torch.Tensor:
     ckpt = open_checkpoint(path)
-    model = LlamaModel(ckpt, NoQuant(None, torch.float32, torch.device("cpu")), torch.float32, torch.device("cpu"), 128)
+    model = LlamaModel(
+        ckpt, NoQuant(None, torch.float32, torch.device("cpu")), torch.float32, torch.device("cpu"), 128, fused=fused
+    )
     ids = torch.tensor([t for s in sequences for t in s])
     positions = torch.tensor([p for s in sequences for p in range(len(s))])
     with torch.inference_mode():
@@ -70,10 +73,16 @@ SEQUENCES = [[5, 17, 3, 88, 41, 2, 9], [60, 1, 33], [7] * 12]
     ],
     ids=["llama", "tied", "llama3-rope", "qwen2-bias"],
 )
-def test_safetensors_checkpoint_matches_transformers(tmp_path, kind, overrides):
+@pytest.mark.parametrize(
+    "fused",
+    [False, pytest.param(True, marks=pytest.mark.skipif(not native.load(), reason="no C++ compiler"))],
+    ids=["torch-ops", "cpu-kernels"],
+)
+def test_safetensors_checkpoint_matches_transformers(tmp_path, kind, overrides, fused):
     model = tiny_hf_model(kind, **overrides)
     model.save_pretrained(tmp_path)
-    torch.testing.assert_close(conveyor_logits(tmp_path, SEQUENCES), hf_logits(model, SEQUENCES), rtol=1e-4, atol=1e-4)
+    ours = conveyor_logits(tmp_path, SEQUENCES, fused)
+    torch.testing.assert_close(ours, hf_logits(model, SEQUENCES), rtol=1e-4, atol=1e-4)
 
 
 def llama_cpp_permute(weight: np.ndarray, num_heads: int) -> np.ndarray:

@@ -1,4 +1,4 @@
-"""Paged KV cache attention (torch path) against dense float64 attention."""
+"""Paged KV cache attention (torch, C++ CPU kernel, Triton) against dense float64 attention."""
 
 from __future__ import annotations
 
@@ -21,13 +21,23 @@ def fp8_round_trip(x: torch.Tensor) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("kv_dtype", ["auto", "fp8"])
-@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("backend", ["torch", "cpu", "triton"])
 def test_mixed_batch_of_decodes_and_chunks_matches_dense_attention(backend, kv_dtype):
     """The whole step path: slot mapping, cache writes, then decode and prefill attention
-    (the Triton kernels run under TRITON_INTERPRET=1 on CPU). With an fp8 cache, what is
-    read back from the cache is the fp8 round trip of K and V."""
-    heads, kv_heads, dim = 6, 2, 16
-    spec = KVCacheSpec(1, kv_heads, dim, torch.float32, torch.device("cpu"), 512)
+    (the C++ kernels for "cpu"; the Triton kernels run under TRITON_INTERPRET=1 on CPU).
+    With an fp8 cache, what is read back from the cache is the fp8 round trip of K and V."""
+    check_mixed_step(backend, kv_dtype, torch.float32, dim=16, tolerance={"rtol": 1e-4, "atol": 1e-5})
+
+
+@pytest.mark.parametrize("backend", ["torch", "cpu"])
+def test_mixed_bf16_step_matches_dense_attention(backend):
+    """bfloat16 with head_dim 64: on a CPU with AVX-512 BF16, "cpu" runs prompt chunks in its prefill kernel too."""
+    check_mixed_step(backend, "auto", torch.bfloat16, dim=64, tolerance={"rtol": 3e-2, "atol": 3e-2})
+
+
+def check_mixed_step(backend: str, kv_dtype: str, dtype: torch.dtype, dim: int, tolerance: dict) -> None:
+    heads, kv_heads = 6, 2
+    spec = KVCacheSpec(1, kv_heads, dim, dtype, torch.device("cpu"), 512)
     cache = PagedKVCache(PagedOptions(block_size=4, num_blocks=200, attention=backend, dtype=kv_dtype), spec)
     # hand out blocks in random order so no block table is contiguous
     cache.free_blocks = OrderedDict.fromkeys(torch.randperm(200).tolist())
@@ -37,8 +47,8 @@ def test_mixed_batch_of_decodes_and_chunks_matches_dense_attention(backend, kv_d
     sequences = []
     for i, (length, cached, _) in enumerate(plan):
         r = Request(f"q{i}", list(range(length)), params, 512)
-        q = torch.randn(length, heads, dim)
-        k, v = torch.randn(length, kv_heads, dim), torch.randn(length, kv_heads, dim)
+        q = torch.randn(length, heads, dim, dtype=dtype)
+        k, v = torch.randn(length, kv_heads, dim, dtype=dtype), torch.randn(length, kv_heads, dim, dtype=dtype)
         if cached:  # write the earlier tokens into the cache with a first pass
             assert cache.allocate(r, cached)
             attention = cache.prepare([r], [cached], 0)
@@ -63,7 +73,7 @@ def test_mixed_batch_of_decodes_and_chunks_matches_dense_attention(backend, kv_d
         if kv_dtype == "fp8" and (backend == "triton" or start > 0 or i < len(decodes)):
             k, v = fp8_round_trip(k), fp8_round_trip(v)
         expected = reference_attention(q[start : start + n], k[: start + n], v[: start + n], start)
-        torch.testing.assert_close(out[row : row + n].double(), expected, rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(out[row : row + n].double(), expected, **tolerance)
         row += n
 
 

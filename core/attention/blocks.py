@@ -3,7 +3,10 @@
 Both built-in KV cache layouts store K and V here; they differ only in how
 they hand out blocks (paged: one at a time, shared through the prefix cache;
 contiguous: a whole slab of consecutive blocks per request). On CUDA the
-attention runs in Triton kernels (conveyor.attention.kernels); on CPU in torch.
+attention runs in Triton kernels (conveyor.attention.kernels). On CPU it runs
+in the C++ kernels of conveyor.native where they build: decodes always,
+prompt chunks where the CPU has AVX-512 BF16 and the cache is bf16; torch
+does the rest.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ from collections.abc import Sequence
 
 import torch
 
+from conveyor import native
 from conveyor.attention.ops import causal_attention, decode_attention
 from conveyor.kvcache import SCALE_DTYPE, KVCacheSpec
 from conveyor.request import Request
@@ -67,6 +71,12 @@ def dequantize(bits: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> t
     return bits.view(torch.float8_e4m3fn).to(dtype) * scale.to(dtype).unsqueeze(-1)
 
 
+def _padded_int32(rows: Sequence[list[int]], device: torch.device) -> torch.Tensor:
+    """Block tables as one int32 tensor, each row padded with block 0 (never read past its length)."""
+    width = max(len(t) for t in rows)
+    return torch.tensor([t + [0] * (width - len(t)) for t in rows], dtype=torch.int32, device=device)
+
+
 class BlockStorage:
     """K and V tensors for every layer: ``[layers, kv_heads, num_blocks * block_size, head_dim]``.
 
@@ -80,12 +90,21 @@ class BlockStorage:
     def __init__(self, spec: KVCacheSpec, num_blocks: int, block_size: int, backend: str = "auto"):
         """
         Args:
-            backend: "triton" (kernels), "torch", or "auto": triton on CUDA, torch elsewhere.
+            backend: "triton" (kernels), "cpu" (the C++ kernels), "torch", or "auto": triton on
+                CUDA; on CPU the C++ kernels where they build, torch otherwise.
         """
         self.spec = spec
         self.num_blocks = num_blocks
         self.block_size = block_size
+        on_cpu = spec.device.type == "cpu"
         self.use_triton = backend == "triton" or (backend == "auto" and spec.device.type == "cuda")
+        if backend == "cpu":
+            if not on_cpu:
+                raise ValueError(f'[kvcache] attention = "cpu" needs the CPU device, not {spec.device}')
+            if not native.load():
+                raise RuntimeError('[kvcache] attention = "cpu": the C++ kernels could not be built here'
+                                   ' (see the warning above); use "auto" or "torch"')
+        self.use_cpu_kernel = backend == "cpu" or (backend == "auto" and on_cpu and native.load())
         shape = (spec.num_layers, spec.num_kv_heads, num_blocks * block_size, spec.head_dim)
         self.quantized = spec.quantized
         dtype = torch.uint8 if self.quantized else spec.dtype
@@ -95,6 +114,10 @@ class BlockStorage:
         if self.quantized:
             self.k_scale = torch.zeros(shape[:-1], dtype=SCALE_DTYPE, device=spec.device)
             self.v_scale = torch.zeros(shape[:-1], dtype=SCALE_DTYPE, device=spec.device)
+        # prompt chunks too, where the CPU has AVX-512 BF16 and the cache is bf16 (else scaled_dot_product_attention)
+        self.use_cpu_prefill = self.use_cpu_kernel and native.prefill_supported(
+            torch.empty(0, 1, spec.head_dim, dtype=spec.dtype), self.k[0]
+        )
 
     @property
     def num_bytes(self) -> int:
@@ -131,9 +154,11 @@ class BlockTableAttention:
             slots.extend(table[p // size] * size + p % size for p in range(start, start + n))
         self.slot_mapping = torch.tensor(slots, dtype=torch.long, device=device)
         self.num_decodes = num_decodes
-        # Decodes attend in groups of similar context length, each padded only to its own longest.
+        # torch path: decodes attend in groups of similar context length, each padded only to its own longest.
         self.decode_groups: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
-        if num_decodes and not storage.use_triton:
+        if num_decodes and storage.use_cpu_kernel:
+            self._prepare_decode_tables(tables, requests, num_decodes)
+        elif num_decodes and not storage.use_triton:
             order = sorted(range(num_decodes), key=lambda i: len(tables[i]))
             num_groups = min(MAX_DECODE_GROUPS, -(-num_decodes // MIN_DECODE_GROUP))
             for g in range(num_groups):
@@ -151,33 +176,41 @@ class BlockTableAttention:
         for table, request, n in zip(tables[num_decodes:], requests[num_decodes:], num_tokens[num_decodes:]):
             start = request.num_computed_tokens
             context_slots = None
-            if start > 0 and not storage.use_triton:
+            if start > 0 and not storage.use_triton and not storage.use_cpu_prefill:
                 blocks = torch.tensor(table, dtype=torch.long, device=device)
                 context_slots = (blocks.unsqueeze(1) * size + torch.arange(size, device=device)).flatten()[: start + n]
             self.prefills.append((row, n, start, context_slots))
             row += n
         if storage.use_triton:
             self._prepare_kernels(tables, requests, num_decodes)
+        elif storage.use_cpu_prefill and self.prefills:
+            self._prepare_prefill_tables(tables, num_decodes)
+
+    def _prepare_decode_tables(
+        self, tables: Sequence[list[int]], requests: Sequence[Request], num_decodes: int
+    ) -> None:
+        self.decode_tables = _padded_int32(tables[:num_decodes], self.storage.spec.device)
+        self.decode_context = torch.tensor(
+            [r.num_computed_tokens + 1 for r in requests[:num_decodes]], dtype=torch.int32, device=self.storage.spec.device
+        )
 
     def _prepare_kernels(self, tables: Sequence[list[int]], requests: Sequence[Request], num_decodes: int) -> None:
+        if num_decodes:
+            self._prepare_decode_tables(tables, requests, num_decodes)
+        if self.prefills:
+            self._prepare_prefill_tables(tables, num_decodes)
+
+    def _prepare_prefill_tables(self, tables: Sequence[list[int]], num_decodes: int) -> None:
         device = self.storage.spec.device
 
         def int32(values) -> torch.Tensor:
             return torch.tensor(values, dtype=torch.int32, device=device)
 
-        def padded(rows: Sequence[list[int]]) -> torch.Tensor:
-            width = max(len(t) for t in rows)
-            return int32([t + [0] * (width - len(t)) for t in rows])
-
-        if num_decodes:
-            self.decode_tables = padded(tables[:num_decodes])
-            self.decode_context = int32([r.num_computed_tokens + 1 for r in requests[:num_decodes]])
-        if self.prefills:
-            self.prefill_tables = padded(tables[num_decodes:])
-            self.prefill_rows = int32([row for row, _, _, _ in self.prefills])
-            self.prefill_lens = int32([n for _, n, _, _ in self.prefills])
-            self.prefill_starts = int32([start for _, _, start, _ in self.prefills])
-            self.max_prefill_len = max(n for _, n, _, _ in self.prefills)
+        self.prefill_tables = _padded_int32(tables[num_decodes:], device)
+        self.prefill_rows = int32([row for row, _, _, _ in self.prefills])
+        self.prefill_lens = int32([n for _, n, _, _ in self.prefills])
+        self.prefill_starts = int32([start for _, _, start, _ in self.prefills])
+        self.max_prefill_len = max(n for _, n, _, _ in self.prefills)
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         storage = self.storage
@@ -210,10 +243,21 @@ class BlockTableAttention:
             gathered = cache.index_select(1, slots)
             return gathered if scales is None else dequantize(gathered, scales.index_select(1, slots), q.dtype)
 
+        if storage.use_cpu_kernel and self.num_decodes:
+            native.paged_decode_attention(
+                q[: self.num_decodes], k_cache, v_cache, self.decode_tables, self.decode_context,
+                storage.block_size, k_scale, v_scale, out=out[: self.num_decodes],
+            )
         for rows, blocks, mask in self.decode_groups:
             keys = gather_blocks(k_cache, k_scale, blocks, rows.shape[0])
             values = gather_blocks(v_cache, v_scale, blocks, rows.shape[0])
             out[rows] = decode_attention(q[rows], keys, values, mask)
+        if storage.use_cpu_prefill and self.prefills:
+            native.paged_prefill_attention(
+                q, k_cache, v_cache, self.prefill_tables, self.prefill_rows, self.prefill_lens, self.prefill_starts,
+                storage.block_size, out,
+            )
+            return out
         for row, n, start, context_slots in self.prefills:
             if context_slots is None:
                 keys, values = k[row : row + n].transpose(0, 1), v[row : row + n].transpose(0, 1)

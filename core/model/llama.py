@@ -16,9 +16,10 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
+from conveyor import native
 from conveyor.model.checkpoint import Checkpoint
 from conveyor.model.spec import ModelSpec
-from conveyor.quant import Params, QuantMethod
+from conveyor.quant import Params, QuantMethod, packed_linear, prepack, prepacks
 
 logger = logging.getLogger(__name__)
 
@@ -27,11 +28,21 @@ AttentionFn = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Te
 
 
 class RMSNorm:
-    def __init__(self, weight: torch.Tensor, eps: float):
+    def __init__(self, weight: torch.Tensor, eps: float, fused: bool = False):
+        """
+        Args:
+            fused: use the C++ CPU kernel (one pass, the residual add folded in).
+        """
         self.weight = weight
         self.eps = eps
+        self.fused = fused
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, delta: torch.Tensor | None = None) -> torch.Tensor:
+        """``weight * norm(x)``; with ``delta``, first ``x += delta`` in place (the residual add)."""
+        if self.fused:
+            return native.rms_norm(x, self.weight, self.eps, delta)
+        if delta is not None:
+            x.add_(delta)
         # Normalize in float32 as the reference implementation does, then scale
         # in the model dtype.
         x32 = x.float()
@@ -67,8 +78,8 @@ class Rotary:
         self.sin = angles.sin().float().to(device)
 
     def tables(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and sin ``[T, 1, head_dim / 2]`` for these positions."""
-        return self.cos[positions].unsqueeze(1).to(dtype), self.sin[positions].unsqueeze(1).to(dtype)
+        """cos and sin ``[T, head_dim / 2]`` for these positions."""
+        return self.cos[positions].to(dtype), self.sin[positions].to(dtype)
 
 
 def _scale_inv_freq(inv_freq: torch.Tensor, scaling: dict | None) -> torch.Tensor:
@@ -92,18 +103,26 @@ def _scale_inv_freq(inv_freq: torch.Tensor, scaling: dict | None) -> torch.Tenso
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate ``x [T, heads, head_dim]`` by ``cos``, ``sin`` ``[T, head_dim / 2]`` (a new tensor)."""
     half = x.shape[-1] // 2
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
     x1, x2 = x[..., :half], x[..., half:]
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
 
 
 class DecoderLayer:
-    def __init__(self, spec: ModelSpec, index: int, ckpt: Checkpoint, quant: QuantMethod, dtype, device):
+    def __init__(
+        self, spec: ModelSpec, index: int, ckpt: Checkpoint, quant: QuantMethod, dtype, device, fused: bool = False
+    ):
+        """
+        Args:
+            fused: norms, rotary and SwiGLU in the C++ CPU kernels (conveyor.native) instead of torch ops.
+        """
         prefix = f"model.layers.{index}."
         get = ckpt.get
 
         def norm(name: str) -> RMSNorm:
-            return RMSNorm(get(prefix + name).to(device=device, dtype=dtype), spec.rms_norm_eps)
+            return RMSNorm(get(prefix + name).to(device=device, dtype=dtype), spec.rms_norm_eps, fused)
 
         attn = prefix + "self_attn."
         qkv_bias = None
@@ -128,18 +147,38 @@ class DecoderLayer:
         self.gate_up = Linear(quant, torch.cat([get(mlp + "gate_proj.weight"), get(mlp + "up_proj.weight")]))
         self.down = Linear(quant, get(mlp + "down_proj.weight"))
         self.intermediate_size = spec.intermediate_size
+        self.fused = fused
 
-    def __call__(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attention: AttentionFn) -> torch.Tensor:
+    def __call__(
+        self,
+        h: torch.Tensor,
+        delta: torch.Tensor | None,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        attention: AttentionFn,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One block over the residual stream ``h + delta``.
+
+        ``h`` is updated in place (the residual adds are folded into the norms);
+        returns it and the MLP's output, which the next block (or the final norm) adds.
+        """
         num_tokens = h.shape[0]
-        qkv = self.qkv(self.input_norm(h))
+        qkv = self.qkv(self.input_norm(h, delta))
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = apply_rotary(q.view(num_tokens, self.num_heads, self.head_dim), cos, sin)
-        k = apply_rotary(k.view(num_tokens, self.num_kv_heads, self.head_dim), cos, sin)
+        q = q.view(num_tokens, self.num_heads, self.head_dim)
+        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
+        if self.fused:
+            native.rotary_(q, cos, sin)
+            native.rotary_(k, cos, sin)
+        else:
+            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         out = attention(self.index, q, k, v)
-        h = h + self.o_proj(out.reshape(num_tokens, self.q_size))
-        gate, up = self.gate_up(self.post_norm(h)).split(self.intermediate_size, dim=-1)
-        return h + self.down(F.silu(gate) * up)
+        gate_up = self.gate_up(self.post_norm(h, self.o_proj(out.reshape(num_tokens, self.q_size))))
+        if self.fused:
+            return h, self.down(native.silu_mul(gate_up))
+        gate, up = gate_up.split(self.intermediate_size, dim=-1)
+        return h, self.down(F.silu(gate) * up)
 
     def linears(self) -> list[Linear]:
         return [self.qkv, self.o_proj, self.gate_up, self.down]
@@ -156,8 +195,16 @@ class LlamaModel:
         device: torch.device,
         max_len: int,
         progress: Callable[[str], None] | None = None,
+        fused: bool | None = None,
     ):
+        """
+        Args:
+            fused: norms, rotary and SwiGLU in the C++ CPU kernels; None: on CPU where they build.
+        """
         spec = ckpt.spec
+        if fused is None:
+            fused = device.type == "cpu" and native.load()
+        self.fused = fused
         self.spec = spec
         self.dtype = dtype
         self.device = device
@@ -165,14 +212,18 @@ class LlamaModel:
         self.embed = ckpt.get("model.embed_tokens.weight").to(device=device, dtype=dtype)
         self.layers: list[DecoderLayer] = []
         for i in range(spec.num_layers):
-            self.layers.append(DecoderLayer(spec, i, ckpt, quant, dtype, device))
+            self.layers.append(DecoderLayer(spec, i, ckpt, quant, dtype, device, fused))
             if progress and (i + 1) % max(1, spec.num_layers // 5) == 0:
                 progress(f"loaded layer {i + 1}/{spec.num_layers} ({time.perf_counter() - start:.1f} s)")
-        self.norm = RMSNorm(ckpt.get("model.norm.weight").to(device=device, dtype=dtype), spec.rms_norm_eps)
-        if spec.tie_word_embeddings:
-            self.lm_head = self.embed
-        else:
+        self.norm = RMSNorm(ckpt.get("model.norm.weight").to(device=device, dtype=dtype), spec.rms_norm_eps, fused)
+        # An untied head is kept prepacked where that is faster; a tied one stays the embedding table
+        # (a packed copy would cost the table's memory again).
+        self.lm_head: torch.Tensor | None = self.embed
+        self.packed_head: torch.Tensor | None = None
+        if not spec.tie_word_embeddings:
             self.lm_head = ckpt.get("lm_head.weight").to(device=device, dtype=dtype)
+            if prepacks(device, dtype):
+                self.packed_head, self.lm_head = prepack(self.lm_head), None
         self.rotary = Rotary(spec, max_len, device, ckpt.rope_freq_factors())
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attention: AttentionFn) -> torch.Tensor:
@@ -188,19 +239,21 @@ class LlamaModel:
         """
         h = F.embedding(input_ids, self.embed)
         cos, sin = self.rotary.tables(positions, self.dtype)
+        delta = None
         for layer in self.layers:
-            h = layer(h, cos, sin, attention)
-        return self.norm(h)
+            h, delta = layer(h, delta, cos, sin, attention)
+        return self.norm(h, delta)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``[N, hidden_size]`` -> ``[N, vocab_size]`` float32 logits."""
+        if self.packed_head is not None:
+            return packed_linear(hidden, self.packed_head).float()
         return F.linear(hidden, self.lm_head).float()
 
     def num_weight_bytes(self) -> int:
         """Bytes of every weight, as stored (quantized layers at their packed size)."""
         norms = [w for layer in self.layers for w in (layer.input_norm.weight, layer.post_norm.weight)]
         dense = [self.embed, self.norm.weight, *norms]
-        if self.lm_head is not self.embed:
-            dense.append(self.lm_head)
+        dense += [t for t in (self.lm_head, self.packed_head) if t is not None and t is not self.embed]
         total = sum(t.numel() * t.element_size() for t in dense)
         return total + sum(linear.num_bytes() for layer in self.layers for linear in layer.linears())

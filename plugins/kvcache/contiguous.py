@@ -29,8 +29,9 @@ class ContiguousOptions(msgspec.Struct, forbid_unknown_fields=True):
     reserve: Literal["max_model_len", "request"] = "max_model_len"
     # a fixed capacity in tokens instead of sizing from memory; 0: size from memory
     num_tokens: Annotated[int, msgspec.Meta(ge=0)] = 0
-    # attention implementation: "auto" (Triton kernels on CUDA, torch elsewhere), "torch" or "triton"
-    attention: Literal["auto", "torch", "triton"] = "auto"
+    # attention implementation: "auto" (Triton kernels on CUDA; on CPU the C++ decode kernel where it builds,
+    # torch otherwise), "cpu", "torch" or "triton"
+    attention: Literal["auto", "cpu", "torch", "triton"] = "auto"
 
 
 class ContiguousKVCache(KVCache):

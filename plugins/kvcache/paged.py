@@ -31,8 +31,9 @@ class PagedOptions(msgspec.Struct, forbid_unknown_fields=True):
     num_blocks: Annotated[int, msgspec.Meta(ge=0)] = 0
     # reuse the blocks of earlier requests that start with the same tokens
     enable_prefix_caching: bool = True
-    # attention implementation: "auto" (Triton kernels on CUDA, torch elsewhere), "torch" or "triton"
-    attention: Literal["auto", "torch", "triton"] = "auto"
+    # attention implementation: "auto" (Triton kernels on CUDA; on CPU the C++ decode kernel where it builds,
+    # torch otherwise), "cpu", "torch" or "triton"
+    attention: Literal["auto", "cpu", "torch", "triton"] = "auto"
     # what K and V are stored as: "auto" (the model dtype) or "fp8" (e4m3 with a scale per token and head;
     # about twice the blocks in the same memory)
     dtype: Literal["auto", "fp8"] = "auto"

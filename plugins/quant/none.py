@@ -6,21 +6,24 @@ import torch
 import torch.nn.functional as F
 
 from conveyor.hookspecs import hookimpl
-from conveyor.quant import Params, QuantMethod
+from conveyor.quant import Params, QuantMethod, packed_linear, prepack, prepacks
 
 
 class NoQuant(QuantMethod):
-    """Weights in the model dtype; a plain matmul."""
+    """Weights in the model dtype; a plain matmul (on CPU against oneDNN's prepacked layout)."""
 
     name = "none"
 
     def prepare(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> Params:
-        params = {"weight": weight.to(device=self.device, dtype=self.dtype).contiguous()}
+        weight = weight.to(device=self.device, dtype=self.dtype).contiguous()
+        params = {"packed": prepack(weight)} if prepacks(self.device, self.dtype) else {"weight": weight}
         if bias is not None:
             params["bias"] = bias.to(device=self.device, dtype=self.dtype)
         return params
 
     def linear(self, x: torch.Tensor, params: Params) -> torch.Tensor:
+        if "packed" in params:
+            return packed_linear(x, params["packed"], params.get("bias"))
         return F.linear(x, params["weight"], params.get("bias"))
 
 

@@ -1,0 +1,181 @@
+"""C++ kernels for CPUs (``csrc/``): paged attention (decode; prefill where the CPU has AVX-512 BF16)
+and the fused element-wise layers.
+
+They are built with torch's extension builder for the CPU this runs on, the
+first time they are needed (10-30 s; ``make setup`` does it ahead), and kept
+in a cache directory under a name that carries the sources, the flags and the
+CPU's feature flags, so a change of any of them builds afresh. Where they
+cannot be built (no C++ compiler), everything falls back to torch ops and a
+warning says so once.
+
+    python -m conveyor.native   # build now (``make setup`` runs this)
+
+The cache directory is ``$CONVEYOR_CACHE_DIR/kernels`` (default ``~/.cache/conveyor/kernels``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import platform
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger("conveyor")
+
+CSRC = Path(__file__).resolve().parent / "csrc"
+SOURCES = sorted(CSRC.glob("*.cpp"))
+# -march=native: the build is for this CPU (its feature flags are part of the cache name).
+# -fopenmp: ATen's parallel_for is OpenMP in headers and runs on one thread without it; the
+# extension then shares torch's OpenMP runtime (same soname, already loaded) rather than a second one.
+CFLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-std=c++17"]
+LDFLAGS = ["-fopenmp"]
+
+_lock = threading.Lock()
+_loaded: bool | None = None
+
+
+def _build_name() -> str:
+    digest = hashlib.sha1()
+    for source in sorted(CSRC.glob("*.[ch]*")):
+        digest.update(source.read_bytes())
+    digest.update(" ".join(CFLAGS + LDFLAGS + [torch.__version__, platform.machine()]).encode())
+    try:
+        digest.update(next(
+            line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith(("flags", "Features"))
+        ).encode())
+    except (OSError, StopIteration):
+        digest.update(platform.processor().encode())
+    return f"conveyor_cpu_{digest.hexdigest()[:12]}"
+
+
+def cache_dir() -> Path:
+    root = os.environ.get("CONVEYOR_CACHE_DIR") or Path.home() / ".cache" / "conveyor"
+    return Path(root) / "kernels"
+
+
+def load() -> bool:
+    """Build (if needed) and load the kernels; False where they cannot be built."""
+    global _loaded
+    with _lock:
+        if _loaded is not None:
+            return _loaded
+        from torch.utils import cpp_extension
+
+        name = _build_name()
+        build_dir = cache_dir() / name
+        started = time.perf_counter()
+        if not (build_dir / f"{name}.so").exists():
+            logger.info("building the CPU kernels for this machine (once, 10-30 s) in %s", build_dir)
+        try:
+            build_dir.mkdir(parents=True, exist_ok=True)
+            cpp_extension.load(
+                name, [str(s) for s in SOURCES], extra_cflags=CFLAGS, extra_ldflags=LDFLAGS,
+                build_directory=str(build_dir), is_python_module=False, verbose=False,
+            )
+        except Exception as e:  # noqa: BLE001 -- no compiler, no ninja, a failed build: the torch ops still work
+            message = str(e).strip().splitlines()
+            logger.warning("CPU kernels unavailable (%s: %s); using torch ops instead",
+                           type(e).__name__, message[-1] if message else "")
+            _loaded = False
+            return False
+        logger.debug("CPU kernels loaded in %.1f s", time.perf_counter() - started)
+        _loaded = True
+        return True
+
+
+def _ops():
+    if not load():
+        raise RuntimeError("the CPU kernels could not be built on this machine (see the warning above)")
+    return torch.ops.conveyor_cpu
+
+
+def paged_decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    block_size: int,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Attention of one query per sequence over its paged keys and values, read in place.
+
+    Args:
+        q: ``[B, Hq, D]``.
+        k_cache, v_cache: ``[Hkv, slots, D]`` (float32, bfloat16, float16, or uint8 e4m3 bits with scales);
+            slot = block * block_size + offset.
+        block_tables: ``[B, max_blocks]`` int32 block ids (entries past a sequence's length are never read).
+        context_lens: ``[B]`` int32 keys per sequence.
+        k_scale, v_scale: ``[Hkv, slots]`` bfloat16 per-token scales of an fp8 cache.
+        out: ``[B, Hq, D]`` to write into (a new tensor if None).
+
+    Returns:
+        ``[B, Hq, D]`` in q's dtype.
+    """
+    ops = _ops()
+    if out is None:
+        out = torch.empty_like(q)
+    ops.paged_decode_attention(
+        q, k_cache, v_cache, k_scale, v_scale, block_tables, context_lens, block_size, q.shape[-1] ** -0.5, out
+    )
+    return out
+
+
+def prefill_supported(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
+    """Whether ``paged_prefill_attention`` runs for these dtypes and head size on this CPU."""
+    return bool(_ops().paged_prefill_supported(q, k_cache))
+
+
+def paged_prefill_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    q_rows: torch.Tensor,
+    q_lens: torch.Tensor,
+    starts: torch.Tensor,
+    block_size: int,
+    out: torch.Tensor,
+) -> torch.Tensor:
+    """Causal attention of prompt chunks over their paged keys and values (the chunks' own K, V already stored).
+
+    Args:
+        q: ``[T, Hq, D]`` bfloat16; chunk i is rows ``q_rows[i] .. q_rows[i] + q_lens[i] - 1``.
+        k_cache, v_cache: ``[Hkv, slots, D]`` bfloat16.
+        block_tables: ``[S, max_blocks]`` int32, one row per chunk.
+        q_rows, q_lens, starts: ``[S]`` int32: first row, length, and position of the first query
+            (the tokens already cached before the chunk).
+        out: ``[T, Hq, D]``; only the chunks' rows are written.
+    """
+    _ops().paged_prefill_attention(
+        q, k_cache, v_cache, block_tables, q_rows, q_lens, starts, block_size, q.shape[-1] ** -0.5, out
+    )
+    return out
+
+
+def rms_norm(h: torch.Tensor, weight: torch.Tensor, eps: float, delta: torch.Tensor | None = None) -> torch.Tensor:
+    """``weight * norm(h)`` (``[T, hidden]``); with ``delta``, first ``h += delta`` in place (the residual add)."""
+    out = torch.empty_like(h)
+    _ops().rms_norm(h, delta, weight, eps, out)
+    return out
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """``silu(gate) * up`` for ``gate_up = [gate | up]`` (``[T, 2 I]`` -> ``[T, I]``)."""
+    out = gate_up.new_empty(gate_up.shape[0], gate_up.shape[1] // 2)
+    _ops().silu_mul(gate_up, out)
+    return out
+
+
+def rotary_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate ``x [T, heads, head_dim]`` in place (half-split layout) by ``cos``, ``sin`` ``[T, head_dim / 2]``."""
+    _ops().rotary_(x, cos, sin)
+    return x
+

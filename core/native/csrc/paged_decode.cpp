@@ -1,0 +1,343 @@
+// Paged decode attention for CPUs: one new query token per sequence, attending
+// over that sequence's keys and values where they lie, block by block.
+//
+// The torch path gathers every sequence's blocks into a padded copy before
+// multiplying; this kernel reads each key and value row once, in place, and
+// keeps scores and sums in float32. Work items are (sequence, KV head) pairs,
+// longest context first, pulled by the threads of ATen's pool. With AVX-512
+// BF16 and a bf16 cache (head_dim 64 or 128), the dot products run in
+// VDPBF16PS; otherwise in loops the compiler vectorizes.
+//
+// Layouts (one layer): k_cache, v_cache [kv_heads, slots, head_dim], slot =
+// block * block_size + offset; an fp8 cache stores e4m3 bits as uint8 with a
+// bfloat16 scale per slot and head in k_scale, v_scale [kv_heads, slots].
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <numeric>
+#include <type_traits>
+#include <vector>
+
+#include "checks.h"
+
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+#include <immintrin.h>
+#define CONVEYOR_AVX512_BF16 1
+#endif
+
+namespace {
+
+inline float bits_to_float(uint32_t bits) {
+  float value;
+  std::memcpy(&value, &bits, sizeof(value));
+  return value;
+}
+
+// e4m3fn: sign, 4 exponent bits (bias 7), 3 mantissa bits; S.1111.111 is NaN, no infinities.
+struct E4M3Table {
+  float values[256];
+  E4M3Table() {
+    for (int bits = 0; bits < 256; ++bits) {
+      int exponent = (bits >> 3) & 0xF, mantissa = bits & 0x7;
+      float magnitude = exponent == 0 ? std::ldexp(mantissa / 8.0f, -6) : std::ldexp(1.0f + mantissa / 8.0f, exponent - 7);
+      if (exponent == 0xF && mantissa == 0x7) magnitude = std::numeric_limits<float>::quiet_NaN();
+      values[bits] = (bits & 0x80) ? -magnitude : magnitude;
+    }
+  }
+};
+const E4M3Table kE4M3;
+
+// Calls visit(position, slot) for positions [0, len) of a sequence, through its block table.
+template <typename F>
+inline void for_each_slot(const int32_t* table, int64_t len, int64_t block_size, F&& visit) {
+  for (int64_t start = 0; start < len; start += block_size) {
+    const int64_t first_slot = int64_t(table[start / block_size]) * block_size;
+    const int64_t n = std::min(block_size, len - start);
+    for (int64_t j = 0; j < n; ++j) visit(start + j, first_slot + j);
+  }
+}
+
+// scores [rows, len] -> exp(score - row max) in place; sums[r] = the row's total.
+inline void softmax_numerators(float* scores, int64_t rows, int64_t len, float* sums) {
+  for (int64_t r = 0; r < rows; ++r) {
+    float* s = scores + r * len;
+    float top = std::numeric_limits<float>::lowest();
+    for (int64_t t = 0; t < len; ++t) top = std::max(top, s[t]);
+    float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+    for (int64_t t = 0; t < len; ++t) {
+      s[t] = std::exp(s[t] - top);
+      sum += s[t];
+    }
+    sums[r] = sum;
+  }
+}
+
+// One stored row of head_dim values as float32.
+template <typename T>
+inline void load_row(const T* src, float* dst, int64_t n);
+
+template <>
+inline void load_row<float>(const float* src, float* dst, int64_t n) {
+  std::memcpy(dst, src, n * sizeof(float));
+}
+
+template <>
+inline void load_row<c10::BFloat16>(const c10::BFloat16* src, float* dst, int64_t n) {
+  const uint16_t* bits = reinterpret_cast<const uint16_t*>(src);
+#pragma omp simd
+  for (int64_t d = 0; d < n; ++d) dst[d] = bits_to_float(uint32_t(bits[d]) << 16);
+}
+
+template <>
+inline void load_row<c10::Half>(const c10::Half* src, float* dst, int64_t n) {
+  for (int64_t d = 0; d < n; ++d) dst[d] = static_cast<float>(src[d]);
+}
+
+template <>
+inline void load_row<uint8_t>(const uint8_t* src, float* dst, int64_t n) {
+  for (int64_t d = 0; d < n; ++d) dst[d] = kE4M3.values[src[d]];
+}
+
+
+#ifdef CONVEYOR_AVX512_BF16
+// bfloat16 cache and queries, head_dim a multiple of 32: dot products in
+// dpbf16 (exact bf16 products, float32 sums), values accumulated in float32
+// registers for up to kGroup query heads at a time.
+template <int kHeadDim, int kGroup>
+inline void accumulate_values(const uint16_t* v_head, const int32_t* table, int64_t len, int64_t block_size,
+                              const float* probs, int64_t stride, float* out) {
+  constexpr int kVectors = kHeadDim / 16;
+  __m512 acc[kGroup][kVectors];
+  for (int g = 0; g < kGroup; ++g)
+    for (int i = 0; i < kVectors; ++i) acc[g][i] = _mm512_setzero_ps();
+  for (int64_t start = 0; start < len; start += block_size) {
+    const uint16_t* rows = v_head + int64_t(table[start / block_size]) * block_size * kHeadDim;
+    const int64_t n = std::min(block_size, len - start);
+    for (int64_t j = 0; j < n; ++j) {
+      const uint16_t* row = rows + j * kHeadDim;
+      __m512 p[kGroup];
+      for (int g = 0; g < kGroup; ++g) p[g] = _mm512_set1_ps(probs[g * stride + start + j]);
+      for (int i = 0; i < kVectors; ++i) {
+        const __m256i half = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + i * 16));
+        const __m512 value = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(half), 16));
+        for (int g = 0; g < kGroup; ++g) acc[g][i] = _mm512_fmadd_ps(p[g], value, acc[g][i]);
+      }
+    }
+  }
+  for (int g = 0; g < kGroup; ++g)
+    for (int i = 0; i < kVectors; ++i) _mm512_storeu_ps(out + g * kHeadDim + i * 16, acc[g][i]);
+}
+
+template <int kHeadDim>
+void attend_bf16(const uint16_t* q_rows, int64_t group, const uint16_t* k_head, const uint16_t* v_head,
+                 const int32_t* table, int64_t len, int64_t block_size, float scale, float* scores, float* out) {
+  constexpr int kVectors = kHeadDim / 32;
+  // scores[g, t] = q_g . k_t * scale
+  for (int64_t start = 0; start < len; start += block_size) {
+    const uint16_t* rows = k_head + int64_t(table[start / block_size]) * block_size * kHeadDim;
+    const int64_t n = std::min(block_size, len - start);
+    if (start + block_size < len) {
+      _mm_prefetch(reinterpret_cast<const char*>(k_head + int64_t(table[start / block_size + 1]) * block_size * kHeadDim),
+                   _MM_HINT_T0);
+    }
+    for (int64_t j = 0; j < n; ++j) {
+      __m512bh key[kVectors];
+      for (int i = 0; i < kVectors; ++i) key[i] = (__m512bh)_mm512_loadu_si512(rows + j * kHeadDim + i * 32);
+      for (int64_t g = 0; g < group; ++g) {
+        __m512 acc = _mm512_setzero_ps();
+        for (int i = 0; i < kVectors; ++i)
+          acc = _mm512_dpbf16_ps(acc, (__m512bh)_mm512_loadu_si512(q_rows + g * kHeadDim + i * 32), key[i]);
+        scores[g * len + start + j] = _mm512_reduce_add_ps(acc) * scale;
+      }
+    }
+  }
+  // softmax numerators; the sums divide at the end
+  float sums[64];
+  softmax_numerators(scores, group, len, sums);
+  constexpr int kChunk = kHeadDim == 64 ? 4 : 2;  // 16 accumulator registers
+  for (int64_t g = 0; g < group; g += kChunk) {
+    const float* probs = scores + g * len;
+    float* dst = out + g * kHeadDim;
+    switch (std::min<int64_t>(kChunk, group - g)) {
+      case 1: accumulate_values<kHeadDim, 1>(v_head, table, len, block_size, probs, len, dst); break;
+      case 2: accumulate_values<kHeadDim, 2>(v_head, table, len, block_size, probs, len, dst); break;
+      case 3: accumulate_values<kHeadDim, 3>(v_head, table, len, block_size, probs, len, dst); break;
+      default: accumulate_values<kHeadDim, 4>(v_head, table, len, block_size, probs, len, dst); break;
+    }
+  }
+  for (int64_t g = 0; g < group; ++g) {
+    const float inv = 1.0f / sums[g];
+    for (int64_t d = 0; d < kHeadDim; ++d) out[g * kHeadDim + d] *= inv;
+  }
+}
+#endif
+
+template <typename T, int kHeadDim>
+void decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+            const c10::optional<at::Tensor>& k_scale, const c10::optional<at::Tensor>& v_scale,
+            const at::Tensor& block_tables, const at::Tensor& context_lens, int64_t block_size, double softmax_scale,
+            at::Tensor& out) {
+  const int64_t batch = q.size(0), num_heads = q.size(1), head_dim = kHeadDim ? kHeadDim : q.size(2);
+  const int64_t num_kv_heads = k_cache.size(0), num_slots = k_cache.size(1);
+  const int64_t group = num_heads / num_kv_heads, table_width = block_tables.size(1);
+  const at::Tensor qf = q.to(at::kFloat).contiguous();
+  const at::Tensor q_contiguous = q.contiguous();
+  // the dpbf16 path multiplies bf16 queries as they are
+  const uint16_t* q_bf16 = q.scalar_type() == at::kBFloat16
+                               ? reinterpret_cast<const uint16_t*>(q_contiguous.data_ptr<c10::BFloat16>())
+                               : nullptr;
+  at::Tensor result = at::empty({batch, num_heads, head_dim}, q.options().dtype(at::kFloat));
+  const float* q_ptr = qf.data_ptr<float>();
+  float* out_ptr = result.data_ptr<float>();
+  const T* k_ptr = k_cache.data_ptr<T>();
+  const T* v_ptr = v_cache.data_ptr<T>();
+  const bool scaled = k_scale.has_value();
+  const c10::BFloat16* ks_ptr = scaled ? k_scale->data_ptr<c10::BFloat16>() : nullptr;
+  const c10::BFloat16* vs_ptr = scaled ? v_scale->data_ptr<c10::BFloat16>() : nullptr;
+  const int32_t* tables = block_tables.data_ptr<int32_t>();
+  const int32_t* lens = context_lens.data_ptr<int32_t>();
+  const float scale = static_cast<float>(softmax_scale);
+
+  // (sequence, kv head) items, longest context first, so the last items to start are short.
+  std::vector<int64_t> order(batch);
+  std::iota(order.begin(), order.end(), 0);
+  std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return lens[a] > lens[b]; });
+  const int64_t num_items = batch * num_kv_heads;
+  int32_t max_len = 0;
+  for (int64_t b = 0; b < batch; ++b) max_len = std::max(max_len, lens[b]);
+  std::atomic<int64_t> next{0};
+
+  at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
+    std::vector<float> scores(group * std::max<int32_t>(max_len, 1));
+    std::vector<float> acc(group * head_dim), row(head_dim), qs(group * head_dim), sums(group);
+    for (int64_t item; (item = next.fetch_add(1)) < num_items;) {
+      const int64_t b = order[item / num_kv_heads], h = item % num_kv_heads;
+      const int64_t len = lens[b];
+      const int32_t* table = tables + b * table_width;
+      const float* q_rows = q_ptr + (b * num_heads + h * group) * head_dim;
+      for (int64_t i = 0; i < group * head_dim; ++i) qs[i] = q_rows[i] * scale;
+      const T* k_head = k_ptr + h * num_slots * head_dim;
+      const T* v_head = v_ptr + h * num_slots * head_dim;
+      const int64_t scale_offset = h * num_slots;
+#ifdef CONVEYOR_AVX512_BF16
+      if constexpr (std::is_same_v<T, c10::BFloat16> && kHeadDim % 32 == 0 && kHeadDim != 0) {
+        if (q_bf16 != nullptr) {
+          attend_bf16<kHeadDim>(q_bf16 + (b * num_heads + h * group) * head_dim, group,
+                                reinterpret_cast<const uint16_t*>(k_head), reinterpret_cast<const uint16_t*>(v_head),
+                                table, len, block_size, scale, scores.data(),
+                                out_ptr + (b * num_heads + h * group) * head_dim);
+          continue;
+        }
+      }
+#endif
+
+      // scores[g, t] = q_g . k_t (scaled)
+      for_each_slot(table, len, block_size, [&](int64_t t, int64_t slot) {
+        load_row<T>(k_head + slot * head_dim, row.data(), head_dim);
+        const float row_scale = scaled ? static_cast<float>(ks_ptr[scale_offset + slot]) : 1.0f;
+        for (int64_t g = 0; g < group; ++g) {
+          const float* qg = qs.data() + g * head_dim;
+          float dot = 0.0f;
+#pragma omp simd reduction(+ : dot)
+          for (int64_t d = 0; d < head_dim; ++d) dot += qg[d] * row[d];
+          scores[g * len + t] = dot * row_scale;
+        }
+      });
+      softmax_numerators(scores.data(), group, len, sums.data());
+      // acc[g] = sum_t p[g, t] v_t
+      std::fill(acc.begin(), acc.end(), 0.0f);
+      for_each_slot(table, len, block_size, [&](int64_t t, int64_t slot) {
+        load_row<T>(v_head + slot * head_dim, row.data(), head_dim);
+        const float row_scale = scaled ? static_cast<float>(vs_ptr[scale_offset + slot]) : 1.0f;
+        for (int64_t g = 0; g < group; ++g) {
+          const float p = scores[g * len + t] * row_scale;
+          float* a = acc.data() + g * head_dim;
+#pragma omp simd
+          for (int64_t d = 0; d < head_dim; ++d) a[d] += p * row[d];
+        }
+      });
+      float* out_rows = out_ptr + (b * num_heads + h * group) * head_dim;
+      for (int64_t g = 0; g < group; ++g) {
+        const float inv = len > 0 ? 1.0f / sums[g] : 0.0f;
+        for (int64_t d = 0; d < head_dim; ++d) out_rows[g * head_dim + d] = acc[g * head_dim + d] * inv;
+      }
+    }
+  });
+  out.copy_(result);
+}
+
+void paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                            const c10::optional<at::Tensor>& k_scale, const c10::optional<at::Tensor>& v_scale,
+                            const at::Tensor& block_tables, const at::Tensor& context_lens, int64_t block_size,
+                            double softmax_scale, at::Tensor out) {
+  TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 3 && v_cache.dim() == 3, "q [B, Hq, D], caches [Hkv, slots, D]");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "the KV caches must be contiguous");
+  TORCH_CHECK(k_cache.sizes() == v_cache.sizes() && k_cache.scalar_type() == v_cache.scalar_type(),
+              "K and V caches differ in shape or dtype");
+  TORCH_CHECK(q.size(2) == k_cache.size(2), "q and the caches differ in head_dim");
+  TORCH_CHECK(q.size(1) % k_cache.size(0) == 0 && q.size(1) / k_cache.size(0) <= 64,
+              "query heads must be a multiple (at most 64) of KV heads");
+  TORCH_CHECK(block_tables.scalar_type() == at::kInt && block_tables.is_contiguous() && block_tables.dim() == 2 &&
+                  block_tables.size(0) == q.size(0),
+              "block_tables: contiguous int32 [B, blocks]");
+  TORCH_CHECK(context_lens.scalar_type() == at::kInt && context_lens.is_contiguous() &&
+                  context_lens.numel() == q.size(0),
+              "context_lens: contiguous int32 [B]");
+  TORCH_CHECK(out.sizes() == q.sizes(), "out must have q's shape");
+  conveyor::check_block_tables(block_tables, context_lens.data_ptr<int32_t>(), q.size(0), block_size, k_cache.size(1));
+  TORCH_CHECK(k_scale.has_value() == v_scale.has_value(), "k_scale and v_scale come together");
+  if (k_scale.has_value()) {
+    TORCH_CHECK(k_cache.scalar_type() == at::kByte, "scales come with an fp8 (uint8 bits) cache");
+    for (const at::Tensor* s : {&*k_scale, &*v_scale}) {
+      TORCH_CHECK(s->scalar_type() == at::kBFloat16 && s->is_contiguous() &&
+                      s->sizes() == k_cache.sizes().slice(0, 2),
+                  "scales: contiguous bfloat16 [Hkv, slots]");
+    }
+  }
+  const auto run = [&](auto element) {
+    using T = decltype(element);
+    switch (q.size(2)) {
+      case 64:
+        return decode<T, 64>(q, k_cache, v_cache, k_scale, v_scale, block_tables, context_lens, block_size,
+                             softmax_scale, out);
+      case 128:
+        return decode<T, 128>(q, k_cache, v_cache, k_scale, v_scale, block_tables, context_lens, block_size,
+                              softmax_scale, out);
+      default:
+        return decode<T, 0>(q, k_cache, v_cache, k_scale, v_scale, block_tables, context_lens, block_size,
+                            softmax_scale, out);
+    }
+  };
+  switch (k_cache.scalar_type()) {
+    case at::kFloat:
+      return run(float{});
+    case at::kBFloat16:
+      return run(c10::BFloat16{});
+    case at::kHalf:
+      return run(c10::Half{});
+    case at::kByte:
+      TORCH_CHECK(k_scale.has_value(), "an fp8 (uint8 bits) cache needs its scales");
+      return run(uint8_t{});
+    default:
+      TORCH_CHECK(false, "unsupported KV cache dtype ", k_cache.scalar_type());
+  }
+}
+
+}  // namespace
+
+TORCH_LIBRARY(conveyor_cpu, m) {
+  m.def(
+      "paged_decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor? k_scale, Tensor? v_scale, "
+      "Tensor block_tables, Tensor context_lens, int block_size, float softmax_scale, Tensor(a!) out) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(conveyor_cpu, CPU, m) { m.impl("paged_decode_attention", &paged_decode_attention); }

@@ -1,0 +1,185 @@
+"""The C++ CPU kernels (conveyor.native) against independent references.
+
+Paged decode attention against float64 dense attention (fresh random inputs,
+shuffled blocks, unused slots poisoned with NaN); the fused element-wise
+layers against the torch ops they replace; and the fallback to torch when
+the kernels cannot be built.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from conveyor import native
+from conveyor.attention.blocks import dequantize, quantize_heads
+from conveyor.model.llama import RMSNorm, apply_rotary
+from tests.helpers import paged_store, reference_attention, relative_error
+
+pytestmark = pytest.mark.skipif(not native.load(), reason="no C++ compiler: the CPU kernels cannot be built here")
+
+# max |kernel - reference| / max |reference|
+TOLERANCE = {torch.float32: 1e-5, torch.float16: 5e-3, torch.bfloat16: 2e-2}
+
+
+@pytest.mark.parametrize(
+    "block_size, heads, kv_heads, head_dim, dtype",
+    [
+        (16, 9, 3, 64, torch.bfloat16),  # SmolLM2's shape: the AVX-512 BF16 path where the CPU has it
+        (16, 8, 2, 128, torch.bfloat16),  # GQA 4:1, head_dim 128
+        (5, 4, 4, 64, torch.float32),  # no GQA, blocks of 5
+        (12, 6, 2, 24, torch.float16),  # head_dim and block size not powers of two (the generic loop)
+        (32, 14, 2, 64, torch.bfloat16),  # 7 query heads per KV head: value accumulators in chunks of 4
+    ],
+)
+def test_paged_decode_matches_reference_attention(block_size, heads, kv_heads, head_dim, dtype):
+    lengths = [random.randint(1, 300) for _ in range(6)] + [1, block_size, block_size + 1]
+    k_cache, v_cache, tables, keys, values = paged_store(lengths, kv_heads, head_dim, block_size, dtype)
+    q = torch.randn(len(lengths), heads, head_dim, dtype=dtype)
+    out = torch.full_like(q, float("nan"))
+    native.paged_decode_attention(
+        q, k_cache, v_cache, tables, torch.tensor(lengths, dtype=torch.int32), block_size, out=out
+    )
+    for i, n in enumerate(lengths):
+        expected = reference_attention(q[i : i + 1], keys[i], values[i], n - 1)[0]
+        assert relative_error(out[i], expected) < TOLERANCE[dtype], f"sequence {i} (length {n})"
+
+
+def test_paged_decode_reads_an_fp8_cache_with_its_scales():
+    block_size, heads, kv_heads, head_dim = 8, 6, 2, 64
+    lengths = [random.randint(1, 100) for _ in range(5)]
+    k_cache, v_cache, tables, _, _ = paged_store(lengths, kv_heads, head_dim, block_size, torch.bfloat16)
+    # quantize every slot (unused ones hold NaN and are never read), as the cache stores them
+    caches = []
+    for cache in (k_cache, v_cache):
+        bits, scale = quantize_heads(cache.transpose(0, 1).nan_to_num())
+        caches += [bits.transpose(0, 1).contiguous(), scale.transpose(0, 1).contiguous()]
+    k_bits, k_scale, v_bits, v_scale = caches
+    q = torch.randn(len(lengths), heads, head_dim, dtype=torch.bfloat16)
+    out = native.paged_decode_attention(
+        q, k_bits, v_bits, tables, torch.tensor(lengths, dtype=torch.int32), block_size, k_scale, v_scale
+    )
+    # the reference reads the same fp8 values back through torch's own e4m3 conversion
+    k_back, v_back = dequantize(k_bits, k_scale, torch.float64), dequantize(v_bits, v_scale, torch.float64)
+    for i, n in enumerate(lengths):
+        slots = torch.tensor([tables[i, p // block_size].item() * block_size + p % block_size for p in range(n)])
+        keys, values = k_back[:, slots].transpose(0, 1), v_back[:, slots].transpose(0, 1)
+        expected = reference_attention(q[i : i + 1], keys, values, n - 1)[0]
+        assert relative_error(out[i], expected) < 2e-2, f"sequence {i} (length {n})"
+
+
+def test_paged_decode_rejects_bad_tables():
+    k_cache, v_cache, tables, _, _ = paged_store([5], 1, 16, 4, torch.float32)
+    q = torch.randn(1, 1, 16)
+    with pytest.raises(RuntimeError, match="block_tables"):
+        native.paged_decode_attention(q, k_cache, v_cache, tables.long(), torch.tensor([5], dtype=torch.int32), 4)
+    # a block past the end of the cache, or a length past the end of the table, is refused, not read
+    with pytest.raises(RuntimeError, match="uses block"):
+        native.paged_decode_attention(q, k_cache, v_cache, tables + 1000, torch.tensor([5], dtype=torch.int32), 4)
+    with pytest.raises(RuntimeError, match="outside what its block table"):
+        native.paged_decode_attention(q, k_cache, v_cache, tables, torch.tensor([9], dtype=torch.int32), 4)
+    with pytest.raises(RuntimeError, match="multiple"):
+        native.paged_decode_attention(
+            torch.randn(1, 3, 16), k_cache.expand(2, -1, -1).contiguous(), v_cache.expand(2, -1, -1).contiguous(),
+            tables, torch.tensor([5], dtype=torch.int32), 4,
+        )
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float16])
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_rms_norm_matches_torch(dtype, with_residual):
+    h = torch.randn(37, 576, dtype=dtype) * 3
+    delta = torch.randn(37, 576, dtype=dtype) if with_residual else None
+    weight = torch.randn(576, dtype=dtype)
+    h_ref, h_ours = h.clone(), h.clone()
+    expected = RMSNorm(weight, 1e-5)(h_ref, delta)
+    out = RMSNorm(weight, 1e-5, fused=True)(h_ours, delta)
+    # the residual add lands in h, exactly as torch rounds it
+    assert torch.equal(h_ours, h_ref)
+    # the float32 sum of squares is reordered: a normalized value may round one unit differently
+    eps = torch.finfo(dtype).eps
+    torch.testing.assert_close(out, expected, rtol=4 * eps, atol=4 * eps)
+    if dtype != torch.float32:
+        assert (out != expected).float().mean() < 0.01
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float16])
+def test_silu_mul_matches_torch(dtype):
+    gate_up = torch.randn(33, 2 * 1536, dtype=dtype) * 4
+    gate, up = gate_up.split(1536, dim=-1)
+    expected = F.silu(gate) * up
+    out = native.silu_mul(gate_up)
+    assert out.shape == expected.shape
+    # exp may differ from torch's in the last float32 bit: a product may round one unit differently
+    eps = torch.finfo(dtype).eps
+    torch.testing.assert_close(out, expected, rtol=4 * eps, atol=1e-6)
+    if dtype != torch.float32:
+        assert (out != expected).float().mean() < 0.01
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_rotary_in_place_on_the_qkv_buffer_matches_torch(dtype):
+    tokens, heads, kv_heads, head_dim = 21, 9, 3, 64
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * head_dim, dtype=dtype)
+    angles = torch.randn(tokens, head_dim // 2, dtype=torch.float64) * 10
+    cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
+    q, k, v = qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
+    q, k = q.view(tokens, heads, head_dim), k.view(tokens, kv_heads, head_dim)
+    expected_q, expected_k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+    v_before = v.clone()
+    native.rotary_(q, cos, sin)  # strided views into qkv
+    native.rotary_(k, cos, sin)
+    tolerance = {"rtol": 1e-6, "atol": 1e-6} if dtype == torch.float32 else {"rtol": 0, "atol": 0}
+    torch.testing.assert_close(q, expected_q, **tolerance)
+    torch.testing.assert_close(k, expected_k, **tolerance)
+    assert torch.equal(v, v_before)
+
+
+def test_without_a_compiler_everything_falls_back_to_torch(monkeypatch, caplog):
+    from torch.utils import cpp_extension
+
+    from conveyor.attention.blocks import BlockStorage
+    from conveyor.kvcache import KVCacheSpec
+
+    def no_compiler(*args, **kwargs):
+        raise RuntimeError("c++: command not found")
+
+    monkeypatch.setattr(native, "_loaded", None)
+    monkeypatch.setattr(cpp_extension, "load", no_compiler)
+    spec = KVCacheSpec(1, 1, 16, torch.float32, torch.device("cpu"), 64)
+    with caplog.at_level("WARNING", logger="conveyor"):
+        storage = BlockStorage(spec, num_blocks=4, block_size=4)
+    assert not storage.use_cpu_kernel and not storage.use_triton
+    assert "c++: command not found" in caplog.text and "torch" in caplog.text
+    with pytest.raises(RuntimeError, match="could not be built"):
+        BlockStorage(spec, num_blocks=4, block_size=4, backend="cpu")
+
+
+@pytest.mark.skipif(
+    not native.prefill_supported(torch.empty(0, 1, 64, dtype=torch.bfloat16), torch.empty(1, 1, 64, dtype=torch.bfloat16)),
+    reason="the prefill kernel needs AVX-512 BF16",
+)
+@pytest.mark.parametrize("block_size, heads, kv_heads, head_dim", [(16, 9, 3, 64), (8, 8, 2, 128), (5, 4, 4, 64)])
+def test_paged_prefill_chunks_match_reference_attention(block_size, heads, kv_heads, head_dim):
+    # (tokens already cached, chunk length): fresh prompts, continued chunks, one-token chunks, a tile edge
+    plan = [(0, random.randint(17, 90)), (random.randint(1, 60), random.randint(2, 40)), (100, 1), (0, 1), (15, 17)]
+    lengths = [start + n for start, n in plan]
+    k_cache, v_cache, tables, keys, values = paged_store(lengths, kv_heads, head_dim, block_size, torch.bfloat16)
+    chunks = [torch.randn(n, heads, head_dim, dtype=torch.bfloat16) for _, n in plan]
+    q = torch.cat(chunks)
+    rows = [sum(n for _, n in plan[:i]) for i in range(len(plan))]
+    out = torch.full_like(q, float("nan"))
+
+    def int32(values):
+        return torch.tensor(values, dtype=torch.int32)
+
+    native.paged_prefill_attention(
+        q, k_cache, v_cache, tables, int32(rows), int32([n for _, n in plan]), int32([s for s, _ in plan]),
+        block_size, out,
+    )
+    for i, ((start, n), row) in enumerate(zip(plan, rows)):
+        expected = reference_attention(chunks[i], keys[i], values[i], start)
+        assert relative_error(out[row : row + n], expected) < TOLERANCE[torch.bfloat16], f"chunk {i} {plan[i]}"
