@@ -1,7 +1,7 @@
 """The C++ CPU kernels (conveyor.native) against independent references.
 
-Paged decode attention against float64 dense attention (fresh random inputs,
-shuffled blocks, unused slots poisoned with NaN); the fused element-wise
+Paged decode and prefill attention against float64 dense attention (fresh
+random inputs, shuffled blocks, unused slots poisoned with NaN); the fused element-wise
 layers against the torch ops they replace; and the fallback to torch when
 the kernels cannot be built.
 """
@@ -32,6 +32,7 @@ TOLERANCE = {torch.float32: 1e-5, torch.float16: 5e-3, torch.bfloat16: 2e-2}
         (16, 8, 2, 128, torch.bfloat16),  # GQA 4:1, head_dim 128
         (5, 4, 4, 64, torch.float32),  # no GQA, blocks of 5
         (12, 6, 2, 24, torch.float16),  # head_dim and block size not powers of two (the generic loop)
+        (8, 3, 1, 48, torch.bfloat16),  # bf16 with a head_dim the dpbf16 path does not take
         (32, 14, 2, 64, torch.bfloat16),  # 7 query heads per KV head: value accumulators in chunks of 4
     ],
 )

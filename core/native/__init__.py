@@ -19,6 +19,7 @@ import hashlib
 import logging
 import os
 import platform
+import shutil
 import threading
 import time
 from pathlib import Path
@@ -58,6 +59,17 @@ def cache_dir() -> Path:
     return Path(root) / "kernels"
 
 
+def _put_ninja_on_path() -> None:
+    """torch's builder runs ``ninja`` from PATH; the ninja wheel's binary sits in the environment's bin/,
+    which is not on PATH when the environment's python runs without being activated."""
+    if shutil.which("ninja") is None:
+        try:
+            import ninja
+        except ImportError:
+            return
+        os.environ["PATH"] = os.pathsep.join([ninja.BIN_DIR, os.environ.get("PATH", "")])
+
+
 def load() -> bool:
     """Build (if needed) and load the kernels; False where they cannot be built."""
     global _loaded
@@ -73,6 +85,7 @@ def load() -> bool:
             logger.info("building the CPU kernels for this machine (once, 10-30 s) in %s", build_dir)
         try:
             build_dir.mkdir(parents=True, exist_ok=True)
+            _put_ninja_on_path()
             cpp_extension.load(
                 name, [str(s) for s in SOURCES], extra_cflags=CFLAGS, extra_ldflags=LDFLAGS,
                 build_directory=str(build_dir), is_python_module=False, verbose=False,
