@@ -39,8 +39,10 @@ TOLERANCE = {torch.float32: 1e-5, torch.float16: 5e-3, torch.bfloat16: 2e-2}
 def test_paged_decode_matches_reference_attention(block_size, heads, kv_heads, head_dim, dtype):
     lengths = [random.randint(1, 300) for _ in range(6)] + [1, block_size, block_size + 1]
     k_cache, v_cache, tables, keys, values = paged_store(lengths, kv_heads, head_dim, block_size, dtype)
-    q = torch.randn(len(lengths), heads, head_dim, dtype=dtype)
-    out = torch.full_like(q, float("nan"))
+    # q as the model hands it over: a view into the wider qkv rows
+    qkv = torch.randn(len(lengths), (heads + 2 * kv_heads) * head_dim, dtype=dtype)
+    q = qkv[:, : heads * head_dim].view(len(lengths), heads, head_dim)
+    out = torch.full((len(lengths), heads, head_dim), float("nan"), dtype=dtype)
     native.paged_decode_attention(
         q, k_cache, v_cache, tables, torch.tensor(lengths, dtype=torch.int32), block_size, out=out
     )

@@ -23,7 +23,6 @@
 #include <cstring>
 #include <limits>
 #include <numeric>
-#include <type_traits>
 #include <vector>
 
 #include "checks.h"
@@ -181,6 +180,57 @@ void attend_bf16(const uint16_t* q_rows, int64_t group, const uint16_t* k_head, 
 }
 #endif
 
+// Runs visit(b, h, scratch) for every (sequence b, kv head h), longest context first, on ATen's
+// threads; each thread has its own scratch of scratch_floats floats.
+template <typename Visit>
+void for_each_item(const int32_t* lens, int64_t batch, int64_t num_kv_heads, int64_t scratch_floats, Visit&& visit) {
+  std::vector<int64_t> order(batch);
+  std::iota(order.begin(), order.end(), 0);
+  std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return lens[a] > lens[b]; });
+  const int64_t num_items = batch * num_kv_heads;
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
+    std::vector<float> scratch(scratch_floats);
+    for (int64_t item; (item = next.fetch_add(1)) < num_items;) {
+      visit(order[item / num_kv_heads], item % num_kv_heads, scratch.data());
+    }
+  });
+}
+
+int32_t max_context(const int32_t* lens, int64_t batch) {
+  int32_t longest = 1;
+  for (int64_t b = 0; b < batch; ++b) longest = std::max(longest, lens[b]);
+  return longest;
+}
+
+#ifdef CONVEYOR_AVX512_BF16
+// bf16 queries (read through their strides) and cache; the result is written straight into out as bf16.
+template <int kHeadDim>
+void decode_bf16(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                 const at::Tensor& block_tables, const at::Tensor& context_lens, int64_t block_size,
+                 double softmax_scale, at::Tensor& out) {
+  const int64_t batch = q.size(0), num_heads = q.size(1), num_kv_heads = k_cache.size(0);
+  const int64_t num_slots = k_cache.size(1), group = num_heads / num_kv_heads, width = block_tables.size(1);
+  const uint16_t* q_ptr = reinterpret_cast<const uint16_t*>(q.data_ptr<c10::BFloat16>());
+  c10::BFloat16* out_ptr = out.data_ptr<c10::BFloat16>();
+  const uint16_t* k_ptr = reinterpret_cast<const uint16_t*>(k_cache.data_ptr<c10::BFloat16>());
+  const uint16_t* v_ptr = reinterpret_cast<const uint16_t*>(v_cache.data_ptr<c10::BFloat16>());
+  const int32_t* tables = block_tables.data_ptr<int32_t>();
+  const int32_t* lens = context_lens.data_ptr<int32_t>();
+  const int64_t q_stride = q.stride(0), out_stride = out.stride(0);
+  const int64_t scores_floats = group * max_context(lens, batch);
+  for_each_item(lens, batch, num_kv_heads, scores_floats + group * kHeadDim, [&](int64_t b, int64_t h, float* scratch) {
+    float* result = scratch + scores_floats;
+    attend_bf16<kHeadDim>(q_ptr + b * q_stride + h * group * kHeadDim, group, k_ptr + h * num_slots * kHeadDim,
+                          v_ptr + h * num_slots * kHeadDim, tables + b * width, lens[b], block_size,
+                          static_cast<float>(softmax_scale), scratch, result);
+    c10::BFloat16* dst = out_ptr + b * out_stride + h * group * kHeadDim;
+    for (int64_t i = 0; i < group * kHeadDim; ++i) dst[i] = c10::BFloat16(result[i]);
+  });
+}
+#endif
+
+// Any cache dtype (fp8 with its scales) and head size: float32 queries and results, converted at the ends.
 template <typename T, int kHeadDim>
 void decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
             const c10::optional<at::Tensor>& k_scale, const c10::optional<at::Tensor>& v_scale,
@@ -190,11 +240,6 @@ void decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
   const int64_t num_kv_heads = k_cache.size(0), num_slots = k_cache.size(1);
   const int64_t group = num_heads / num_kv_heads, table_width = block_tables.size(1);
   const at::Tensor qf = q.to(at::kFloat).contiguous();
-  const at::Tensor q_contiguous = q.contiguous();
-  // the dpbf16 path multiplies bf16 queries as they are
-  const uint16_t* q_bf16 = q.scalar_type() == at::kBFloat16
-                               ? reinterpret_cast<const uint16_t*>(q_contiguous.data_ptr<c10::BFloat16>())
-                               : nullptr;
   at::Tensor result = at::empty({batch, num_heads, head_dim}, q.options().dtype(at::kFloat));
   const float* q_ptr = qf.data_ptr<float>();
   float* out_ptr = result.data_ptr<float>();
@@ -206,70 +251,52 @@ void decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
   const int32_t* tables = block_tables.data_ptr<int32_t>();
   const int32_t* lens = context_lens.data_ptr<int32_t>();
   const float scale = static_cast<float>(softmax_scale);
+  // scratch: scores [group, len], then acc [group, D], row [D], scaled q [group, D], sums [group]
+  const int64_t scores_floats = group * max_context(lens, batch);
+  const int64_t scratch_floats = scores_floats + 2 * group * head_dim + head_dim + group;
 
-  // (sequence, kv head) items, longest context first, so the last items to start are short.
-  std::vector<int64_t> order(batch);
-  std::iota(order.begin(), order.end(), 0);
-  std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return lens[a] > lens[b]; });
-  const int64_t num_items = batch * num_kv_heads;
-  int32_t max_len = 0;
-  for (int64_t b = 0; b < batch; ++b) max_len = std::max(max_len, lens[b]);
-  std::atomic<int64_t> next{0};
-
-  at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
-    std::vector<float> scores(group * std::max<int32_t>(max_len, 1));
-    std::vector<float> acc(group * head_dim), row(head_dim), qs(group * head_dim), sums(group);
-    for (int64_t item; (item = next.fetch_add(1)) < num_items;) {
-      const int64_t b = order[item / num_kv_heads], h = item % num_kv_heads;
-      const int64_t len = lens[b];
-      const int32_t* table = tables + b * table_width;
-      const float* q_rows = q_ptr + (b * num_heads + h * group) * head_dim;
-      for (int64_t i = 0; i < group * head_dim; ++i) qs[i] = q_rows[i] * scale;
-      const T* k_head = k_ptr + h * num_slots * head_dim;
-      const T* v_head = v_ptr + h * num_slots * head_dim;
-      const int64_t scale_offset = h * num_slots;
-#ifdef CONVEYOR_AVX512_BF16
-      if constexpr (std::is_same_v<T, c10::BFloat16> && kHeadDim % 32 == 0 && kHeadDim != 0) {
-        if (q_bf16 != nullptr) {
-          attend_bf16<kHeadDim>(q_bf16 + (b * num_heads + h * group) * head_dim, group,
-                                reinterpret_cast<const uint16_t*>(k_head), reinterpret_cast<const uint16_t*>(v_head),
-                                table, len, block_size, scale, scores.data(),
-                                out_ptr + (b * num_heads + h * group) * head_dim);
-          continue;
-        }
-      }
-#endif
-
-      // scores[g, t] = q_g . k_t (scaled)
-      for_each_slot(table, len, block_size, [&](int64_t t, int64_t slot) {
-        load_row<T>(k_head + slot * head_dim, row.data(), head_dim);
-        const float row_scale = scaled ? static_cast<float>(ks_ptr[scale_offset + slot]) : 1.0f;
-        for (int64_t g = 0; g < group; ++g) {
-          const float* qg = qs.data() + g * head_dim;
-          float dot = 0.0f;
-#pragma omp simd reduction(+ : dot)
-          for (int64_t d = 0; d < head_dim; ++d) dot += qg[d] * row[d];
-          scores[g * len + t] = dot * row_scale;
-        }
-      });
-      softmax_numerators(scores.data(), group, len, sums.data());
-      // acc[g] = sum_t p[g, t] v_t
-      std::fill(acc.begin(), acc.end(), 0.0f);
-      for_each_slot(table, len, block_size, [&](int64_t t, int64_t slot) {
-        load_row<T>(v_head + slot * head_dim, row.data(), head_dim);
-        const float row_scale = scaled ? static_cast<float>(vs_ptr[scale_offset + slot]) : 1.0f;
-        for (int64_t g = 0; g < group; ++g) {
-          const float p = scores[g * len + t] * row_scale;
-          float* a = acc.data() + g * head_dim;
-#pragma omp simd
-          for (int64_t d = 0; d < head_dim; ++d) a[d] += p * row[d];
-        }
-      });
-      float* out_rows = out_ptr + (b * num_heads + h * group) * head_dim;
+  for_each_item(lens, batch, num_kv_heads, scratch_floats, [&](int64_t b, int64_t h, float* scratch) {
+    float* scores = scratch;
+    float* acc = scores + scores_floats;
+    float* row = acc + group * head_dim;
+    float* qs = row + head_dim;
+    float* sums = qs + group * head_dim;
+    const int64_t len = lens[b];
+    const int32_t* table = tables + b * table_width;
+    const float* q_rows = q_ptr + (b * num_heads + h * group) * head_dim;
+    for (int64_t i = 0; i < group * head_dim; ++i) qs[i] = q_rows[i] * scale;
+    const T* k_head = k_ptr + h * num_slots * head_dim;
+    const T* v_head = v_ptr + h * num_slots * head_dim;
+    const int64_t scale_offset = h * num_slots;
+    // scores[g, t] = q_g . k_t (scaled)
+    for_each_slot(table, len, block_size, [&](int64_t t, int64_t slot) {
+      load_row<T>(k_head + slot * head_dim, row, head_dim);
+      const float row_scale = scaled ? static_cast<float>(ks_ptr[scale_offset + slot]) : 1.0f;
       for (int64_t g = 0; g < group; ++g) {
-        const float inv = len > 0 ? 1.0f / sums[g] : 0.0f;
-        for (int64_t d = 0; d < head_dim; ++d) out_rows[g * head_dim + d] = acc[g * head_dim + d] * inv;
+        const float* qg = qs + g * head_dim;
+        float dot = 0.0f;
+#pragma omp simd reduction(+ : dot)
+        for (int64_t d = 0; d < head_dim; ++d) dot += qg[d] * row[d];
+        scores[g * len + t] = dot * row_scale;
       }
+    });
+    softmax_numerators(scores, group, len, sums);
+    // acc[g] = sum_t p[g, t] v_t
+    std::fill(acc, acc + group * head_dim, 0.0f);
+    for_each_slot(table, len, block_size, [&](int64_t t, int64_t slot) {
+      load_row<T>(v_head + slot * head_dim, row, head_dim);
+      const float row_scale = scaled ? static_cast<float>(vs_ptr[scale_offset + slot]) : 1.0f;
+      for (int64_t g = 0; g < group; ++g) {
+        const float p = scores[g * len + t] * row_scale;
+        float* a = acc + g * head_dim;
+#pragma omp simd
+        for (int64_t d = 0; d < head_dim; ++d) a[d] += p * row[d];
+      }
+    });
+    float* out_rows = out_ptr + (b * num_heads + h * group) * head_dim;
+    for (int64_t g = 0; g < group; ++g) {
+      const float inv = 1.0f / sums[g];
+      for (int64_t d = 0; d < head_dim; ++d) out_rows[g * head_dim + d] = acc[g * head_dim + d] * inv;
     }
   });
   out.copy_(result);
@@ -303,6 +330,17 @@ void paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache, cons
                   "scales: contiguous bfloat16 [Hkv, slots]");
     }
   }
+#ifdef CONVEYOR_AVX512_BF16
+  // heads of one token back to back, unit inner stride (a view into the qkv buffer qualifies)
+  const auto rows_of_heads = [](const at::Tensor& t) { return t.stride(2) == 1 && t.stride(1) == t.size(2); };
+  if (k_cache.scalar_type() == at::kBFloat16 && q.scalar_type() == at::kBFloat16 &&
+      out.scalar_type() == at::kBFloat16 && rows_of_heads(q) && rows_of_heads(out)) {
+    if (q.size(2) == 64) return decode_bf16<64>(q, k_cache, v_cache, block_tables, context_lens, block_size,
+                                                softmax_scale, out);
+    if (q.size(2) == 128) return decode_bf16<128>(q, k_cache, v_cache, block_tables, context_lens, block_size,
+                                                  softmax_scale, out);
+  }
+#endif
   const auto run = [&](auto element) {
     using T = decltype(element);
     switch (q.size(2)) {
