@@ -10,7 +10,7 @@ t=0, peak KV memory reserved and actually used, preemptions, wasted slots.
 
 NOTE: on a 2-core CPU every system pays for prefill at the matmul ceiling
 (about 360 GFLOP/s in bf16). Decode is where the schedulers differ: a step
-costs a fixed part (reading every weight, ~15 ms) plus a part per running
+costs a fixed part (reading every weight) plus a part per running
 request, so continuous batching wins by running fewer, fuller steps. The C++
 CPU kernels (conveyor.native) read each sequence's K and V once, in place;
 without them (no compiler) the torch path gathers the blocks first and

@@ -118,6 +118,9 @@ class BlockStorage:
         self.use_cpu_prefill = self.use_cpu_kernel and native.prefill_supported(
             torch.empty(0, 1, spec.head_dim, dtype=spec.dtype), self.k[0]
         )
+        # whether decodes / prompt chunks run in a kernel over the block tables (else the torch path)
+        self.kernel_decodes = self.use_triton or self.use_cpu_kernel
+        self.kernel_prefills = self.use_triton or self.use_cpu_prefill
 
     @property
     def num_bytes(self) -> int:
@@ -156,9 +159,9 @@ class BlockTableAttention:
         self.num_decodes = num_decodes
         # torch path: decodes attend in groups of similar context length, each padded only to its own longest.
         self.decode_groups: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
-        if num_decodes and storage.use_cpu_kernel:
+        if num_decodes and storage.kernel_decodes:
             self._prepare_decode_tables(tables, requests, num_decodes)
-        elif num_decodes and not storage.use_triton:
+        elif num_decodes:
             order = sorted(range(num_decodes), key=lambda i: len(tables[i]))
             num_groups = min(MAX_DECODE_GROUPS, -(-num_decodes // MIN_DECODE_GROUP))
             for g in range(num_groups):
@@ -176,14 +179,12 @@ class BlockTableAttention:
         for table, request, n in zip(tables[num_decodes:], requests[num_decodes:], num_tokens[num_decodes:]):
             start = request.num_computed_tokens
             context_slots = None
-            if start > 0 and not storage.use_triton and not storage.use_cpu_prefill:
+            if start > 0 and not storage.kernel_prefills:
                 blocks = torch.tensor(table, dtype=torch.long, device=device)
                 context_slots = (blocks.unsqueeze(1) * size + torch.arange(size, device=device)).flatten()[: start + n]
             self.prefills.append((row, n, start, context_slots))
             row += n
-        if storage.use_triton:
-            self._prepare_kernels(tables, requests, num_decodes)
-        elif storage.use_cpu_prefill and self.prefills:
+        if self.prefills and storage.kernel_prefills:
             self._prepare_prefill_tables(tables, num_decodes)
 
     def _prepare_decode_tables(
@@ -193,12 +194,6 @@ class BlockTableAttention:
         self.decode_context = torch.tensor(
             [r.num_computed_tokens + 1 for r in requests[:num_decodes]], dtype=torch.int32, device=self.storage.spec.device
         )
-
-    def _prepare_kernels(self, tables: Sequence[list[int]], requests: Sequence[Request], num_decodes: int) -> None:
-        if num_decodes:
-            self._prepare_decode_tables(tables, requests, num_decodes)
-        if self.prefills:
-            self._prepare_prefill_tables(tables, num_decodes)
 
     def _prepare_prefill_tables(self, tables: Sequence[list[int]], num_decodes: int) -> None:
         device = self.storage.spec.device

@@ -21,8 +21,8 @@ from conveyor.hookspecs import hookimpl
 from conveyor.quant import Params, QuantMethod
 
 INT8_MAX = 127.0
-# NOTE: torch._weight_int8pack_mm (CPU) crashes or miscomputes when in_features is not a multiple of 16;
-# such layers take the dequantizing path.
+# NOTE: torch._weight_int8pack_mm (CPU) crashes or miscomputes unless in_features is a multiple of 32;
+# other layers take the dequantizing path.
 INT8PACK_K_MULTIPLE = 32
 
 

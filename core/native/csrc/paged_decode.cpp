@@ -118,20 +118,16 @@ inline void accumulate_values(const uint16_t* v_head, const int32_t* table, int6
   __m512 acc[kGroup][kVectors];
   for (int g = 0; g < kGroup; ++g)
     for (int i = 0; i < kVectors; ++i) acc[g][i] = _mm512_setzero_ps();
-  for (int64_t start = 0; start < len; start += block_size) {
-    const uint16_t* rows = v_head + int64_t(table[start / block_size]) * block_size * kHeadDim;
-    const int64_t n = std::min(block_size, len - start);
-    for (int64_t j = 0; j < n; ++j) {
-      const uint16_t* row = rows + j * kHeadDim;
-      __m512 p[kGroup];
-      for (int g = 0; g < kGroup; ++g) p[g] = _mm512_set1_ps(probs[g * stride + start + j]);
-      for (int i = 0; i < kVectors; ++i) {
-        const __m256i half = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + i * 16));
-        const __m512 value = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(half), 16));
-        for (int g = 0; g < kGroup; ++g) acc[g][i] = _mm512_fmadd_ps(p[g], value, acc[g][i]);
-      }
+  for_each_slot(table, len, block_size, [&](int64_t t, int64_t slot) {
+    const uint16_t* row = v_head + slot * kHeadDim;
+    __m512 p[kGroup];
+    for (int g = 0; g < kGroup; ++g) p[g] = _mm512_set1_ps(probs[g * stride + t]);
+    for (int i = 0; i < kVectors; ++i) {
+      const __m256i half = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + i * 16));
+      const __m512 value = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(half), 16));
+      for (int g = 0; g < kGroup; ++g) acc[g][i] = _mm512_fmadd_ps(p[g], value, acc[g][i]);
     }
-  }
+  });
   for (int g = 0; g < kGroup; ++g)
     for (int i = 0; i < kVectors; ++i) _mm512_storeu_ps(out + g * kHeadDim + i * 16, acc[g][i]);
 }
@@ -141,24 +137,16 @@ void attend_bf16(const uint16_t* q_rows, int64_t group, const uint16_t* k_head, 
                  const int32_t* table, int64_t len, int64_t block_size, float scale, float* scores, float* out) {
   constexpr int kVectors = kHeadDim / 32;
   // scores[g, t] = q_g . k_t * scale
-  for (int64_t start = 0; start < len; start += block_size) {
-    const uint16_t* rows = k_head + int64_t(table[start / block_size]) * block_size * kHeadDim;
-    const int64_t n = std::min(block_size, len - start);
-    if (start + block_size < len) {
-      _mm_prefetch(reinterpret_cast<const char*>(k_head + int64_t(table[start / block_size + 1]) * block_size * kHeadDim),
-                   _MM_HINT_T0);
+  for_each_slot(table, len, block_size, [&](int64_t t, int64_t slot) {
+    __m512bh key[kVectors];
+    for (int i = 0; i < kVectors; ++i) key[i] = (__m512bh)_mm512_loadu_si512(k_head + slot * kHeadDim + i * 32);
+    for (int64_t g = 0; g < group; ++g) {
+      __m512 acc = _mm512_setzero_ps();
+      for (int i = 0; i < kVectors; ++i)
+        acc = _mm512_dpbf16_ps(acc, (__m512bh)_mm512_loadu_si512(q_rows + g * kHeadDim + i * 32), key[i]);
+      scores[g * len + t] = _mm512_reduce_add_ps(acc) * scale;
     }
-    for (int64_t j = 0; j < n; ++j) {
-      __m512bh key[kVectors];
-      for (int i = 0; i < kVectors; ++i) key[i] = (__m512bh)_mm512_loadu_si512(rows + j * kHeadDim + i * 32);
-      for (int64_t g = 0; g < group; ++g) {
-        __m512 acc = _mm512_setzero_ps();
-        for (int i = 0; i < kVectors; ++i)
-          acc = _mm512_dpbf16_ps(acc, (__m512bh)_mm512_loadu_si512(q_rows + g * kHeadDim + i * 32), key[i]);
-        scores[g * len + start + j] = _mm512_reduce_add_ps(acc) * scale;
-      }
-    }
-  }
+  });
   // softmax numerators; the sums divide at the end
   float sums[64];
   softmax_numerators(scores, group, len, sums);
