@@ -53,9 +53,10 @@ def bench(torch, fn, smoke: bool) -> float:
 
 
 def gemms(torch, device: str, smoke: bool, peak: float | None) -> int:
-    from conveyor.plugins.quant.fp8 import has_fp8_units, quantize_fp8
+    from conveyor.plugins.quant.fp8 import has_fp8_units
     from conveyor.plugins.quant.int8 import quantize_int8
     from conveyor.plugins.quant.kernels import w8a8_fp8_matmul, w8a16_matmul
+    from conveyor.quant import quantize_fp8
 
     k, n = (96, 80) if smoke else (4096, 14336)
     rows = (1, 7, 33) if smoke else (1, 16, 2048)
@@ -91,8 +92,9 @@ def gemms(torch, device: str, smoke: bool, peak: float | None) -> int:
 
 
 def attention(torch, device: str, smoke: bool) -> int:
-    from conveyor.attention.blocks import dequantize, quantize_heads
     from conveyor.attention.kernels import paged_decode_attention, paged_prefill_attention
+    from conveyor.attention.storage import SCALE_DTYPE, dequantize
+    from conveyor.quant import quantize_fp8
 
     heads, kv_heads, dim, block = (4, 2, 16, 4) if smoke else (32, 8, 128, 16)
     batch, context, chunk = (3, 21, 9) if smoke else (32, 2048, 512)
@@ -101,10 +103,10 @@ def attention(torch, device: str, smoke: bool) -> int:
     k = torch.randn(kv_heads, num_blocks * block, dim, device=device).bfloat16()
     v = torch.randn_like(k)
     tables = torch.randperm(num_blocks, device=device).view(batch, blocks_per_seq).int()
-    bits_k, scale_k = quantize_heads(k.transpose(0, 1))
-    bits_v, scale_v = quantize_heads(v.transpose(0, 1))
-    fp8 = {"k": bits_k.transpose(0, 1).contiguous().view(torch.float8_e4m3fn), "ks": scale_k.T.contiguous(),
-           "v": bits_v.transpose(0, 1).contiguous().view(torch.float8_e4m3fn), "vs": scale_v.T.contiguous()}
+    bits_k, scale_k = quantize_fp8(k.transpose(0, 1), SCALE_DTYPE)
+    bits_v, scale_v = quantize_fp8(v.transpose(0, 1), SCALE_DTYPE)
+    fp8 = {"k": bits_k.transpose(0, 1).contiguous(), "ks": scale_k.T.contiguous(),
+           "v": bits_v.transpose(0, 1).contiguous(), "vs": scale_v.T.contiguous()}
     k_deq = dequantize(fp8["k"].view(torch.uint8), fp8["ks"], torch.float32)
     v_deq = dequantize(fp8["v"].view(torch.uint8), fp8["vs"], torch.float32)
     failures = 0

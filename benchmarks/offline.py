@@ -29,10 +29,10 @@ from pathlib import Path
 
 import torch
 
+from conveyor import LLM
 from conveyor.bench.datasets import mixed
 from conveyor.config import load_config
-from conveyor.engine import EngineCore
-from conveyor.messages import EngineRequest
+from conveyor.messages import StepStats
 from conveyor.model.checkpoint import resolve_model_path
 from conveyor.model.loader import load_tokenizer
 from conveyor.sampling import SamplingParams
@@ -84,38 +84,33 @@ def progress(name: str, done: int, total: int, tokens: int, start: float, last: 
 
 
 def run_conveyor(name: str, prompts: list[list[int]], max_tokens: list[int], dtype: str, kv_gb: float) -> Result:
+    """The workload through ``LLM.generate``: the engine path the server takes, in this process."""
     config_file, overrides = SYSTEMS[name]
-    config = load_config(CONFIGS / config_file, {"model.dtype": dtype, "kvcache.memory_gb": kv_gb, **overrides})
-    engine = EngineCore(config)
-    bytes_per_token = engine.kvcache.spec.bytes_per_token
+    llm = LLM(CONFIGS / config_file, {"model.dtype": dtype, "kvcache.memory_gb": kv_gb, **overrides})
+    bytes_per_token = llm.engine.kvcache.spec.bytes_per_token
     # warm-up: one short request, so thread pools and allocators are ready
-    engine.add_request(EngineRequest("warmup", prompts[0][:32], SamplingParams(max_tokens=2, temperature=0)))
-    while engine.has_unfinished():
-        engine.step()
-    for i, (prompt, n) in enumerate(zip(prompts, max_tokens)):
-        params = SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)
-        engine.add_request(EngineRequest(f"r{i}", prompt, params))
+    llm.generate([prompts[0][:32]], SamplingParams(max_tokens=2, temperature=0))
+    finished_before = llm.engine.scheduler.stats().num_finished
+    peaks = {"reserved": 0, "used": 0, "tokens": 0}
     start = time.perf_counter()
-    latencies, tokens, peak_reserved, peak_used, last = [], 0, 0, 0, [start]
-    while engine.has_unfinished():
-        outputs, stats = engine.step()
-        if stats is None:
-            time.sleep(0.001)
-            continue
-        kv = engine.kvcache.stats()
-        peak_reserved = max(peak_reserved, kv["reserved_tokens"])
-        peak_used = max(peak_used, kv["used_tokens"])
-        for output in outputs:
-            tokens += len(output.new_token_ids)
-            if output.finish_reason:
-                latencies.append(time.perf_counter() - start)
-        progress(name, len(latencies), len(prompts), tokens, start, last)
+    last = [start]
+
+    def observe(stats: StepStats) -> None:
+        peaks["reserved"] = max(peaks["reserved"], stats.kv.reserved_tokens)
+        peaks["used"] = max(peaks["used"], stats.kv.used_tokens)
+        peaks["tokens"] += stats.num_decode_tokens
+        progress(name, stats.scheduler.num_finished - finished_before, len(prompts), peaks["tokens"], start, last)
+
+    llm.client.stats_observers.append(observe)
+    params = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in max_tokens]
+    completions = llm.generate(prompts, params)
     seconds = time.perf_counter() - start
-    scheduler = engine.scheduler.stats()
+    latencies = [c.latency for c in completions]
+    scheduler = llm.engine.scheduler.stats()
     return Result(
-        name, tokens, seconds, sum(latencies) / len(latencies), percentile(latencies, 99),
-        peak_reserved * bytes_per_token / 2**20, peak_used * bytes_per_token / 2**20,
-        scheduler.num_preemptions, scheduler.num_wasted_slots,
+        name, sum(len(c.token_ids) for c in completions), seconds, sum(latencies) / len(latencies),
+        percentile(latencies, 99), peaks["reserved"] * bytes_per_token / 2**20,
+        peaks["used"] * bytes_per_token / 2**20, scheduler.num_preemptions, scheduler.num_wasted_slots,
     )
 
 

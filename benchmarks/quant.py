@@ -26,9 +26,8 @@ import torch.nn.functional as F
 
 from conveyor import LLM, SamplingParams
 from conveyor.bench.quality import agreement, perplexity, teacher_forced
-from conveyor.plugins.quant.fp8 import quantize_fp8
 from conveyor.plugins.quant.int8 import quantize_int8
-from conveyor.plugins.quant.kernels import quantize_rows_fp8
+from conveyor.quant import quantize_fp8
 
 TEXT = Path(__file__).resolve().parent.parent / "tests" / "data" / "GPL-3.txt"
 METHODS = {
@@ -76,7 +75,7 @@ def cpu_paths() -> None:
         fp8_dequant = time_it(lambda: F.linear(x, f.to(torch.bfloat16) * fscale.bfloat16()[:, None]))
 
         def scaled():
-            xq, xs = quantize_rows_fp8(x)
+            xq, xs = quantize_fp8(x)
             return torch._scaled_mm(xq, f.t(), scale_a=xs[:, None], scale_b=fscale[None, :], out_dtype=x.dtype)
 
         fp8_scaled = time_it(scaled)
@@ -98,7 +97,7 @@ def main() -> None:
     text_ids: list[int] = []
     if not args.no_quality:
         print("\nfp32 reference for quality ...", flush=True)
-        fp32 = LLM(overrides={"model.dtype": "float32", "model.max_model_len": QUALITY_TOKENS})
+        fp32 = LLM(overrides={"model.dtype": "float32", "model.max_model_len": QUALITY_TOKENS + 1})
         text_ids = fp32.tokenizer.encode(TEXT.read_text())[:QUALITY_TOKENS]
         reference = teacher_forced(fp32, text_ids)
         del fp32
@@ -107,11 +106,11 @@ def main() -> None:
     rows = []
     for name in args.methods:
         print(f"{name} ...", flush=True)
-        llm = LLM(overrides={"model.max_model_len": QUALITY_TOKENS, **METHODS[name]})
+        llm = LLM(overrides={"model.max_model_len": QUALITY_TOKENS + 1, **METHODS[name]})
         row = {
             "method": name,
-            "weights MB": llm.engine.model.num_weight_bytes() / 1e6,
-            "KV blocks": llm.engine.kvcache.stats().get("num_blocks", 0),
+            "weights MB": llm.engine.info.weight_bytes / 1e6,
+            "KV blocks": llm.engine.kvcache.num_blocks,
         }
         for batch in args.batches:
             row[f"decode tok/s @{batch}"] = decode_rate(llm, batch, args.decode_tokens)

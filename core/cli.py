@@ -36,6 +36,8 @@ def _overrides(args: argparse.Namespace) -> dict[str, object]:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
+    import msgspec
+
     from conveyor.llm import LLM
     from conveyor.sampling import SamplingParams
 
@@ -50,11 +52,15 @@ def cmd_generate(args: argparse.Namespace) -> int:
         seed=args.seed,
         stop=args.stop,
         ignore_eos=args.ignore_eos,
+        logprobs=args.logprobs,
     )
     prompts = [[{"role": "user", "content": p}] if args.chat else p for p in args.prompt]
     for completion in llm.generate(prompts, params):
         if args.json:
-            print(json.dumps({k: getattr(completion, k) for k in ("text", "token_ids", "finish_reason")}))
+            result = {k: getattr(completion, k) for k in ("text", "token_ids", "finish_reason")}
+            if args.logprobs is not None:
+                result["logprobs"] = [msgspec.structs.asdict(entry) for entry in completion.logprobs]
+            print(json.dumps(result))
         else:
             print(completion.text)
         num = len(completion.token_ids)
@@ -91,10 +97,8 @@ def cmd_plugins(args: argparse.Namespace) -> int:
     from conveyor.config import load_config
     from conveyor.registry import PluginRegistry
 
-    modules: list[str] = []
-    if args.config:
-        modules = load_config(args.config).plugins
-    print(PluginRegistry(modules=modules).describe())
+    registry = PluginRegistry.of(load_config(args.config)) if args.config else PluginRegistry()
+    print(registry.describe())
     return 0
 
 
@@ -120,6 +124,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--seed", type=int, default=None)
     gen.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     gen.add_argument("--ignore-eos", action="store_true")
+    gen.add_argument("--logprobs", type=int, default=None, metavar="N",
+                     help="with --json: each token's logprob and the N most likely alternatives")
     gen.add_argument("--json", action="store_true", help='print {"text", "token_ids", "finish_reason"} per prompt')
     gen.set_defaults(func=cmd_generate)
 

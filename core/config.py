@@ -65,6 +65,11 @@ class EngineConfig(msgspec.Struct, forbid_unknown_fields=True):
     num_threads: Annotated[int, msgspec.Meta(ge=0)] = 0
     # seed of the sampler for requests that bring no seed of their own
     seed: int = 0
+    # attention backend: "auto" (Triton on CUDA; on a CPU the C++ kernels where they build, else torch),
+    # "cpu" (the C++ kernels, with the model's norms, rotary and SwiGLU fused in C++ too), "torch" (torch ops
+    # only) or "triton" (CUDA; on a CPU only under TRITON_INTERPRET=1). A choice that cannot run here stops
+    # the engine at start-up with the reason.
+    attention: Literal["auto", "cpu", "torch", "triton"] = "auto"
 
 
 class ServerConfig(msgspec.Struct, forbid_unknown_fields=True):
@@ -100,7 +105,9 @@ PLUGIN_KINDS: dict[str, str | None] = {
 }
 
 
-class Config(msgspec.Struct):
+class Config(msgspec.Struct, dict=True):
+    """A whole validated config. The registry that validated it rides along, unencoded (``PluginRegistry.of``)."""
+
     model: ModelConfig = msgspec.field(default_factory=ModelConfig)
     engine: EngineConfig = msgspec.field(default_factory=EngineConfig)
     server: ServerConfig = msgspec.field(default_factory=ServerConfig)
@@ -171,6 +178,41 @@ def load_config(
         overridden.add(dotted)
     origin = _Origin(source, overridden)
     return _build(raw, origin, registry)
+
+
+def encode_config(config: Config) -> bytes:
+    """A validated config as msgpack, to hand to another process (``decode_config`` reads it)."""
+    return msgspec.msgpack.encode(config)
+
+
+def decode_config(data: bytes, registry: PluginRegistry | None = None) -> Config:
+    """The config ``encode_config`` wrote; plugin options become their plugins' Options Structs again.
+
+    Raises:
+        ConfigError: the bytes are not a config, or a plugin it names is not installed here.
+    """
+    try:
+        config = msgspec.msgpack.decode(data, type=Config)
+    except msgspec.DecodeError as e:
+        raise ConfigError(f"not a Conveyor config: {e}") from None
+    if registry is None:
+        from conveyor.registry import PluginRegistry
+
+        registry = PluginRegistry(config.plugins, source=config.source)
+    for kind, specs in (("scheduler", [config.scheduler]), ("kvcache", [config.kvcache]), ("quant", [config.quant]),
+                        ("transport", config.transport)):
+        for spec in specs:
+            cls = _plugin_class(registry, kind, spec.plugin, config.source)
+            spec.options = msgspec.convert(spec.options or {}, cls.Options)
+    config._registry = registry
+    return config
+
+
+def _plugin_class(registry: PluginRegistry, kind: str, name: str, where: str) -> type:
+    try:
+        return registry.get(kind, name)
+    except KeyError as e:
+        raise ConfigError(f"{where}: [{kind}] plugin = {name!r}: {e.args[0]}") from None
 
 
 def parse_override(text: str) -> tuple[str, Any]:
@@ -244,7 +286,9 @@ def _build(raw: dict[str, Any], origin: _Origin, registry: PluginRegistry | None
             ]
         else:
             specs[kind] = _plugin_spec(value or {}, kind, default, kind, origin, registry)
-    return Config(**tables, **specs, plugins=list(plugins), source=origin.source)
+    config = Config(**tables, **specs, plugins=list(plugins), source=origin.source)
+    config._registry = registry
+    return config
 
 
 def _plugin_spec(

@@ -29,7 +29,7 @@ def conveyor_register_schedulers(register: Register) -> None:
 
 @hookspec
 def conveyor_register_kvcaches(register: Register) -> None:
-    """Register KV cache classes (subclasses of ``conveyor.kvcache.KVCache``)."""
+    """Register KV cache managers (subclasses of ``conveyor.kvcache.KVCacheManager``)."""
 
 
 @hookspec

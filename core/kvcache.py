@@ -1,55 +1,59 @@
-"""The KV cache interface (plugin kind ``kvcache``).
+"""The KV cache manager interface (plugin kind ``kvcache``).
 
-A KV cache owns the K and V tensors of every running request and the
-attention over its own layout. The scheduler asks it for room
-(``allocate``), gives room back (``free``) and reads its usage; the runner
-asks it, once per step, for the attention function of that step's batch
-(``prepare``).
+A KV cache manager decides where each request's keys and values live: it
+sizes a pool of blocks of ``block_size`` token slots, hands blocks out as
+requests grow (``allocate``), takes them back (``free``), may let a request
+reuse the blocks of a prefix computed before (``match_prefix``), and says
+which blocks hold a request (``block_ids``). It is bookkeeping only, with no
+tensors: the workers allocate the pool that ``layout`` describes and compute
+attention over it.
 """
 
 from __future__ import annotations
 
+import logging
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import Annotated, Any, ClassVar, Literal
 
 import msgspec
-import torch
 
-from conveyor.model.llama import AttentionFn
+from conveyor.messages import KVCacheStats
 from conveyor.request import Request
 
-# the per-token, per-head scale of an fp8 cache
-SCALE_DTYPE = torch.bfloat16
+logger = logging.getLogger("conveyor")
+
+# bytes per element of each storage dtype
+DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "fp8": 1}
+# an fp8 cache keeps one bfloat16 scale per token and head
+FP8_SCALE_BYTES = 2
 
 
-@dataclass(frozen=True)
-class KVCacheSpec:
-    """What the model needs stored per token, and where."""
+class KVCacheSpec(msgspec.Struct, frozen=True):
+    """What the model stores per token, in one worker's share of the cache."""
 
     num_layers: int
     num_kv_heads: int
     head_dim: int
-    # the model's activation dtype
-    dtype: torch.dtype
-    device: torch.device
+    # the model's activation dtype: "float32", "float16" or "bfloat16"
+    dtype: str
     max_model_len: int
-    # what K and V are stored as: None (the model dtype) or torch.float8_e4m3fn (with one scale per token and head)
-    cache_dtype: torch.dtype | None = None
+    # what K and V are stored as: "auto" (the model dtype) or "fp8" (e4m3, one scale per token and head)
+    cache_dtype: Literal["auto", "fp8"] = "auto"
 
     @property
-    def storage_dtype(self) -> torch.dtype:
-        return self.cache_dtype or self.dtype
+    def storage_dtype(self) -> str:
+        return self.dtype if self.cache_dtype == "auto" else self.cache_dtype
 
     @property
     def quantized(self) -> bool:
-        return self.storage_dtype == torch.float8_e4m3fn
+        return self.cache_dtype == "fp8"
 
     @property
     def bytes_per_head(self) -> int:
         """Bytes one token's K (or V) takes in one KV head: head_dim elements, plus a scale when quantized."""
-        return self.head_dim * self.storage_dtype.itemsize + (SCALE_DTYPE.itemsize if self.quantized else 0)
+        return self.head_dim * DTYPE_BYTES[self.storage_dtype] + (FP8_SCALE_BYTES if self.quantized else 0)
 
     @property
     def bytes_per_token(self) -> int:
@@ -57,30 +61,70 @@ class KVCacheSpec:
         return 2 * self.num_layers * self.num_kv_heads * self.bytes_per_head
 
 
+class KVCacheLayout(msgspec.Struct, array_like=True, frozen=True):
+    """The pool the workers allocate: ``num_blocks`` blocks of ``block_size`` slots, as ``spec`` stores them."""
+
+    spec: KVCacheSpec
+    num_blocks: int
+    block_size: int
+
+
+class KVCacheOptions(msgspec.Struct, forbid_unknown_fields=True):
+    """Options every built-in layout has; a layout's own Options subclass it."""
+
+    # CPU: memory for the cache, in GiB
+    memory_gb: Annotated[float, msgspec.Meta(gt=0)] = 1.0
+    # GPU: fraction of the free device memory (measured after the weights load) for the cache
+    memory_fraction: Annotated[float, msgspec.Meta(gt=0, le=1)] = 0.9
+    # what K and V are stored as: "auto" (the model dtype) or "fp8" (e4m3 with a scale per token and head;
+    # about twice the blocks in the same memory)
+    dtype: Literal["auto", "fp8"] = "auto"
+
+
 @dataclass
 class PrefixMatch:
-    """The start of a request found in the cache (see ``KVCache.match_prefix``)."""
+    """The start of a request found in the cache (see ``KVCacheManager.match_prefix``)."""
 
     # tokens whose K and V are already stored (a multiple of the block size)
     num_tokens: int = 0
-    # the cache's own handle on them (block ids for the built-in layouts)
+    # the manager's own handle on them (block ids for the built-in layouts)
     blocks: list[Any] = field(default_factory=list)
 
 
-class KVCache(ABC):
-    """Stores K and V for running requests and computes attention over them."""
+class KVCacheManager(ABC):
+    """Hands out KV cache blocks to requests; the workers hold the tensors."""
 
     name: ClassVar[str]
-    Options: ClassVar[type[msgspec.Struct]]
+    Options: ClassVar[type[msgspec.Struct]] = KVCacheOptions
 
-    def __init__(self, options: msgspec.Struct, spec: KVCacheSpec):
+    def __init__(self, options: msgspec.Struct, spec: KVCacheSpec, free_memory: int | None):
+        """
+        Args:
+            options: an instance of ``Options``.
+            spec: what the model stores per token (``cache_dtype`` "auto"; a layout may store fp8).
+            free_memory: bytes the device has free once the weights are loaded, or None where that is
+                not measured (CPU: the configured budget applies).
+        """
         self.options = options
         self.spec = spec
+        # set by the layout
+        self.num_blocks = 0
+        self.block_size = 0
+
+    @property
+    def layout(self) -> KVCacheLayout:
+        """What the workers allocate for this manager."""
+        return KVCacheLayout(self.spec, self.num_blocks, self.block_size)
+
+    @property
+    def capacity_tokens(self) -> int:
+        """Tokens the whole cache holds at once."""
+        return self.num_blocks * self.block_size
 
     @property
     @abstractmethod
-    def capacity_tokens(self) -> int:
-        """Tokens the whole cache holds at once."""
+    def num_free_blocks(self) -> int:
+        """Blocks no request holds (cached prefix blocks count: they are reused when needed)."""
 
     @abstractmethod
     def can_fit(self, sizes: Sequence[int]) -> bool:
@@ -115,26 +159,35 @@ class KVCache(ABC):
         """Release everything held for ``request`` (finished, aborted or preempted)."""
 
     @abstractmethod
-    def usage(self) -> float:
-        """Fraction of the cache in use, 0..1."""
-
-    def stats(self) -> dict[str, float]:
-        """Numbers for metrics and logs: ``usage`` always; block layouts add
-        ``num_blocks`` and ``num_free_blocks``; other names are the layout's own."""
-        return {"usage": self.usage()}
+    def block_ids(self, request: Request) -> list[int]:
+        """The blocks holding ``request``'s tokens, in order (after this step's ``allocate``)."""
 
     @abstractmethod
-    def prepare(self, requests: Sequence[Request], num_tokens: Sequence[int], num_decodes: int) -> AttentionFn:
-        """The attention function for one forward pass.
+    def stats(self) -> KVCacheStats:
+        """The blocks now, and the layout's counters."""
 
-        Args:
-            requests: the batch in forward order: first ``num_decodes``
-                single-token decodes, then prefill chunks.
-            num_tokens: tokens computed for each request this step, starting
-                at its ``num_computed_tokens``.
-            num_decodes: how many leading entries are decodes.
+    def usage(self) -> float:
+        """Fraction of the blocks in use, 0..1."""
+        return 1.0 - self.num_free_blocks / self.num_blocks
 
-        Returns:
-            ``attention(layer, q, k, v)``: stores the new K, V and returns
-            attention over everything the request has stored.
-        """
+
+def blocks_in_budget(options: KVCacheOptions, spec: KVCacheSpec, block_size: int, free_memory: int | None) -> int:
+    """How many blocks the memory budget holds: a fraction of the measured free memory, else ``memory_gb``."""
+    budget = free_memory * options.memory_fraction if free_memory is not None else options.memory_gb * 2**30
+    blocks = int(budget // (block_size * spec.bytes_per_token))
+    if blocks < 1:
+        raise ValueError(f"[kvcache] the memory budget ({budget / 2**30:.3g} GiB) holds no block of {block_size} tokens")
+    return blocks
+
+
+def log_capacity(name: str, num_blocks: int, block_size: int, spec: KVCacheSpec) -> None:
+    capacity = num_blocks * block_size
+    logger.info(
+        "KV cache (%s, %s): %d blocks x %d tokens = %d tokens, %.2f GiB (%d B/token = 2 x %d layers x %d kv heads x %s);"
+        " max concurrency at max_model_len %d: %.1f",
+        name, spec.storage_dtype, num_blocks, block_size, capacity,
+        capacity * spec.bytes_per_token / 2**30, spec.bytes_per_token, spec.num_layers, spec.num_kv_heads,
+        f"({spec.head_dim} x 1 B + {FP8_SCALE_BYTES} B scale)" if spec.quantized
+        else f"{spec.head_dim} x {DTYPE_BYTES[spec.dtype]} B",
+        spec.max_model_len, capacity / spec.max_model_len,
+    )

@@ -1,26 +1,39 @@
-"""The offline API: ``LLM(config).generate(prompts, params)``."""
+"""The offline API: ``LLM(config).generate(prompts, params)``.
+
+It is the server without the server: the same frontend (limits, incremental
+detokenization, stop strings) over an in-process engine client, whose step
+loop runs while ``generate`` does.
+"""
 
 from __future__ import annotations
 
 import itertools
-import logging
+import sys
 import time
 from collections.abc import Mapping, Sequence
+from contextlib import aclosing
 from pathlib import Path
 from typing import Any, Union
 
+import anyio
 import msgspec
 
 from conveyor.config import Config, load_config
-from conveyor.engine import EngineCore
-from conveyor.messages import EngineRequest, TokenLogprob
-from conveyor.model.detokenizer import TextStream
+from conveyor.engine.core import EngineCore
+from conveyor.engine.inproc import InprocClient
+from conveyor.messages import TokenLogprob
+from conveyor.model.loader import load_tokenizer, served_name
+from conveyor.registry import PluginRegistry
 from conveyor.sampling import SamplingParams
+from conveyor.serving.frontend import EngineFrontend
+from conveyor.serving.metrics import ServerMetrics
+from conveyor.transport import RequestError
 
-logger = logging.getLogger("conveyor")
+if sys.version_info < (3, 11):
+    from exceptiongroup import BaseExceptionGroup
 
-# a plain prompt, or a chat conversation: [{"role": ..., "content": ...}, ...]
-Prompt = Union[str, list[dict[str, Any]]]
+# a plain prompt, a chat conversation ([{"role": ..., "content": ...}, ...]), or token ids
+Prompt = Union[str, list[dict[str, Any]], list[int]]
 
 
 class Completion(msgspec.Struct):
@@ -33,6 +46,8 @@ class Completion(msgspec.Struct):
     prompt_token_ids: list[int]
     # one entry per generated token when SamplingParams.logprobs was set
     logprobs: list[TokenLogprob] | None = None
+    # one entry per prompt token after the first when SamplingParams.prompt_logprobs was set
+    prompt_logprobs: list[TokenLogprob] | None = None
     # seconds from the call to generate() to this prompt's first token, and to its last
     time_to_first_token: float = 0.0
     latency: float = 0.0
@@ -53,85 +68,101 @@ class LLM:
             self.config = config
         else:
             self.config = load_config(config, overrides)
-        self.engine = EngineCore(self.config)
-        self.tokenizer = self.engine.tokenizer
+        self.engine = EngineCore(self.config, PluginRegistry.of(self.config))
+        self.tokenizer = load_tokenizer(self.config.model, source=self.config.source)
+        self.client = InprocClient(self.engine)
+        name = served_name(self.config.model)
+        self.frontend = EngineFrontend(self.client, self.tokenizer, name, ServerMetrics(name))
         self._ids = itertools.count()
 
     def encode(self, prompt: Prompt) -> list[int]:
-        """Token ids of a prompt; chat conversations go through the chat template."""
-        if isinstance(prompt, str):
-            return self.tokenizer.encode(prompt)
-        return self.tokenizer.encode_chat(prompt)
+        """Token ids of a prompt; chat conversations go through the chat template, token ids are checked.
+
+        Raises:
+            ValueError: a malformed conversation or a token id outside the vocabulary.
+        """
+        try:
+            if isinstance(prompt, list) and prompt and isinstance(prompt[0], dict):
+                return self.frontend.encode_chat(prompt)
+            return self.frontend.encode(prompt)
+        except RequestError as e:
+            raise ValueError(e.message) from None
 
     def generate(
         self,
         prompts: Prompt | Sequence[Prompt],
         params: SamplingParams | Sequence[SamplingParams] | None = None,
     ) -> list[Completion]:
-        """Complete every prompt, batched together.
+        """Complete every prompt, batched together; all or nothing.
 
         Args:
-            prompts: a string, a chat conversation, or a list of either.
+            prompts: a string, a chat conversation, token ids, or a list of any of them.
             params: one SamplingParams for all prompts, or one per prompt.
 
         Returns:
             One Completion per prompt, in order.
+
+        Raises:
+            ValueError: a prompt the engine refuses (too long, empty, ...); no prompt runs then.
+            RuntimeError: the engine failed a request.
         """
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], dict)):
-            prompts = [prompts]
+        if isinstance(prompts, str) or (prompts and not isinstance(prompts[0], (str, list))):
+            prompts = [prompts]  # one string, one conversation, or one list of token ids
         if params is None:
             params = SamplingParams()
         if isinstance(params, SamplingParams):
             params = [params] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"got {len(params)} SamplingParams for {len(prompts)} prompts")
-        ids = [f"offline-{next(self._ids)}" for _ in prompts]
         prompt_ids = [self.encode(p) for p in prompts]
-        added: list[str] = []
         try:
-            for request_id, tokens, p in zip(ids, prompt_ids, params):
-                self.engine.add_request(EngineRequest(request_id, tokens, p, arrival_time=time.time()))
-                added.append(request_id)
-        except Exception:
-            self.engine.abort(added)  # all or nothing
-            raise
-        streams = {i: TextStream(self.tokenizer, p) for i, p in zip(ids, params)}
-        tokens: dict[str, list[int]] = {i: [] for i in ids}
-        logprobs: dict[str, list[TokenLogprob]] = {i: [] for i in ids}
-        reasons: dict[str, str] = {}
-        first_token: dict[str, float] = {}
-        done: dict[str, float] = {}
+            return anyio.run(self._generate, prompt_ids, list(params))
+        except BaseExceptionGroup as group:
+            errors = group.subgroup(RequestError)
+            if errors is None:
+                raise
+            error = errors.exceptions[0]
+            while isinstance(error, BaseExceptionGroup):
+                error = error.exceptions[0]
+            raise (ValueError if error.status < 500 else RuntimeError)(error.message) from None
+
+    async def _generate(self, prompt_ids: list[list[int]], params: list[SamplingParams]) -> list[Completion]:
+        results: list[Completion | None] = [None] * len(prompt_ids)
         start = time.perf_counter()
-        while self.engine.has_unfinished():
-            step_outputs, stats = self.engine.step()
-            if stats is None:  # a batching scheduler is still collecting requests
-                time.sleep(0.001)
-            for output in step_outputs:
-                rid = output.request_id
-                if rid in reasons:
-                    continue
-                now = time.perf_counter() - start
-                first_token.setdefault(rid, now)
-                tokens[rid].extend(output.new_token_ids)
-                logprobs[rid].extend(output.new_logprobs or ())
-                stream = streams[rid]
-                stream.add(output.new_token_ids, final=output.finish_reason is not None)
-                if output.finish_reason is not None:
-                    reasons[rid] = output.finish_reason
-                elif stream.stopped:
-                    reasons[rid] = "stop"
-                    self.engine.abort([rid])
-                if rid in reasons:
-                    done[rid] = now
-        return [
-            Completion(
-                text=streams[i].text,
-                token_ids=tokens[i],
-                finish_reason=reasons[i],
-                prompt_token_ids=pids,
-                logprobs=logprobs[i] if p.logprobs is not None else None,
-                time_to_first_token=first_token.get(i, 0.0),
-                latency=done.get(i, 0.0),
+
+        async def one(index: int) -> None:
+            request_id = f"offline-{next(self._ids)}"
+            text: list[str] = []
+            tokens: list[int] = []
+            logprobs: list[TokenLogprob] = []
+            prompt_logprobs: list[TokenLogprob] = []
+            first_token = None
+            reason = "abort"
+            chunks = self.frontend.generate(prompt_ids[index], params[index], request_id=request_id)
+            async with aclosing(chunks):
+                async for chunk in chunks:
+                    if chunk.token_ids and first_token is None:
+                        first_token = time.perf_counter() - start
+                    text.append(chunk.text)
+                    tokens += chunk.token_ids
+                    logprobs += chunk.logprobs or []
+                    prompt_logprobs += chunk.prompt_logprobs or []
+                    reason = chunk.finish_reason or reason
+            p = params[index]
+            results[index] = Completion(
+                "".join(text), tokens, reason, prompt_ids[index],
+                logprobs=logprobs if p.logprobs is not None else None,
+                prompt_logprobs=prompt_logprobs if p.prompt_logprobs is not None else None,
+                time_to_first_token=first_token or 0.0,
+                latency=time.perf_counter() - start,
             )
-            for i, pids, p in zip(ids, prompt_ids, params)
-        ]
+
+        async with anyio.create_task_group() as engine:
+            await engine.start(self.client.run)
+            try:
+                async with anyio.create_task_group() as requests:
+                    for index in range(len(prompt_ids)):
+                        requests.start_soon(one, index)
+            finally:
+                engine.cancel_scope.cancel()
+        return results

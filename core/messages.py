@@ -2,7 +2,9 @@
 
 Every message is an array-like msgspec Struct; a decoder is built per type.
 Between the frontend and the engine process each message is two ZMQ frames:
-one byte naming its type (``MessageType``), then the msgpack body.
+one byte naming its type (``MessageType``), then the msgpack body. The
+engine core and its workers exchange ``StepInput`` and ``RunnerOutput``
+(directly in one process; over a transport when the workers run elsewhere).
 """
 
 from __future__ import annotations
@@ -22,10 +24,12 @@ class EngineRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fals
     priority: int = 0
     # time.time() when the request reached the server
     arrival_time: float = 0.0
+    # tokens that end the generation (the tokenizer's end-of-sequence ids) unless params.ignore_eos
+    eos_token_ids: list[int] = []
 
 
 class TokenLogprob(msgspec.Struct, array_like=True, gc=False):
-    # log-probability of the chosen token under the model (before sampling filters)
+    # log-probability of the token under the model (before sampling filters)
     logprob: float
     # most likely alternatives, best first
     top_ids: list[int]
@@ -50,27 +54,57 @@ class RequestOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fals
     num_cached_tokens: int = 0
     # on the first token: seconds from arrival to the first step that ran the request
     queue_time: float = 0.0
+    # with params.prompt_logprobs: entries for the prompt positions this step computed, in order
+    # (the first one is for prompt position prompt_logprobs_start)
+    prompt_logprobs: list[TokenLogprob] | None = None
+    prompt_logprobs_start: int = 0
+
+
+class SchedulerStats(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """The scheduler's queues now, and what it has done since it started."""
+
+    num_running: int = 0
+    num_waiting: int = 0
+    # the rest are cumulative
+    num_preemptions: int = 0
+    num_finished: int = 0
+    num_aborted: int = 0
+    num_rejected: int = 0
+    # run-to-completion batching: slot-steps a batch held for requests already finished (or never there)
+    num_wasted_slots: int = 0
+
+
+class KVCacheStats(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """The KV cache manager's blocks now; counters are cumulative. A layout leaves at 0 what it does not have."""
+
+    # fraction of the blocks in use, 0..1
+    usage: float = 0.0
+    num_blocks: int = 0
+    num_free_blocks: int = 0
+    # tokens per block
+    block_size: int = 0
+    # token slots held by requests, and the tokens they actually store
+    reserved_tokens: int = 0
+    used_tokens: int = 0
+    # prefix caching: full blocks findable by later requests, tokens looked up and found, blocks reused for others
+    num_cached_blocks: int = 0
+    num_prefix_query_tokens: int = 0
+    num_prefix_hit_tokens: int = 0
+    num_evictions: int = 0
+    # contiguous slabs: the longest run of free token slots
+    largest_hole_tokens: int = 0
 
 
 class StepStats(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
-    """What one engine step did and how long its parts took."""
+    """What one engine step did and how long its parts took (or a snapshot between steps: no tokens)."""
 
     step: int
     # time.time() at the end of the step
     timestamp: float
-    num_running: int
-    num_waiting: int
-    num_prefill_tokens: int
-    num_decode_tokens: int
-    # fraction of the KV cache in use after the step, and its blocks
-    kv_usage: float
-    num_kv_blocks: int = 0
-    num_free_kv_blocks: int = 0
-    # cumulative
-    num_preemptions: int = 0
-    # prompt tokens served from the prefix cache, cumulative
-    num_prefix_hit_tokens: int = 0
-    num_wasted_slots: int = 0
+    scheduler: SchedulerStats
+    kv: KVCacheStats
+    num_prefill_tokens: int = 0
+    num_decode_tokens: int = 0
     # seconds: choosing the batch; building inputs + the forward pass; sampling; recording the results
     schedule_time: float = 0.0
     forward_time: float = 0.0
@@ -79,7 +113,7 @@ class StepStats(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
 
 
 class EngineOutputs(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
-    """What the engine process publishes after a step (or after taking requests it rejected)."""
+    """What the engine publishes after a step (or after taking requests it rejected)."""
 
     outputs: list[RequestOutput]
     stats: StepStats | None = None
@@ -96,6 +130,56 @@ class EngineReady(msgspec.Struct, array_like=True, gc=False):
     max_concurrency: float
     # seconds from process start to ready
     load_time: float
+    # where the model runs ("cpu", "cuda:0") and the attention backend chosen for it
+    device: str = ""
+    attention: str = ""
+    # bytes of the weights as stored (quantized layers at their packed size)
+    weight_bytes: int = 0
+
+
+class ScheduledRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """One request's share of a step, as the workers see it."""
+
+    request_id: str
+    # position of the first token computed this step (the tokens before it are in the KV cache)
+    start: int
+    # the tokens computed this step, at positions start, start + 1, ...
+    token_ids: list[int]
+    # the request's KV blocks, in order; they cover every position up to start + len(token_ids)
+    block_ids: list[int]
+    params: SamplingParams
+    # whether a token is sampled after this step (the chunk reaches the last known token)
+    sample: bool = False
+    # prompt and output so far, sent only when a token is sampled under a repetition/presence/frequency penalty
+    prompt_token_ids: list[int] = []
+    output_token_ids: list[int] = []
+    # with params.prompt_logprobs: the prompt tokens that rows 0, 1, ... of this step predict
+    prompt_logprob_token_ids: list[int] = []
+
+
+class StepInput(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """What the workers compute in one step."""
+
+    step: int
+    # single-token decodes first, then prefill chunks
+    requests: list[ScheduledRequest]
+    num_decodes: int
+    # requests that ended since the last step: workers drop what they keep for them
+    finished_request_ids: list[str] = []
+
+
+class RunnerOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """What the workers give back for one step, per entry of ``StepInput.requests``."""
+
+    # the new token, or None for a prefill chunk that stops short of the last known token
+    sampled: list[int | None]
+    # logprobs of the new token when its params ask for them
+    logprobs: list[TokenLogprob | None]
+    # entries for the rows of ScheduledRequest.prompt_logprob_token_ids, when there are any
+    prompt_logprobs: list[list[TokenLogprob] | None] = []
+    # seconds: building inputs + the forward pass, and sampling
+    forward_time: float = 0.0
+    sample_time: float = 0.0
 
 
 class MessageType(bytes, enum.Enum):
@@ -108,6 +192,7 @@ class MessageType(bytes, enum.Enum):
     # engine -> frontend
     READY = b"r"  # EngineReady
     OUTPUTS = b"o"  # EngineOutputs
+    FAILED = b"f"  # str: why the engine could not start (it exits next)
 
 
 MESSAGE_BODIES: dict[MessageType, type] = {
@@ -116,6 +201,7 @@ MESSAGE_BODIES: dict[MessageType, type] = {
     MessageType.SHUTDOWN: type(None),
     MessageType.READY: EngineReady,
     MessageType.OUTPUTS: EngineOutputs,
+    MessageType.FAILED: str,
 }
 _encoder = msgspec.msgpack.Encoder()
 _decoders = {kind: msgspec.msgpack.Decoder(body) for kind, body in MESSAGE_BODIES.items()}

@@ -16,6 +16,9 @@ import torch
 
 Params = dict[str, torch.Tensor]
 
+# the largest finite float8_e4m3fn
+FP8_MAX = 448.0
+
 
 class NoOptions(msgspec.Struct, forbid_unknown_fields=True):
     """A plugin with no options of its own."""
@@ -90,3 +93,12 @@ def prepack(weight: torch.Tensor) -> torch.Tensor:
 def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``x @ weight.T (+ bias)`` for a weight from ``prepack``; x is ``[tokens, in]``."""
     return torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed, bias, "none", [], "")
+
+
+def quantize_fp8(x: torch.Tensor, scale_dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+    """e4m3 with one scale per row (the last dimension): ``x ~= q * scale[..., None]``, each row's largest
+    magnitude at FP8_MAX. Weights use it per output channel, activations per token, the KV cache per token
+    and head (with bfloat16 scales; values are divided by the rounded scale, so dequantizing is exact)."""
+    scale = (x.abs().amax(dim=-1).float() / FP8_MAX).clamp_min(1e-12).to(scale_dtype)
+    q = (x.float() / scale.float()[..., None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return q, scale

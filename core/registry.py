@@ -12,12 +12,15 @@ from __future__ import annotations
 import importlib
 import typing
 from collections.abc import Iterable
-from typing import Annotated, Any, Literal
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 import msgspec
 import pluggy
 
 from conveyor import hookspecs
+
+if TYPE_CHECKING:
+    from conveyor.config import Config, PluginSpec
 
 DEFAULT_PLUGINS: tuple[str, ...] = (
     "conveyor.plugins.quant.none",
@@ -41,6 +44,14 @@ KIND_HOOKS: dict[str, str] = {
 }
 
 KIND_NOUNS = {"scheduler": "scheduler", "kvcache": "KV cache", "quant": "quant method", "transport": "transport"}
+
+# kind -> the base class its plugins subclass (imported when a plugin registers)
+KIND_BASES: dict[str, tuple[str, str]] = {
+    "scheduler": ("conveyor.scheduler", "Scheduler"),
+    "kvcache": ("conveyor.kvcache", "KVCacheManager"),
+    "quant": ("conveyor.quant", "QuantMethod"),
+    "transport": ("conveyor.transport", "Transport"),
+}
 
 
 class PluginError(RuntimeError):
@@ -85,8 +96,25 @@ class PluginRegistry:
         dist = {plugin: d for plugin, d in self.pm.list_plugin_distinfo()}.get(self.pm.get_plugin(plugin_name))
         return f"{dist.project_name} {dist.version}" if dist else plugin_name
 
+    @classmethod
+    def of(cls, config: Config) -> PluginRegistry:
+        """The registry that validated ``config`` (built from its ``plugins`` list if it has none yet)."""
+        registry = getattr(config, "_registry", None)
+        if registry is None:
+            registry = config._registry = cls(config.plugins, source=config.source)
+        return registry
+
     def _registrar(self, kind: str, origin: str):
+        module_name, base_name = KIND_BASES[kind]
+
         def register(cls: type[Any]) -> None:
+            base = getattr(importlib.import_module(module_name), base_name)
+            if not (isinstance(cls, type) and issubclass(cls, base)):
+                what = f"{cls.__module__}.{cls.__qualname__}" if isinstance(cls, type) else repr(cls)
+                raise PluginError(
+                    f"{origin}: {what} is registered as a {KIND_NOUNS[kind]} but is not a subclass of "
+                    f"{module_name}.{base_name}"
+                )
             name = getattr(cls, "name", None)
             if not isinstance(name, str) or not name:
                 raise PluginError(f"{origin}: {cls!r} registered as a {kind} has no `name`")
@@ -101,6 +129,11 @@ class PluginRegistry:
             self.origins[kind, name] = origin
 
         return register
+
+    def build(self, kind: str, spec: PluginSpec, *args: Any) -> Any:
+        """An instance of the plugin ``spec`` selects: ``cls(options, *args)`` (default options if none)."""
+        cls = self.get(kind, spec.plugin)
+        return cls(spec.options if spec.options is not None else cls.Options(), *args)
 
     def names(self, kind: str) -> list[str]:
         return sorted(self.classes[kind])

@@ -7,8 +7,6 @@ import itertools
 import time
 from collections.abc import Collection
 
-import torch
-
 from conveyor.messages import EngineRequest
 from conveyor.sampling import SamplingParams
 
@@ -46,14 +44,15 @@ class Request:
         "eos_token_ids",
         "finish_reason",
         "first_scheduled_time",
-        "generator",
         "max_total_tokens",
         "num_cached_tokens",
         "num_computed_tokens",
+        "num_prompt_logprobs",
         "output_token_ids",
         "params",
         "priority",
         "prompt_token_ids",
+        "queued_at",
         "request_id",
         "status",
     )
@@ -84,21 +83,22 @@ class Request:
         limit = max_model_len if params.max_tokens is None else len(prompt_token_ids) + params.max_tokens
         # prompt + output never exceeds this
         self.max_total_tokens = min(limit, max_model_len)
-        self.eos_token_ids = () if params.ignore_eos else eos_token_ids
-        self.generator: torch.Generator | None = None
-        if params.seed is not None:
-            self.generator = torch.Generator().manual_seed(params.seed)
+        self.eos_token_ids = frozenset(() if params.ignore_eos else eos_token_ids)
         # time.time() of the first step that ran this request
         self.first_scheduled_time: float | None = None
+        # the scheduler's clock when the request last entered the waiting queue
+        self.queued_at = 0.0
+        # with params.prompt_logprobs: prompt positions whose logprobs went out (recomputing never repeats them)
+        self.num_prompt_logprobs = 0
 
     @classmethod
-    def from_message(cls, msg: EngineRequest, max_model_len: int, eos_token_ids: Collection[int]) -> Request:
+    def from_message(cls, msg: EngineRequest, max_model_len: int) -> Request:
         return cls(
             msg.request_id,
             msg.prompt_token_ids,
             msg.params,
             max_model_len,
-            eos_token_ids,
+            msg.eos_token_ids,
             msg.priority,
             msg.arrival_time or None,
         )
@@ -115,6 +115,11 @@ class Request:
     @property
     def num_output_tokens(self) -> int:
         return len(self.output_token_ids)
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        """Known tokens whose K and V are not in the cache yet (at least 1 while the request runs)."""
+        return self.num_tokens - self.num_computed_tokens
 
     @property
     def queue_time(self) -> float:

@@ -38,6 +38,9 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, forbid_unknown_fields=T
     min_tokens: int = 0
     # return the chosen token's logprob and this many most likely alternatives
     logprobs: int | None = None
+    # return, for every prompt token after the first, its logprob given the tokens before it and this many
+    # most likely alternatives (such a request is computed in full: it does not use the prefix cache)
+    prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
 
     def __post_init__(self) -> None:
@@ -55,6 +58,10 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, forbid_unknown_fields=T
         _check(
             self.logprobs is None or 0 <= self.logprobs <= MAX_LOGPROBS,
             f"logprobs={self.logprobs} must be in [0, {MAX_LOGPROBS}]",
+        )
+        _check(
+            self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= MAX_LOGPROBS,
+            f"prompt_logprobs={self.prompt_logprobs} must be in [0, {MAX_LOGPROBS}]",
         )
         _check(all(isinstance(s, str) and s for s in self.stop), "stop strings must be non-empty")
         _check(all(t >= 0 for t in self.stop_token_ids), "stop_token_ids must be >= 0")

@@ -3,21 +3,40 @@
 Each engine step asks the scheduler which requests run and how many tokens
 each computes (``schedule``), runs the model, then hands the sampled tokens
 back (``update``). The scheduler owns the request queues and talks to the KV
-cache for memory; it never touches tensors.
+cache manager for memory; it never touches tensors.
+
+The base class does the mechanics every scheduler shares: admission control
+(``add``), the waiting queue and the running list, moving a request in
+(``admit``), out (``preempt``) and to its end (``finish``, ``abort``), and
+recording tokens (``update``). Its ``schedule`` is continuous batching; a
+scheduler decides order and budget by overriding ``waiting_key``,
+``pick_victim``, ``can_admit`` and ``chunk_limit``, or another discipline by
+overriding ``schedule`` itself (the built-in static and dynamic schedulers do).
 """
 
 from __future__ import annotations
 
-from abc import ABC, abstractmethod
-from collections.abc import Iterable
+import heapq
+import itertools
+import time
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import ClassVar
+from typing import Annotated, ClassVar
 
 import msgspec
 
-from conveyor.kvcache import KVCache
-from conveyor.messages import RequestOutput, TokenLogprob
+from conveyor.kvcache import KVCacheManager, PrefixMatch
+from conveyor.messages import RequestOutput, SchedulerStats, TokenLogprob
 from conveyor.request import FinishReason, Request, RequestRejected, RequestStatus
+
+
+class SchedulerOptions(msgspec.Struct, forbid_unknown_fields=True):
+    """Options every scheduler has; a scheduler's own Options may subclass it."""
+
+    # token budget of one step (prefill chunks + decodes)
+    max_num_batched_tokens: Annotated[int, msgspec.Meta(ge=1)] = 512
+    # most requests waiting; more are rejected (HTTP 429)
+    max_waiting: Annotated[int, msgspec.Meta(ge=1)] = 1024
 
 
 @dataclass
@@ -45,28 +64,47 @@ class ScheduledBatch:
         return len(self.requests)
 
 
-@dataclass
-class SchedulerStats:
-    num_running: int = 0
-    num_waiting: int = 0
-    # the rest are cumulative counts since start
-    num_preemptions: int = 0
-    num_finished: int = 0
-    num_rejected: int = 0
-    # run-to-completion batching: slot-steps a batch held for requests already finished (or never there)
-    num_wasted_slots: int = 0
+class WaitingQueue:
+    """Requests waiting to run, smallest key first; a request's key is taken as it enters."""
+
+    def __init__(self) -> None:
+        self._heap: list[tuple[tuple, int, Request]] = []
+        self._order = itertools.count()
+
+    def push(self, request: Request, key: tuple) -> None:
+        heapq.heappush(self._heap, (key, next(self._order), request))
+
+    def peek(self) -> Request:
+        return self._heap[0][2]
+
+    def remove(self, request: Request) -> None:
+        if self._heap and self._heap[0][2] is request:
+            heapq.heappop(self._heap)
+            return
+        self._heap = [entry for entry in self._heap if entry[2] is not request]
+        heapq.heapify(self._heap)
+
+    def __iter__(self) -> Iterator[Request]:
+        """In key order."""
+        return (entry[2] for entry in sorted(self._heap))
+
+    def __len__(self) -> int:
+        return len(self._heap)
+
+    def __bool__(self) -> bool:
+        return bool(self._heap)
 
 
-class Scheduler(ABC):
+class Scheduler:
     """Decides, step by step, which requests run and with how many tokens."""
 
     name: ClassVar[str]
-    Options: ClassVar[type[msgspec.Struct]]
+    Options: ClassVar[type[msgspec.Struct]] = SchedulerOptions
 
-    def __init__(self, options: msgspec.Struct, kvcache: KVCache, max_model_len: int):
+    def __init__(self, options: msgspec.Struct, kvcache: KVCacheManager, max_model_len: int):
         """
         Args:
-            options: an instance of ``Options``.
+            options: an instance of ``Options`` (a ``SchedulerOptions``).
             kvcache: where requests' KV lives; the scheduler allocates and frees in it.
             max_model_len: prompt + output never exceeds this.
         """
@@ -75,35 +113,185 @@ class Scheduler(ABC):
         self.max_model_len = max_model_len
         # every unfinished request, by id
         self.requests: dict[str, Request] = {}
+        self.waiting = WaitingQueue()
+        # requests holding KV memory, in admission order
+        self.running: list[Request] = []
         # cumulative counts; stats() adds the queue lengths
         self.counters = SchedulerStats()
+        # seconds, for time-based policies (tests replace it)
+        self.clock = time.monotonic
 
-    @abstractmethod
-    def add(self, request: Request) -> None:
-        """Queue a new request.
+    # What a scheduler decides: override these.
 
-        Raises:
-            RequestRejected: it can never run here (too long for the cache or
-                max_model_len), or the waiting queue is full.
-        """
+    def waiting_key(self, request: Request) -> tuple:
+        """Order of the waiting queue, smallest first (default: arrival order)."""
+        return (request.arrival_order,)
 
-    @abstractmethod
-    def abort(self, request_ids: Iterable[str]) -> list[RequestOutput]:
-        """Drop requests wherever they are and free their memory.
+    def pick_victim(self) -> Request:
+        """The running request to preempt when memory runs out (default: the newest)."""
+        return self.running[-1]
 
-        Returns:
-            A final ``abort`` output for each request that was still unfinished.
-        """
+    def can_admit(self, request: Request) -> bool:
+        """Whether ``request``, first in the waiting queue, may start this step, budget and memory
+        permitting (default: yes)."""
+        return True
 
-    @abstractmethod
+    def chunk_limit(self, budget: int) -> int:
+        """The most tokens one request computes in a step when ``budget`` tokens are left (default: all)."""
+        return budget
+
     def schedule(self) -> ScheduledBatch:
-        """Pick this step's batch and allocate its KV memory.
+        """Pick this step's batch and allocate its KV memory: continuous batching.
+
+        Running requests first, in admission order, each with its next chunk;
+        when memory runs out, ``pick_victim()`` is preempted (and recomputed
+        later). Then waiting requests in ``waiting_key`` order while the token
+        budget, ``can_admit`` and memory allow, none in a step that preempted.
 
         Returns:
             The batch (empty when there is nothing to run).
         """
+        budget = self.options.max_num_batched_tokens
+        scheduled: dict[Request, int] = {}
+        preempted = False
+        for request in list(self.running):
+            if budget == 0:
+                break
+            if request.status != RequestStatus.RUNNING:
+                continue  # preempted earlier in this step
+            n = min(request.num_uncomputed_tokens, self.chunk_limit(budget))
+            while not self.kvcache.allocate(request, n):
+                victim = self.pick_victim()
+                self.preempt(victim)
+                preempted = True
+                if victim in scheduled:
+                    budget += scheduled.pop(victim)
+                if victim is request:
+                    break
+            else:
+                scheduled[request] = n
+                budget -= n
+        # Admitting new work while memory is short would only cause more preemption.
+        while not preempted and self.waiting and budget > 0 and self.can_admit(self.waiting.peek()):
+            request = self.waiting.peek()
+            n = self.admit(request, self.chunk_limit(budget))
+            if not n:
+                break
+            scheduled[request] = n
+            budget -= n
+        return ScheduledBatch.of(scheduled)
 
-    @abstractmethod
+    # The mechanics every scheduler shares.
+
+    def add(self, request: Request) -> None:
+        """Admission control: queue the request, or reject it with the reason.
+
+        Raises:
+            RequestRejected: duplicate id, can never run here (empty, too long
+                for max_model_len or for the whole cache), or the waiting queue
+                is full (429).
+        """
+        if request.request_id in self.requests:
+            raise RequestRejected(f"request id {request.request_id!r} is already in use")
+        reason = self._never_runs(request)
+        if reason is None and len(self.waiting) >= self.options.max_waiting:
+            self.counters.num_rejected += 1
+            raise RequestRejected(f"the waiting queue is full (max_waiting={self.options.max_waiting})", 429)
+        if reason is not None:
+            self.counters.num_rejected += 1
+            raise RequestRejected(reason)
+        self.requests[request.request_id] = request
+        self._enqueue(request)
+
+    def _never_runs(self, request: Request) -> str | None:
+        if request.num_prompt_tokens == 0:
+            return "the prompt is empty"
+        if request.num_prompt_tokens >= self.max_model_len:
+            return (
+                f"the prompt has {request.num_prompt_tokens} tokens; max_model_len={self.max_model_len} "
+                "leaves no room for output"
+            )
+        if not self.kvcache.can_fit([request.max_total_tokens]):
+            return (
+                f"the request needs {request.max_total_tokens} tokens of KV cache but the whole cache holds "
+                f"{self.kvcache.capacity_tokens}"
+            )
+        return None
+
+    def _enqueue(self, request: Request) -> None:
+        request.queued_at = self.clock()
+        self.waiting.push(request, self.waiting_key(request))
+
+    def admit(self, request: Request, max_tokens: int) -> int:
+        """Start a waiting request: claim what the prefix cache holds of it and KV memory for its first chunk.
+
+        Args:
+            request: a request in the waiting queue (new or preempted).
+            max_tokens: the most tokens it may compute this step.
+
+        Returns:
+            The tokens it computes this step; 0, changing nothing, when memory is short.
+        """
+        # A request that wants every prompt logprob computes every prompt token.
+        prefix = self.kvcache.match_prefix(request) if request.params.prompt_logprobs is None else PrefixMatch()
+        n = min(request.num_tokens - prefix.num_tokens, max_tokens)
+        if n < 1 or not self.kvcache.allocate(request, n, prefix):
+            return 0
+        self.waiting.remove(request)
+        if request.status == RequestStatus.WAITING:
+            request.num_cached_tokens = prefix.num_tokens
+        request.num_computed_tokens = prefix.num_tokens
+        request.status = RequestStatus.RUNNING
+        self.running.append(request)
+        return n
+
+    def preempt(self, request: Request) -> None:
+        """Free a running request's memory and queue it again; it recomputes prompt + output later."""
+        self.running.remove(request)
+        self.kvcache.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        self.counters.num_preemptions += 1
+        self._enqueue(request)
+
+    def finish(self, request: Request, reason: FinishReason) -> None:
+        """End a request wherever it is: free its memory and forget it."""
+        if request.status == RequestStatus.RUNNING:
+            self.running.remove(request)
+        elif request.status != RequestStatus.FINISHED:
+            self.waiting.remove(request)
+        request.status = RequestStatus.FINISHED
+        request.finish_reason = reason
+        self.kvcache.free(request)
+        self.requests.pop(request.request_id, None)
+        if reason in (FinishReason.ABORT, FinishReason.ERROR):
+            self.counters.num_aborted += 1
+        else:
+            self.counters.num_finished += 1
+
+    def abort(self, request_ids: Iterable[str], error: str | None = None) -> list[RequestOutput]:
+        """Drop requests wherever they are and free their memory.
+
+        Args:
+            request_ids: unknown or finished ids are skipped.
+            error: end them with finish reason "error" and this text instead of "abort".
+
+        Returns:
+            A final output for each request that was still unfinished.
+        """
+        reason = FinishReason.ABORT if error is None else FinishReason.ERROR
+        outputs = []
+        for request_id in request_ids:
+            request = self.requests.get(request_id)
+            if request is None:
+                continue
+            self.finish(request, reason)
+            outputs.append(
+                RequestOutput(request_id, finish_reason=reason.value, error=error,
+                              num_prompt_tokens=request.num_prompt_tokens)
+            )
+        return outputs
+
     def update(
         self, batch: ScheduledBatch, sampled: list[int | None], logprobs: list[TokenLogprob | None]
     ) -> list[RequestOutput]:
@@ -116,71 +304,14 @@ class Scheduler(ABC):
             logprobs: per batch entry, logprobs of the new token (or None).
 
         Returns:
-            One output per request that got a token or finished.
+            One output per request that got a token (the last one says why it finished).
         """
-
-    @abstractmethod
-    def has_unfinished(self) -> bool:
-        """Whether any request is waiting or running."""
-
-    @abstractmethod
-    def stats(self) -> SchedulerStats:
-        """Queue lengths now, and the cumulative counters."""
-
-    # Helpers shared by the built-in schedulers.
-
-    def accept(self, request: Request, num_waiting: int, max_waiting: int) -> None:
-        """Admission control: register the request, or reject it with the reason.
-
-        Raises:
-            RequestRejected: duplicate id, can never run, or the waiting queue is full (429).
-        """
-        if request.request_id in self.requests:
-            raise RequestRejected(f"request id {request.request_id!r} is already in use")
-        self.check_admission(request)
-        if num_waiting >= max_waiting:
-            self.counters.num_rejected += 1
-            raise RequestRejected(f"the waiting queue is full (max_waiting={max_waiting})", 429)
-        self.requests[request.request_id] = request
-
-    def check_admission(self, request: Request) -> None:
-        """Reject what can never run."""
-        if request.num_prompt_tokens == 0:
-            self.counters.num_rejected += 1
-            raise RequestRejected("the prompt is empty")
-        if request.num_prompt_tokens >= self.max_model_len:
-            self.counters.num_rejected += 1
-            raise RequestRejected(
-                f"the prompt has {request.num_prompt_tokens} tokens; max_model_len={self.max_model_len} "
-                "leaves no room for output"
-            )
-        if not self.kvcache.can_fit([request.max_total_tokens]):
-            self.counters.num_rejected += 1
-            raise RequestRejected(
-                f"the request needs {request.max_total_tokens} tokens of KV cache but the whole cache holds "
-                f"{self.kvcache.capacity_tokens}"
-            )
-
-    def finish(self, request: Request, reason: FinishReason) -> None:
-        request.status = RequestStatus.FINISHED
-        request.finish_reason = reason
-        self.kvcache.free(request)
-        self.counters.num_finished += 1
-
-    def record(
-        self, batch: ScheduledBatch, sampled: list[int | None], logprobs: list[TokenLogprob | None]
-    ) -> tuple[list[RequestOutput], list[Request]]:
-        """Advance every request in the batch; return the outputs and the requests that finished."""
         outputs: list[RequestOutput] = []
-        finished: list[Request] = []
         for request, n, token, logprob in zip(batch.requests, batch.num_tokens, sampled, logprobs):
             request.num_computed_tokens += n
             if token is None or request.is_finished:
                 continue
             reason = request.append_token(token)
-            if reason is not None:
-                self.finish(request, reason)
-                finished.append(request)
             outputs.append(
                 RequestOutput(
                     request.request_id,
@@ -192,12 +323,14 @@ class Scheduler(ABC):
                     queue_time=request.queue_time if request.num_output_tokens == 1 else 0.0,
                 )
             )
-        return outputs, finished
+            if reason is not None:
+                self.finish(request, reason)
+        return outputs
 
+    def has_unfinished(self) -> bool:
+        """Whether any request is waiting or running."""
+        return bool(self.requests)
 
-def abort_output(request: Request) -> RequestOutput:
-    return RequestOutput(
-        request.request_id,
-        finish_reason=FinishReason.ABORT.value,
-        num_prompt_tokens=request.num_prompt_tokens,
-    )
+    def stats(self) -> SchedulerStats:
+        """Queue lengths now, and the cumulative counters."""
+        return msgspec.structs.replace(self.counters, num_running=len(self.running), num_waiting=len(self.waiting))

@@ -1,17 +1,131 @@
-"""The transport interface (plugin kind ``transport``).
+"""The transport interface (plugin kind ``transport``) and the frontend it serves clients through.
 
-A transport lets clients reach the engine: it accepts their requests in its
-own protocol (HTTP, ZeroMQ, ...), submits them to the engine client it is
-given, and streams the outputs back. Several transports can serve at once.
+A transport lets clients reach the model: it accepts their requests in its
+own protocol (HTTP, ZeroMQ, ...), hands them to the ``Frontend`` it is
+given, and streams the results back. Several transports can serve at once,
+all through one frontend; the frontend tokenizes, checks limits, submits to
+the engine, detokenizes and keeps the metrics, so a transport only speaks
+its protocol.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Any, ClassVar
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any, ClassVar, Protocol
 
 import anyio
 import msgspec
+
+from conveyor.messages import TokenLogprob
+from conveyor.model.tokenizer import Tokenizer
+from conveyor.sampling import SamplingParams
+
+
+class RequestError(Exception):
+    """A request the server refuses or could not finish, with the HTTP status that says why.
+
+    Args:
+        message: what is wrong, naming the offending field and value.
+        status: 400 bad input, 413 too large, 429 queue full, 503 engine unavailable, ...
+        param: the request field at fault, when there is one.
+    """
+
+    def __init__(self, message: str, status: int = 400, param: str | None = None):
+        super().__init__(message)
+        self.message = message
+        self.status = status
+        self.param = param
+
+
+class Chunk(msgspec.Struct):
+    """What one engine output added to one sequence."""
+
+    # text that is now final (may be empty while a character or a stop string is pending)
+    text: str
+    token_ids: list[int]
+    # one per token in token_ids when the request asked for logprobs
+    logprobs: list[TokenLogprob] | None
+    # "stop", "length" or "abort" on the last chunk
+    finish_reason: str | None
+    num_prompt_tokens: int
+    # generated so far, this chunk included
+    num_output_tokens: int
+    num_cached_tokens: int = 0
+    # with params.prompt_logprobs: entries for prompt positions prompt_logprobs_start, prompt_logprobs_start + 1, ...
+    prompt_logprobs: list[TokenLogprob] | None = None
+    prompt_logprobs_start: int = 0
+
+
+class Frontend(Protocol):
+    """What a transport gets: everything it needs to serve a client's request."""
+
+    # the name clients use for the model (OpenAI's "model")
+    model_name: str
+    tokenizer: Tokenizer
+    # conveyor.serving.metrics.ServerMetrics: what /metrics shows
+    metrics: Any
+
+    @property
+    def max_model_len(self) -> int:
+        """Prompt + output tokens a request may have (0 until the engine is ready)."""
+
+    @property
+    def healthy(self) -> bool:
+        """The engine is up and the server is not shutting down."""
+
+    @property
+    def engine_alive(self) -> bool:
+        """The engine is up (it may be draining)."""
+
+    @property
+    def draining(self) -> bool:
+        """The server is shutting down: no new requests."""
+
+    @property
+    def num_in_flight(self) -> int:
+        """Sequences submitted and not finished."""
+
+    def new_request_id(self, prefix: str = "req") -> str:
+        """A request id unique in this server."""
+
+    def encode(self, prompt: str | list[int], field: str = "prompt") -> list[int]:
+        """Token ids of a text, or token ids checked against the vocabulary.
+
+        Raises:
+            RequestError: 400, naming ``field``.
+        """
+
+    def encode_chat(self, messages: list[dict[str, Any]], field: str = "messages") -> list[int]:
+        """Token ids of a conversation rendered with the model's chat template.
+
+        Raises:
+            RequestError: 400, naming what is wrong with the messages.
+        """
+
+    def check(self, prompt_ids: list[int], params: SamplingParams) -> None:
+        """Refuse what the model cannot do (400) and new work while starting or draining (503).
+
+        Raises:
+            RequestError: naming the limit.
+        """
+
+    def generate(
+        self, prompt_ids: list[int], params: SamplingParams, *, request_id: str, priority: int = 0
+    ) -> AsyncIterator[Chunk]:
+        """Run one sequence; yield its chunks until the one with a finish_reason.
+
+        Iterate it inside ``contextlib.aclosing``: leaving early aborts the request.
+
+        Raises:
+            RequestError: refused (400/429/503), or the engine failed it (5xx).
+        """
+
+    async def run_choices(
+        self, prompt_ids: list[int], params: SamplingParams, n: int, *, request_id: str, priority: int = 0,
+        on_chunk: Callable[[int, Chunk], Awaitable[None]],
+    ) -> None:
+        """Run ``n`` sequences of one prompt at once, calling ``on_chunk(index, chunk)`` as they come."""
 
 
 class Transport(ABC):
@@ -24,10 +138,12 @@ class Transport(ABC):
         self.options = options
 
     @abstractmethod
-    async def serve(self, engine: Any, *, task_status: anyio.abc.TaskStatus = anyio.TASK_STATUS_IGNORED) -> None:
+    async def serve(
+        self, frontend: Frontend, *, task_status: anyio.abc.TaskStatus = anyio.TASK_STATUS_IGNORED
+    ) -> None:
         """Serve until cancelled.
 
         Args:
-            engine: the engine client requests are submitted to.
-            task_status: ``task_status.started(address)`` once accepting connections.
+            frontend: tokenizes, checks, submits and detokenizes the clients' requests.
+            task_status: ``task_status.started(address)`` once accepting connections (it is printed).
         """

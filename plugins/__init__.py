@@ -6,17 +6,16 @@ ordinary plugin modules; a third-party plugin takes exactly the same path.
 
 Writing a plugin
 ----------------
-1. Subclass the interface of its kind and give the class a ``name`` (what a
+1. Subclass the base class of its kind and give the class a ``name`` (what a
    config selects) and an ``Options`` msgspec Struct (the other keys of its
    TOML table, validated at start-up)::
 
-       import msgspec
-       from conveyor.plugins.schedulers.continuous import ContinuousScheduler, ContinuousOptions
+       from conveyor.scheduler import Scheduler, SchedulerOptions
 
-       class ShortestFirst(ContinuousScheduler):
-           '''Shortest prompt first.'''
+       class ShortestFirst(Scheduler):
+           '''Shortest prompt first; the base class does admission, batching, preemption.'''
            name = "sjf"
-           Options = ContinuousOptions
+           Options = SchedulerOptions
 
            def waiting_key(self, request):
                return (request.num_prompt_tokens, request.arrival_order)
@@ -46,7 +45,7 @@ Hooks and interfaces
 hook                                interface
 =================================== ================================
 ``conveyor_register_schedulers``    ``conveyor.scheduler.Scheduler``
-``conveyor_register_kvcaches``      ``conveyor.kvcache.KVCache``
+``conveyor_register_kvcaches``      ``conveyor.kvcache.KVCacheManager``
 ``conveyor_register_quant_methods`` ``conveyor.quant.QuantMethod``
 ``conveyor_register_transports``    ``conveyor.transport.Transport``
 =================================== ================================

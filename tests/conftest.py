@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import logging
 import os
+import random
+import secrets
 from pathlib import Path
 
 import pytest
@@ -80,3 +82,16 @@ def hf_tokenizer(smollm2_path):
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(str(smollm2_path.parent), gguf_file=smollm2_path.name)
+
+
+@pytest.fixture()
+def random_seed() -> int:
+    """Fresh random inputs each run, reproducible: seeds Python's and torch's generators and prints the seed
+    (pytest shows it for a failing test; CONVEYOR_TEST_SEED=N replays it)."""
+    import torch
+
+    seed = int(os.environ.get("CONVEYOR_TEST_SEED") or secrets.randbelow(2**31))
+    random.seed(seed)
+    torch.manual_seed(seed)
+    print(f"random seed {seed} (replay with CONVEYOR_TEST_SEED={seed})")
+    return seed

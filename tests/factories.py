@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import itertools
 
-import torch
-
 from conveyor.kvcache import KVCacheSpec
 from conveyor.plugins.kvcache.paged import PagedKVCache, PagedOptions
 from conveyor.request import Request
@@ -16,7 +14,7 @@ _ids = itertools.count()
 
 
 def create_spec(max_model_len: int = 256, num_layers: int = 1, num_kv_heads: int = 1, head_dim: int = 4) -> KVCacheSpec:
-    return KVCacheSpec(num_layers, num_kv_heads, head_dim, torch.float32, torch.device("cpu"), max_model_len)
+    return KVCacheSpec(num_layers, num_kv_heads, head_dim, "float32", max_model_len)
 
 
 def create_kvcache(num_blocks: int = 64, block_size: int = 4, max_model_len: int = 256) -> PagedKVCache:
@@ -68,3 +66,5 @@ def assert_no_leak(kvcache) -> None:
     assert kvcache.num_free_blocks == kvcache.num_blocks
     if hasattr(kvcache, "ref_counts"):
         assert not any(kvcache.ref_counts) and not kvcache.tables
+    else:
+        assert not kvcache.slabs

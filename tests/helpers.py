@@ -1,4 +1,4 @@
-"""Comparisons shared by the tests: ARCHITECTURE.md's near-tie rule, float64 attention, paged KV fixtures."""
+"""Comparisons shared by the tests: the near-tie rule against transformers, float64 attention, paged KV fixtures."""
 
 from __future__ import annotations
 
@@ -40,6 +40,21 @@ def assert_same_or_near_tie(a: Completion, b: Completion, label: str) -> None:
         return
     assert a.token_ids == b.token_ids, f"{label}: one run is a prefix of the other"
     assert a.finish_reason == b.finish_reason, label
+
+
+def dense_attention(seq_lens: list[int]):
+    """The model's attention function for whole sequences with no KV cache (each attends causally to itself)."""
+    from conveyor.attention.ops import causal_attention
+
+    def attention(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        outs, start = [], 0
+        for n in seq_lens:
+            keys, values = k[start : start + n].transpose(0, 1), v[start : start + n].transpose(0, 1)
+            outs.append(causal_attention(q[start : start + n], keys, values, 0))
+            start += n
+        return torch.cat(outs)
+
+    return attention
 
 
 def reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_start: int) -> torch.Tensor:

@@ -2,9 +2,41 @@
 
 from __future__ import annotations
 
-from conveyor.bench.server import Server
+import os
+import re
+import signal
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+from conveyor.bench.server import Server as BenchServer
 
 __all__ = ["Server", "http_config"]
+
+
+class Server(BenchServer):
+    """The benchmark's server harness, plus control over its engine process."""
+
+    @property
+    def engine_pid(self) -> int:
+        """The engine process now (the latest to report ready)."""
+        return int(re.findall(r"engine process (\d+) ready", self.output)[-1])
+
+    def pause_engine(self) -> None:
+        """Stop the engine process (SIGSTOP): it takes no message and makes no token until ``resume_engine``,
+        however fast the device."""
+        os.kill(self.engine_pid, signal.SIGSTOP)
+
+    def resume_engine(self) -> None:
+        os.kill(self.engine_pid, signal.SIGCONT)
+
+    @contextmanager
+    def paused_engine(self) -> Iterator[None]:
+        """The engine process stopped while the block runs."""
+        self.pause_engine()
+        try:
+            yield
+        finally:
+            self.resume_engine()
 
 
 def http_config(**server: object) -> str:

@@ -14,6 +14,8 @@ import torch
 from conveyor.attention.kernels import paged_decode_attention, paged_prefill_attention
 from tests.helpers import paged_store, reference_attention, relative_error
 
+pytestmark = pytest.mark.usefixtures("random_seed")
+
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 # max |kernel - reference| / max |reference|
 TOLERANCE = {torch.float32: 2e-3 if DEVICE == "cuda" else 1e-5, torch.float16: 5e-3, torch.bfloat16: 3e-2}

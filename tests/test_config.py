@@ -82,7 +82,7 @@ def test_overrides_are_parsed_as_toml_values(tmp_path):
         ('[model]\ndtype = "float64"\n', ["dtype = 'float64'", "allowed: 'float32', 'float16', 'bfloat16'"]),
         ('[scheduler]\nplugin = "fifo"\n', ["[scheduler] plugin = 'fifo'", "not available", "installed: 'continuous'"]),
         ("[scheduler]\nmax_num_seqs = 0\n", ["[scheduler] max_num_seqs = 0", "Expected `int` >= 1"]),
-        ('[kvcache]\nblok_size = 8\n', ["[kvcache] unknown key 'blok_size'", "allowed: block_size, memory_gb"]),
+        ('[kvcache]\nblok_size = 8\n', ["[kvcache] unknown key 'blok_size'", "allowed: memory_gb, memory_fraction, dtype, block_size"]),
         ("[serve]\nport = 1\n", ["unknown key 'serve'"]),
         ("[server]\ndrain_timeout = -1\n", ["[server] drain_timeout = -1", "Expected `float` >= 0.0"]),
         ('[[transport]]\nplugin = "http"\nhost = 1\n', ["[transport.0] host = 1", "Expected `str`"]),
@@ -150,3 +150,16 @@ def test_every_showcase_config_loads(name):
     assert (config.scheduler.plugin, config.kvcache.plugin) == expected
     if name == "default":
         assert config.kvcache.options.enable_prefix_caching
+
+
+def test_the_engine_process_gets_the_validated_config_as_it_was(tmp_path):
+    from conveyor.config import decode_config, encode_config
+
+    config = load_config(REPO / "configs" / "int8.toml", {"scheduler.max_num_seqs": 7, "engine.attention": "torch"})
+    decoded = decode_config(encode_config(config))
+    assert decoded == config
+    assert type(decoded.scheduler.options).__name__ == "ContinuousOptions"  # the plugin's Struct, not a dict
+    assert decoded.scheduler.options.max_num_seqs == 7 and decoded.quant.options.cpu_int8_max_rows == 16
+    assert decoded.engine.attention == "torch" and decoded.source == str(REPO / "configs" / "int8.toml")
+    with pytest.raises(ConfigError, match="not a Conveyor config"):
+        decode_config(b"\x93\x01\x02\x03")

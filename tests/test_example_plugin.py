@@ -1,4 +1,5 @@
-"""The example third-party plugin package: installed with pip, listed, selected by TOML."""
+"""The example third-party plugin package (a scheduler written from the Scheduler base class alone):
+installed with pip, listed, selected by TOML, and serving the real model with preemption."""
 
 from __future__ import annotations
 
@@ -8,10 +9,12 @@ import sys
 
 import pytest
 
+from conveyor import LLM, SamplingParams
 from conveyor.config import load_config
 from conveyor.registry import PluginRegistry
 from tests.conftest import REPO
 from tests.factories import create_kvcache, create_request, run_to_completion
+from tests.helpers import assert_same_or_near_tie
 
 
 @pytest.fixture(scope="module")
@@ -48,7 +51,7 @@ def test_toml_selects_the_plugin_and_it_schedules_shortest_first(installed_sjf, 
 
     def finish_order(plugin: str) -> list[str]:
         cls = registry.get("scheduler", plugin)
-        scheduler = cls(config.scheduler.options, create_kvcache(), 256)
+        scheduler = cls(cls.Options(max_num_seqs=1), create_kvcache(), 256)
         for name, length in (("long", 40), ("medium", 20), ("short", 5)):  # arrival order
             scheduler.add(create_request(length, max_tokens=2, request_id=name))
         return run_to_completion(scheduler)
@@ -56,3 +59,28 @@ def test_toml_selects_the_plugin_and_it_schedules_shortest_first(installed_sjf, 
     # One request at a time: FCFS keeps arrival order, SJF runs the shortest first.
     assert finish_order("continuous") == ["long", "medium", "short"]
     assert finish_order("sjf") == ["short", "medium", "long"]
+
+
+@pytest.mark.slow
+def test_the_plugin_serves_with_preemption_under_a_tiny_kv_cache_and_loses_nothing(installed_sjf, monkeypatch):
+    monkeypatch.syspath_prepend(str(installed_sjf))
+    prompts = [[{"role": "user", "content": f"Describe {topic} in a few sentences, please."}]
+               for topic in ("rain", "a lighthouse", "the moon", "bread", "a city at night", "winter")]
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, logprobs=5)
+
+    def run(num_blocks: int):
+        llm = LLM(overrides={"model.dtype": "float32", "scheduler.plugin": "sjf", "kvcache.block_size": 16,
+                             "kvcache.num_blocks": num_blocks})
+        assert type(llm.engine.scheduler).__module__ == "conveyor_sjf"
+        completions = llm.generate(prompts, params)
+        return completions, llm.engine
+
+    # each request needs about 4 blocks at its longest; 10 blocks hold two of them at a time
+    tight, engine = run(num_blocks=10)
+    assert engine.scheduler.stats().num_preemptions > 0
+    assert engine.kvcache.num_free_blocks == engine.kvcache.num_blocks and not engine.has_unfinished()
+    roomy, engine = run(num_blocks=400)
+    assert engine.scheduler.stats().num_preemptions == 0
+    for i, (a, b) in enumerate(zip(tight, roomy)):
+        assert a.finish_reason == "length" and len(a.token_ids) == 24, i  # every request finished in full
+        assert_same_or_near_tie(a, b, f"request {i}")

@@ -4,6 +4,7 @@ the problem, never a 500, and the server keeps serving afterwards."""
 from __future__ import annotations
 
 import json
+import threading
 
 import httpx
 import openai
@@ -180,22 +181,37 @@ def test_openai_client_sees_typed_errors(server, client, model, http):
 
 
 def test_full_queue_gets_429(server, client, model, http):
+    """max_num_seqs = 1 and max_waiting = 1: with one request running and one waiting, the next two are refused.
+    The engine is stopped while they are sent, so all four meet in the engine at once, however fast it is."""
     url = f"{server.http}/v1/chat/completions"
     long = {"model": model, "messages": MESSAGES, "max_tokens": 200, "ignore_eos": True, "stream": True}
+    refused: dict[str, object] = {}
+
+    def plain() -> None:
+        refused["http"] = http.post("/v1/chat/completions", json={"messages": MESSAGES, "max_tokens": 2})
+
+    def openai_client() -> None:
+        try:
+            client.chat.completions.create(model=model, messages=MESSAGES, max_tokens=2)
+        except openai.APIStatusError as e:
+            refused["openai"] = e
+
     with httpx.stream("POST", url, json=long, headers=AUTH, timeout=60) as running:
         lines = running.iter_lines()
         next(line for line in lines if '"content"' in line and '"role"' not in line)  # it is generating
-        with httpx.stream("POST", url, json=long, headers=AUTH, timeout=60) as waiting:
+        threads = [threading.Thread(target=plain), threading.Thread(target=openai_client)]
+        with server.paused_engine(), httpx.stream("POST", url, json=long, headers=AUTH, timeout=60) as waiting:
             assert waiting.status_code == 200
-            server.wait_for(lambda: server.metric("conveyor_num_requests_running") == 1
-                            and server.metric("conveyor_num_requests_waiting") == 1,
-                            timeout=30, what="one request running and one waiting")
-
-            response = http.post("/v1/chat/completions", json={"messages": MESSAGES, "max_tokens": 2})
-            error = error_of(response, 429)
-            assert "max_waiting=1" in error["message"], error["message"]
-            with pytest.raises(openai.RateLimitError):
-                client.chat.completions.create(model=model, messages=MESSAGES, max_tokens=2)
+            for thread in threads:
+                thread.start()
+            server.wait_for(lambda: server.metric("conveyor_num_requests_in_flight") == 4, timeout=30,
+                            what="four requests in flight")
+            server.resume_engine()
+            for thread in threads:
+                thread.join(60)
+        error = error_of(refused["http"], 429)
+        assert "max_waiting=1" in error["message"], error["message"]
+        assert isinstance(refused["openai"], openai.RateLimitError)
     # both streams closed: the slot and the queue empty again
     server.wait_for(lambda: server.metric("conveyor_num_requests_running") == 0
                     and server.metric("conveyor_num_requests_waiting") == 0

@@ -31,7 +31,7 @@ def test_a_shared_prefix_is_computed_once_and_outputs_do_not_change():
     assert cached.num_cached_tokens == 28 and plain.num_cached_tokens == 0
     assert (computed_plain, computed_cached) == (32, 4)
     assert cached.output_token_ids == plain.output_token_ids
-    assert kvcache.stats()["prefix_hits"] == 28
+    assert kvcache.stats().num_prefix_hit_tokens == 28
 
 
 def test_a_whole_cached_prompt_still_computes_its_last_token():
@@ -54,7 +54,7 @@ def test_eviction_takes_the_least_recently_freed_block_and_never_one_in_use():
         assert kvcache.allocate(request, 8)
         request.num_computed_tokens = 8
         kvcache.free(request)  # 2 cached blocks each, now free
-    assert kvcache.stats()["num_cached_blocks"] == 4
+    assert kvcache.stats().num_cached_blocks == 4
     holder.prompt_token_ids = recent.prompt_token_ids
     match = kvcache.match_prefix(holder)
     assert match.num_tokens == 8
@@ -63,7 +63,7 @@ def test_eviction_takes_the_least_recently_freed_block_and_never_one_in_use():
     newcomer = create_request(12, request_id="new")
     assert kvcache.allocate(newcomer, 12)
     assert kvcache.match_prefix(create_request(9, request_id="again")).num_tokens == 0  # old's blocks are gone
-    assert set(kvcache.block_table("holder")[:2]).isdisjoint(kvcache.block_table("new"))
+    assert set(kvcache.block_ids(holder)[:2]).isdisjoint(kvcache.block_ids(newcomer))
     assert not kvcache.allocate(create_request(4, request_id="x"), 4)  # holder's blocks are in use
     kvcache.free(holder)
     kvcache.free(newcomer)
@@ -77,10 +77,9 @@ def test_contiguous_reserves_whole_slabs_and_reports_the_unused_part():
     assert kvcache.allocate(requests[0], 10) and kvcache.allocate(requests[1], 10)
     assert not kvcache.allocate(requests[2], 10)  # 2 x 64 reserved; 32 left, a slab needs 64
     stats = kvcache.stats()
-    assert stats["reserved_tokens"] == 128 and stats["used_tokens"] == 20
-    assert stats["reserved_unused_tokens"] == 108
+    assert stats.reserved_tokens == 128 and stats.used_tokens == 20
     kvcache.free(requests[0])
     assert kvcache.allocate(requests[2], 10)
     per_request = ContiguousKVCache(ContiguousOptions(num_tokens=160, reserve="request"), spec)
     assert all(per_request.allocate(r, 10) for r in requests)  # 15 tokens -> one granule each
-    assert per_request.stats()["reserved_tokens"] == 48
+    assert per_request.stats().reserved_tokens == 48

@@ -8,11 +8,11 @@ import pytest
 import torch
 
 from conveyor import native
-from conveyor.attention.ops import dense_attention
 from conveyor.model.checkpoint import open_checkpoint
 from conveyor.model.gguf_checkpoint import unpermute_rows
 from conveyor.model.llama import LlamaModel
 from conveyor.plugins.quant.none import NoQuant
+from tests.helpers import dense_attention
 
 TINY = dict(
     vocab_size=96,
@@ -43,7 +43,7 @@ def tiny_hf_model(kind: str = "llama", **overrides):
     return model.eval()
 
 
-def conveyor_logits(path, sequences: list[list[int]], fused: bool | None = None) -> torch.Tensor:
+def conveyor_logits(path, sequences: list[list[int]], fused: bool = False) -> torch.Tensor:
     ckpt = open_checkpoint(path)
     model = LlamaModel(
         ckpt, NoQuant(None, torch.float32, torch.device("cpu")), torch.float32, torch.device("cpu"), 128, fused=fused

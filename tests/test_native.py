@@ -15,11 +15,15 @@ import torch
 import torch.nn.functional as F
 
 from conveyor import native
-from conveyor.attention.blocks import dequantize, quantize_heads
+from conveyor.attention.storage import SCALE_DTYPE, dequantize
 from conveyor.model.llama import RMSNorm, apply_rotary
+from conveyor.quant import quantize_fp8
 from tests.helpers import paged_store, reference_attention, relative_error
 
-pytestmark = pytest.mark.skipif(not native.load(), reason="no C++ compiler: the CPU kernels cannot be built here")
+pytestmark = [
+    pytest.mark.skipif(not native.load(), reason="no C++ compiler: the CPU kernels cannot be built here"),
+    pytest.mark.usefixtures("random_seed"),
+]
 
 # max |kernel - reference| / max |reference|
 TOLERANCE = {torch.float32: 1e-5, torch.float16: 5e-3, torch.bfloat16: 2e-2}
@@ -58,8 +62,8 @@ def test_paged_decode_reads_an_fp8_cache_with_its_scales():
     # quantize every slot (unused ones hold NaN and are never read), as the cache stores them
     caches = []
     for cache in (k_cache, v_cache):
-        bits, scale = quantize_heads(cache.transpose(0, 1).nan_to_num())
-        caches += [bits.transpose(0, 1).contiguous(), scale.transpose(0, 1).contiguous()]
+        values, scale = quantize_fp8(cache.transpose(0, 1).nan_to_num(), SCALE_DTYPE)
+        caches += [values.view(torch.uint8).transpose(0, 1).contiguous(), scale.transpose(0, 1).contiguous()]
     k_bits, k_scale, v_bits, v_scale = caches
     q = torch.randn(len(lengths), heads, head_dim, dtype=torch.bfloat16)
     out = native.paged_decode_attention(
@@ -144,21 +148,23 @@ def test_rotary_in_place_on_the_qkv_buffer_matches_torch(dtype):
 def test_without_a_compiler_everything_falls_back_to_torch(monkeypatch, caplog):
     from torch.utils import cpp_extension
 
-    from conveyor.attention.blocks import BlockStorage
-    from conveyor.kvcache import KVCacheSpec
+    from conveyor.attention import BackendUnavailable, select_backend
+
+    cpu = torch.device("cpu")
+    assert select_backend("auto", cpu).name == "cpu"  # the kernels built here
+    assert select_backend("auto", cpu).fused_layers
 
     def no_compiler(*args, **kwargs):
         raise RuntimeError("c++: command not found")
 
     monkeypatch.setattr(native, "_loaded", None)
     monkeypatch.setattr(cpp_extension, "load", no_compiler)
-    spec = KVCacheSpec(1, 1, 16, torch.float32, torch.device("cpu"), 64)
     with caplog.at_level("WARNING", logger="conveyor"):
-        storage = BlockStorage(spec, num_blocks=4, block_size=4)
-    assert not storage.use_cpu_kernel and not storage.use_triton
+        backend = select_backend("auto", cpu)
+    assert backend.name == "torch" and not backend.fused_layers  # attention and layers both in torch ops
     assert "c++: command not found" in caplog.text and "torch" in caplog.text
-    with pytest.raises(RuntimeError, match="could not be built"):
-        BlockStorage(spec, num_blocks=4, block_size=4, backend="cpu")
+    with pytest.raises(BackendUnavailable, match="attention = 'cpu': the C\\+\\+ kernels could not be built"):
+        select_backend("cpu", cpu)
 
 
 @pytest.mark.skipif(

@@ -43,3 +43,14 @@ def test_editable_install_imports_from_any_directory(tmp_path):
         [sys.executable, "-c", PROBE], cwd=tmp_path, capture_output=True, text=True, check=True, timeout=120
     )
     assert result.stdout.strip() == str(REPO / "core" / "__init__.py")
+
+
+def test_the_frontend_and_the_plugin_interfaces_load_no_torch():
+    """The frontend process tokenizes and speaks HTTP; the scheduler and the KV cache manager decide without
+    tensors. None of them imports torch (a second copy of it in the frontend would cost memory and start-up)."""
+    modules = ("conveyor.serving.frontend", "conveyor.engine.mp_client", "conveyor.transport", "conveyor.scheduler",
+               "conveyor.kvcache", "conveyor.plugins.schedulers.continuous", "conveyor.plugins.schedulers.static",
+               "conveyor.plugins.schedulers.dynamic", "conveyor.plugins.kvcache.paged",
+               "conveyor.plugins.kvcache.contiguous", "conveyor.client")
+    probe = f"import sys; import {', '.join(modules)}; assert 'torch' not in sys.modules, 'torch was imported'"
+    subprocess.run([sys.executable, "-c", probe], check=True, timeout=120)

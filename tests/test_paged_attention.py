@@ -1,4 +1,5 @@
-"""Paged KV cache attention (torch, C++ CPU kernel, Triton) against dense float64 attention."""
+"""Paged KV cache attention (torch, C++ CPU kernel, Triton) against dense float64 attention: the whole
+step path, from the KV cache manager's blocks to the worker's storage and backend."""
 
 from __future__ import annotations
 
@@ -7,11 +8,28 @@ from collections import OrderedDict
 import pytest
 import torch
 
+from conveyor.attention import BACKENDS, select_backend
+from conveyor.attention.backend import StepAttention
+from conveyor.attention.storage import KVStorage
 from conveyor.kvcache import KVCacheSpec
+from conveyor.messages import ScheduledRequest, StepInput
 from conveyor.plugins.kvcache.paged import PagedKVCache, PagedOptions
 from conveyor.request import Request
 from conveyor.sampling import SamplingParams
 from tests.helpers import reference_attention
+
+pytestmark = pytest.mark.usefixtures("random_seed")
+
+CPU = torch.device("cpu")
+
+
+def step_attention(cache: PagedKVCache, backend, batch: list[tuple[Request, int]], num_decodes: int) -> StepAttention:
+    """The attention function of a step over ``batch`` ((request, tokens this step), decodes first)."""
+    requests = [
+        ScheduledRequest(r.request_id, r.num_computed_tokens, [0] * n, cache.block_ids(r), SamplingParams())
+        for r, n in batch
+    ]
+    return StepAttention(backend, StepInput(0, requests, num_decodes))
 
 
 def fp8_round_trip(x: torch.Tensor) -> torch.Tensor:
@@ -37,8 +55,9 @@ def test_mixed_bf16_step_matches_dense_attention(backend):
 
 def check_mixed_step(backend: str, kv_dtype: str, dtype: torch.dtype, dim: int, tolerance: dict) -> None:
     heads, kv_heads = 6, 2
-    spec = KVCacheSpec(1, kv_heads, dim, dtype, torch.device("cpu"), 512)
-    cache = PagedKVCache(PagedOptions(block_size=4, num_blocks=200, attention=backend, dtype=kv_dtype), spec)
+    spec = KVCacheSpec(1, kv_heads, dim, str(dtype).removeprefix("torch."), 512)
+    cache = PagedKVCache(PagedOptions(block_size=4, num_blocks=200, dtype=kv_dtype), spec)
+    attention_backend = select_backend(backend, CPU)(KVStorage(cache.layout, CPU))
     # hand out blocks in random order so no block table is contiguous
     cache.free_blocks = OrderedDict.fromkeys(torch.randperm(200).tolist())
     # (total length, tokens already cached, tokens this step)
@@ -51,7 +70,7 @@ def check_mixed_step(backend: str, kv_dtype: str, dtype: torch.dtype, dim: int, 
         k, v = torch.randn(length, kv_heads, dim, dtype=dtype), torch.randn(length, kv_heads, dim, dtype=dtype)
         if cached:  # write the earlier tokens into the cache with a first pass
             assert cache.allocate(r, cached)
-            attention = cache.prepare([r], [cached], 0)
+            attention = step_attention(cache, attention_backend, [(r, cached)], 0)
             attention(0, q[:cached], k[:cached], v[:cached])
             r.num_computed_tokens = cached
         sequences.append((r, q, k, v))
@@ -61,7 +80,7 @@ def check_mixed_step(backend: str, kv_dtype: str, dtype: torch.dtype, dim: int, 
     batch = decodes + chunks
     for r, *_, n in batch:
         assert cache.allocate(r, n)
-    attention = cache.prepare([e[0] for e in batch], [e[4] for e in batch], len(decodes))
+    attention = step_attention(cache, attention_backend, [(e[0], e[4]) for e in batch], len(decodes))
     q_flat = torch.cat([q[r.num_computed_tokens : r.num_computed_tokens + n] for r, q, k, v, n in batch])
     k_flat = torch.cat([k[r.num_computed_tokens : r.num_computed_tokens + n] for r, q, k, v, n in batch])
     v_flat = torch.cat([v[r.num_computed_tokens : r.num_computed_tokens + n] for r, q, k, v, n in batch])
@@ -78,7 +97,7 @@ def check_mixed_step(backend: str, kv_dtype: str, dtype: torch.dtype, dim: int, 
 
 
 def test_blocks_are_reused_after_free():
-    spec = KVCacheSpec(1, 1, 4, torch.float32, torch.device("cpu"), 64)
+    spec = KVCacheSpec(1, 1, 4, "float32", 64)
     cache = PagedKVCache(PagedOptions(block_size=4, num_blocks=3), spec)
     a = Request("a", list(range(10)), SamplingParams(), 64)
     b = Request("b", list(range(10)), SamplingParams(), 64)
@@ -89,16 +108,35 @@ def test_blocks_are_reused_after_free():
 
 
 def test_cpu_budget_sizes_the_pool_from_bytes_per_token():
-    spec = KVCacheSpec(30, 3, 64, torch.bfloat16, torch.device("cpu"), 2048)
+    spec = KVCacheSpec(30, 3, 64, "bfloat16", 2048)
     assert spec.bytes_per_token == 2 * 30 * 3 * 64 * 2
     cache = PagedKVCache(PagedOptions(block_size=16, memory_gb=0.25), spec)
     assert cache.num_blocks == int(0.25 * 2**30 // (16 * spec.bytes_per_token))
-    assert cache.storage.num_bytes <= 0.25 * 2**30
+    # what the worker allocates for that layout fits the budget
+    assert KVStorage(cache.layout, CPU).num_bytes <= 0.25 * 2**30
+
+
+def test_gpu_budget_is_a_fraction_of_the_measured_free_memory():
+    spec = KVCacheSpec(30, 3, 64, "bfloat16", 2048)
+    free = 10 * 2**30
+    cache = PagedKVCache(PagedOptions(block_size=16, memory_fraction=0.5, memory_gb=0.25), spec, free_memory=free)
+    assert cache.num_blocks == int(0.5 * free // (16 * spec.bytes_per_token))
 
 
 def test_fp8_cache_holds_nearly_twice_the_blocks():
-    spec = KVCacheSpec(30, 3, 64, torch.bfloat16, torch.device("cpu"), 2048)
+    spec = KVCacheSpec(30, 3, 64, "bfloat16", 2048)
     bf16 = PagedKVCache(PagedOptions(block_size=16, memory_gb=0.25), spec)
     fp8 = PagedKVCache(PagedOptions(block_size=16, memory_gb=0.25, dtype="fp8"), spec)
     assert fp8.num_blocks >= 1.9 * bf16.num_blocks
-    assert fp8.storage.num_bytes <= 0.25 * 2**30
+    assert KVStorage(fp8.layout, CPU).num_bytes <= 0.25 * 2**30
+
+
+def test_triton_on_a_cpu_needs_the_interpreter(monkeypatch):
+    from conveyor.attention import BackendUnavailable
+
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(BackendUnavailable, match="attention = 'triton': .*CUDA GPU.*TRITON_INTERPRET=1"):
+        select_backend("triton", CPU)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert select_backend("triton", CPU) is BACKENDS["triton"]
+    assert select_backend("torch", CPU) is BACKENDS["torch"]

@@ -12,8 +12,10 @@ import pytest
 import torch
 
 from conveyor.plugins.quant import kernels
-from conveyor.plugins.quant.fp8 import quantize_fp8
 from conveyor.plugins.quant.int8 import quantize_int8
+from conveyor.quant import quantize_fp8
+
+pytestmark = pytest.mark.usefixtures("random_seed")
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TOLERANCE = {torch.float32: 1e-5 if DEVICE == "cpu" else 2e-3, torch.float16: 2e-3, torch.bfloat16: 1e-2}

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import inspect
+import os
+import subprocess
+import sys
 import textwrap
 from pathlib import Path
 
@@ -85,9 +88,11 @@ def test_duplicate_names_are_an_error(tmp_path, monkeypatch):
 def test_a_class_without_options_is_refused(tmp_path, monkeypatch):
     body = """
         from conveyor.hookspecs import hookimpl
+        from conveyor.scheduler import Scheduler
 
-        class Bare:
+        class Bare(Scheduler):
             name = "bare"
+            Options = dict
 
         @hookimpl
         def conveyor_register_schedulers(register):
@@ -162,3 +167,52 @@ def test_each_hook_registers_a_local_plugin_that_toml_can_select(hook, tmp_path,
     config = load_config(config_file)
     spec = config.transport[0] if kind == "transport" else getattr(config, kind)
     assert (spec.plugin, spec.options.level) == ("mine", 3)
+
+
+WRONG_KIND = """
+    from conveyor.hookspecs import hookimpl
+    from conveyor.scheduler import Scheduler
+
+    class Misfiled(Scheduler):
+        '''A scheduler, registered as a KV cache by mistake.'''
+        name = "misfiled"
+
+    @hookimpl
+    def conveyor_register_kvcaches(register):
+        register(Misfiled)
+"""
+
+
+def test_a_class_registered_under_the_wrong_kind_stops_the_server_at_start_with_one_line(tmp_path):
+    (tmp_path / "wrong_kind_plugin.py").write_text(textwrap.dedent(WRONG_KIND))
+    config = tmp_path / "serve.toml"
+    config.write_text('plugins = ["wrong_kind_plugin"]\n[[transport]]\nplugin = "http"\nport = 0\n')
+    result = subprocess.run(
+        [sys.executable, "-m", "conveyor", "serve", str(config)], capture_output=True, text=True, timeout=120,
+        env={**os.environ, "PYTHONPATH": str(tmp_path)}, check=False,
+    )
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines() == [
+        (
+            "error: wrong_kind_plugin: wrong_kind_plugin.Misfiled is registered as a KV cache but is not a "
+            "subclass of conveyor.kvcache.KVCacheManager"
+        )
+    ]
+
+
+def test_the_registry_that_validated_a_config_is_the_one_used_after(monkeypatch):
+    config = load_config()
+    built = []
+    original = PluginRegistry.__init__
+
+    def counting(self, *args, **kwargs):
+        built.append(self)
+        original(self, *args, **kwargs)
+
+    monkeypatch.setattr(PluginRegistry, "__init__", counting)
+    first = PluginRegistry.of(config)
+    assert PluginRegistry.of(config) is first and not built
+    from conveyor.config import decode_config, encode_config
+
+    decoded = decode_config(encode_config(config))  # another process's view: one registry, built once
+    assert len(built) == 1 and PluginRegistry.of(decoded) is built[0]

@@ -9,18 +9,18 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from scipy import stats
 
-from conveyor.engine.sampler import Sampler, apply_top_p, inverse_cdf
-from conveyor.request import Request
+from conveyor.messages import ScheduledRequest
 from conveyor.sampling import SamplingParams
+from conveyor.worker.sampler import Sampler, apply_top_p, inverse_cdf
 
 
-def make_requests(params: SamplingParams, n: int, prompt=(1, 2, 3), output=()) -> list[Request]:
-    requests = []
-    for i in range(n):
-        r = Request(f"s{i}", list(prompt), params, 4096)
-        r.output_token_ids = list(output)
-        requests.append(r)
-    return requests
+def make_requests(params: SamplingParams, n: int, prompt=(1, 2, 3), output=(), prefix="s") -> list[ScheduledRequest]:
+    """Rows as the runner hands them to the sampler: the last step of each request, with its history."""
+    return [
+        ScheduledRequest(f"{prefix}{i}", len(prompt) + len(output) - 1, [0], [0], params, sample=True,
+                         prompt_token_ids=list(prompt), output_token_ids=list(output))
+        for i in range(n)
+    ]
 
 
 def reference_distribution(logits: np.ndarray, p: SamplingParams) -> np.ndarray:
@@ -70,6 +70,7 @@ def test_sampling_follows_the_filtered_softmax(params):
 
 
 @pytest.mark.parametrize("top_p", [0.05, 0.5, 0.9, 0.99])
+@pytest.mark.usefixtures("random_seed")
 def test_top_p_nucleus_equals_numpy_even_past_the_candidate_window(top_p):
     # A flat-ish vocabulary of 5000 makes the nucleus span thousands of tokens
     # (past the partial top-k window); a peaked one keeps it small.
@@ -82,6 +83,7 @@ def test_top_p_nucleus_equals_numpy_even_past_the_candidate_window(top_p):
         assert np.array_equal(kept[row].numpy(), expected)
 
 
+@pytest.mark.usefixtures("random_seed")
 def test_greedy_rows_take_the_argmax_beside_random_rows():
     logits = torch.randn(6, 100)
     params = [SamplingParams(temperature=0)] * 3 + [SamplingParams(temperature=1.0)] * 3
@@ -90,6 +92,7 @@ def test_greedy_rows_take_the_argmax_beside_random_rows():
     assert tokens[:3] == logits[:3].argmax(-1).tolist()
 
 
+@pytest.mark.usefixtures("random_seed")
 def test_logprobs_are_the_raw_log_softmax_with_top_n():
     logits = torch.randn(3, 50, dtype=torch.float32)
     params = SamplingParams(temperature=0.5, top_k=3, logprobs=4, repetition_penalty=1.5)
@@ -102,6 +105,7 @@ def test_logprobs_are_the_raw_log_softmax_with_top_n():
         assert entry.top_logprobs == pytest.approx(top.values.tolist(), abs=1e-5)
 
 
+@pytest.mark.usefixtures("random_seed")
 def test_repetition_penalty_matches_transformers():
     from transformers import RepetitionPenaltyLogitsProcessor
 
@@ -109,15 +113,16 @@ def test_repetition_penalty_matches_transformers():
     prompt, output = [1, 5, 9], [5, 12, 30, 12]
     [request] = make_requests(SamplingParams(temperature=0, repetition_penalty=1.7), 1, prompt, output)
     ours = logits.clone()
-    from conveyor.engine.sampler import apply_penalties
+    from conveyor.worker.sampler import apply_penalties
 
     apply_penalties(ours, [0], [request])
     reference = RepetitionPenaltyLogitsProcessor(1.7)(torch.tensor([prompt + output]), logits.clone())
     torch.testing.assert_close(ours, reference)
 
 
+@pytest.mark.usefixtures("random_seed")
 def test_presence_and_frequency_penalties_follow_the_openai_formula():
-    from conveyor.engine.sampler import apply_penalties
+    from conveyor.worker.sampler import apply_penalties
 
     logits = torch.randn(1, 20)
     output = [3, 3, 3, 7]
@@ -130,6 +135,7 @@ def test_presence_and_frequency_penalties_follow_the_openai_formula():
     torch.testing.assert_close(ours[0], expected)
 
 
+@pytest.mark.usefixtures("random_seed")
 def test_seeded_rows_do_not_depend_on_their_neighbours():
     vocab = 1000
     logits = torch.randn(1, vocab)
@@ -137,15 +143,24 @@ def test_seeded_rows_do_not_depend_on_their_neighbours():
 
     def draw(extra_rows: int, position: int) -> list[int]:
         request = make_requests(seeded, 1)[0]
-        others = make_requests(SamplingParams(temperature=1.0), extra_rows)
+        others = make_requests(SamplingParams(temperature=1.0), extra_rows, prefix="other")
         batch = others[:position] + [request] + others[position:]
+        sampler = Sampler(seed=extra_rows)  # the engine-wide seed differs too
         result = []
-        for _ in range(5):  # five steps of the same request
-            tokens, _ = Sampler(seed=extra_rows).sample(logits.expand(len(batch), vocab).clone(), batch)
+        for _ in range(5):  # five steps of the same request: its own generator goes on
+            tokens, _ = sampler.sample(logits.expand(len(batch), vocab).clone(), batch)
             result.append(tokens[position])
         return result
 
-    assert draw(0, 0) == draw(7, 3) == draw(2, 2)
+    first = draw(0, 0)
+    assert first == draw(7, 3) == draw(2, 2)
+    assert len(set(first)) > 1  # five draws, not one draw five times
+
+    sampler = Sampler()
+    [request] = make_requests(seeded, 1)
+    before = sampler.sample(logits.clone(), [request])[0]
+    sampler.forget([request.request_id])  # the request ended: a new one with its id and seed starts afresh
+    assert sampler.sample(logits.clone(), [request])[0] == before
 
 
 @settings(max_examples=200, deadline=None)

@@ -68,9 +68,19 @@ def test_out_of_blocks_preempts_the_newest_and_everything_still_finishes():
     requests = [create_request(8, max_tokens=8) for _ in range(3)]
     for r in requests:
         scheduler.add(r)
-    finished = run_to_completion(scheduler)
+    finished, preempted_steps = [], 0
+    while scheduler.has_unfinished():
+        running = list(scheduler.running)
+        _, outputs = fake_step(scheduler)
+        finished += [o.request_id for o in outputs if o.finish_reason]
+        victims = {r for r in running if r.status == RequestStatus.PREEMPTED}
+        if victims:
+            preempted_steps += 1
+            # the newest admitted go first: the victims are the last ones of the running list
+            assert victims == set(running[len(running) - len(victims):])
+    assert preempted_steps >= 1
     assert sorted(finished) == sorted(r.request_id for r in requests)
-    assert scheduler.stats().num_preemptions >= 1
+    assert scheduler.stats().num_preemptions >= preempted_steps
     assert all(len(r.output_token_ids) == 8 for r in requests)
     assert_no_leak(scheduler.kvcache)
 

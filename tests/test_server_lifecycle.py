@@ -7,10 +7,13 @@ import json
 import os
 import re
 import signal
+import subprocess
+import sys
 import threading
 
 import httpx
 import pytest
+import torch
 
 from tests.server import Server, http_config
 
@@ -55,6 +58,7 @@ def test_health_is_ok_when_up(server):
 
 def test_engine_death_fails_in_flight_requests_and_the_engine_restarts(server):
     pid = int(re.search(r"engine pid (\d+)", server.output).group(1))
+    assert server.engine_pid == pid
     assert server.metric("conveyor_engine_restarts_total") == 0
 
     # a non-streaming request in flight as well
@@ -66,9 +70,11 @@ def test_engine_death_fails_in_flight_requests_and_the_engine_restarts(server):
         received = events(response)
         for _ in range(3):
             next(received)
+        # the engine stopped here: neither request can finish before it dies, however fast the device
+        os.kill(pid, signal.SIGSTOP)
         plain.start()
-        server.wait_for(lambda: server.metric("conveyor_num_requests_running") == 2, timeout=30,
-                        what="both requests running")
+        server.wait_for(lambda: server.metric("conveyor_num_requests_in_flight") == 2, timeout=30,
+                        what="both requests in flight")
         os.kill(pid, signal.SIGKILL)
         rest = list(received)  # ends, or the client timeout fails the test
     plain.join(60)
@@ -108,12 +114,13 @@ def test_sigterm_lets_the_request_in_flight_finish(tmp_path):
         with httpx.stream("POST", f"{server.http}/v1/chat/completions", json=body, timeout=120) as response:
             received = events(response)
             next(received)
-            server.process.send_signal(signal.SIGTERM)
-            # draining: not ready for new work, new requests refused, the one in flight goes on
-            server.wait_for(lambda: health(server) == 503, timeout=10, what="/health to report draining")
-            refused = chat(server, max_tokens=2)
-            assert refused.status_code == 503
-            assert "shutting down" in refused.json()["error"]["message"]
+            with server.paused_engine():  # the request cannot finish while the drain is checked
+                server.process.send_signal(signal.SIGTERM)
+                # draining: not ready for new work, new requests refused, the one in flight goes on
+                server.wait_for(lambda: health(server) == 503, timeout=10, what="/health to report draining")
+                refused = chat(server, max_tokens=2)
+                assert refused.status_code == 503
+                assert "shutting down" in refused.json()["error"]["message"]
             rest = list(received)
         assert rest[-1] == "[DONE]"
         finish_reasons = [c["finish_reason"] for e in rest[:-1] for c in e["choices"] if c["finish_reason"]]
@@ -133,8 +140,12 @@ def test_sigterm_aborts_what_outlasts_drain_timeout(tmp_path):
                 "stream_options": {"include_usage": True}}
         with httpx.stream("POST", f"{server.http}/v1/chat/completions", json=body, timeout=120) as response:
             received = events(response)
-            next(received)
-            server.process.send_signal(signal.SIGTERM)
+            next(e for e in received if e["choices"] and e["choices"][0]["delta"].get("content"))  # it generates
+            # stopped until the drain gives up on it: it outlasts drain_timeout however fast the device
+            with server.paused_engine():
+                server.process.send_signal(signal.SIGTERM)
+                server.wait_for(lambda: any("aborting 1 requests" in line for line in server.lines), timeout=30,
+                                what="the drain to give up and abort")
             rest = list(received)  # a broken connection would raise here
         # a clean end: the last choice says "abort", the usage follows, then [DONE]
         assert rest[-1] == "[DONE]"
@@ -144,7 +155,34 @@ def test_sigterm_aborts_what_outlasts_drain_timeout(tmp_path):
         generated = rest[-2]["usage"]["completion_tokens"]
         assert 0 < generated < n
         assert server.process.wait(60) == 0
-        server.wait_for(lambda: any("aborting 1 requests" in line for line in server.lines), timeout=10,
-                        what="the abort to be logged")
     finally:
         server.stop()
+
+
+def test_the_server_gives_up_after_max_engine_restarts(tmp_path):
+    server = Server(http_config(max_engine_restarts=1), tmp_path).start()
+    try:
+        first = server.engine_pid
+        os.kill(first, signal.SIGKILL)  # the first death is within the budget: a new engine starts
+        server.wait_for(lambda: server.engine_pid != first, timeout=180, what="the engine to restart")
+        assert health(server) == 200
+        os.kill(server.engine_pid, signal.SIGKILL)  # the second within ten minutes is one too many
+        assert server.process.wait(60) == 1
+        assert re.search(r"error: the engine process died 2 times in 600 s .*; giving up", server.output), server.output
+    finally:
+        server.stop()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="Triton runs on this machine")
+def test_an_attention_backend_the_machine_cannot_run_stops_the_server_at_start():
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    result = subprocess.run(
+        [sys.executable, "-m", "conveyor", "serve", "--set", "engine.attention=triton", "--set", "transport.0.port=0"],
+        env=env, capture_output=True, text=True, timeout=300, check=False,
+    )
+    assert result.returncode == 1
+    errors = [line for line in result.stderr.splitlines() if "error" in line]
+    assert len(errors) == 1, result.stderr
+    assert re.fullmatch(r"error: .*\[engine\] attention = 'triton': the Triton kernels need a CUDA GPU .*"
+                        r"TRITON_INTERPRET=1.*", errors[0]), errors[0]
+    assert "Listening on" not in result.stdout and "loaded layer" not in result.stderr  # before any weight loads

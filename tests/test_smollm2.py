@@ -59,6 +59,45 @@ def test_greedy_matches_transformers_in_a_batch(llm_fp32, reference):
         assert_matches_reference(completion, ref_tokens, ref_logprobs, prompt)
 
 
+@pytest.mark.parametrize(
+    "attention, num_prompts, num_tokens",
+    # the Triton kernels run in the interpreter here (TRITON_INTERPRET=1): slow, so a short check
+    [("torch", 4, NUM_TOKENS), ("triton", 2, 6)],
+)
+def test_every_attention_backend_matches_transformers(reference, attention, num_prompts, num_tokens):
+    """The default fixture runs "auto" (the C++ kernels here); the other backends, chosen by [engine] attention."""
+    from conveyor import LLM
+
+    llm = LLM(overrides={"model.dtype": "float32", "engine.attention": attention})
+    assert llm.engine.info.attention == attention
+    assert not llm.engine.executor.worker.model.fused  # the model's layers run in torch ops with these too
+    params = SamplingParams(max_tokens=num_tokens, temperature=0, ignore_eos=True, logprobs=5)
+    prompts = CHAT_PROMPTS[:num_prompts]
+    completions = llm.generate([[{"role": "user", "content": p}] for p in prompts], params)
+    for prompt, completion, (_, ref_tokens, ref_logprobs) in zip(prompts, completions, reference):
+        assert_matches_reference(completion, ref_tokens[:num_tokens], ref_logprobs, f"{attention}: {prompt}")
+
+
+def test_prompt_logprobs_match_transformers(llm_fp32, hf_model, tokenizer):
+    ids = tokenizer.encode_chat([{"role": "user", "content": CHAT_PROMPTS[2]}])
+    # a small token budget: the prompt is computed in chunks, later ones reading K and V from the cache
+    from conveyor import LLM
+
+    chunked = LLM(overrides={"model.dtype": "float32", "scheduler.max_num_batched_tokens": 16})
+    [completion] = chunked.generate([ids], SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=3))
+    with torch.inference_mode():
+        ref = torch.log_softmax(hf_model(torch.tensor([ids])).logits[0].double(), dim=-1)
+    entries = completion.prompt_logprobs
+    assert len(entries) == len(ids) - 1 > 16
+    for position, entry in enumerate(entries, start=1):
+        row = ref[position - 1]  # the distribution of the token at `position`
+        assert abs(entry.logprob - float(row[ids[position]])) < 1e-3, position
+        third = float(row.topk(3).values[-1])
+        assert len(entry.top_ids) == 3
+        for token, logprob in zip(entry.top_ids, entry.top_logprobs):  # the 3 most likely, up to near ties
+            assert abs(logprob - float(row[token])) < 1e-3 and logprob > third - 1e-3, position
+
+
 def test_logprobs_match_transformers(llm_fp32, reference):
     ids, ref_tokens, ref_logprobs = reference[0]
     [completion] = llm_fp32.generate(
@@ -186,20 +225,25 @@ def test_a_failed_step_fails_its_requests_and_the_engine_keeps_serving(llm_fp32,
     engine = llm_fp32.engine
     free_before = engine.kvcache.num_free_blocks
 
-    def broken(batch):
+    def broken(step):
         raise RuntimeError("simulated device fault")
 
     with monkeypatch.context() as patch:
-        patch.setattr(engine.runner, "execute", broken)
+        patch.setattr(engine.executor, "execute", broken)
         from conveyor.messages import EngineRequest
 
-        engine.add_request(EngineRequest("doomed", [1, 2, 3, 4], SamplingParams(max_tokens=4)))
+        assert engine.add_request(EngineRequest("doomed", [1, 2, 3, 4], SamplingParams(max_tokens=4))) is None
         outputs, _ = engine.step()
     assert [(o.request_id, o.finish_reason) for o in outputs] == [("doomed", "error")]
     assert "simulated device fault" in outputs[0].error
     assert engine.kvcache.num_free_blocks == free_before and not engine.has_unfinished()
     [after] = llm_fp32.generate("The sky is", SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
     assert len(after.token_ids) == 4
+    with monkeypatch.context() as patch:  # through the offline API, the failure is an exception
+        patch.setattr(engine.executor, "execute", broken)
+        with pytest.raises(RuntimeError, match="simulated device fault"):
+            llm_fp32.generate("The sky is", SamplingParams(max_tokens=4))
+    assert engine.kvcache.num_free_blocks == free_before and not engine.has_unfinished()
 
 
 def test_a_rejected_prompt_leaves_nothing_queued(llm_fp32):

@@ -3,6 +3,8 @@ conveyor.client sync and async, HTTP and ZMQ served at once, and CURVE."""
 
 from __future__ import annotations
 
+from contextlib import aclosing
+
 import anyio
 import msgspec
 import pytest
@@ -116,23 +118,31 @@ def test_raw_client_from_the_protocol_document(server, keys, tokenizer):
     socket.close()
 
 
+def engine_aborts(server: Server) -> float:
+    return server.metric("conveyor_engine_aborted_requests_total")
+
+
 def test_raw_client_abort(server, keys):
     socket = raw_socket(server, keys)
+    engine_aborted = engine_aborts(server)
     request = {"request_id": "long", "prompt": "Tell me a story.", "params": {"max_tokens": 500, "ignore_eos": True}}
     socket.send_multipart([b"generate", msgspec.msgpack.encode(request)])
     assert socket.poll(60_000)
     socket.recv_multipart()
-    socket.send_multipart([b"abort", msgspec.msgpack.encode({"request_id": "long"})])
-    while True:
-        assert socket.poll(60_000), "no final chunk after abort"
-        _, body = socket.recv_multipart()
-        message = msgspec.msgpack.decode(body)
-        if message.get("finish_reason"):
-            break
+    # stopped until the abort has gone out: the request cannot end by itself first
+    with server.paused_engine():
+        socket.send_multipart([b"abort", msgspec.msgpack.encode({"request_id": "long"})])
+        while True:
+            assert socket.poll(60_000), "no final chunk after abort"
+            _, body = socket.recv_multipart()
+            message = msgspec.msgpack.decode(body)
+            if message.get("finish_reason"):
+                break
     assert message["finish_reason"] == "abort"
     assert message["usage"]["completion_tokens"] < 500
     server.wait_for(lambda: server.metric("conveyor_kv_cache_free_blocks") == server.metric("conveyor_kv_cache_blocks"),
                     what="the aborted request's blocks to be freed")
+    assert engine_aborts(server) == engine_aborted + 1
     socket.close()
 
 
@@ -154,27 +164,64 @@ def test_sync_client_matches_http(server, client_keys):
     assert reply.usage.completion_tokens == whole.usage.completion_tokens
 
 
+async def until(predicate, what: str, timeout: float = 60.0) -> None:
+    """Poll ``predicate`` without blocking the event loop (the client's reader runs meanwhile)."""
+    with anyio.fail_after(timeout):
+        while not await anyio.to_thread.run_sync(predicate):
+            await anyio.sleep(0.05)
+
+
+def num_finished(server: Server, finish_reason: str) -> float:
+    try:
+        return server.metric("conveyor_requests_total", finish_reason=finish_reason)
+    except KeyError:  # none has ended that way yet
+        return 0.0
+
+
 async def test_async_client_runs_requests_concurrently(server, client_keys, tokenizer):
     prompts = [f"Count from {i} to {i + 5}:" for i in range(6)]
+    engine_aborted, aborted = engine_aborts(server), num_finished(server, "abort")
     async with AsyncClient(server.url("tcp"), timeout=120, **client_keys) as client:
         assert (await client.health()).alive
         results: dict[int, object] = {}
+        # when each request's first and last chunks came
+        spans: dict[int, tuple[float, float]] = {}
 
         async def one(i: int) -> None:
-            results[i] = await client.generate(prompts[i], max_tokens=4 + i, temperature=0, ignore_eos=True)
+            chunks = []
+            async for chunk in client.stream(prompts[i], max_tokens=8 + i, temperature=0, ignore_eos=True):
+                chunks.append((anyio.current_time(), chunk))
+            spans[i] = (chunks[0][0], chunks[-1][0])
+            results[i] = chunks[-1][1]
 
-        async with anyio.create_task_group() as tg:
-            for i in range(len(prompts)):
-                tg.start_soon(one, i)
+        # the engine stopped until all six are in: it takes them together, however fast it is
+        server.pause_engine()
+        try:
+            async with anyio.create_task_group() as tg:
+                for i in range(len(prompts)):
+                    tg.start_soon(one, i)
+                await until(lambda: server.metric("conveyor_num_requests_in_flight") == 6, "six requests in flight")
+                server.resume_engine()
+        finally:
+            server.resume_engine()
         # leaving a stream early aborts the request
-        async for chunk in client.stream("Tell me a long story.", max_tokens=400, ignore_eos=True):
-            break
+        try:
+            async with aclosing(client.stream("Tell me a long story.", max_tokens=400, ignore_eos=True)) as chunks:
+                async for _ in chunks:
+                    server.pause_engine()  # nothing more happens in the engine until the abort has gone out
+                    break
+            await until(lambda: num_finished(server, "abort") == aborted + 1, "the frontend to abort the stream")
+        finally:
+            server.resume_engine()
     for i, prompt in enumerate(prompts):
         result = results[i]
         assert result.finish_reason == "length"
-        assert result.usage.completion_tokens == len(result.token_ids) == 4 + i
+        assert result.usage.completion_tokens == 8 + i
         assert result.usage.prompt_tokens == len(tokenizer.encode(prompt))
-    server.wait_for(lambda: server.metric("conveyor_num_requests_running") == 0, what="the abandoned stream's abort")
+    # all six were in flight at once: every one started before any one ended
+    assert max(first for first, _ in spans.values()) < min(last for _, last in spans.values())
+    await until(lambda: engine_aborts(server) == engine_aborted + 1, "the engine to abort the abandoned stream")
+    await until(lambda: server.metric("conveyor_num_requests_running") == 0, "the engine to be idle")
 
 
 def test_curve_rejects_a_client_with_the_wrong_key(server, keys):

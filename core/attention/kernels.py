@@ -5,8 +5,8 @@ K and V of one layer are ``[kv_heads, num_slots, head_dim]`` with slot =
 ``block_tables``. Both kernels use an online softmax in float32 and never
 materialize the gathered keys.
 
-The torch reference for both is ``conveyor.attention.blocks`` (and, in the
-tests, a float64 dense attention). Set ``TRITON_INTERPRET=1`` before this
+The torch path of the same computation is ``conveyor.attention.torch_backend``;
+the tests check both kernels against a float64 dense attention. Set ``TRITON_INTERPRET=1`` before this
 module is imported to run the kernels on CPU tensors.
 """
 
@@ -107,6 +107,7 @@ def paged_decode_attention(
     block_size: int,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One query per sequence over its paged context.
 
@@ -117,12 +118,14 @@ def paged_decode_attention(
         context_lens: ``[B]`` int32, keys per sequence (the new token's included).
         block_size: tokens per block.
         k_scale, v_scale: ``[Hkv, num_slots]`` scales of an fp8 cache (value = stored x scale), or None.
+        out: ``[B, Hq, D]`` to write into (a new tensor if None).
 
     Returns:
-        ``[B, Hq, D]`` in q's dtype.
+        ``out``, in q's dtype.
     """
     batch, num_heads, head_dim = q.shape
-    out = torch.empty_like(q)
+    if out is None:
+        out = torch.empty_like(q)
     args, layout = _shared_args(q, k_cache, v_cache, out, block_tables, block_size, k_scale, v_scale)
     _decode_kernel[(batch, num_heads)](
         q, k_cache, v_cache, out, block_tables, context_lens, *args, **layout,

@@ -1,11 +1,9 @@
-"""Attention primitives shared by the KV cache layouts (torch path)."""
+"""Attention primitives in torch ops (the torch backend's path)."""
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-
-from conveyor.model.llama import AttentionFn
 
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_start: int) -> torch.Tensor:
@@ -30,20 +28,6 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_start:
         mask = torch.arange(length, device=q.device).unsqueeze(0) <= query_pos
         out = F.scaled_dot_product_attention(qt, k.unsqueeze(0), v.unsqueeze(0), attn_mask=mask, enable_gqa=gqa)
     return out.squeeze(0).transpose(0, 1)
-
-
-def dense_attention(seq_lens: list[int]) -> AttentionFn:
-    """Attention for whole sequences with no KV cache (teacher forcing, tests)."""
-
-    def attention(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        outs, start = [], 0
-        for n in seq_lens:
-            keys, values = k[start : start + n].transpose(0, 1), v[start : start + n].transpose(0, 1)
-            outs.append(causal_attention(q[start : start + n], keys, values, 0))
-            start += n
-        return torch.cat(outs)
-
-    return attention
 
 
 def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

@@ -1,6 +1,1 @@
-"""The engine: the step (EngineCore), its async loop (AsyncEngine), the model runner and the sampler."""
-
-from conveyor.engine.core import EngineCore
-from conveyor.engine.loop import AsyncEngine
-
-__all__ = ["AsyncEngine", "EngineCore"]
+"""The engine: the engine core and its step, the engine clients, and the engine process."""

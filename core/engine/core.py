@@ -1,8 +1,10 @@
-"""The engine core: one model, one KV cache, one scheduler, and the step.
+"""The engine core: the scheduler, the KV cache manager, an executor, and the step.
 
 ``EngineCore.step()`` is schedule -> execute -> update: which requests run
-and with how many tokens, one forward pass over all of them, then the sampled
-tokens go back to the scheduler, which returns what each request produced.
+and with how many tokens, one forward pass over all of them on the workers,
+then the sampled tokens go back to the scheduler, which returns what each
+request produced. The engine core decides and never touches a tensor; the
+executor carries each step to the workers.
 """
 
 from __future__ import annotations
@@ -11,65 +13,106 @@ import logging
 import time
 from collections.abc import Iterable
 
-import torch
-
 from conveyor.config import Config
-from conveyor.engine.runner import ModelRunner
-from conveyor.engine.sampler import Sampler
-from conveyor.kvcache import KVCacheSpec
-from conveyor.messages import EngineRequest, RequestOutput, StepStats
-from conveyor.model.loader import DTYPES, load_model, load_tokenizer, model_len, open_model, resolve_device
+from conveyor.executor.uniproc import UniprocExecutor
+from conveyor.kvcache import KVCacheManager
+from conveyor.messages import (
+    EngineOutputs,
+    EngineRequest,
+    MessageType,
+    RequestOutput,
+    RunnerOutput,
+    ScheduledRequest,
+    StepInput,
+    StepStats,
+)
 from conveyor.registry import PluginRegistry
-from conveyor.request import FinishReason, Request
+from conveyor.request import FinishReason, Request, RequestRejected
+from conveyor.scheduler import ScheduledBatch, Scheduler
 
 logger = logging.getLogger("conveyor")
 
+# seconds to wait before stepping again while a batching scheduler collects requests (it ran nothing)
+COLLECT_WAIT = 0.002
+
 
 class EngineCore:
-    """Owns the model and the batch; knows nothing of HTTP or sockets."""
+    """Owns the requests and the batch; knows nothing of HTTP or sockets."""
 
     def __init__(self, config: Config, registry: PluginRegistry | None = None):
-        registry = registry or PluginRegistry(config.plugins, source=config.source)
+        registry = registry or PluginRegistry.of(config)
         self.config = config
-        self.device = resolve_device(config.model.device)
-        if self.device.type == "cpu" and config.engine.num_threads:
-            torch.set_num_threads(config.engine.num_threads)
-        dtype = DTYPES[config.model.dtype]
-        ckpt = open_model(config.model, config.source)
-        self.max_model_len = model_len(config.model, ckpt, config.source)
-        self.tokenizer = load_tokenizer(config.model, ckpt, config.source)
-        self.eos_token_ids = self.tokenizer.eos_token_ids
-
-        def plugin(kind: str, spec):
-            cls = registry.get(kind, spec.plugin)
-            return cls, spec.options if spec.options is not None else cls.Options()
-
-        quant_cls, quant_options = plugin("quant", config.quant)
-        self.model = load_model(ckpt, quant_cls(quant_options, dtype, self.device), dtype, self.device, self.max_model_len)
-        del ckpt
-        spec = self.model.spec
-        kv_spec = KVCacheSpec(spec.num_layers, spec.num_kv_heads, spec.head_dim, dtype, self.device, self.max_model_len)
-        kv_cls, kv_options = plugin("kvcache", config.kvcache)
-        self.kvcache = kv_cls(kv_options, kv_spec)
-        scheduler_cls, scheduler_options = plugin("scheduler", config.scheduler)
-        self.scheduler = scheduler_cls(scheduler_options, self.kvcache, self.max_model_len)
-        self.runner = ModelRunner(self.model, self.kvcache, Sampler(config.engine.seed))
+        self.executor = UniprocExecutor(config, registry)
+        try:
+            info = self.executor.load_model()
+            self.kvcache: KVCacheManager = registry.build("kvcache", config.kvcache, info.kv_spec,
+                                                          self.executor.free_memory())
+            self.executor.init_kv_cache(self.kvcache.layout)
+            self.scheduler: Scheduler = registry.build("scheduler", config.scheduler, self.kvcache,
+                                                       info.max_model_len)
+        except BaseException:
+            self.executor.shutdown()
+            raise
+        self.info = info
+        self.max_model_len = info.max_model_len
         self.num_steps = 0
+        # requests that ended since the last step (the workers forget them)
+        self._finished: list[str] = []
+        # the last step scheduled nothing although requests are pending (a batching scheduler collecting)
+        self._collecting = False
 
-    def add_request(self, message: EngineRequest) -> None:
+    def add_request(self, message: EngineRequest) -> RequestOutput | None:
         """Queue a request.
 
-        Raises:
-            RequestRejected: it cannot run here (too long, queue full, ...).
+        Returns:
+            None; or, for a request it cannot take (too long, queue full, ...), its final error output,
+            with the HTTP status that says why.
         """
-        request = Request.from_message(message, self.max_model_len, self.eos_token_ids)
-        self.scheduler.add(request)
+        try:
+            self.scheduler.add(Request.from_message(message, self.max_model_len))
+        except RequestRejected as e:
+            return RequestOutput(message.request_id, finish_reason=FinishReason.ERROR.value, error=str(e),
+                                 error_status=e.status)
+        self._collecting = False
+        return None
 
     def abort(self, request_ids: Iterable[str]) -> list[RequestOutput]:
-        return self.scheduler.abort(request_ids)
+        """End requests wherever they are; returns a final ``abort`` output for each unfinished one."""
+        outputs = self.scheduler.abort(request_ids)
+        self._finished.extend(o.request_id for o in outputs)
+        return outputs
+
+    def apply(self, messages: Iterable[tuple[MessageType, object]]) -> EngineOutputs | None:
+        """Take ADD and ABORT messages (``EngineRequest``, a list of request ids) in the order they came.
+
+        Returns:
+            What they produced (rejections, abort outputs), with a stats snapshot after an abort so
+            that the freed blocks show at once; None when there is nothing to tell.
+        """
+        outputs: list[RequestOutput] = []
+        aborted = False
+        for kind, body in messages:
+            if kind is MessageType.ADD:
+                rejection = self.add_request(body)
+                if rejection is not None:
+                    outputs.append(rejection)
+            elif kind is MessageType.ABORT:
+                outputs += self.abort(body)
+                aborted = True
+        if not outputs and not aborted:
+            return None
+        return EngineOutputs(outputs, self.stats() if aborted else None)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
+
+    def poll_timeout(self) -> float | None:
+        """How long a loop around ``step`` may wait for new requests before stepping again:
+        0 while there is work, a moment while a batching scheduler collects, None (until a
+        request comes) when idle."""
+        if not self.scheduler.has_unfinished():
+            return None
+        return COLLECT_WAIT if self._collecting else 0.0
 
     def step(self) -> tuple[list[RequestOutput], StepStats | None]:
         """Run one step.
@@ -80,60 +123,80 @@ class EngineCore:
         """
         start = time.perf_counter()
         batch = self.scheduler.schedule()
+        self._collecting = not batch.requests
         if not batch.requests:
             return [], None
-        scheduled = time.perf_counter()
-        now = time.time()
-        for request in batch.requests:
-            if request.first_scheduled_time is None:
-                request.first_scheduled_time = now
+        # decodes proper: one new token after earlier ones (not the last token of a prompt chunk)
         num_decode = sum(
-            1
-            for request in batch.requests[: batch.num_decodes]
-            if request.num_output_tokens and request.num_computed_tokens == request.num_tokens - 1
+            1 for r in batch.requests[: batch.num_decodes] if r.num_output_tokens and r.num_uncomputed_tokens == 1
         )
+        step = self._step_input(batch)
+        scheduled = time.perf_counter()
         try:
-            sampled, logprobs = self.runner.execute(batch)
+            result = self.executor.execute(step)
         except Exception as e:  # a failed step fails its requests, not the engine
             logger.exception("step failed; ending its %d requests with an error", len(batch))
-            return self._fail(batch.requests, f"{type(e).__name__}: {e}"), None
+            outputs = self.scheduler.abort([r.request_id for r in batch.requests], error=f"{type(e).__name__}: {e}")
+            self._finished.extend(o.request_id for o in outputs)
+            return outputs, None
         executed = time.perf_counter()
-        outputs = self.scheduler.update(batch, sampled, logprobs)
+        outputs = self.scheduler.update(batch, result.sampled, result.logprobs)
+        if result.prompt_logprobs:
+            outputs = self._add_prompt_logprobs(batch, step, result, outputs)
+        self._finished.extend(o.request_id for o in outputs if o.finish_reason is not None)
         self.num_steps += 1
-        stats = self.stats(
-            num_prefill_tokens=batch.total_tokens - num_decode,
-            num_decode_tokens=num_decode,
-            schedule_time=scheduled - start,
-            forward_time=self.runner.forward_time,
-            sample_time=self.runner.sample_time,
-            update_time=time.perf_counter() - executed,
-        )
+        stats = self.stats()
+        stats.num_prefill_tokens = batch.total_tokens - num_decode
+        stats.num_decode_tokens = num_decode
+        stats.schedule_time = scheduled - start
+        stats.forward_time = result.forward_time
+        stats.sample_time = result.sample_time
+        stats.update_time = time.perf_counter() - executed
         return outputs, stats
 
-    def stats(self, **step: float) -> StepStats:
-        """The queues and the KV cache now; ``step`` adds what the last step did (tokens, timings)."""
-        scheduler_stats = self.scheduler.stats()
-        kv_stats = self.kvcache.stats()
-        return StepStats(
-            step=self.num_steps,
-            timestamp=time.time(),
-            num_running=scheduler_stats.num_running,
-            num_waiting=scheduler_stats.num_waiting,
-            num_prefill_tokens=int(step.pop("num_prefill_tokens", 0)),
-            num_decode_tokens=int(step.pop("num_decode_tokens", 0)),
-            kv_usage=kv_stats["usage"],
-            num_kv_blocks=int(kv_stats.get("num_blocks", 0)),
-            num_free_kv_blocks=int(kv_stats.get("num_free_blocks", 0)),
-            num_preemptions=scheduler_stats.num_preemptions,
-            num_prefix_hit_tokens=int(kv_stats.get("prefix_hits", 0)),
-            num_wasted_slots=scheduler_stats.num_wasted_slots,
-            **step,
-        )
+    def stats(self) -> StepStats:
+        """The queues and the KV cache now (a step fills in its tokens and timings)."""
+        return StepStats(self.num_steps, time.time(), self.scheduler.stats(), self.kvcache.stats())
 
-    def _fail(self, requests: list[Request], error: str) -> list[RequestOutput]:
-        outputs = self.scheduler.abort(r.request_id for r in requests)
-        for output in outputs:
-            output.finish_reason = FinishReason.ERROR.value
-            output.error = error
+    def _step_input(self, batch: ScheduledBatch) -> StepInput:
+        now = time.time()
+        requests = []
+        for request, n in zip(batch.requests, batch.num_tokens):
+            if request.first_scheduled_time is None:
+                request.first_scheduled_time = now
+            start = request.num_computed_tokens
+            params = request.params
+            entry = ScheduledRequest(
+                request.request_id, start, request.token_ids(start, start + n), self.kvcache.block_ids(request),
+                params, sample=start + n == request.num_tokens,
+            )
+            if entry.sample and params.has_penalties:
+                entry.prompt_token_ids, entry.output_token_ids = request.prompt_token_ids, request.output_token_ids
+            if params.prompt_logprobs is not None and request.num_prompt_logprobs < request.num_prompt_tokens - 1:
+                entry.prompt_logprob_token_ids = request.prompt_token_ids[start + 1 : start + n + 1]
+            requests.append(entry)
+        finished, self._finished = self._finished, []
+        return StepInput(self.num_steps, requests, batch.num_decodes, finished)
+
+    def _add_prompt_logprobs(
+        self, batch: ScheduledBatch, step: StepInput, result: RunnerOutput, outputs: list[RequestOutput]
+    ) -> list[RequestOutput]:
+        """Attach each request's new prompt logprobs to its output (one made if the step sampled nothing);
+        positions sent before (a recomputation after preemption) are not sent again."""
+        by_id = {o.request_id: o for o in outputs}
+        for request, entry, logprobs in zip(batch.requests, step.requests, result.prompt_logprobs):
+            if not logprobs:
+                continue
+            first = entry.start + 1  # the prompt position row 0 predicts
+            skip = max(0, request.num_prompt_logprobs + 1 - first)
+            if skip >= len(logprobs):
+                continue
+            output = by_id.get(request.request_id)
+            if output is None:
+                output = by_id[request.request_id] = RequestOutput(request.request_id,
+                                                                   num_prompt_tokens=request.num_prompt_tokens)
+                outputs.append(output)
+            output.prompt_logprobs = logprobs[skip:]
+            output.prompt_logprobs_start = first + skip
+            request.num_prompt_logprobs = first + len(logprobs) - 1
         return outputs
-

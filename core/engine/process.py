@@ -1,16 +1,18 @@
 """The engine core process: EngineCore.step() in a loop behind two ZMQ sockets.
 
-The frontend starts it with ``python -m conveyor.engine.process`` and the
-addresses of two sockets it has bound: the engine PULLs requests and aborts
-from the first and PUSHes outputs to the second. Messages are msgspec msgpack
-(``conveyor.messages``); nothing is pickled. ZeroMQ queues what arrives
-during a forward pass, so taking new requests never blocks a step.
+The frontend (``conveyor.engine.mp_client``) starts it with ``python -m
+conveyor.engine.process``, writes the validated config to its stdin
+(msgpack), and gives it the addresses of two sockets it has bound: the
+engine PULLs requests and aborts from the first and PUSHes outputs to the
+second. Messages are msgspec msgpack (``conveyor.messages``); nothing is
+pickled. ZeroMQ queues what arrives during a forward pass, so taking new
+requests never blocks a step. If the engine cannot start, its one message
+is FAILED with the reason.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
 import signal
@@ -19,27 +21,17 @@ import time
 
 import zmq
 
-from conveyor.config import ConfigError, load_config
+from conveyor.config import ConfigError, decode_config
 from conveyor.engine.core import EngineCore
-from conveyor.messages import (
-    EngineOutputs,
-    EngineReady,
-    EngineRequest,
-    MessageType,
-    RequestOutput,
-    StepStats,
-    decode,
-    encode,
-)
+from conveyor.messages import EngineOutputs, EngineReady, MessageType, RequestOutput, StepStats, decode, encode
 from conveyor.registry import PluginError
-from conveyor.request import FinishReason, RequestRejected
 
 logger = logging.getLogger("conveyor.engine")
 
 # how long an idle engine waits for a message before checking its stop flag, ms
 IDLE_POLL_MS = 200
-# while a batching scheduler collects requests it steps this often, ms
-COLLECT_POLL_MS = 2
+# errors that are the user's to fix: the reason goes to the frontend in one line
+STARTUP_ERRORS = (ConfigError, PluginError, FileNotFoundError, ImportError, ValueError)
 
 
 class EngineProcess:
@@ -54,31 +46,29 @@ class EngineProcess:
         self.stopping = False
 
     def send_ready(self, load_time: float) -> None:
-        kv = self.core.kvcache
-        stats = kv.stats()
+        core, kv = self.core, self.core.kvcache
         ready = EngineReady(
             pid=os.getpid(),
-            max_model_len=self.core.max_model_len,
-            num_kv_blocks=int(stats.get("num_blocks", 0)),
-            block_size=int(stats.get("block_size", 0)),
-            max_concurrency=kv.capacity_tokens / self.core.max_model_len,
+            max_model_len=core.max_model_len,
+            num_kv_blocks=kv.num_blocks,
+            block_size=kv.block_size,
+            max_concurrency=kv.capacity_tokens / core.max_model_len,
             load_time=load_time,
+            device=core.info.device,
+            attention=core.info.attention,
+            weight_bytes=core.info.weight_bytes,
         )
         self.output.send_multipart(encode(MessageType.READY, ready))
 
     def run(self) -> None:
         """Step until told to shut down (a SHUTDOWN message or SIGTERM)."""
-        collecting = False
         while not self.stopping:
-            if self.core.has_unfinished():
-                timeout = COLLECT_POLL_MS if collecting else 0
-            else:
-                timeout = IDLE_POLL_MS
-            self.take_messages(timeout)
+            timeout = self.core.poll_timeout()
+            # an idle engine still looks at its stop flag now and then
+            self.take_messages(IDLE_POLL_MS if timeout is None else round(timeout * 1000))
             if self.stopping or not self.core.has_unfinished():
                 continue
             outputs, stats = self.core.step()
-            collecting = stats is None and not outputs
             if outputs or stats is not None:
                 self.publish(outputs, stats)
 
@@ -86,36 +76,20 @@ class EngineProcess:
         """Apply every queued message, waiting up to ``timeout_ms`` for the first."""
         if not self.input.poll(timeout_ms):
             return
-        rejected: list[RequestOutput] = []
-        aborted = False
+        messages: list[tuple[MessageType, object]] = []
         while True:
             try:
                 frames = self.input.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
                 break
             try:
-                kind, body = decode(frames)
+                messages.append(decode(frames))
             except ValueError as e:  # a message this engine cannot read must not kill it
                 logger.error("dropped a message: %s", e)
-                continue
-            if kind is MessageType.ADD:
-                rejected.extend(self.add(body))
-            elif kind is MessageType.ABORT:
-                rejected.extend(self.core.abort(body))
-                aborted = True
-            elif kind is MessageType.SHUTDOWN:
-                self.stopping = True
-        if rejected or aborted:
-            # after an abort the freed blocks show in the stats at once, even if no step follows
-            self.publish(rejected, self.core.stats() if aborted else None)
-
-    def add(self, message: EngineRequest) -> list[RequestOutput]:
-        try:
-            self.core.add_request(message)
-        except RequestRejected as e:
-            return [RequestOutput(message.request_id, finish_reason=FinishReason.ERROR.value, error=str(e),
-                                  error_status=e.status)]
-        return []
+        self.stopping = self.stopping or any(kind is MessageType.SHUTDOWN for kind, _ in messages)
+        taken = self.core.apply(messages)
+        if taken is not None:
+            self.output.send_multipart(encode(MessageType.OUTPUTS, taken))
 
     def publish(self, outputs: list[RequestOutput], stats: StepStats | None) -> None:
         self.output.send_multipart(encode(MessageType.OUTPUTS, EngineOutputs(outputs, stats)))
@@ -126,9 +100,8 @@ class EngineProcess:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m conveyor.engine.process")
-    parser.add_argument("--config", default=None)
-    parser.add_argument("--overrides", default="{}", help="JSON object of section.key -> value")
+    parser = argparse.ArgumentParser(prog="python -m conveyor.engine.process",
+                                     description="the engine core; reads its config (msgpack) from stdin")
     parser.add_argument("--input", required=True, help="address to PULL requests from")
     parser.add_argument("--output", required=True, help="address to PUSH outputs to")
     parser.add_argument("--log-level", default="INFO")
@@ -137,12 +110,16 @@ def main(argv: list[str] | None = None) -> int:
     # Ctrl-C reaches the whole process group; the frontend decides when the engine stops.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     start = time.perf_counter()
-    try:
-        core = EngineCore(load_config(args.config, json.loads(args.overrides)))
-    except (ConfigError, PluginError, FileNotFoundError, ImportError) as e:
-        print(f"engine: error: {e}", file=sys.stderr)
-        return 2
     context = zmq.Context()
+    try:
+        core = EngineCore(decode_config(sys.stdin.buffer.read()))
+    except STARTUP_ERRORS as e:
+        failed = context.socket(zmq.PUSH)
+        failed.connect(args.output)
+        failed.send_multipart(encode(MessageType.FAILED, str(e)))
+        failed.close(linger=5000)
+        context.term()
+        return 2
     engine = EngineProcess(core, context, args.input, args.output)
 
     def stop(signum, frame) -> None:

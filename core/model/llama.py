@@ -3,7 +3,7 @@
 The forward pass takes the tokens of many sequences concatenated (no
 padding), their positions, and an ``attention`` callable that knows where
 each sequence starts and where its KV cache lives. The model itself holds no
-per-sequence state: the KV cache plugin owns that, and attention with it.
+per-sequence state: the worker's KV storage and attention backend do.
 """
 
 from __future__ import annotations
@@ -195,15 +195,13 @@ class LlamaModel:
         device: torch.device,
         max_len: int,
         progress: Callable[[str], None] | None = None,
-        fused: bool | None = None,
+        fused: bool = False,
     ):
         """
         Args:
-            fused: norms, rotary and SwiGLU in the C++ CPU kernels; None: on CPU where they build.
+            fused: norms, rotary and SwiGLU in the C++ CPU kernels (the "cpu" attention backend's choice).
         """
         spec = ckpt.spec
-        if fused is None:
-            fused = device.type == "cpu" and native.load()
         self.fused = fused
         self.spec = spec
         self.dtype = dtype

@@ -70,11 +70,14 @@ def served_name(config: ModelConfig) -> str:
 
 
 def load_model(
-    ckpt: Checkpoint, quant: QuantMethod, dtype: torch.dtype, device: torch.device, max_model_len: int
+    ckpt: Checkpoint, quant: QuantMethod, dtype: torch.dtype, device: torch.device, max_model_len: int,
+    fused: bool = False,
 ) -> LlamaModel:
+    """The model's weights on ``device``, with progress in the log; ``fused``: the C++ CPU layers."""
     start = time.perf_counter()
     logger.info("loading %s (%s, %s, %s)", ckpt.path, ckpt.spec.architecture, dtype, device)
-    model = LlamaModel(ckpt, quant, dtype, device, max_model_len, progress=lambda m: logger.info("  %s", m))
+    model = LlamaModel(ckpt, quant, dtype, device, max_model_len, progress=lambda m: logger.info("  %s", m),
+                       fused=fused)
     logger.info(
         "model loaded in %.1f s: %.1f MB of weights", time.perf_counter() - start, model.num_weight_bytes() / 1e6
     )

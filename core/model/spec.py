@@ -23,7 +23,3 @@ class ModelSpec(msgspec.Struct, frozen=True):
     rope_scaling: dict | None = None
     # bias on the q/k/v projections (Qwen2)
     attention_bias: bool = False
-
-    def kv_bytes_per_token(self, element_size: int) -> int:
-        """2 (K and V) x layers x kv_heads x head_dim x bytes."""
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * element_size

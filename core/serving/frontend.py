@@ -1,10 +1,11 @@
 """The frontend: prompts to token ids, engine outputs to text, per-request metrics.
 
 Every transport (HTTP, ZMQ, a third-party one) serves clients through one
-``Frontend``: it checks a request against the model's limits, submits it to
-the engine process, turns the token stream into text incrementally (whole
-UTF-8 characters only, stop strings cut), and records TTFT, ITL, queue time
-and end-to-end latency.
+``EngineFrontend`` (the ``conveyor.transport.Frontend`` protocol), and the
+offline ``LLM`` runs on one too: it checks a request against the model's
+limits, submits it to the engine client, turns the token stream into text
+incrementally (whole UTF-8 characters only, stop strings cut), and records
+TTFT, ITL, queue time and end-to-end latency.
 """
 
 from __future__ import annotations
@@ -19,51 +20,20 @@ from typing import Any
 import anyio
 import msgspec
 
-from conveyor.messages import EngineRequest, TokenLogprob
+from conveyor.engine.client import EngineClient, EngineUnavailable
+from conveyor.messages import EngineRequest
 from conveyor.model.detokenizer import TextStream
 from conveyor.model.tokenizer import ChatTemplateError, Tokenizer
 from conveyor.request import RequestRejected
 from conveyor.sampling import SamplingParams
-from conveyor.serving.engine_client import EngineClient, EngineUnavailable
 from conveyor.serving.metrics import ServerMetrics
+from conveyor.transport import Chunk, RequestError
 
 if sys.version_info < (3, 11):
     from exceptiongroup import BaseExceptionGroup
 
 
-class RequestError(Exception):
-    """A request the server refuses or could not finish, with the HTTP status that says why.
-
-    Args:
-        message: what is wrong, naming the offending field and value.
-        status: 400 bad input, 413 too large, 429 queue full, 503 engine unavailable, ...
-        param: the request field at fault, when there is one.
-    """
-
-    def __init__(self, message: str, status: int = 400, param: str | None = None):
-        super().__init__(message)
-        self.message = message
-        self.status = status
-        self.param = param
-
-
-class Chunk(msgspec.Struct):
-    """What one engine output added to one request."""
-
-    # text that is now final (may be empty while a character or a stop string is pending)
-    text: str
-    token_ids: list[int]
-    # one per token in token_ids when the request asked for logprobs
-    logprobs: list[TokenLogprob] | None
-    # "stop", "length" or "abort" on the last chunk
-    finish_reason: str | None
-    num_prompt_tokens: int
-    # generated so far, this chunk included
-    num_output_tokens: int
-    num_cached_tokens: int = 0
-
-
-class Frontend:
+class EngineFrontend:
     """Tokenizes, submits, detokenizes; shared by all transports of a server."""
 
     def __init__(self, engine: EngineClient, tokenizer: Tokenizer, model_name: str, metrics: ServerMetrics):
@@ -74,10 +44,15 @@ class Frontend:
         # set when the server stops taking requests (shutdown)
         self.draining = False
         self._ids = itertools.count()
+        self._eos_token_ids = sorted(tokenizer.eos_token_ids)
 
     @property
     def max_model_len(self) -> int:
         return self.engine.max_model_len
+
+    @property
+    def engine_alive(self) -> bool:
+        return self.engine.alive
 
     @property
     def healthy(self) -> bool:
@@ -147,7 +122,7 @@ class Frontend:
         """
         self.check(prompt_ids, params)
         start = time.perf_counter()
-        request = EngineRequest(request_id, prompt_ids, params, priority, time.time())
+        request = EngineRequest(request_id, prompt_ids, params, priority, time.time(), self._eos_token_ids)
         text = TextStream(self.tokenizer, params)
         num_output = 0
         last_token: float | None = None
@@ -180,6 +155,8 @@ class Frontend:
                         len(prompt_ids),
                         num_output,
                         output.num_cached_tokens,
+                        output.prompt_logprobs,
+                        output.prompt_logprobs_start,
                     )
                     if reason is not None:
                         return

@@ -50,18 +50,24 @@ class ServerMetrics:
         self.max_concurrency = gauge(
             "conveyor_kv_cache_max_concurrency", "Requests of max_model_len tokens that fit in the KV cache."
         )
+        self.in_flight = gauge(
+            "conveyor_num_requests_in_flight", "Requests the frontend has submitted to the engine and not seen end."
+        )
         self.engine_alive = gauge("conveyor_engine_alive", "1 while the engine process is up and ready.")
         self.engine_restarts = counter("conveyor_engine_restarts", "Times the engine process was restarted.")
         self.prompt_tokens = counter("conveyor_prompt_tokens", "Prompt tokens of requests that started running.")
         self.generation_tokens = counter("conveyor_generation_tokens", "Tokens generated.")
         self.preemptions = counter("conveyor_preemptions", "Running requests preempted to free KV blocks.")
+        self.engine_aborts = counter(
+            "conveyor_engine_aborted_requests", "Requests the engine ended before their end: aborted or failed."
+        )
         self.prefix_hit_tokens = counter("conveyor_prefix_cache_hit_tokens", "Prompt tokens served from the cache.")
         self.requests = Counter(
             "conveyor_requests", "Finished requests by finish reason.", ["model_name", "finish_reason"], registry=r
         )
         self._model_name = model_name
-        # cumulative engine counters last seen, to turn them into increments
-        self._engine_counts = (0, 0)
+        # cumulative engine counters last seen (preemptions, prefix hits, aborts), to turn them into increments
+        self._engine_counts = (0, 0, 0)
         self._num_ready = 0
         # for the status line: token totals, and their values at the last report
         self._num_prompt_tokens = 0
@@ -73,25 +79,25 @@ class ServerMetrics:
         self._num_ready += 1
         if self._num_ready > 1:
             self.engine_restarts.inc()
-        self._engine_counts = (0, 0)  # a new engine counts from zero
+        self._engine_counts = (0, 0, 0)  # a new engine counts from zero
         self.kv_blocks.set(ready.num_kv_blocks)
         self.kv_free_blocks.set(ready.num_kv_blocks)
         self.max_concurrency.set(ready.max_concurrency)
 
     def engine_step(self, stats: StepStats) -> None:
         self.last_stats = stats
-        self.running.set(stats.num_running)
-        self.waiting.set(stats.num_waiting)
-        self.kv_usage.set(stats.kv_usage)
-        if stats.num_kv_blocks:
-            self.kv_blocks.set(stats.num_kv_blocks)
-            self.kv_free_blocks.set(stats.num_free_kv_blocks)
+        self.running.set(stats.scheduler.num_running)
+        self.waiting.set(stats.scheduler.num_waiting)
+        self.kv_usage.set(stats.kv.usage)
+        self.kv_blocks.set(stats.kv.num_blocks)
+        self.kv_free_blocks.set(stats.kv.num_free_blocks)
         if stats.num_prefill_tokens or stats.num_decode_tokens:  # a step, not a snapshot after an abort
             self.step_time.observe(stats.schedule_time + stats.forward_time + stats.sample_time + stats.update_time)
-        preemptions, hits = self._engine_counts
-        self.preemptions.inc(max(0, stats.num_preemptions - preemptions))
-        self.prefix_hit_tokens.inc(max(0, stats.num_prefix_hit_tokens - hits))
-        self._engine_counts = (stats.num_preemptions, stats.num_prefix_hit_tokens)
+        counts = (stats.scheduler.num_preemptions, stats.kv.num_prefix_hit_tokens, stats.scheduler.num_aborted)
+        for counter, now, before in zip((self.preemptions, self.prefix_hit_tokens, self.engine_aborts), counts,
+                                        self._engine_counts):
+            counter.inc(max(0, now - before))
+        self._engine_counts = counts
 
     def first_token(self, ttft: float, queue_time: float, num_prompt_tokens: int) -> None:
         self.ttft.observe(ttft)
@@ -111,9 +117,10 @@ class ServerMetrics:
         if num_output_tokens:
             self.e2e.observe(e2e)
 
-    def render(self, engine_alive: bool) -> bytes:
+    def render(self, engine_alive: bool, num_in_flight: int) -> bytes:
         """The Prometheus text exposition."""
         self.engine_alive.set(1 if engine_alive else 0)
+        self.in_flight.set(num_in_flight)
         return generate_latest(self.registry)
 
     def status_line(self) -> str:
@@ -124,7 +131,9 @@ class ServerMetrics:
         self._last_report = (now, prompt, generation)
         elapsed = max(now - then, 1e-9)
         stats = self.last_stats
-        running, waiting, usage = (stats.num_running, stats.num_waiting, stats.kv_usage) if stats else (0, 0, 0.0)
+        running, waiting, usage = (
+            (stats.scheduler.num_running, stats.scheduler.num_waiting, stats.kv.usage) if stats else (0, 0, 0.0)
+        )
         return (
             f"running {running}, waiting {waiting}, KV {usage:.1%}, "
             f"prompt {(prompt - last_prompt) / elapsed:.1f} tok/s, generation {(generation - last_generation) / elapsed:.1f} tok/s"

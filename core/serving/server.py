@@ -19,11 +19,12 @@ from typing import Any
 import anyio
 
 from conveyor.config import ConfigError, load_config
+from conveyor.engine.client import EngineFailed
+from conveyor.engine.mp_client import MPClient
 from conveyor.messages import EngineReady
 from conveyor.model.loader import load_tokenizer, served_name
 from conveyor.registry import PluginRegistry
-from conveyor.serving.engine_client import EngineClient, EngineFailed
-from conveyor.serving.frontend import Frontend
+from conveyor.serving.frontend import EngineFrontend
 from conveyor.serving.metrics import ServerMetrics
 
 if sys.version_info < (3, 11):
@@ -39,16 +40,15 @@ async def serve(config_path: str | Path | None, overrides: Mapping[str, Any] | N
         ConfigError, PluginError: the config is wrong (before anything starts).
     """
     config = load_config(config_path, overrides)
-    registry = PluginRegistry(config.plugins, source=config.source)
+    registry = PluginRegistry.of(config)
     if not config.transport:
         raise ConfigError(f"{config.source}: no [[transport]] to serve on")
-    transports = [registry.get("transport", spec.plugin)(spec.options) for spec in config.transport]
+    transports = [registry.build("transport", spec) for spec in config.transport]
     tokenizer = load_tokenizer(config.model, source=config.source)
     model_name = served_name(config.model)
     metrics = ServerMetrics(model_name)
-    engine = EngineClient(
-        config_path,
-        overrides,
+    engine = MPClient(
+        config,
         address=config.server.engine_address,
         max_restarts=config.server.max_engine_restarts,
         log_level=log_level,
@@ -58,7 +58,7 @@ async def serve(config_path: str | Path | None, overrides: Mapping[str, Any] | N
     try:
         async with anyio.create_task_group() as tg:
             # Transports first: a busy port fails at once, and /health answers 503 while the model loads.
-            frontend = Frontend(engine, tokenizer, model_name, metrics)
+            frontend = EngineFrontend(engine, tokenizer, model_name, metrics)
             urls = [await tg.start(transport.serve, frontend) for transport in transports]
             logger.info("starting the engine process")
             ready = await tg.start(engine.run)
@@ -88,7 +88,7 @@ async def serve(config_path: str | Path | None, overrides: Mapping[str, Any] | N
     return 0
 
 
-async def _drain(frontend: Frontend, timeout: float) -> None:
+async def _drain(frontend: EngineFrontend, timeout: float) -> None:
     frontend.draining = True
     with anyio.move_on_after(timeout):
         while frontend.num_in_flight:
@@ -101,7 +101,7 @@ async def _drain(frontend: Frontend, timeout: float) -> None:
                 await anyio.sleep(0.05)
 
 
-async def _report_status(frontend: Frontend, interval: float) -> None:
+async def _report_status(frontend: EngineFrontend, interval: float) -> None:
     idle_reported = False
     while True:
         await anyio.sleep(interval)
@@ -121,6 +121,7 @@ def _print_banner(model_name: str, kv_layout: str, ready: EngineReady, urls: lis
             f"KV cache ({kv_layout}): {ready.num_kv_blocks} blocks x {ready.block_size} tokens; "
             f"{ready.max_concurrency:.1f} requests of max_model_len fit at once"
         ),
+        f"Weights: {ready.weight_bytes / 1e6:.1f} MB on {ready.device}; attention backend {ready.attention!r}",
     ]
     lines += [f"Listening on {url}" for url in urls]
     http = next((u for u in urls if u.startswith("http")), None)

@@ -9,32 +9,24 @@ from typing import Annotated, Literal
 
 import msgspec
 
-from conveyor.attention.blocks import BlockStorage, blocks_for_budget, log_capacity
 from conveyor.hookspecs import hookimpl
-from conveyor.kvcache import KVCache, KVCacheSpec, PrefixMatch
-from conveyor.model.llama import AttentionFn
+from conveyor.kvcache import KVCacheManager, KVCacheOptions, KVCacheSpec, PrefixMatch, blocks_in_budget, log_capacity
+from conveyor.messages import KVCacheStats
 from conveyor.request import Request
 
 # Slabs are runs of consecutive blocks of this many tokens in the shared storage.
 GRANULE = 16
 
 
-class ContiguousOptions(msgspec.Struct, forbid_unknown_fields=True):
-    # CPU: memory for the cache, in GiB
-    memory_gb: Annotated[float, msgspec.Meta(gt=0)] = 1.0
-    # GPU: fraction of the free device memory (measured after the weights load) for the cache
-    memory_fraction: Annotated[float, msgspec.Meta(gt=0, le=1)] = 0.9
+class ContiguousOptions(KVCacheOptions, forbid_unknown_fields=True):
     # slab size: "max_model_len" for every request (classic static serving), or
     # "request": its prompt + max_tokens
     reserve: Literal["max_model_len", "request"] = "max_model_len"
     # a fixed capacity in tokens instead of sizing from memory; 0: size from memory
     num_tokens: Annotated[int, msgspec.Meta(ge=0)] = 0
-    # attention implementation: "auto" (Triton kernels on CUDA; on CPU the C++ decode kernel where it builds,
-    # torch otherwise), "cpu", "torch" or "triton"
-    attention: Literal["auto", "cpu", "torch", "triton"] = "auto"
 
 
-class ContiguousKVCache(KVCache):
+class ContiguousKVCache(KVCacheManager):
     """Contiguous KV cache: one slab per request, reserved whole at admission.
 
     Memory reserved for tokens a request never produces is wasted, and free
@@ -44,27 +36,21 @@ class ContiguousKVCache(KVCache):
     name = "contiguous"
     Options = ContiguousOptions
 
-    def __init__(self, options: ContiguousOptions, spec: KVCacheSpec):
-        super().__init__(options, spec)
+    def __init__(self, options: ContiguousOptions, spec: KVCacheSpec, free_memory: int | None = None):
+        super().__init__(options, msgspec.structs.replace(spec, cache_dtype=options.dtype), free_memory)
+        self.block_size = GRANULE
         if options.num_tokens:
             num_blocks = -(-options.num_tokens // GRANULE)
         else:
-            num_blocks = blocks_for_budget(spec, GRANULE, options.memory_gb, options.memory_fraction)
-        if num_blocks < 1:
-            raise ValueError(f"[kvcache] the memory budget holds no block of {GRANULE} tokens")
+            num_blocks = blocks_in_budget(options, self.spec, GRANULE, free_memory)
         self.num_blocks = num_blocks
-        self.storage = BlockStorage(spec, num_blocks, GRANULE, options.attention)
         # free runs as sorted (start block, length)
         self.holes: list[tuple[int, int]] = [(0, num_blocks)]
         # request id -> (first block, number of blocks)
         self.slabs: dict[str, tuple[int, int]] = {}
         # request id -> tokens actually stored
         self.used: dict[str, int] = {}
-        log_capacity(self.name, num_blocks, GRANULE, spec)
-
-    @property
-    def capacity_tokens(self) -> int:
-        return self.num_blocks * GRANULE
+        log_capacity(self.name, num_blocks, GRANULE, self.spec)
 
     def can_fit(self, sizes: Sequence[int]) -> bool:
         return sum(self._slab_blocks_for(n) for n in sizes) <= self.num_blocks
@@ -107,30 +93,22 @@ class ContiguousKVCache(KVCache):
     def num_free_blocks(self) -> int:
         return sum(length for _, length in self.holes)
 
-    def usage(self) -> float:
-        return 1.0 - self.num_free_blocks / self.num_blocks
+    def block_ids(self, request: Request) -> list[int]:
+        start, _ = self.slabs[request.request_id]
+        # the stored part of the slab, as a run of consecutive blocks
+        return list(range(start, start + -(-self.used[request.request_id] // GRANULE)))
 
-    def stats(self) -> dict[str, float]:
+    def stats(self) -> KVCacheStats:
         reserved = sum(length for _, length in self.slabs.values()) * GRANULE
-        used = sum(self.used.values())
-        return {
-            "usage": self.usage(),
-            "num_blocks": self.num_blocks,
-            "num_free_blocks": self.num_free_blocks,
-            "reserved_tokens": reserved,
-            "used_tokens": used,
-            # reserved for tokens that are not there (yet)
-            "reserved_unused_tokens": reserved - used,
-            "largest_hole_tokens": max((length for _, length in self.holes), default=0) * GRANULE,
-        }
-
-    def prepare(self, requests: Sequence[Request], num_tokens: Sequence[int], num_decodes: int) -> AttentionFn:
-        tables = []
-        for r in requests:
-            start, _ = self.slabs[r.request_id]
-            # the stored part of the slab, as a run of consecutive blocks
-            tables.append(list(range(start, start + -(-self.used[r.request_id] // GRANULE))))
-        return self.storage.attention(tables, requests, num_tokens, num_decodes)
+        return KVCacheStats(
+            usage=self.usage(),
+            num_blocks=self.num_blocks,
+            num_free_blocks=self.num_free_blocks,
+            block_size=GRANULE,
+            reserved_tokens=reserved,
+            used_tokens=sum(self.used.values()),
+            largest_hole_tokens=max((length for _, length in self.holes), default=0) * GRANULE,
+        )
 
 
 @hookimpl

@@ -3,40 +3,27 @@ and automatic prefix caching."""
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 from array import array
 from collections import OrderedDict
 from collections.abc import Sequence
-from typing import Annotated, Literal
+from typing import Annotated
 
 import msgspec
-import torch
 
-from conveyor.attention.blocks import BlockStorage, blocks_for_budget, log_capacity
 from conveyor.hookspecs import hookimpl
-from conveyor.kvcache import KVCache, KVCacheSpec, PrefixMatch
-from conveyor.model.llama import AttentionFn
+from conveyor.kvcache import KVCacheManager, KVCacheOptions, KVCacheSpec, PrefixMatch, blocks_in_budget, log_capacity
+from conveyor.messages import KVCacheStats
 from conveyor.request import Request
 
 
-class PagedOptions(msgspec.Struct, forbid_unknown_fields=True):
+class PagedOptions(KVCacheOptions, forbid_unknown_fields=True):
     # tokens per block
     block_size: Annotated[int, msgspec.Meta(ge=1, le=1024)] = 16
-    # CPU: memory for the cache, in GiB
-    memory_gb: Annotated[float, msgspec.Meta(gt=0)] = 1.0
-    # GPU: fraction of the free device memory (measured after the weights load) for the cache
-    memory_fraction: Annotated[float, msgspec.Meta(gt=0, le=1)] = 0.9
     # a fixed number of blocks instead of sizing from memory; 0: size from memory
     num_blocks: Annotated[int, msgspec.Meta(ge=0)] = 0
     # reuse the blocks of earlier requests that start with the same tokens
     enable_prefix_caching: bool = True
-    # attention implementation: "auto" (Triton kernels on CUDA; on CPU the C++ decode kernel where it builds,
-    # torch otherwise), "cpu", "torch" or "triton"
-    attention: Literal["auto", "cpu", "torch", "triton"] = "auto"
-    # what K and V are stored as: "auto" (the model dtype) or "fp8" (e4m3 with a scale per token and head;
-    # about twice the blocks in the same memory)
-    dtype: Literal["auto", "fp8"] = "auto"
 
 
 def block_digest(parent: bytes, tokens: Sequence[int]) -> bytes:
@@ -58,7 +45,7 @@ class _Table:
         self.num_tokens = 0
 
 
-class PagedKVCache(KVCache):
+class PagedKVCache(KVCacheManager):
     """Paged KV cache: blocks of ``block_size`` tokens handed out as requests grow.
 
     Full blocks are registered under a chained digest of all tokens up to
@@ -70,17 +57,10 @@ class PagedKVCache(KVCache):
     name = "paged"
     Options = PagedOptions
 
-    def __init__(self, options: PagedOptions, spec: KVCacheSpec):
-        if options.dtype == "fp8":
-            spec = dataclasses.replace(spec, cache_dtype=torch.float8_e4m3fn)
-        super().__init__(options, spec)
+    def __init__(self, options: PagedOptions, spec: KVCacheSpec, free_memory: int | None = None):
+        super().__init__(options, msgspec.structs.replace(spec, cache_dtype=options.dtype), free_memory)
         self.block_size = options.block_size
-        self.num_blocks = options.num_blocks or blocks_for_budget(
-            spec, options.block_size, options.memory_gb, options.memory_fraction
-        )
-        if self.num_blocks < 1:
-            raise ValueError(f"[kvcache] the memory budget holds no block of {options.block_size} tokens")
-        self.storage = BlockStorage(spec, self.num_blocks, self.block_size, options.attention)
+        self.num_blocks = options.num_blocks or blocks_in_budget(options, self.spec, self.block_size, free_memory)
         self.ref_counts = [0] * self.num_blocks
         self.block_digests: list[bytes | None] = [None] * self.num_blocks
         # digest -> block id, for blocks whose contents are known
@@ -91,11 +71,7 @@ class PagedKVCache(KVCache):
         self.num_prefix_queries = 0
         self.num_prefix_hits = 0
         self.num_evictions = 0
-        log_capacity(self.name, self.num_blocks, self.block_size, spec)
-
-    @property
-    def capacity_tokens(self) -> int:
-        return self.num_blocks * self.block_size
+        log_capacity(self.name, self.num_blocks, self.block_size, self.spec)
 
     @property
     def num_free_blocks(self) -> int:
@@ -107,8 +83,8 @@ class PagedKVCache(KVCache):
     def _blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
-    def block_table(self, request_id: str) -> list[int]:
-        return self.tables[request_id].blocks
+    def block_ids(self, request: Request) -> list[int]:
+        return self.tables[request.request_id].blocks
 
     def match_prefix(self, request: Request) -> PrefixMatch:
         if not self.options.enable_prefix_caching or not self.cached:
@@ -193,27 +169,19 @@ class PagedKVCache(KVCache):
             if self.ref_counts[block] == 0:
                 self.free_blocks[block] = None
 
-    def usage(self) -> float:
-        return 1.0 - len(self.free_blocks) / self.num_blocks
-
-    def stats(self) -> dict[str, float]:
-        return {
-            "usage": self.usage(),
-            "num_blocks": self.num_blocks,
-            "num_free_blocks": len(self.free_blocks),
-            "block_size": self.block_size,
-            # held by running requests, and what they actually store
-            "reserved_tokens": (self.num_blocks - len(self.free_blocks)) * self.block_size,
-            "used_tokens": sum(t.num_tokens for t in self.tables.values()),
-            "num_cached_blocks": len(self.cached),
-            "prefix_queries": self.num_prefix_queries,
-            "prefix_hits": self.num_prefix_hits,
-            "evictions": self.num_evictions,
-        }
-
-    def prepare(self, requests: Sequence[Request], num_tokens: Sequence[int], num_decodes: int) -> AttentionFn:
-        tables = [self.tables[r.request_id].blocks for r in requests]
-        return self.storage.attention(tables, requests, num_tokens, num_decodes)
+    def stats(self) -> KVCacheStats:
+        return KVCacheStats(
+            usage=self.usage(),
+            num_blocks=self.num_blocks,
+            num_free_blocks=len(self.free_blocks),
+            block_size=self.block_size,
+            reserved_tokens=(self.num_blocks - len(self.free_blocks)) * self.block_size,
+            used_tokens=sum(t.num_tokens for t in self.tables.values()),
+            num_cached_blocks=len(self.cached),
+            num_prefix_query_tokens=self.num_prefix_queries,
+            num_prefix_hit_tokens=self.num_prefix_hits,
+            num_evictions=self.num_evictions,
+        )
 
 
 @hookimpl

@@ -18,21 +18,12 @@ import torch
 import torch.nn.functional as F
 
 from conveyor.hookspecs import hookimpl
-from conveyor.quant import Params, QuantMethod
-
-FP8_MAX = 448.0
+from conveyor.quant import Params, QuantMethod, quantize_fp8
 
 
 class FP8Options(msgspec.Struct, forbid_unknown_fields=True):
     # "auto": fp8 activations (W8A8) on CUDA >= 8.9, else the model dtype (W8A16)
     activations: Literal["auto", "bf16", "fp8"] = "auto"
-
-
-def quantize_fp8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-row e4m3: ``weight ~= q * scale[:, None]`` with the row's largest magnitude at 448."""
-    scale = (weight.abs().amax(dim=1) / FP8_MAX).clamp_min(1e-12)
-    q = (weight / scale[:, None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
-    return q, scale
 
 
 def upcast(q: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -81,9 +72,7 @@ class FP8(QuantMethod):
 
             y = (w8a8_fp8_matmul if self.w8a8 else w8a16_matmul)(x, q, scale)
         elif self.w8a8:
-            from conveyor.plugins.quant.kernels import quantize_rows_fp8
-
-            xq, x_scale = quantize_rows_fp8(x)
+            xq, x_scale = quantize_fp8(x)
             y = torch._scaled_mm(xq, q.t(), scale_a=x_scale[:, None], scale_b=scale[None, :], out_dtype=x.dtype)
         else:
             y = F.linear(x, upcast(q, x.dtype) * scale[:, None].to(x.dtype))

@@ -1,4 +1,4 @@
-"""Triton GEMMs for quantized weights (the CUDA path of the int8 and fp8 quant methods), and their torch references.
+"""Triton GEMMs for quantized weights (the CUDA path of the int8 and fp8 quant methods).
 
 All compute ``y[m, n] = sum_k x[m, k] * w[n, k] * w_scale[n]`` with ``w``
 stored as int8 or float8_e4m3fn, one scale per output channel:
@@ -21,7 +21,8 @@ import torch
 import triton
 import triton.language as tl
 
-FP8_MAX = 448.0  # largest finite float8_e4m3fn
+from conveyor.quant import quantize_fp8
+
 # NOTE: the interpreter mishandles tl.dot on bf16 and fp8 operands; under it the operands go in as fp32.
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
@@ -91,19 +92,7 @@ def w8a16_matmul(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor) -> tor
     return _launch(x.contiguous(), w, w_scale.float().contiguous(), None, x.dtype)
 
 
-def quantize_rows_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-row (per-token) dynamic e4m3 quantization: ``x ~= q * scale[:, None]``."""
-    scale = (x.float().abs().amax(dim=1) / FP8_MAX).clamp_min(1e-12)
-    q = (x.float() / scale[:, None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
-    return q, scale
-
-
 def w8a8_fp8_matmul(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor) -> torch.Tensor:
     """W8A8: x quantized per token to e4m3, then an fp8 x fp8 GEMM with both scales applied after."""
-    q, x_scale = quantize_rows_fp8(x)
+    q, x_scale = quantize_fp8(x)
     return _launch(q, w, w_scale.float().contiguous(), x_scale, x.dtype)
-
-
-def reference_matmul(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor) -> torch.Tensor:
-    """The float64 torch reference of both kernels (dequantize, then multiply)."""
-    return x.double() @ (w.double() * w_scale.double()[:, None]).T

@@ -12,19 +12,14 @@ from typing import Annotated
 import msgspec
 
 from conveyor.hookspecs import hookimpl
-from conveyor.kvcache import KVCache
-from conveyor.plugins.schedulers.static import RunToCompletionScheduler
+from conveyor.plugins.schedulers.static import BatchOptions, RunToCompletionScheduler
 
 
-class DynamicOptions(msgspec.Struct, forbid_unknown_fields=True):
+class DynamicOptions(BatchOptions, forbid_unknown_fields=True):
     # most requests per batch
     max_batch_size: Annotated[int, msgspec.Meta(ge=1)] = 16
     # how long a batch collects requests after the first one arrives
     window_ms: Annotated[float, msgspec.Meta(ge=0)] = 50.0
-    # token budget of one step; a batch's prompts are split into steps under it
-    max_num_batched_tokens: Annotated[int, msgspec.Meta(ge=1)] = 8192
-    # most requests waiting; more are rejected (HTTP 429)
-    max_waiting: Annotated[int, msgspec.Meta(ge=1)] = 1024
 
 
 class DynamicScheduler(RunToCompletionScheduler):
@@ -33,13 +28,10 @@ class DynamicScheduler(RunToCompletionScheduler):
     name = "dynamic"
     Options = DynamicOptions
 
-    def __init__(self, options: DynamicOptions, kvcache: KVCache, max_model_len: int):
+    def __init__(self, options: DynamicOptions, kvcache, max_model_len: int):
         super().__init__(options, kvcache, max_model_len)
         self.max_batch_size = options.max_batch_size
         self.max_wait_s = options.window_ms / 1000
-
-    def slots_for(self, batch_size: int) -> int:
-        return batch_size
 
 
 @hookimpl

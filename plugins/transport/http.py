@@ -29,8 +29,7 @@ from starlette.types import Receive, Scope, Send
 
 from conveyor.hookspecs import hookimpl
 from conveyor.plugins.transport import openai_api as api
-from conveyor.serving.frontend import Chunk, Frontend, RequestError
-from conveyor.transport import Transport
+from conveyor.transport import Chunk, Frontend, RequestError, Transport
 
 logger = logging.getLogger("conveyor")
 
@@ -138,9 +137,9 @@ class HTTPTransport(Transport):
     def url(self, port: int) -> str:
         return f"http://{self.options.host}:{port}"
 
-    async def serve(self, engine: Frontend, *, task_status: anyio.abc.TaskStatus = anyio.TASK_STATUS_IGNORED) -> None:
+    async def serve(self, frontend: Frontend, *, task_status: anyio.abc.TaskStatus = anyio.TASK_STATUS_IGNORED) -> None:
         listener = self._listen()
-        config = uvicorn.Config(self.app(engine), log_level="warning", lifespan="off",
+        config = uvicorn.Config(self.app(frontend), log_level="warning", lifespan="off",
                                 timeout_graceful_shutdown=self.options.graceful_timeout)
         server = _Server(config)
 
@@ -205,12 +204,12 @@ class _Routes:
     async def health(self, request: Request) -> Response:
         if self.frontend.draining:
             return error_response(RequestError("the server is shutting down", 503))
-        if not self.frontend.engine.alive:
+        if not self.frontend.engine_alive:
             return error_response(RequestError("the engine is not running (starting or restarting)", 503))
         return json_response({"status": "ok"})
 
     async def metrics(self, request: Request) -> Response:
-        body = self.frontend.metrics.render(self.frontend.engine.alive)
+        body = self.frontend.metrics.render(self.frontend.engine_alive, self.frontend.num_in_flight)
         return Response(body, media_type=CONTENT_TYPE_LATEST)
 
     async def models(self, request: Request) -> Response:

@@ -16,7 +16,7 @@ import msgspec
 from conveyor.messages import TokenLogprob
 from conveyor.model.tokenizer import Tokenizer
 from conveyor.sampling import SamplingParams
-from conveyor.serving.frontend import RequestError
+from conveyor.transport import RequestError
 
 MAX_N = 16
 # integers travel to the engine as 64-bit msgpack ints; larger ones are a 400, not a failed send

@@ -22,8 +22,7 @@ from zmq.auth.asyncio import AsyncioAuthenticator
 
 from conveyor.hookspecs import hookimpl
 from conveyor.serving import protocol
-from conveyor.serving.frontend import Frontend, RequestError
-from conveyor.transport import Transport
+from conveyor.transport import Frontend, RequestError, Transport
 
 logger = logging.getLogger("conveyor")
 
@@ -64,7 +63,7 @@ class ZMQTransport(Transport):
         # (client identity, client request id) -> the cancel scope of that request
         self._running: dict[tuple[bytes, str], anyio.CancelScope] = {}
 
-    async def serve(self, engine: Frontend, *, task_status: anyio.abc.TaskStatus = anyio.TASK_STATUS_IGNORED) -> None:
+    async def serve(self, frontend: Frontend, *, task_status: anyio.abc.TaskStatus = anyio.TASK_STATUS_IGNORED) -> None:
         context = zmq.asyncio.Context()
         authenticator = None
         socket = context.socket(zmq.ROUTER)
@@ -81,7 +80,7 @@ class ZMQTransport(Transport):
             async with anyio.create_task_group() as tg:
                 while True:
                     frames = await socket.recv_multipart()
-                    self._dispatch(socket, engine, tg, frames)
+                    self._dispatch(socket, frontend, tg, frames)
         finally:
             socket.close(linger=0)
             if authenticator is not None:

@@ -7,25 +7,17 @@
 // product with up; each rotary product, then the sum. For bfloat16 and
 // float32 the results equal the reference up to float32 rounding of exp/rsqrt.
 
-#include <ATen/ATen.h>
-#include <ATen/Parallel.h>
 #include <torch/library.h>
 
 #include <cmath>
-#include <cstdint>
-#include <cstring>
+
+#include "common.h"
 
 namespace {
 
-// Conversions that vectorize: bfloat16 through integer bit operations
-// (round to nearest even, NaN kept quiet); float16 through c10.
+// Conversions that vectorize: bfloat16 through integer bit operations; float16 through c10.
 inline float to_float(float x) { return x; }
-inline float to_float(c10::BFloat16 x) {
-  const uint32_t bits = uint32_t(x.x) << 16;
-  float value;
-  std::memcpy(&value, &bits, sizeof(value));
-  return value;
-}
+inline float to_float(c10::BFloat16 x) { return conveyor::bf16_to_float(x.x); }
 inline float to_float(c10::Half x) { return static_cast<float>(x); }
 
 template <typename T>
@@ -34,11 +26,7 @@ template <>
 inline float from_float<float>(float x) { return x; }
 template <>
 inline c10::BFloat16 from_float<c10::BFloat16>(float x) {
-  uint32_t bits;
-  std::memcpy(&bits, &x, sizeof(bits));
-  const bool nan = (bits & 0x7fffffffu) > 0x7f800000u;
-  const uint32_t rounded = (bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16;
-  return c10::BFloat16(static_cast<uint16_t>(nan ? 0x7fc0u : rounded), c10::BFloat16::from_bits());
+  return c10::BFloat16(conveyor::float_to_bf16(x), c10::BFloat16::from_bits());
 }
 template <>
 inline c10::Half from_float<c10::Half>(float x) { return c10::Half(x); }

@@ -12,33 +12,18 @@
 // block * block_size + offset; an fp8 cache stores e4m3 bits as uint8 with a
 // bfloat16 scale per slot and head in k_scale, v_scale [kv_heads, slots].
 
-#include <ATen/ATen.h>
-#include <ATen/Parallel.h>
 #include <torch/library.h>
 
 #include <algorithm>
-#include <atomic>
 #include <cmath>
-#include <cstdint>
-#include <cstring>
 #include <limits>
 #include <numeric>
-#include <vector>
 
-#include "checks.h"
-
-#if defined(__AVX512F__) && defined(__AVX512BF16__)
-#include <immintrin.h>
-#define CONVEYOR_AVX512_BF16 1
-#endif
+#include "common.h"
 
 namespace {
 
-inline float bits_to_float(uint32_t bits) {
-  float value;
-  std::memcpy(&value, &bits, sizeof(value));
-  return value;
-}
+using conveyor::bf16_to_float;
 
 // e4m3fn: sign, 4 exponent bits (bias 7), 3 mantissa bits; S.1111.111 is NaN, no infinities.
 struct E4M3Table {
@@ -93,7 +78,7 @@ template <>
 inline void load_row<c10::BFloat16>(const c10::BFloat16* src, float* dst, int64_t n) {
   const uint16_t* bits = reinterpret_cast<const uint16_t*>(src);
 #pragma omp simd
-  for (int64_t d = 0; d < n; ++d) dst[d] = bits_to_float(uint32_t(bits[d]) << 16);
+  for (int64_t d = 0; d < n; ++d) dst[d] = bf16_to_float(bits[d]);
 }
 
 template <>
@@ -175,13 +160,8 @@ void for_each_item(const int32_t* lens, int64_t batch, int64_t num_kv_heads, int
   std::vector<int64_t> order(batch);
   std::iota(order.begin(), order.end(), 0);
   std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return lens[a] > lens[b]; });
-  const int64_t num_items = batch * num_kv_heads;
-  std::atomic<int64_t> next{0};
-  at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
-    std::vector<float> scratch(scratch_floats);
-    for (int64_t item; (item = next.fetch_add(1)) < num_items;) {
-      visit(order[item / num_kv_heads], item % num_kv_heads, scratch.data());
-    }
+  conveyor::run_work_queue(batch * num_kv_heads, scratch_floats, [&](int64_t item, float* scratch) {
+    visit(order[item / num_kv_heads], item % num_kv_heads, scratch);
   });
 }
 

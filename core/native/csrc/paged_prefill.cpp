@@ -10,23 +10,12 @@
 // Probabilities are rounded to bf16 for the product with V, as
 // scaled_dot_product_attention does for bf16 on CPU; sums stay float32.
 
-#include <ATen/ATen.h>
-#include <ATen/Parallel.h>
 #include <torch/library.h>
 
 #include <algorithm>
-#include <atomic>
 #include <cmath>
-#include <cstdint>
-#include <cstring>
-#include <vector>
 
-#include "checks.h"
-
-#if defined(__AVX512F__) && defined(__AVX512BF16__)
-#include <immintrin.h>
-#define CONVEYOR_AVX512_BF16 1
-#endif
+#include "common.h"
 
 namespace {
 
@@ -183,32 +172,29 @@ void prefill(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v
       for (int64_t i = 0; i < lens[s]; i += kPositions) items.push_back({s, h, i});
   std::stable_sort(items.begin(), items.end(),
                    [&](const Item& a, const Item& b) { return first[a.seq] + a.position > first[b.seq] + b.position; });
-  std::atomic<int64_t> next{0};
   const float scale = static_cast<float>(softmax_scale);
-  at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
-    for (int64_t index; (index = next.fetch_add(1)) < int64_t(items.size());) {
-      const Item item = items[index];
-      const int64_t offset = offsets[item.seq * num_kv_heads + item.head];
-      const int64_t end = std::min<int64_t>(item.position + kPositions, lens[item.seq]);
-      for (int64_t i = item.position; i < end; ++i) {
-        const int64_t token = rows[item.seq] + i;
-        for (int64_t g = 0; g < group; g += kChunk) {
-          const uint16_t* q_heads[kChunk];
-          uint16_t* out_heads[kChunk];
-          const int64_t n = std::min<int64_t>(kChunk, group - g);
-          for (int64_t c = 0; c < n; ++c) {
-            const int64_t head = item.head * group + g + c;
-            q_heads[c] = q_ptr + token * q_token_stride + head * q_head_stride;
-            out_heads[c] = out_ptr + token * out_token_stride + head * out_head_stride;
-          }
-          const int64_t last = first[item.seq] + i;
-          if (n == kChunk) {
-            attend_position<D, kChunk>(q_heads, keys.data() + offset, values.data() + offset, last, scale, out_heads);
-          } else if (n == 2) {
-            attend_position<D, 2>(q_heads, keys.data() + offset, values.data() + offset, last, scale, out_heads);
-          } else {
-            attend_position<D, 1>(q_heads, keys.data() + offset, values.data() + offset, last, scale, out_heads);
-          }
+  conveyor::run_work_queue(int64_t(items.size()), 0, [&](int64_t index, float*) {
+    const Item item = items[index];
+    const int64_t offset = offsets[item.seq * num_kv_heads + item.head];
+    const int64_t end = std::min<int64_t>(item.position + kPositions, lens[item.seq]);
+    for (int64_t i = item.position; i < end; ++i) {
+      const int64_t token = rows[item.seq] + i;
+      for (int64_t g = 0; g < group; g += kChunk) {
+        const uint16_t* q_heads[kChunk];
+        uint16_t* out_heads[kChunk];
+        const int64_t n = std::min<int64_t>(kChunk, group - g);
+        for (int64_t c = 0; c < n; ++c) {
+          const int64_t head = item.head * group + g + c;
+          q_heads[c] = q_ptr + token * q_token_stride + head * q_head_stride;
+          out_heads[c] = out_ptr + token * out_token_stride + head * out_head_stride;
+        }
+        const int64_t last = first[item.seq] + i;
+        if (n == kChunk) {
+          attend_position<D, kChunk>(q_heads, keys.data() + offset, values.data() + offset, last, scale, out_heads);
+        } else if (n == 2) {
+          attend_position<D, 2>(q_heads, keys.data() + offset, values.data() + offset, last, scale, out_heads);
+        } else {
+          attend_position<D, 1>(q_heads, keys.data() + offset, values.data() + offset, last, scale, out_heads);
         }
       }
     }

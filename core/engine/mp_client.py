@@ -1,64 +1,45 @@
-"""The frontend's handle on the engine process: start it, talk to it over ZMQ, restart it when it dies."""
+"""The multi-process engine client: the engine core in a child process, over ZeroMQ (what the server runs on)."""
 
 from __future__ import annotations
 
-import json
 import logging
+import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import AsyncIterator, Callable, Mapping
-from contextlib import aclosing
 from pathlib import Path
-from typing import Any
 
 import anyio
 import anyio.abc
 import zmq
 import zmq.asyncio
 
-from conveyor.engine.streams import OutputStreams, follow
-from conveyor.messages import (
-    EngineOutputs,
-    EngineReady,
-    EngineRequest,
-    MessageType,
-    RequestOutput,
-    StepStats,
-    decode,
-    encode,
-)
+from conveyor.config import Config, encode_config
+from conveyor.engine.client import EngineClient, EngineFailed, EngineUnavailable
+from conveyor.messages import EngineOutputs, EngineRequest, MessageType, decode, encode
 
 logger = logging.getLogger("conveyor")
 
 
-class EngineUnavailable(RuntimeError):
-    """The engine process is not running (starting, restarting or stopped): HTTP 503."""
+class MPClient(EngineClient):
+    """Runs the engine core in a child process and keeps it alive.
 
-
-class EngineFailed(RuntimeError):
-    """The engine process could not start, or kept dying: the server must exit."""
-
-
-class EngineClient:
-    """Runs the engine core in a child process and streams each request's outputs back.
-
-    ``run()`` starts the process and keeps it alive: when it dies, every
+    The child gets the validated config (msgpack, on its stdin) and the
+    addresses of two sockets bound here: it PULLs requests and aborts from
+    the first and PUSHes outputs to the second. When it dies, every
     in-flight request ends with an error, ``alive`` turns False, and a new
     process starts, unless ``max_restarts`` deaths fell within
     ``restart_window`` seconds, in which case ``run()`` raises EngineFailed.
 
     Args:
-        config_path: the TOML file the engine loads (None: the defaults).
-        overrides: ``--set`` overrides, ``{"section.key": value}``.
+        config: what the engine runs.
         address: "ipc" (Unix sockets in a private temporary directory) or a
             tcp:// host such as "tcp://127.0.0.1" (free ports are chosen).
     """
 
     def __init__(
         self,
-        config_path: str | Path | None,
-        overrides: Mapping[str, Any] | None = None,
+        config: Config,
         *,
         address: str = "ipc",
         max_restarts: int = 3,
@@ -66,22 +47,15 @@ class EngineClient:
         startup_timeout: float = 600.0,
         log_level: str = "INFO",
     ):
-        self.config_path = config_path
-        self.overrides = dict(overrides or {})
+        super().__init__()
+        self.config = config
         self.address = address
         self.max_restarts = max_restarts
         self.restart_window = restart_window
         self.startup_timeout = startup_timeout
         self.log_level = log_level
-        self.ready: EngineReady | None = None
-        # from the first EngineReady on (0 before); it stays while the engine restarts
-        self.max_model_len = 0
-        self.alive = False
+        self.ready = None
         self.num_restarts = 0
-        # called with every step's stats, and with each new EngineReady
-        self.stats_observers: list[Callable[[StepStats], None]] = []
-        self.ready_observers: list[Callable[[EngineReady], None]] = []
-        self._streams = OutputStreams()
         self._push: zmq.Socket | None = None
         self._process: anyio.abc.Process | None = None
         self._stopping = False
@@ -89,19 +63,10 @@ class EngineClient:
         self._context = zmq.asyncio.Context()
 
     @property
-    def num_in_flight(self) -> int:
-        return len(self._streams)
-
-    @property
     def pid(self) -> int | None:
         return self._process.pid if self._process is not None else None
 
     async def run(self, *, task_status: anyio.abc.TaskStatus = anyio.TASK_STATUS_IGNORED) -> None:
-        """Start the engine and keep it running until cancelled or ``shutdown()``.
-
-        Raises:
-            EngineFailed: the first start failed, or the engine kept dying.
-        """
         deaths: list[float] = []
         started = False
         try:
@@ -135,12 +100,9 @@ class EngineClient:
             input_address = _bind(push, self.address, Path(tmp) / "input")
             output_address = _bind(pull, self.address, Path(tmp) / "output")
             command = [sys.executable, "-m", "conveyor.engine.process", "--input", input_address,
-                       "--output", output_address, "--overrides", json.dumps(self.overrides),
-                       "--log-level", self.log_level]
-            if self.config_path is not None:
-                command += ["--config", str(self.config_path)]
+                       "--output", output_address, "--log-level", self.log_level]
             self.ready = None
-            process = await anyio.open_process(command, stdin=None, stdout=None, stderr=None)
+            process = await anyio.open_process(command, stdin=subprocess.PIPE, stdout=None, stderr=None)
             self._process = process
             code: int | None = None
             try:
@@ -149,19 +111,24 @@ class EngineClient:
                     async def watch() -> None:
                         nonlocal code
                         code = await process.wait()
+                        if self.ready is None:
+                            await anyio.sleep(0.5)  # why it failed may still be on its way
                         tg.cancel_scope.cancel()
 
                     tg.start_soon(watch)
+                    assert process.stdin is not None
+                    async with process.stdin:
+                        await process.stdin.send(encode_config(self.config))
                     with anyio.fail_after(self.startup_timeout):
                         kind, ready = decode(await pull.recv_multipart())
+                    if kind is MessageType.FAILED:
+                        raise EngineFailed(ready)
                     if kind is not MessageType.READY:
                         raise EngineFailed(f"the engine process sent {kind.name} before READY")
                     self.ready = ready
-                    self.max_model_len = ready.max_model_len
                     self._push = push
-                    self.alive = True
-                    for observe in self.ready_observers:
-                        observe(ready)
+                    logger.info("engine process %d ready in %.1f s", ready.pid, ready.load_time)
+                    self._ready(ready)
                     if task_status is not None:
                         task_status.started(ready)
                     await self._receive(pull)
@@ -190,10 +157,7 @@ class EngineClient:
                 continue
             if kind is MessageType.OUTPUTS:
                 assert isinstance(body, EngineOutputs)
-                self._streams.route(body.outputs)
-                if body.stats is not None:
-                    for observe in self.stats_observers:
-                        observe(body.stats)
+                self._publish(body.outputs, body.stats)
 
     def _send(self, kind: MessageType, body: object) -> None:
         if self._push is None or not self.alive:
@@ -203,38 +167,11 @@ class EngineClient:
         except zmq.Again:
             raise EngineUnavailable("the engine is not connected yet") from None
 
-    async def generate(self, request: EngineRequest) -> AsyncIterator[RequestOutput]:
-        """Submit a request; yield its outputs until the final one.
+    def _submit(self, request: EngineRequest) -> None:
+        self._send(MessageType.ADD, request)
 
-        Iterate it inside ``contextlib.aclosing``: leaving early aborts the
-        request in the engine at once. When the engine dies, the stream ends
-        with an error output (``error_status`` 503).
-
-        Raises:
-            EngineUnavailable: the engine is not running.
-            RequestRejected: the request id is in flight already.
-        """
-        if not self.alive:
-            raise EngineUnavailable("the engine is not running (it is starting, restarting or stopping)")
-        receive = self._streams.open(request.request_id)
-        try:
-            self._send(MessageType.ADD, request)
-        except EngineUnavailable:
-            self._streams.route([RequestOutput(request.request_id, finish_reason="abort")])
-            receive.close()
-            raise
-        async with aclosing(follow(receive, lambda: self.abort(request.request_id))) as outputs:
-            async for output in outputs:
-                yield output
-
-    def abort(self, request_id: str) -> None:
-        """Stop a request wherever it is (its blocks are freed in the engine's next step)."""
-        if self.alive and request_id in self._streams:
-            self._send(MessageType.ABORT, [request_id])
-
-    def abort_all(self) -> None:
-        if self.alive and len(self._streams):
-            self._send(MessageType.ABORT, self._streams.ids())
+    def _abort(self, request_ids: list[str]) -> None:
+        self._send(MessageType.ABORT, request_ids)
 
     async def shutdown(self, timeout: float = 10.0) -> None:
         """Ask the engine to exit (SIGKILL after ``timeout``); ``run()`` then returns."""

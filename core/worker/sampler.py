@@ -8,10 +8,11 @@ top-p nucleus in a partial ``topk`` before falling back to a full sort.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import torch
 
-from conveyor.messages import TokenLogprob
-from conveyor.request import Request
+from conveyor.messages import ScheduledRequest, TokenLogprob
 
 # candidates examined for the top-p nucleus before sorting the whole row
 TOP_P_CANDIDATES = 256
@@ -23,8 +24,17 @@ class Sampler:
     def __init__(self, seed: int = 0):
         # draws for requests without a seed of their own
         self.generator = torch.Generator().manual_seed(seed)
+        # request id -> the generator of a request with a seed of its own (it lives as long as the request)
+        self.generators: dict[str, torch.Generator] = {}
 
-    def sample(self, logits: torch.Tensor, requests: list[Request]) -> tuple[list[int], list[TokenLogprob | None]]:
+    def forget(self, request_ids: Iterable[str]) -> None:
+        """Drop what is kept for requests that ended."""
+        for request_id in request_ids:
+            self.generators.pop(request_id, None)
+
+    def sample(
+        self, logits: torch.Tensor, requests: list[ScheduledRequest]
+    ) -> tuple[list[int], list[TokenLogprob | None]]:
         """
         Args:
             logits: ``[N, vocab]`` float32 (modified in place).
@@ -50,18 +60,11 @@ class Sampler:
         entries: list[TokenLogprob | None] = [None] * len(requests)
         if logprobs is not None:
             for i, request in enumerate(requests):
-                n = request.params.logprobs
-                if n is None:
-                    continue
-                top = logprobs[i].topk(n) if n else None
-                entries[i] = TokenLogprob(
-                    logprob=logprobs[i, token_list[i]].item(),
-                    top_ids=top.indices.tolist() if top is not None else [],
-                    top_logprobs=top.values.tolist() if top is not None else [],
-                )
+                if request.params.logprobs is not None:
+                    entries[i] = token_logprobs(logprobs[i : i + 1], [token_list[i]], request.params.logprobs)[0]
         return token_list, entries
 
-    def _sample_random(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+    def _sample_random(self, logits: torch.Tensor, requests: list[ScheduledRequest]) -> torch.Tensor:
         params = [r.params for r in requests]
         device = logits.device
         temperature = torch.tensor([p.temperature for p in params], dtype=logits.dtype, device=device).unsqueeze(1)
@@ -79,9 +82,25 @@ class Sampler:
             probs = probs.masked_fill(probs < threshold, 0.0)
         uniform = torch.rand(len(requests), 1, generator=self.generator, dtype=torch.float64)
         for i, request in enumerate(requests):
-            if request.generator is not None:
-                uniform[i, 0] = torch.rand(1, generator=request.generator, dtype=torch.float64).item()
+            seed = request.params.seed
+            if seed is not None:
+                generator = self.generators.get(request.request_id)
+                if generator is None:
+                    generator = self.generators[request.request_id] = torch.Generator().manual_seed(seed)
+                uniform[i, 0] = torch.rand(1, generator=generator, dtype=torch.float64).item()
         return inverse_cdf(probs, uniform.to(device))
+
+
+def token_logprobs(logprobs: torch.Tensor, token_ids: list[int], num_top: int) -> list[TokenLogprob]:
+    """Each row's entry: the logprob of its token and the ``num_top`` most likely tokens (``logprobs [N, vocab]``)."""
+    chosen = logprobs.gather(1, torch.tensor(token_ids, device=logprobs.device).unsqueeze(1))[:, 0].tolist()
+    if not num_top:
+        return [TokenLogprob(value, [], []) for value in chosen]
+    top = logprobs.topk(num_top, dim=-1)
+    return [
+        TokenLogprob(value, ids, values)
+        for value, ids, values in zip(chosen, top.indices.tolist(), top.values.tolist())
+    ]
 
 
 def inverse_cdf(probs: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
@@ -127,7 +146,7 @@ def _nucleus_threshold(values: torch.Tensor, total: torch.Tensor, p: torch.Tenso
     return values.gather(1, num_keep - 1)
 
 
-def apply_penalties(logits: torch.Tensor, rows: list[int], requests: list[Request]) -> None:
+def apply_penalties(logits: torch.Tensor, rows: list[int], requests: list[ScheduledRequest]) -> None:
     """Repetition (prompt + output), presence and frequency (output) penalties, in place."""
     vocab = logits.shape[1]
     for row in rows:

@@ -1,0 +1,83 @@
+"""The in-process engine client: an engine core stepped beside the event loop (what ``LLM`` runs on)."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import anyio
+import anyio.abc
+
+from conveyor.engine.client import EngineClient, EngineUnavailable
+from conveyor.engine.core import EngineCore
+from conveyor.messages import EngineReady, EngineRequest, MessageType
+
+
+class InprocClient(EngineClient):
+    """Runs an EngineCore's steps in this process.
+
+    Requests and aborts are queued from any task and taken between steps, so
+    a step is never interrupted; each step runs in a worker thread, so the
+    event loop stays responsive during the forward pass. When ``run()`` ends,
+    the requests still in the engine are aborted and their streams end with
+    an error: the engine core is left empty for the next run.
+    """
+
+    def __init__(self, core: EngineCore):
+        super().__init__()
+        self.core = core
+        # (ADD, EngineRequest) or (ABORT, request ids), in the order they came
+        self._inbox: list[tuple[MessageType, object]] = []
+        # made in run(): an event belongs to the event loop it was made in
+        self._wakeup: anyio.Event | None = None
+        self._stopping = False
+
+    async def run(self, *, task_status: anyio.abc.TaskStatus = anyio.TASK_STATUS_IGNORED) -> None:
+        started = time.perf_counter()
+        core, kv = self.core, self.core.kvcache
+        self._stopping = False
+        self._wakeup = anyio.Event()
+        ready = EngineReady(os.getpid(), core.max_model_len, kv.num_blocks, kv.block_size,
+                            kv.capacity_tokens / core.max_model_len, time.perf_counter() - started,
+                            core.info.device, core.info.attention, core.info.weight_bytes)
+        self._ready(ready)
+        task_status.started(ready)
+        try:
+            while not self._stopping:
+                self._take_inbox()
+                timeout = core.poll_timeout()
+                if timeout is None or timeout > 0:
+                    with anyio.move_on_after(timeout if timeout is not None else float("inf")):
+                        await self._wakeup.wait()
+                    self._wakeup = anyio.Event()
+                    continue
+                self._publish(*await anyio.to_thread.run_sync(core.step))
+        finally:
+            self.alive = False
+            self._inbox.clear()
+            core.abort(list(core.scheduler.requests))
+            self._streams.fail_all("the engine stopped", 503)
+
+    async def shutdown(self, timeout: float = 10.0) -> None:
+        self._stopping = True
+        if self._wakeup is not None:
+            self._wakeup.set()
+
+    def _submit(self, request: EngineRequest) -> None:
+        if self._stopping:
+            raise EngineUnavailable("the engine is stopping")
+        self._post(MessageType.ADD, request)
+
+    def _abort(self, request_ids: list[str]) -> None:
+        self._post(MessageType.ABORT, request_ids)
+
+    def _post(self, kind: MessageType, body: object) -> None:
+        self._inbox.append((kind, body))
+        if self._wakeup is not None:
+            self._wakeup.set()
+
+    def _take_inbox(self) -> None:
+        inbox, self._inbox = self._inbox, []
+        taken = self.core.apply(inbox)
+        if taken is not None:
+            self._publish(taken.outputs, taken.stats)

@@ -1,0 +1,68 @@
+// What the CPU kernels share: the CPU feature they specialize for, bfloat16
+// conversions that vectorize, the work queue that spreads items over ATen's
+// threads, and the check of block tables before any memory is read through them.
+#pragma once
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+
+#include <atomic>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+// VDPBF16PS (bf16 pairs multiplied, float32 sums): the fast paths of the attention kernels.
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+#include <immintrin.h>
+#define CONVEYOR_AVX512_BF16 1
+#endif
+
+namespace conveyor {
+
+inline float bits_to_float(uint32_t bits) {
+  float value;
+  std::memcpy(&value, &bits, sizeof(value));
+  return value;
+}
+
+// bfloat16 is the top half of a float32.
+inline float bf16_to_float(uint16_t bits) { return bits_to_float(uint32_t(bits) << 16); }
+
+// Round to nearest even; a NaN stays a (quiet) NaN.
+inline uint16_t float_to_bf16(float x) {
+  uint32_t bits;
+  std::memcpy(&bits, &x, sizeof(bits));
+  const bool nan = (bits & 0x7fffffffu) > 0x7f800000u;
+  return static_cast<uint16_t>(nan ? 0x7fc0u : (bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
+}
+
+// Runs visit(item, scratch) for items 0 .. num_items - 1 on ATen's threads, each thread pulling the next
+// item from a shared counter (items of uneven cost balance themselves; order them costliest first).
+// Each thread has its own scratch of scratch_floats floats.
+template <typename Visit>
+void run_work_queue(int64_t num_items, int64_t scratch_floats, Visit&& visit) {
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
+    std::vector<float> scratch(scratch_floats);
+    for (int64_t item; (item = next.fetch_add(1)) < num_items;) visit(item, scratch.data());
+  });
+}
+
+// Sequence i reads positions [0, lens[i]) through row i of block_tables; every block it
+// touches must be inside the cache, and its table must be wide enough.
+inline void check_block_tables(const at::Tensor& block_tables, const int32_t* lens, int64_t num_seqs,
+                               int64_t block_size, int64_t num_slots) {
+  TORCH_CHECK(block_size > 0 && num_slots % block_size == 0, "block_size must divide the cache's slots");
+  const int64_t width = block_tables.size(1), num_blocks = num_slots / block_size;
+  const int32_t* tables = block_tables.data_ptr<int32_t>();
+  for (int64_t i = 0; i < num_seqs; ++i) {
+    TORCH_CHECK(lens[i] >= 1 && lens[i] <= width * block_size, "sequence ", i, " has ", lens[i],
+                " keys, outside what its block table of ", width, " blocks holds");
+    for (int64_t b = 0; b < (lens[i] + block_size - 1) / block_size; ++b) {
+      const int32_t block = tables[i * width + b];
+      TORCH_CHECK(block >= 0 && block < num_blocks, "sequence ", i, " uses block ", block, " of ", num_blocks);
+    }
+  }
+}
+
+}  // namespace conveyor

@@ -1,0 +1,1 @@
+"""The device side: workers, each with a model runner and a sampler."""
