@@ -53,10 +53,10 @@ def bench(torch, fn, smoke: bool) -> float:
 
 
 def gemms(torch, device: str, smoke: bool, peak: float | None) -> int:
+    from conveyor.model.formats import quantize_fp8
     from conveyor.plugins.quant.fp8 import has_fp8_units
     from conveyor.plugins.quant.int8 import quantize_int8
     from conveyor.plugins.quant.kernels import w8a8_fp8_matmul, w8a16_matmul
-    from conveyor.quant import quantize_fp8
 
     k, n = (96, 80) if smoke else (4096, 14336)
     rows = (1, 7, 33) if smoke else (1, 16, 2048)
@@ -94,7 +94,7 @@ def gemms(torch, device: str, smoke: bool, peak: float | None) -> int:
 def attention(torch, device: str, smoke: bool) -> int:
     from conveyor.attention.kernels import paged_decode_attention, paged_prefill_attention
     from conveyor.attention.storage import SCALE_DTYPE, dequantize
-    from conveyor.quant import quantize_fp8
+    from conveyor.model.formats import quantize_fp8
 
     heads, kv_heads, dim, block = (4, 2, 16, 4) if smoke else (32, 8, 128, 16)
     batch, context, chunk = (3, 21, 9) if smoke else (32, 2048, 512)

@@ -34,7 +34,7 @@ from conveyor.bench.datasets import mixed
 from conveyor.config import load_config
 from conveyor.messages import StepStats
 from conveyor.model.checkpoint import resolve_model_path
-from conveyor.model.loader import load_tokenizer
+from conveyor.model.tokenizer import load_tokenizer
 from conveyor.sampling import SamplingParams
 
 CONFIGS = Path(__file__).resolve().parent.parent / "configs"

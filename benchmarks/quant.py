@@ -26,8 +26,8 @@ import torch.nn.functional as F
 
 from conveyor import LLM, SamplingParams
 from conveyor.bench.quality import agreement, perplexity, teacher_forced
+from conveyor.model.formats import quantize_fp8
 from conveyor.plugins.quant.int8 import quantize_int8
-from conveyor.quant import quantize_fp8
 
 TEXT = Path(__file__).resolve().parent.parent / "tests" / "data" / "GPL-3.txt"
 METHODS = {

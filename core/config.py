@@ -13,6 +13,7 @@ is allowed.
 
 from __future__ import annotations
 
+import os
 import sys
 import typing
 from collections.abc import Mapping
@@ -58,6 +59,13 @@ class ModelConfig(msgspec.Struct, forbid_unknown_fields=True):
     device: Literal["auto", "cpu", "cuda"] = "auto"
     # longest prompt + output, in tokens; 0: the model's own context length
     max_model_len: Annotated[int, msgspec.Meta(ge=0)] = 2048
+
+    @property
+    def served_name(self) -> str:
+        """The name clients use: ``name``, else the path's stem (an alias as it is)."""
+        if self.name:
+            return self.name
+        return Path(self.path).stem if os.sep in self.path or "." in self.path else self.path
 
 
 class EngineConfig(msgspec.Struct, forbid_unknown_fields=True):

@@ -13,7 +13,7 @@ import time
 from collections.abc import Mapping, Sequence
 from contextlib import aclosing
 from pathlib import Path
-from typing import Any, Union
+from typing import Any
 
 import anyio
 import msgspec
@@ -22,7 +22,7 @@ from conveyor.config import Config, load_config
 from conveyor.engine.core import EngineCore
 from conveyor.engine.inproc import InprocClient
 from conveyor.messages import TokenLogprob
-from conveyor.model.loader import load_tokenizer, served_name
+from conveyor.model.tokenizer import load_tokenizer
 from conveyor.registry import PluginRegistry
 from conveyor.sampling import SamplingParams
 from conveyor.serving.frontend import EngineFrontend
@@ -33,7 +33,7 @@ if sys.version_info < (3, 11):
     from exceptiongroup import BaseExceptionGroup
 
 # a plain prompt, a chat conversation ([{"role": ..., "content": ...}, ...]), or token ids
-Prompt = Union[str, list[dict[str, Any]], list[int]]
+Prompt = str | list[dict[str, Any]] | list[int]
 
 
 class Completion(msgspec.Struct):
@@ -71,7 +71,7 @@ class LLM:
         self.engine = EngineCore(self.config, PluginRegistry.of(self.config))
         self.tokenizer = load_tokenizer(self.config.model, source=self.config.source)
         self.client = InprocClient(self.engine)
-        name = served_name(self.config.model)
+        name = self.config.model.served_name
         self.frontend = EngineFrontend(self.client, self.tokenizer, name, ServerMetrics(name))
         self._ids = itertools.count()
 

@@ -57,7 +57,7 @@ def llm_fp32():
 def tokenizer():
     """SmolLM2's tokenizer, built from the GGUF metadata."""
     from conveyor.config import ModelConfig
-    from conveyor.model.loader import load_tokenizer
+    from conveyor.model.tokenizer import load_tokenizer
 
     return load_tokenizer(ModelConfig())
 

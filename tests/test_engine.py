@@ -54,6 +54,9 @@ def make_llm(**overrides) -> LLM:
         ("paged, chunked prefill", {"scheduler.max_num_batched_tokens": 64}),
         ("contiguous", {"kvcache.plugin": "contiguous", "kvcache.reserve": "request", "scheduler.max_num_batched_tokens": 256}),
         ("paged, preempting", {"kvcache.num_blocks": 60, "kvcache.block_size": 16, "scheduler.max_num_batched_tokens": 256}),
+        # batches larger than the workload: the engine waits while they collect, then runs them to completion
+        ("static batch", {"scheduler.plugin": "static", "scheduler.batch_size": 64, "scheduler.max_wait_ms": 300}),
+        ("dynamic batch", {"scheduler.plugin": "dynamic", "scheduler.max_batch_size": 64, "scheduler.window_ms": 50}),
     ],
 )
 def test_busy_batch_gives_the_same_tokens_as_alone(workload, alone, label, overrides):

@@ -16,8 +16,8 @@ import torch.nn.functional as F
 
 from conveyor import native
 from conveyor.attention.storage import SCALE_DTYPE, dequantize
+from conveyor.model.formats import quantize_fp8
 from conveyor.model.llama import RMSNorm, apply_rotary
-from conveyor.quant import quantize_fp8
 from tests.helpers import paged_store, reference_attention, relative_error
 
 pytestmark = [

@@ -11,9 +11,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from conveyor.model.formats import quantize_fp8
 from conveyor.plugins.quant import kernels
 from conveyor.plugins.quant.int8 import quantize_int8
-from conveyor.quant import quantize_fp8
 
 pytestmark = pytest.mark.usefixtures("random_seed")
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 
 from conveyor.kvcache import KVCacheLayout
+from conveyor.model.formats import quantize_fp8
 from conveyor.model.loader import DTYPES
-from conveyor.quant import quantize_fp8
 
 # the per-token, per-head scale of an fp8 cache
 SCALE_DTYPE = torch.bfloat16

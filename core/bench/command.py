@@ -128,7 +128,7 @@ def build_workload(args: argparse.Namespace, n: int, seed: int) -> list[BenchReq
 
 def _tokenizer(path: str | None):
     from conveyor.config import ModelConfig
-    from conveyor.model.loader import load_tokenizer
+    from conveyor.model.tokenizer import load_tokenizer
 
     if path is None:
         return load_tokenizer(ModelConfig(), source="--tokenizer")

@@ -1,7 +1,7 @@
 """The engine client interface: how a frontend submits requests to an engine core and streams their outputs.
 
 Two implementations: ``InprocClient`` (``conveyor.engine.inproc``) steps an
-engine core in this process, beside the event loop; ``MPClient``
+engine core in this process, on the event loop; ``MPClient``
 (``conveyor.engine.mp_client``) runs it in a child process over ZeroMQ and
 restarts it when it dies. Both route each output to the stream of its
 request; neither imports torch into the frontend.

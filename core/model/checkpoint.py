@@ -12,10 +12,12 @@ import importlib.util
 import json
 from abc import ABC, abstractmethod
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING
 
 from conveyor.model.spec import ModelSpec
+
+if TYPE_CHECKING:
+    import torch
 
 
 class ModelNotFoundError(FileNotFoundError):

@@ -18,8 +18,9 @@ import torch.nn.functional as F
 
 from conveyor import native
 from conveyor.model.checkpoint import Checkpoint
+from conveyor.model.formats import packed_linear, prepack, prepacks
 from conveyor.model.spec import ModelSpec
-from conveyor.quant import Params, QuantMethod, packed_linear, prepack, prepacks
+from conveyor.quant import Params, QuantMethod
 
 logger = logging.getLogger(__name__)
 

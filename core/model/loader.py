@@ -1,18 +1,15 @@
-"""Build the model and tokenizer that ``[model]`` describes."""
+"""Build the model that ``[model]`` describes (its tokenizer: ``conveyor.model.tokenizer.load_tokenizer``)."""
 
 from __future__ import annotations
 
 import logging
-import os
 import time
-from pathlib import Path
 
 import torch
 
 from conveyor.config import ConfigError, ModelConfig
-from conveyor.model.checkpoint import Checkpoint, ModelNotFoundError, open_checkpoint, resolve_model_path
+from conveyor.model.checkpoint import Checkpoint, ModelNotFoundError, open_checkpoint
 from conveyor.model.llama import LlamaModel
-from conveyor.model.tokenizer import Tokenizer
 from conveyor.quant import QuantMethod
 
 logger = logging.getLogger("conveyor")
@@ -43,30 +40,6 @@ def model_len(config: ModelConfig, ckpt: Checkpoint, source: str = "<config>") -
             f"{source}: [model] max_model_len = {config.max_model_len} exceeds the model's context length {trained}"
         )
     return config.max_model_len or trained
-
-
-def load_tokenizer(config: ModelConfig, ckpt: Checkpoint | None = None, source: str = "<config>") -> Tokenizer:
-    """The tokenizer of ``[model]``: an explicit tokenizer.json, else the checkpoint's own."""
-    if config.tokenizer:
-        return Tokenizer.load(Path(config.path), config.tokenizer)
-    if ckpt is None:
-        try:
-            path = resolve_model_path(config.path)
-        except ModelNotFoundError as e:
-            raise ConfigError(f"{source}: [model] path = {config.path!r}: {e}") from None
-        if path.suffix == ".gguf":
-            import gguf
-
-            return Tokenizer.load(path, gguf_fields=gguf.GGUFReader(str(path)).fields)
-        return Tokenizer.load(path)
-    return Tokenizer.load(ckpt.path, gguf_fields=getattr(ckpt, "metadata", None))
-
-
-def served_name(config: ModelConfig) -> str:
-    """The name clients use: ``[model] name``, else the path's stem."""
-    if config.name:
-        return config.name
-    return Path(config.path).stem if os.sep in config.path or "." in config.path else config.path
 
 
 def load_model(

@@ -8,12 +8,15 @@ from collections.abc import Sequence
 from datetime import datetime
 from functools import cached_property
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from jinja2.exceptions import TemplateError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
+
+if TYPE_CHECKING:
+    from conveyor.config import ModelConfig
 
 # GPT-2's split: contractions, letters, digits, other symbols, spaces.
 GPT2_PATTERN = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
@@ -227,3 +230,26 @@ class Tokenizer:
     def encode_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> list[int]:
         # The template writes any BOS itself.
         return self.encode(self.apply_chat_template(messages, add_generation_prompt), add_special_tokens=False)
+
+
+def load_tokenizer(config: ModelConfig, source: str = "<config>") -> Tokenizer:
+    """The tokenizer of ``[model]``: an explicit tokenizer.json, else the checkpoint's own (GGUF metadata or
+    tokenizer.json beside the weights), read without loading any weight.
+
+    Raises:
+        ConfigError: the model is not where ``[model] path`` says.
+    """
+    from conveyor.config import ConfigError
+    from conveyor.model.checkpoint import ModelNotFoundError, resolve_model_path
+
+    if config.tokenizer:
+        return Tokenizer.load(Path(config.path), config.tokenizer)
+    try:
+        path = resolve_model_path(config.path)
+    except ModelNotFoundError as e:
+        raise ConfigError(f"{source}: [model] path = {config.path!r}: {e}") from None
+    if path.suffix == ".gguf":
+        import gguf
+
+        return Tokenizer.load(path, gguf_fields=gguf.GGUFReader(str(path)).fields)
+    return Tokenizer.load(path)

@@ -22,7 +22,7 @@ from conveyor.config import ConfigError, load_config
 from conveyor.engine.client import EngineFailed
 from conveyor.engine.mp_client import MPClient
 from conveyor.messages import EngineReady
-from conveyor.model.loader import load_tokenizer, served_name
+from conveyor.model.tokenizer import load_tokenizer
 from conveyor.registry import PluginRegistry
 from conveyor.serving.frontend import EngineFrontend
 from conveyor.serving.metrics import ServerMetrics
@@ -45,7 +45,7 @@ async def serve(config_path: str | Path | None, overrides: Mapping[str, Any] | N
         raise ConfigError(f"{config.source}: no [[transport]] to serve on")
     transports = [registry.build("transport", spec) for spec in config.transport]
     tokenizer = load_tokenizer(config.model, source=config.source)
-    model_name = served_name(config.model)
+    model_name = config.model.served_name
     metrics = ServerMetrics(model_name)
     engine = MPClient(
         config,

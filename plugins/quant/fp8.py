@@ -11,14 +11,15 @@ hardware has fp8 units and W8A16 elsewhere.
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import msgspec
-import torch
-import torch.nn.functional as F
 
 from conveyor.hookspecs import hookimpl
-from conveyor.quant import Params, QuantMethod, quantize_fp8
+from conveyor.quant import Params, QuantMethod
+
+if TYPE_CHECKING:
+    import torch
 
 
 class FP8Options(msgspec.Struct, forbid_unknown_fields=True):
@@ -32,6 +33,8 @@ def upcast(q: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     The e4m3 sign, exponent and mantissa fields, moved into float16's, give
     the same number times 2^-8, for normal and subnormal values alike.
     """
+    import torch
+
     if q.device.type != "cpu":
         return q.to(dtype)
     bits = q.view(torch.uint8).to(torch.int16)
@@ -40,6 +43,8 @@ def upcast(q: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 def has_fp8_units(device: torch.device) -> bool:
+    import torch
+
     return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
 
 
@@ -59,6 +64,8 @@ class FP8(QuantMethod):
         self.w8a8 = mode == "fp8"
 
     def prepare(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> Params:
+        from conveyor.model.formats import quantize_fp8
+
         q, scale = quantize_fp8(weight.float())
         params = {"qweight": q.to(self.device).contiguous(), "scale": scale.to(self.device)}
         if bias is not None:
@@ -66,6 +73,11 @@ class FP8(QuantMethod):
         return params
 
     def linear(self, x: torch.Tensor, params: Params) -> torch.Tensor:
+        import torch
+        import torch.nn.functional as F
+
+        from conveyor.model.formats import quantize_fp8
+
         q, scale = params["qweight"], params["scale"]
         if x.device.type == "cuda":
             from conveyor.plugins.quant.kernels import w8a8_fp8_matmul, w8a16_matmul

@@ -11,14 +11,15 @@ chosen by measurement (benchmarks/quant.py).
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import msgspec
-import torch
-import torch.nn.functional as F
 
 from conveyor.hookspecs import hookimpl
 from conveyor.quant import Params, QuantMethod
+
+if TYPE_CHECKING:
+    import torch
 
 INT8_MAX = 127.0
 # NOTE: torch._weight_int8pack_mm (CPU) crashes or miscomputes unless in_features is a multiple of 32;
@@ -33,6 +34,8 @@ class Int8Options(msgspec.Struct, forbid_unknown_fields=True):
 
 def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Round-to-nearest per-row int8: ``weight ~= q * scale[:, None]``."""
+    import torch
+
     scale = (weight.abs().amax(dim=1) / INT8_MAX).clamp_min(1e-12)
     q = torch.round(weight / scale[:, None]).clamp(-INT8_MAX, INT8_MAX).to(torch.int8)
     return q, scale
@@ -54,6 +57,9 @@ class Int8WeightOnly(QuantMethod):
         return params
 
     def linear(self, x: torch.Tensor, params: Params) -> torch.Tensor:
+        import torch
+        import torch.nn.functional as F
+
         q = params["qweight"]
         if x.device.type == "cuda":
             from conveyor.plugins.quant.kernels import w8a16_matmul

@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from conveyor.quant import quantize_fp8
+from conveyor.model.formats import quantize_fp8
 
 # NOTE: the interpreter mishandles tl.dot on bf16 and fp8 operands; under it the operands go in as fp32.
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
-import torch
-import torch.nn.functional as F
+from typing import TYPE_CHECKING
 
 from conveyor.hookspecs import hookimpl
-from conveyor.quant import Params, QuantMethod, packed_linear, prepack, prepacks
+from conveyor.quant import Params, QuantMethod
+
+if TYPE_CHECKING:
+    import torch
 
 
 class NoQuant(QuantMethod):
@@ -15,6 +17,8 @@ class NoQuant(QuantMethod):
     name = "none"
 
     def prepare(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> Params:
+        from conveyor.model.formats import prepack, prepacks
+
         weight = weight.to(device=self.device, dtype=self.dtype).contiguous()
         params = {"packed": prepack(weight)} if prepacks(self.device, self.dtype) else {"weight": weight}
         if bias is not None:
@@ -22,6 +26,10 @@ class NoQuant(QuantMethod):
         return params
 
     def linear(self, x: torch.Tensor, params: Params) -> torch.Tensor:
+        import torch.nn.functional as F
+
+        from conveyor.model.formats import packed_linear
+
         if "packed" in params:
             return packed_linear(x, params["packed"], params.get("bias"))
         return F.linear(x, params["weight"], params.get("bias"))
