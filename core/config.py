@@ -210,17 +210,18 @@ def decode_config(data: bytes, registry: PluginRegistry | None = None) -> Config
     for kind, specs in (("scheduler", [config.scheduler]), ("kvcache", [config.kvcache]), ("quant", [config.quant]),
                         ("transport", config.transport)):
         for spec in specs:
-            cls = _plugin_class(registry, kind, spec.plugin, config.source)
+            cls = _plugin_class(registry, kind, spec.plugin, config.source, kind)
             spec.options = msgspec.convert(spec.options or {}, cls.Options)
     config._registry = registry
     return config
 
 
-def _plugin_class(registry: PluginRegistry, kind: str, name: str, where: str) -> type:
+def _plugin_class(registry: PluginRegistry, kind: str, name: str, origin: str, table: str) -> type:
+    """The class of plugin ``name``; a ConfigError listing what is installed when there is none."""
     try:
         return registry.get(kind, name)
     except KeyError as e:
-        raise ConfigError(f"{where}: [{kind}] plugin = {name!r}: {e.args[0]}") from None
+        raise ConfigError(f"{origin}: [{table}] plugin = {name!r}: {e.args[0]}") from None
 
 
 def parse_override(text: str) -> tuple[str, Any]:
@@ -315,10 +316,7 @@ def _plugin_spec(
         raise ConfigError(f"{origin.of(where)}: [{where}] needs plugin = \"name\"")
     if not isinstance(name, str):
         raise ConfigError(f"{origin.of(where, 'plugin')}: [{where}] plugin must be a string")
-    try:
-        cls = registry.get(kind, name)
-    except KeyError as e:
-        raise ConfigError(f"{origin.of(where, 'plugin')}: [{where}] plugin = {name!r}: {e.args[0]}") from None
+    cls = _plugin_class(registry, kind, name, origin.of(where, "plugin"), where)
     return PluginSpec(name, convert_table(options, cls.Options, where, origin.of))
 
 

@@ -23,7 +23,6 @@ from conveyor.engine.core import EngineCore
 from conveyor.engine.inproc import InprocClient
 from conveyor.messages import TokenLogprob
 from conveyor.model.tokenizer import load_tokenizer
-from conveyor.registry import PluginRegistry
 from conveyor.sampling import SamplingParams
 from conveyor.serving.frontend import EngineFrontend
 from conveyor.serving.metrics import ServerMetrics
@@ -68,7 +67,7 @@ class LLM:
             self.config = config
         else:
             self.config = load_config(config, overrides)
-        self.engine = EngineCore(self.config, PluginRegistry.of(self.config))
+        self.engine = EngineCore(self.config)
         self.tokenizer = load_tokenizer(self.config.model, source=self.config.source)
         self.client = InprocClient(self.engine)
         name = self.config.model.served_name

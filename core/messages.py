@@ -160,7 +160,6 @@ class ScheduledRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=F
 class StepInput(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     """What the workers compute in one step."""
 
-    step: int
     # single-token decodes first, then prefill chunks
     requests: list[ScheduledRequest]
     num_decodes: int

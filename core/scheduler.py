@@ -118,6 +118,8 @@ class Scheduler:
         self.running: list[Request] = []
         # cumulative counts; stats() adds the queue lengths
         self.counters = SchedulerStats()
+        # requests ended since the engine last took them (``take_finished``): the workers forget them
+        self._finished_ids: list[str] = []
         # seconds, for time-based policies (tests replace it)
         self.clock = time.monotonic
 
@@ -264,6 +266,7 @@ class Scheduler:
         request.finish_reason = reason
         self.kvcache.free(request)
         self.requests.pop(request.request_id, None)
+        self._finished_ids.append(request.request_id)
         if reason in (FinishReason.ABORT, FinishReason.ERROR):
             self.counters.num_aborted += 1
         else:
@@ -326,6 +329,11 @@ class Scheduler:
             if reason is not None:
                 self.finish(request, reason)
         return outputs
+
+    def take_finished(self) -> list[str]:
+        """The ids of the requests that ended (finished, aborted, failed) since the last call."""
+        finished, self._finished_ids = self._finished_ids, []
+        return finished
 
     def has_unfinished(self) -> bool:
         """Whether any request is waiting or running."""

@@ -21,6 +21,17 @@ class Server(BenchServer):
         """The engine process now (the latest to report ready)."""
         return int(re.findall(r"engine process (\d+) ready", self.output)[-1])
 
+    def num_finished(self, finish_reason: str) -> float:
+        """Requests the frontend saw end with ``finish_reason`` (0 before the first)."""
+        try:
+            return self.metric("conveyor_requests_total", finish_reason=finish_reason)
+        except KeyError:  # none has ended that way yet
+            return 0.0
+
+    def engine_aborts(self) -> float:
+        """Requests the engine itself ended early (aborted or failed)."""
+        return self.metric("conveyor_engine_aborted_requests_total")
+
     def pause_engine(self) -> None:
         """Stop the engine process (SIGSTOP): it takes no message and makes no token until ``resume_engine``,
         however fast the device."""

@@ -100,7 +100,9 @@ def test_the_status_line_reports_rates_since_the_last_line():
     metrics = ServerMetrics(MODEL)
     metrics.engine_step(stats(1, tokens=40))
     metrics.first_token(ttft=0.1, queue_time=0.0, num_prompt_tokens=100)
+    assert metrics.active_since_status_line
     line = metrics.status_line()
+    assert not metrics.active_since_status_line
     assert line.startswith("running 3, waiting 2, KV 40.0%, prompt ")
     rate = float(line.split("prompt ")[1].split(" tok/s")[0])
     assert rate > 0

@@ -29,7 +29,7 @@ def step_attention(cache: PagedKVCache, backend, batch: list[tuple[Request, int]
         ScheduledRequest(r.request_id, r.num_computed_tokens, [0] * n, cache.block_ids(r), SamplingParams())
         for r, n in batch
     ]
-    return StepAttention(backend, StepInput(0, requests, num_decodes))
+    return StepAttention(backend, StepInput(requests, num_decodes))
 
 
 def fp8_round_trip(x: torch.Tensor) -> torch.Tensor:

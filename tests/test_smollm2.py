@@ -153,6 +153,9 @@ def test_seeded_sampling_is_reproducible_in_any_batch(llm_fp32):
     assert batched[-1].token_ids == alone.token_ids
     [other_seed] = llm_fp32.generate(prompt, SamplingParams(max_tokens=32, temperature=1.0, top_p=0.95, seed=8, ignore_eos=True))
     assert other_seed.token_ids != alone.token_ids
+    # the worker forgets each seeded request's generator once the request has ended (only the last one's
+    # end has not reached it yet: ends travel with the next step)
+    assert len(llm_fp32.engine.executor.worker.runner.sampler.generators) <= 1
 
 
 def test_stop_string_ends_the_text_before_it(llm_fp32):

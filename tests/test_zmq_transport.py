@@ -118,13 +118,10 @@ def test_raw_client_from_the_protocol_document(server, keys, tokenizer):
     socket.close()
 
 
-def engine_aborts(server: Server) -> float:
-    return server.metric("conveyor_engine_aborted_requests_total")
-
 
 def test_raw_client_abort(server, keys):
     socket = raw_socket(server, keys)
-    engine_aborted = engine_aborts(server)
+    engine_aborted = server.engine_aborts()
     request = {"request_id": "long", "prompt": "Tell me a story.", "params": {"max_tokens": 500, "ignore_eos": True}}
     socket.send_multipart([b"generate", msgspec.msgpack.encode(request)])
     assert socket.poll(60_000)
@@ -142,7 +139,7 @@ def test_raw_client_abort(server, keys):
     assert message["usage"]["completion_tokens"] < 500
     server.wait_for(lambda: server.metric("conveyor_kv_cache_free_blocks") == server.metric("conveyor_kv_cache_blocks"),
                     what="the aborted request's blocks to be freed")
-    assert engine_aborts(server) == engine_aborted + 1
+    assert server.engine_aborts() == engine_aborted + 1
     socket.close()
 
 
@@ -171,16 +168,10 @@ async def until(predicate, what: str, timeout: float = 60.0) -> None:
             await anyio.sleep(0.05)
 
 
-def num_finished(server: Server, finish_reason: str) -> float:
-    try:
-        return server.metric("conveyor_requests_total", finish_reason=finish_reason)
-    except KeyError:  # none has ended that way yet
-        return 0.0
-
 
 async def test_async_client_runs_requests_concurrently(server, client_keys, tokenizer):
     prompts = [f"Count from {i} to {i + 5}:" for i in range(6)]
-    engine_aborted, aborted = engine_aborts(server), num_finished(server, "abort")
+    engine_aborted, aborted = server.engine_aborts(), server.num_finished("abort")
     async with AsyncClient(server.url("tcp"), timeout=120, **client_keys) as client:
         assert (await client.health()).alive
         results: dict[int, object] = {}
@@ -210,7 +201,7 @@ async def test_async_client_runs_requests_concurrently(server, client_keys, toke
                 async for _ in chunks:
                     server.pause_engine()  # nothing more happens in the engine until the abort has gone out
                     break
-            await until(lambda: num_finished(server, "abort") == aborted + 1, "the frontend to abort the stream")
+            await until(lambda: server.num_finished("abort") == aborted + 1, "the frontend to abort the stream")
         finally:
             server.resume_engine()
     for i, prompt in enumerate(prompts):
@@ -220,7 +211,7 @@ async def test_async_client_runs_requests_concurrently(server, client_keys, toke
         assert result.usage.prompt_tokens == len(tokenizer.encode(prompt))
     # all six were in flight at once: every one started before any one ended
     assert max(first for first, _ in spans.values()) < min(last for _, last in spans.values())
-    await until(lambda: engine_aborts(server) == engine_aborted + 1, "the engine to abort the abandoned stream")
+    await until(lambda: server.engine_aborts() == engine_aborted + 1, "the engine to abort the abandoned stream")
     await until(lambda: server.metric("conveyor_num_requests_running") == 0, "the engine to be idle")
 
 

@@ -56,8 +56,6 @@ class EngineCore:
         self.info = info
         self.max_model_len = info.max_model_len
         self.num_steps = 0
-        # requests that ended since the last step (the workers forget them)
-        self._finished: list[str] = []
         # the last step scheduled nothing although requests are pending (a batching scheduler collecting)
         self._collecting = False
 
@@ -78,9 +76,7 @@ class EngineCore:
 
     def abort(self, request_ids: Iterable[str]) -> list[RequestOutput]:
         """End requests wherever they are; returns a final ``abort`` output for each unfinished one."""
-        outputs = self.scheduler.abort(request_ids)
-        self._finished.extend(o.request_id for o in outputs)
-        return outputs
+        return self.scheduler.abort(request_ids)
 
     def apply(self, messages: Iterable[tuple[MessageType, object]]) -> EngineOutputs | None:
         """Take ADD and ABORT messages (``EngineRequest``, a list of request ids) in the order they came.
@@ -136,14 +132,11 @@ class EngineCore:
             result = self.executor.execute(step)
         except Exception as e:  # a failed step fails its requests, not the engine
             logger.exception("step failed; ending its %d requests with an error", len(batch))
-            outputs = self.scheduler.abort([r.request_id for r in batch.requests], error=f"{type(e).__name__}: {e}")
-            self._finished.extend(o.request_id for o in outputs)
-            return outputs, None
+            return self.scheduler.abort([r.request_id for r in batch.requests], error=f"{type(e).__name__}: {e}"), None
         executed = time.perf_counter()
         outputs = self.scheduler.update(batch, result.sampled, result.logprobs)
         if result.prompt_logprobs:
             outputs = self._add_prompt_logprobs(batch, step, result, outputs)
-        self._finished.extend(o.request_id for o in outputs if o.finish_reason is not None)
         self.num_steps += 1
         stats = self.stats()
         stats.num_prefill_tokens = batch.total_tokens - num_decode
@@ -175,8 +168,7 @@ class EngineCore:
             if params.prompt_logprobs is not None and request.num_prompt_logprobs < request.num_prompt_tokens - 1:
                 entry.prompt_logprob_token_ids = request.prompt_token_ids[start + 1 : start + n + 1]
             requests.append(entry)
-        finished, self._finished = self._finished, []
-        return StepInput(self.num_steps, requests, batch.num_decodes, finished)
+        return StepInput(requests, batch.num_decodes, self.scheduler.take_finished())
 
     def _add_prompt_logprobs(
         self, batch: ScheduledBatch, step: StepInput, result: RunnerOutput, outputs: list[RequestOutput]

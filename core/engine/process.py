@@ -89,7 +89,7 @@ class EngineProcess:
         self.stopping = self.stopping or any(kind is MessageType.SHUTDOWN for kind, _ in messages)
         taken = self.core.apply(messages)
         if taken is not None:
-            self.output.send_multipart(encode(MessageType.OUTPUTS, taken))
+            self.publish(taken.outputs, taken.stats)
 
     def publish(self, outputs: list[RequestOutput], stats: StepStats | None) -> None:
         self.output.send_multipart(encode(MessageType.OUTPUTS, EngineOutputs(outputs, stats)))

@@ -123,6 +123,12 @@ class ServerMetrics:
         self.in_flight.set(num_in_flight)
         return generate_latest(self.registry)
 
+    @property
+    def active_since_status_line(self) -> bool:
+        """Whether tokens came since the last status line."""
+        _, prompt, generation = self._last_report
+        return (prompt, generation) != (self._num_prompt_tokens, self._num_generation_tokens)
+
     def status_line(self) -> str:
         """One line: running, waiting, KV usage, and token rates since the last call."""
         now = time.monotonic()

@@ -102,13 +102,12 @@ async def _drain(frontend: EngineFrontend, timeout: float) -> None:
 
 
 async def _report_status(frontend: EngineFrontend, interval: float) -> None:
-    idle_reported = False
+    """A line every ``interval`` while requests are in flight, and one after any that came and went between
+    two ticks (a burst shorter than the interval is reported too); none while idle."""
     while True:
         await anyio.sleep(interval)
-        busy = frontend.num_in_flight > 0
-        if busy or not idle_reported:
+        if frontend.num_in_flight or frontend.metrics.active_since_status_line:
             logger.info("%s", frontend.metrics.status_line())
-        idle_reported = not busy
 
 
 def _print_banner(model_name: str, kv_layout: str, ready: EngineReady, urls: list[str]) -> None:
