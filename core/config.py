@@ -1,6 +1,6 @@
 """TOML configuration -> typed msgspec Structs.
 
-A config file has three core tables, ``[model]``, ``[engine]`` and ``[server]``, one table per
+A config file has four core tables, ``[model]``, ``[engine]``, ``[server]`` and ``[parallel]``, one table per
 plugin kind (``[scheduler]``, ``[kvcache]``, ``[quant]``, ``[[transport]]``)
 and a top-level ``plugins = [...]`` list of extra plugin modules. Each plugin
 table names its plugin with ``plugin = "name"``; its other keys are that
@@ -36,6 +36,7 @@ __all__ = [
     "ConfigError",
     "EngineConfig",
     "ModelConfig",
+    "ParallelConfig",
     "PluginSpec",
     "ServerConfig",
     "load_config",
@@ -80,6 +81,39 @@ class EngineConfig(msgspec.Struct, forbid_unknown_fields=True):
     attention: Literal["auto", "cpu", "torch", "triton"] = "auto"
 
 
+class ParallelConfig(msgspec.Struct, forbid_unknown_fields=True):
+    # devices (processes on a CPU) one layer's matmuls are split over: heads, MLP columns and the vocabulary
+    tensor_parallel_size: Annotated[int, msgspec.Meta(ge=1)] = 1
+    # stages the layers are split into, one after another
+    pipeline_parallel_size: Annotated[int, msgspec.Meta(ge=1)] = 1
+    # engine replicas behind one frontend, each with its own workers and KV cache
+    data_parallel_size: Annotated[int, msgspec.Meta(ge=1)] = 1
+    # how the engine reaches its workers: "uniproc" (in its own process; TP = PP = 1 only), "mp" (worker
+    # processes on this machine), "ray" (Ray actors); "auto": uniproc when TP * PP = 1, else mp
+    executor: Literal["auto", "uniproc", "mp", "ray"] = "auto"
+    # Ray: "" starts a local Ray instance; "auto" or "HOST:PORT" joins a running cluster
+    ray_address: str = ""
+
+    def __post_init__(self) -> None:
+        if self.executor == "uniproc" and self.world_size > 1:
+            raise ValueError(
+                f"executor = 'uniproc' runs one worker, but tensor_parallel_size * pipeline_parallel_size = "
+                f"{self.world_size}; allowed: 'auto', 'mp', 'ray'"
+            )
+
+    @property
+    def world_size(self) -> int:
+        """Workers of one engine: TP * PP."""
+        return self.tensor_parallel_size * self.pipeline_parallel_size
+
+    @property
+    def executor_name(self) -> str:
+        """The executor ``auto`` stands for here."""
+        if self.executor != "auto":
+            return self.executor
+        return "uniproc" if self.world_size == 1 else "mp"
+
+
 class ServerConfig(msgspec.Struct, forbid_unknown_fields=True):
     # frontend <-> engine sockets: "ipc" (Unix sockets in a private directory) or "tcp://HOST" (free ports)
     engine_address: str = "ipc"
@@ -119,6 +153,7 @@ class Config(msgspec.Struct, dict=True):
     model: ModelConfig = msgspec.field(default_factory=ModelConfig)
     engine: EngineConfig = msgspec.field(default_factory=EngineConfig)
     server: ServerConfig = msgspec.field(default_factory=ServerConfig)
+    parallel: ParallelConfig = msgspec.field(default_factory=ParallelConfig)
     scheduler: PluginSpec = msgspec.field(default_factory=lambda: PluginSpec(PLUGIN_KINDS["scheduler"]))
     kvcache: PluginSpec = msgspec.field(default_factory=lambda: PluginSpec(PLUGIN_KINDS["kvcache"]))
     quant: PluginSpec = msgspec.field(default_factory=lambda: PluginSpec(PLUGIN_KINDS["quant"]))
@@ -129,8 +164,10 @@ class Config(msgspec.Struct, dict=True):
     source: str = "<defaults>"
 
 
-_CORE_TABLES: dict[str, type[msgspec.Struct]] = {"model": ModelConfig, "engine": EngineConfig, "server": ServerConfig}
-_TOP_LEVEL_KEYS = ("model", "engine", "server", "scheduler", "kvcache", "quant", "transport", "plugins")
+_CORE_TABLES: dict[str, type[msgspec.Struct]] = {
+    "model": ModelConfig, "engine": EngineConfig, "server": ServerConfig, "parallel": ParallelConfig,
+}
+_TOP_LEVEL_KEYS = ("model", "engine", "server", "parallel", "scheduler", "kvcache", "quant", "transport", "plugins")
 
 
 class _Origin:

@@ -13,7 +13,7 @@ import time
 from collections.abc import Mapping, Sequence
 from contextlib import aclosing
 from pathlib import Path
-from typing import Any
+from typing import Any, Self
 
 import anyio
 import msgspec
@@ -73,6 +73,16 @@ class LLM:
         name = self.config.model.served_name
         self.frontend = EngineFrontend(self.client, self.tokenizer, name, ServerMetrics(name))
         self._ids = itertools.count()
+
+    def close(self) -> None:
+        """Stop the engine's workers (worker processes under tensor or pipeline parallelism)."""
+        self.engine.shutdown()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     def encode(self, prompt: Prompt) -> list[int]:
         """Token ids of a prompt; chat conversations go through the chat template, token ids are checked.

@@ -110,6 +110,12 @@ class StepStats(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     forward_time: float = 0.0
     sample_time: float = 0.0
     update_time: float = 0.0
+    # several workers (tensor/pipeline parallelism): each one's seconds on the step, by rank; the mean of
+    # their seconds in collectives and transfers; the share of their time spent waiting for the previous
+    # pipeline stage (the pipeline's bubbles)
+    rank_times: list[float] = []
+    comm_time: float = 0.0
+    bubble_fraction: float = 0.0
 
 
 class EngineOutputs(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
@@ -179,6 +185,22 @@ class RunnerOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=False
     # seconds: building inputs + the forward pass, and sampling
     forward_time: float = 0.0
     sample_time: float = 0.0
+    # seconds of forward_time in collectives and transfers between workers, and waiting for the previous
+    # pipeline stage's activations (this worker's; the executor adds every worker's in ``ranks``)
+    comm_time: float = 0.0
+    wait_time: float = 0.0
+    ranks: list[RankTimes] = []
+
+
+class RankTimes(msgspec.Struct, array_like=True, gc=False):
+    """One worker's seconds in one step (tensor or pipeline parallelism)."""
+
+    # forward + sample
+    busy: float
+    # in collectives and transfers
+    comm: float
+    # waiting for the previous stage
+    wait: float
 
 
 class MessageType(bytes, enum.Enum):

@@ -55,6 +55,21 @@ class QuantMethod(ABC):
             The tensors to store, on ``self.device``.
         """
 
+    def prepare_input_shard(self, weight: torch.Tensor, columns: slice) -> Params:
+        """Convert a row-parallel layer's share of one weight under tensor parallelism: every output row,
+        the input ``columns`` (the workers' partial products are summed after).
+
+        The default quantizes those columns alone, which is right for a method whose numbers for a column
+        do not depend on the other columns. A method with a scale per output row overrides it so that
+        each worker keeps the whole row's scale (quantize, then split): the same numbers as one worker.
+        Column-parallel layers need no hook: each worker prepares its rows with ``prepare``.
+
+        Args:
+            weight: ``[out_features, in_features]`` float32, on the CPU (the whole weight).
+            columns: the input features this worker multiplies.
+        """
+        return self.prepare(weight[:, columns].contiguous())
+
     @abstractmethod
     def linear(self, x: torch.Tensor, params: Params) -> torch.Tensor:
         """``x @ weight.T (+ bias)``.

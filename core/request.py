@@ -44,6 +44,7 @@ class Request:
         "eos_token_ids",
         "finish_reason",
         "first_scheduled_time",
+        "in_flight",
         "max_total_tokens",
         "num_cached_tokens",
         "num_computed_tokens",
@@ -90,6 +91,8 @@ class Request:
         self.queued_at = 0.0
         # with params.prompt_logprobs: prompt positions whose logprobs went out (recomputing never repeats them)
         self.num_prompt_logprobs = 0
+        # in a step the workers have not finished (pipeline parallelism keeps several in flight)
+        self.in_flight = False
 
     @classmethod
     def from_message(cls, msg: EngineRequest, max_model_len: int) -> Request:

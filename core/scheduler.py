@@ -100,6 +100,10 @@ class Scheduler:
 
     name: ClassVar[str]
     Options: ClassVar[type[msgspec.Struct]] = SchedulerOptions
+    # Whether ``schedule`` may be called while earlier batches are still in flight (pipeline parallelism):
+    # it must then leave out requests with ``in_flight`` set and never preempt them. The base class's
+    # ``schedule`` does; a scheduler that overrides it says False unless it does too.
+    pipelined: ClassVar[bool] = True
 
     def __init__(self, options: msgspec.Struct, kvcache: KVCacheManager, max_model_len: int):
         """
@@ -122,6 +126,8 @@ class Scheduler:
         self._finished_ids: list[str] = []
         # seconds, for time-based policies (tests replace it)
         self.clock = time.monotonic
+        # batches the engine keeps in flight (pipeline parallelism): each takes about this share of the requests
+        self.pipeline_depth = 1
 
     # What a scheduler decides: override these.
 
@@ -129,9 +135,10 @@ class Scheduler:
         """Order of the waiting queue, smallest first (default: arrival order)."""
         return (request.arrival_order,)
 
-    def pick_victim(self) -> Request:
-        """The running request to preempt when memory runs out (default: the newest)."""
-        return self.running[-1]
+    def pick_victim(self) -> Request | None:
+        """The running request to preempt when memory runs out (default: the newest not in flight); None
+        when every one is in a batch the workers have not finished."""
+        return next((r for r in reversed(self.running) if not r.in_flight), None)
 
     def can_admit(self, request: Request) -> bool:
         """Whether ``request``, first in the waiting queue, may start this step, budget and memory
@@ -149,21 +156,27 @@ class Scheduler:
         when memory runs out, ``pick_victim()`` is preempted (and recomputed
         later). Then waiting requests in ``waiting_key`` order while the token
         budget, ``can_admit`` and memory allow, none in a step that preempted.
+        With ``pipeline_depth`` batches in flight, requests in flight are left
+        out and a batch takes at most 1/``pipeline_depth`` of the requests.
 
         Returns:
             The batch (empty when there is nothing to run).
         """
         budget = self.options.max_num_batched_tokens
+        # with several batches in flight, each takes its share of the requests, so that every stage has work
+        max_requests = -(-len(self.requests) // self.pipeline_depth)
         scheduled: dict[Request, int] = {}
         preempted = False
         for request in list(self.running):
-            if budget == 0:
+            if budget == 0 or len(scheduled) >= max_requests:
                 break
-            if request.status != RequestStatus.RUNNING:
-                continue  # preempted earlier in this step
+            if request.status != RequestStatus.RUNNING or request.in_flight:
+                continue  # preempted earlier in this step, or its last step is not back yet
             n = min(request.num_uncomputed_tokens, self.chunk_limit(budget))
             while not self.kvcache.allocate(request, n):
                 victim = self.pick_victim()
+                if victim is None or victim.in_flight:
+                    break  # nothing can give memory now: the request waits for a later step
                 self.preempt(victim)
                 preempted = True
                 if victim in scheduled:
@@ -174,7 +187,8 @@ class Scheduler:
                 scheduled[request] = n
                 budget -= n
         # Admitting new work while memory is short would only cause more preemption.
-        while not preempted and self.waiting and budget > 0 and self.can_admit(self.waiting.peek()):
+        while (not preempted and self.waiting and budget > 0 and len(scheduled) < max_requests
+               and self.can_admit(self.waiting.peek())):
             request = self.waiting.peek()
             n = self.admit(request, self.chunk_limit(budget))
             if not n:

@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
+import inspect
 import logging
 import os
 import random
 import secrets
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
+
+if TYPE_CHECKING:
+    import torch
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
@@ -95,3 +100,39 @@ def random_seed() -> int:
     torch.manual_seed(seed)
     print(f"random seed {seed} (replay with CONVEYOR_TEST_SEED={seed})")
     return seed
+
+
+# tokens each reference continuation has
+NUM_TOKENS = 48
+
+
+def hf_greedy(hf_model, prompt_ids: list[int], num_tokens: int) -> tuple[list[int], list[torch.Tensor]]:
+    """Greedy decoding with transformers' forward pass; returns tokens and each step's log_softmax."""
+    import torch
+    from transformers import DynamicCache
+
+    tokens: list[int] = []
+    logprobs: list[torch.Tensor] = []
+    # transformers 5 names the argument `cache`, 4.x `past_key_values`; the cache fills in place.
+    name = "cache" if "cache" in inspect.signature(hf_model.forward).parameters else "past_key_values"
+    cache = DynamicCache(config=hf_model.config)
+    inputs = torch.tensor([prompt_ids])
+    with torch.inference_mode():
+        for _ in range(num_tokens):
+            out = hf_model(inputs, use_cache=True, **{name: cache})
+            step = torch.log_softmax(out.logits[0, -1].double(), dim=-1)
+            token = int(step.argmax())
+            tokens.append(token)
+            logprobs.append(step)
+            inputs = torch.tensor([[token]])
+    return tokens, logprobs
+
+
+@pytest.fixture(scope="session")
+def reference(hf_model, tokenizer):
+    """transformers' greedy continuation of each chat prompt."""
+    results = []
+    for prompt in CHAT_PROMPTS:
+        ids = tokenizer.encode_chat([{"role": "user", "content": prompt}])
+        results.append((ids, *hf_greedy(hf_model, ids, NUM_TOKENS)))
+    return results

@@ -31,10 +31,10 @@ def tiny_hf_model(kind: str = "llama", **overrides):
 
     torch.manual_seed(0)
     if kind == "qwen2":
-        config = transformers.Qwen2Config(**TINY, **overrides)
+        config = transformers.Qwen2Config(**{**TINY, **overrides})
         model = transformers.Qwen2ForCausalLM(config)
     else:
-        config = transformers.LlamaConfig(**TINY, **overrides)
+        config = transformers.LlamaConfig(**{**TINY, **overrides})
         model = transformers.LlamaForCausalLM(config)
     with torch.no_grad():  # random norms, so a swapped or missing norm weight shows
         for name, param in model.named_parameters():

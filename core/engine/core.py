@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import deque
 from collections.abc import Iterable
+from dataclasses import dataclass
 
 from conveyor.config import Config
-from conveyor.executor.uniproc import UniprocExecutor
+from conveyor.executor import ExecutorError, build_executor
 from conveyor.kvcache import KVCacheManager
 from conveyor.messages import (
     EngineOutputs,
@@ -36,13 +38,25 @@ logger = logging.getLogger("conveyor")
 COLLECT_WAIT = 0.002
 
 
+@dataclass
+class InFlight:
+    """A step submitted to the workers and not yet back."""
+
+    batch: ScheduledBatch
+    step: StepInput
+    # tokens that are decodes proper (one new token after earlier ones)
+    num_decode: int
+    # seconds spent choosing and building it
+    schedule_time: float
+
+
 class EngineCore:
     """Owns the requests and the batch; knows nothing of HTTP or sockets."""
 
     def __init__(self, config: Config, registry: PluginRegistry | None = None):
         registry = registry or PluginRegistry.of(config)
         self.config = config
-        self.executor = UniprocExecutor(config, registry)
+        self.executor = build_executor(config, registry)
         try:
             info = self.executor.load_model()
             self.kvcache: KVCacheManager = registry.build("kvcache", config.kvcache, info.kv_spec,
@@ -58,6 +72,17 @@ class EngineCore:
         self.num_steps = 0
         # the last step scheduled nothing although requests are pending (a batching scheduler collecting)
         self._collecting = False
+        # steps on the workers, oldest first: up to one per pipeline stage where the scheduler allows
+        self._in_flight: deque[InFlight] = deque()
+        self.max_in_flight = self.executor.max_in_flight if self.scheduler.pipelined else 1
+        self.scheduler.pipeline_depth = self.max_in_flight
+        if self.max_in_flight < self.executor.max_in_flight:
+            logger.warning("scheduler %r runs one batch at a time: %d pipeline stages will idle in turn",
+                           self.scheduler.name, self.executor.max_in_flight)
+
+    def shutdown(self) -> None:
+        """Stop the workers."""
+        self.executor.shutdown()
 
     def add_request(self, message: EngineRequest) -> RequestOutput | None:
         """Queue a request.
@@ -111,40 +136,63 @@ class EngineCore:
         return COLLECT_WAIT if self._collecting else 0.0
 
     def step(self) -> tuple[list[RequestOutput], StepStats | None]:
-        """Run one step.
+        """Run one step: submit batches while the pipeline has room (one, without pipeline parallelism),
+        then take the oldest one's tokens.
 
         Returns:
             What every affected request produced, and the step's stats (None
             when there was nothing to run).
+
+        Raises:
+            ExecutorError: the workers cannot go on (the engine must restart).
         """
-        start = time.perf_counter()
-        batch = self.scheduler.schedule()
-        self._collecting = not batch.requests
-        if not batch.requests:
+        while len(self._in_flight) < self.max_in_flight:
+            start = time.perf_counter()
+            batch = self.scheduler.schedule()
+            if not batch.requests:
+                break
+            # decodes proper: one new token after earlier ones (not the last token of a prompt chunk)
+            num_decode = sum(
+                1 for r in batch.requests[: batch.num_decodes] if r.num_output_tokens and r.num_uncomputed_tokens == 1
+            )
+            step = self._step_input(batch)
+            for request in batch.requests:
+                request.in_flight = True
+            self._in_flight.append(InFlight(batch, step, num_decode, time.perf_counter() - start))
+            self.executor.submit(step)
+        self._collecting = not self._in_flight
+        if not self._in_flight:
             return [], None
-        # decodes proper: one new token after earlier ones (not the last token of a prompt chunk)
-        num_decode = sum(
-            1 for r in batch.requests[: batch.num_decodes] if r.num_output_tokens and r.num_uncomputed_tokens == 1
-        )
-        step = self._step_input(batch)
-        scheduled = time.perf_counter()
+        flight = self._in_flight.popleft()
+        batch = flight.batch
         try:
-            result = self.executor.execute(step)
+            result = self.executor.collect()
+        except ExecutorError:
+            raise
         except Exception as e:  # a failed step fails its requests, not the engine
             logger.exception("step failed; ending its %d requests with an error", len(batch))
+            for request in batch.requests:
+                request.in_flight = False
             return self.scheduler.abort([r.request_id for r in batch.requests], error=f"{type(e).__name__}: {e}"), None
         executed = time.perf_counter()
+        for request in batch.requests:
+            request.in_flight = False
         outputs = self.scheduler.update(batch, result.sampled, result.logprobs)
         if result.prompt_logprobs:
-            outputs = self._add_prompt_logprobs(batch, step, result, outputs)
+            outputs = self._add_prompt_logprobs(batch, flight.step, result, outputs)
         self.num_steps += 1
         stats = self.stats()
-        stats.num_prefill_tokens = batch.total_tokens - num_decode
-        stats.num_decode_tokens = num_decode
-        stats.schedule_time = scheduled - start
+        stats.num_prefill_tokens = batch.total_tokens - flight.num_decode
+        stats.num_decode_tokens = flight.num_decode
+        stats.schedule_time = flight.schedule_time
         stats.forward_time = result.forward_time
         stats.sample_time = result.sample_time
         stats.update_time = time.perf_counter() - executed
+        if result.ranks:
+            stats.rank_times = [r.busy for r in result.ranks]
+            stats.comm_time = sum(r.comm for r in result.ranks) / len(result.ranks)
+            busy = sum(r.busy for r in result.ranks)
+            stats.bubble_fraction = sum(r.wait for r in result.ranks) / busy if busy else 0.0
         return outputs, stats
 
     def stats(self) -> StepStats:

@@ -35,6 +35,7 @@ class MPClient(EngineClient):
         config: what the engine runs.
         address: "ipc" (Unix sockets in a private temporary directory) or a
             tcp:// host such as "tcp://127.0.0.1" (free ports are chosen).
+        replica: its index behind a ``DPClient``; only log lines show it.
     """
 
     def __init__(
@@ -46,6 +47,7 @@ class MPClient(EngineClient):
         restart_window: float = 600.0,
         startup_timeout: float = 600.0,
         log_level: str = "INFO",
+        replica: int | None = None,
     ):
         super().__init__()
         self.config = config
@@ -54,6 +56,8 @@ class MPClient(EngineClient):
         self.restart_window = restart_window
         self.startup_timeout = startup_timeout
         self.log_level = log_level
+        # appended to log lines: which replica this engine is
+        self._tag = "" if replica is None else f" (replica {replica})"
         self.ready = None
         self.num_restarts = 0
         self._push: zmq.Socket | None = None
@@ -85,7 +89,7 @@ class MPClient(EngineClient):
                         f"(last exit code {code}); giving up"
                     )
                 self.num_restarts += 1
-                logger.warning("restarting the engine process (restart %d)", self.num_restarts)
+                logger.warning("restarting the engine process (restart %d)%s", self.num_restarts, self._tag)
         finally:
             self._sync_context.destroy(linger=0)
             self._context.destroy(linger=0)
@@ -127,7 +131,7 @@ class MPClient(EngineClient):
                         raise EngineFailed(f"the engine process sent {kind.name} before READY")
                     self.ready = ready
                     self._push = push
-                    logger.info("engine process %d ready in %.1f s", ready.pid, ready.load_time)
+                    logger.info("engine process %d ready in %.1f s%s", ready.pid, ready.load_time, self._tag)
                     self._ready(ready)
                     if task_status is not None:
                         task_status.started(ready)
@@ -139,7 +143,7 @@ class MPClient(EngineClient):
                     if process.returncode is None:
                         await _stop(process)
                     code = process.returncode
-                    message = f"the engine process exited (code {code})"
+                    message = f"the engine process exited (code {code}){self._tag}"
                     if self._streams and not self._stopping:
                         logger.error("%s; failing %d in-flight requests", message, len(self._streams))
                     self._streams.fail_all(message, 503)

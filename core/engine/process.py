@@ -23,6 +23,7 @@ import zmq
 
 from conveyor.config import ConfigError, decode_config
 from conveyor.engine.core import EngineCore
+from conveyor.executor import ExecutorError
 from conveyor.messages import EngineOutputs, EngineReady, MessageType, RequestOutput, StepStats, decode, encode
 from conveyor.registry import PluginError
 
@@ -31,7 +32,7 @@ logger = logging.getLogger("conveyor.engine")
 # how long an idle engine waits for a message before checking its stop flag, ms
 IDLE_POLL_MS = 200
 # errors that are the user's to fix: the reason goes to the frontend in one line
-STARTUP_ERRORS = (ConfigError, PluginError, FileNotFoundError, ImportError, ValueError)
+STARTUP_ERRORS = (ConfigError, PluginError, FileNotFoundError, ImportError, ValueError, ExecutorError)
 
 
 class EngineProcess:
@@ -129,7 +130,11 @@ def main(argv: list[str] | None = None) -> int:
     engine.send_ready(time.perf_counter() - start)
     try:
         engine.run()
+    except ExecutorError as e:
+        logger.error("the workers failed: %s; the engine exits (and is restarted)", e)
+        return 1
     finally:
+        core.shutdown()
         engine.close()
         context.term()
     return 0

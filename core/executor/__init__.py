@@ -2,23 +2,45 @@
 
 The engine core decides each step (scheduler, KV cache manager: no tensors)
 and hands it to an executor; the executor runs the same call on every
-worker and brings back what the first worker computed. ``uniproc`` keeps
-one worker in the engine core's own process. An executor for workers in
-other processes (torch.distributed) or on other machines (Ray) implements
-``collective_rpc`` and its own start and stop; the engine core and the
-scheduler do not change.
+worker and brings back what the driver (the worker that samples) computed.
+``uniproc`` keeps one worker in the engine core's own process; ``mp`` runs
+``tensor_parallel_size * pipeline_parallel_size`` worker processes on this
+machine and ``ray`` runs them as Ray actors, both over torch.distributed.
+Each implements ``collective_rpc`` and its own start and stop; ``mp`` and
+``ray`` also keep up to ``pipeline_parallel_size`` steps in flight
+(``submit`` / ``collect``). The engine core and the scheduler do not change.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections import deque
 from typing import Any, ClassVar
 
+import msgspec
+
 from conveyor.config import Config
-from conveyor.kvcache import KVCacheLayout
-from conveyor.messages import RunnerOutput, StepInput
+from conveyor.kvcache import KVCacheLayout, KVCacheSpec
+from conveyor.messages import RankTimes, RunnerOutput, StepInput
 from conveyor.registry import PluginRegistry
-from conveyor.worker.worker import ModelInfo
+
+
+class ExecutorError(RuntimeError):
+    """The workers cannot go on (one died, failed to start or failed a step): the engine must restart."""
+
+
+class ModelInfo(msgspec.Struct, array_like=True, frozen=True):
+    """What a worker tells the engine core once its share of the model is loaded."""
+
+    max_model_len: int
+    # what one token takes in this worker's KV cache (cache_dtype "auto"; the KV cache manager decides)
+    kv_spec: KVCacheSpec
+    # e.g. "cpu", "cuda:0"
+    device: str
+    # the attention backend chosen for it
+    attention: str
+    # bytes of the weights as stored (quantized layers at their packed size); the executor reports all workers'
+    weight_bytes: int
 
 
 class Executor(ABC):
@@ -30,6 +52,19 @@ class Executor(ABC):
         """Start the workers (each chooses its device and attention backend; nothing is loaded yet)."""
         self.config = config
         self.registry = registry
+        # steps submitted and not collected: their outputs (or what they raised), in order
+        self._done: deque[RunnerOutput | BaseException] = deque()
+
+    @property
+    def driver_rank(self) -> int:
+        """The worker that samples: TP rank 0 of the last pipeline stage."""
+        parallel = self.config.parallel
+        return parallel.world_size - parallel.tensor_parallel_size
+
+    @property
+    def max_in_flight(self) -> int:
+        """Steps the engine core may submit before it collects the first (one per pipeline stage)."""
+        return 1
 
     @abstractmethod
     def collective_rpc(self, method: str, *args: Any) -> list[Any]:
@@ -44,8 +79,10 @@ class Executor(ABC):
         """Stop the workers and free what they hold."""
 
     def load_model(self) -> ModelInfo:
-        """Load every worker's share of the weights; the first worker's facts come back."""
-        return self.collective_rpc("load_model")[0]
+        """Load every worker's share of the weights. The first worker's facts come back (it holds the
+        most layers, so its KV spec fits every worker), with the weight bytes of all of them."""
+        infos = self.collective_rpc("load_model")
+        return msgspec.structs.replace(infos[0], weight_bytes=sum(info.weight_bytes for info in infos))
 
     def free_memory(self) -> int | None:
         """Bytes every worker has free for its KV cache (the smallest), or None where that is not measured."""
@@ -57,5 +94,53 @@ class Executor(ABC):
         self.collective_rpc("init_kv_cache", layout)
 
     def execute(self, step: StepInput) -> RunnerOutput:
-        """Run one step on every worker; what the first one sampled comes back."""
-        return self.collective_rpc("execute", step)[0]
+        """Run one step on every worker; what the driver sampled comes back, with every worker's times."""
+        return merge_outputs(self.collective_rpc("execute", step), self.driver_rank)
+
+    def submit(self, step: StepInput) -> None:
+        """Start a step; ``collect`` returns the outputs of submitted steps in order. (Here: run it now.)"""
+        try:
+            done: RunnerOutput | BaseException = self.execute(step)
+        except ExecutorError:
+            raise
+        except Exception as e:  # noqa: BLE001 - a failed step fails its requests; collect raises it
+            done = e
+        self._done.append(done)
+
+    def collect(self) -> RunnerOutput:
+        """The outputs of the oldest submitted step.
+
+        Raises:
+            ExecutorError: the workers cannot go on.
+            Exception: the step failed (its requests fail; the workers go on).
+        """
+        done = self._done.popleft()
+        if isinstance(done, BaseException):
+            raise done
+        return done
+
+
+def merge_outputs(outputs: list[RunnerOutput], driver_rank: int) -> RunnerOutput:
+    """Every worker's output of one step, by rank -> the driver's (the only one with tokens) with each
+    worker's times in ``ranks``."""
+    if len(outputs) == 1:
+        return outputs[0]
+    driver = outputs[driver_rank]
+    driver.ranks = [RankTimes(o.forward_time + o.sample_time, o.comm_time, o.wait_time) for o in outputs]
+    return driver
+
+
+def build_executor(config: Config, registry: PluginRegistry) -> Executor:
+    """The executor ``[parallel] executor`` names (``auto``: uniproc for one worker, else mp)."""
+    name = config.parallel.executor_name
+    if name == "uniproc":
+        from conveyor.executor.uniproc import UniprocExecutor
+
+        return UniprocExecutor(config, registry)
+    if name == "mp":
+        from conveyor.executor.mp import MPExecutor
+
+        return MPExecutor(config, registry)
+    from conveyor.executor.ray import RayExecutor
+
+    return RayExecutor(config, registry)

@@ -23,4 +23,4 @@ class UniprocExecutor(Executor):
         return [getattr(self.worker, method)(*args)]
 
     def shutdown(self) -> None:
-        self.worker.runner = None
+        self.worker.shutdown()

@@ -21,6 +21,7 @@ from conveyor.model.checkpoint import Checkpoint
 from conveyor.model.formats import packed_linear, prepack, prepacks
 from conveyor.model.spec import ModelSpec
 from conveyor.quant import Params, QuantMethod
+from conveyor.worker.parallel import ParallelGroup, Placement
 
 logger = logging.getLogger(__name__)
 
@@ -54,9 +55,18 @@ class RMSNorm:
 class Linear:
     """A linear layer stored and applied by the selected quant method."""
 
-    def __init__(self, method: QuantMethod, weight: torch.Tensor, bias: torch.Tensor | None = None):
+    def __init__(
+        self, method: QuantMethod, weight: torch.Tensor, bias: torch.Tensor | None = None, inputs: slice | None = None
+    ):
+        """
+        Args:
+            inputs: a row-parallel layer's share of the input columns (its sum is all-reduced after).
+        """
         self.method = method
-        self.params: Params = method.prepare(weight, bias)
+        if inputs is None:
+            self.params: Params = method.prepare(weight, bias)
+        else:
+            self.params = method.prepare_input_shard(weight, inputs)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return self.method.linear(x, self.params)
@@ -113,41 +123,57 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 
 class DecoderLayer:
     def __init__(
-        self, spec: ModelSpec, index: int, ckpt: Checkpoint, quant: QuantMethod, dtype, device, fused: bool = False
+        self, spec: ModelSpec, index: int, ckpt: Checkpoint, quant: QuantMethod, dtype, device, fused: bool = False,
+        group: ParallelGroup | None = None, cache_index: int | None = None,
     ):
         """
         Args:
+            index: the layer's number in the checkpoint.
             fused: norms, rotary and SwiGLU in the C++ CPU kernels (conveyor.native) instead of torch ops.
+            group: this worker's place under tensor parallelism: it keeps its heads' rows of Q, K, V, its
+                columns of o_proj, its part of the MLP (column-parallel gate/up, row-parallel down), and
+                all-reduces after o_proj and down.
+            cache_index: the layer's number in this worker's KV storage (its stage's layers count from 0).
         """
         prefix = f"model.layers.{index}."
         get = ckpt.get
+        self.group = group or ParallelGroup()
+        placement = self.group.placement
+        head_dim = spec.head_dim
+        heads, kv_heads = placement.heads(spec.num_heads), placement.kv_heads(spec.num_kv_heads)
+        columns = placement.split(spec.intermediate_size)
 
         def norm(name: str) -> RMSNorm:
             return RMSNorm(get(prefix + name).to(device=device, dtype=dtype), spec.rms_norm_eps, fused)
 
+        def rows(t: torch.Tensor, part: range, unit: int = 1) -> torch.Tensor:
+            return t[part.start * unit : part.stop * unit]
+
         attn = prefix + "self_attn."
+        qkv_parts = (("q_proj", heads), ("k_proj", kv_heads), ("v_proj", kv_heads))
         qkv_bias = None
         if spec.attention_bias:
-            qkv_bias = torch.cat([get(attn + p + ".bias") for p in ("q_proj", "k_proj", "v_proj")])
+            qkv_bias = torch.cat([rows(get(attn + p + ".bias"), part, head_dim) for p, part in qkv_parts])
         self.index = index
-        self.num_heads = spec.num_heads
-        self.num_kv_heads = spec.num_kv_heads
-        self.head_dim = spec.head_dim
-        self.q_size = spec.num_heads * spec.head_dim
-        self.kv_size = spec.num_kv_heads * spec.head_dim
+        self.cache_index = index if cache_index is None else cache_index
+        self.num_heads = len(heads)
+        self.num_kv_heads = len(kv_heads)
+        self.head_dim = head_dim
+        self.q_size = self.num_heads * head_dim
+        self.kv_size = self.num_kv_heads * head_dim
         self.input_norm = norm("input_layernorm.weight")
         # Q, K, V in one matmul and gate, up in another: fewer, larger GEMMs.
         self.qkv = Linear(
-            quant,
-            torch.cat([get(attn + p + ".weight") for p in ("q_proj", "k_proj", "v_proj")]),
-            qkv_bias,
+            quant, torch.cat([rows(get(attn + p + ".weight"), part, head_dim) for p, part in qkv_parts]), qkv_bias
         )
-        self.o_proj = Linear(quant, get(attn + "o_proj.weight"))
+        self.o_proj = Linear(quant, get(attn + "o_proj.weight"), inputs=_part(heads, head_dim, placement))
         self.post_norm = norm("post_attention_layernorm.weight")
         mlp = prefix + "mlp."
-        self.gate_up = Linear(quant, torch.cat([get(mlp + "gate_proj.weight"), get(mlp + "up_proj.weight")]))
-        self.down = Linear(quant, get(mlp + "down_proj.weight"))
-        self.intermediate_size = spec.intermediate_size
+        self.gate_up = Linear(
+            quant, torch.cat([rows(get(mlp + "gate_proj.weight"), columns), rows(get(mlp + "up_proj.weight"), columns)])
+        )
+        self.down = Linear(quant, get(mlp + "down_proj.weight"), inputs=_part(columns, 1, placement))
+        self.intermediate_size = len(columns)
         self.fused = fused
 
     def __call__(
@@ -174,19 +200,30 @@ class DecoderLayer:
         else:
             q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
-        out = attention(self.index, q, k, v)
-        gate_up = self.gate_up(self.post_norm(h, self.o_proj(out.reshape(num_tokens, self.q_size))))
+        out = attention(self.cache_index, q, k, v)
+        attended = self.group.all_reduce(self.o_proj(out.reshape(num_tokens, self.q_size)))
+        gate_up = self.gate_up(self.post_norm(h, attended))
         if self.fused:
-            return h, self.down(native.silu_mul(gate_up))
+            return h, self.group.all_reduce(self.down(native.silu_mul(gate_up)))
         gate, up = gate_up.split(self.intermediate_size, dim=-1)
-        return h, self.down(F.silu(gate) * up)
+        return h, self.group.all_reduce(self.down(F.silu(gate) * up))
 
     def linears(self) -> list[Linear]:
         return [self.qkv, self.o_proj, self.gate_up, self.down]
 
 
+def _part(part: range, unit: int, placement: Placement) -> slice | None:
+    """The input columns a row-parallel layer keeps (None: all of them, no tensor parallelism)."""
+    return slice(part.start * unit, part.stop * unit) if placement.tp_size > 1 else None
+
+
 class LlamaModel:
-    """Llama / Mistral / Qwen2-style decoder (RMSNorm, RoPE, GQA, SwiGLU)."""
+    """Llama / Mistral / Qwen2-style decoder (RMSNorm, RoPE, GQA, SwiGLU).
+
+    Under pipeline parallelism a worker holds its stage's layers only (the
+    first stage the embedding, the last the final norm and the output head);
+    under tensor parallelism its share of every layer and of the vocabulary.
+    """
 
     def __init__(
         self,
@@ -197,62 +234,108 @@ class LlamaModel:
         max_len: int,
         progress: Callable[[str], None] | None = None,
         fused: bool = False,
+        group: ParallelGroup | None = None,
     ):
         """
         Args:
             fused: norms, rotary and SwiGLU in the C++ CPU kernels (the "cpu" attention backend's choice).
+            group: this worker's place among the engine's workers (default: the only one).
         """
         spec = ckpt.spec
+        self.group = group = group or ParallelGroup()
+        placement = group.placement
         self.fused = fused
         self.spec = spec
         self.dtype = dtype
         self.device = device
+        self.first_stage, self.last_stage = placement.first_stage, placement.last_stage
         start = time.perf_counter()
-        self.embed = ckpt.get("model.embed_tokens.weight").to(device=device, dtype=dtype)
+        self.vocab_rows, self.vocab_per_rank = placement.vocab(spec.vocab_size)
+        self.embed: torch.Tensor | None = None
+        if self.first_stage or (self.last_stage and spec.tie_word_embeddings):
+            self.embed = self._vocab_shard(ckpt.get("model.embed_tokens.weight"))
+        layers = placement.layers(spec.num_layers)
         self.layers: list[DecoderLayer] = []
-        for i in range(spec.num_layers):
-            self.layers.append(DecoderLayer(spec, i, ckpt, quant, dtype, device, fused))
-            if progress and (i + 1) % max(1, spec.num_layers // 5) == 0:
-                progress(f"loaded layer {i + 1}/{spec.num_layers} ({time.perf_counter() - start:.1f} s)")
-        self.norm = RMSNorm(ckpt.get("model.norm.weight").to(device=device, dtype=dtype), spec.rms_norm_eps, fused)
+        for local, i in enumerate(layers):
+            self.layers.append(DecoderLayer(spec, i, ckpt, quant, dtype, device, fused, group, local))
+            if progress and (local + 1) % max(1, len(layers) // 5) == 0:
+                progress(f"loaded layer {local + 1}/{len(layers)} ({time.perf_counter() - start:.1f} s)")
+        self.norm: RMSNorm | None = None
         # An untied head is kept prepacked where that is faster; a tied one stays the embedding table
         # (a packed copy would cost the table's memory again).
-        self.lm_head: torch.Tensor | None = self.embed
+        self.lm_head: torch.Tensor | None = None
         self.packed_head: torch.Tensor | None = None
-        if not spec.tie_word_embeddings:
-            self.lm_head = ckpt.get("lm_head.weight").to(device=device, dtype=dtype)
-            if prepacks(device, dtype):
-                self.packed_head, self.lm_head = prepack(self.lm_head), None
+        if self.last_stage:
+            self.norm = RMSNorm(ckpt.get("model.norm.weight").to(device=device, dtype=dtype), spec.rms_norm_eps,
+                                fused)
+            self.lm_head = self.embed
+            if not spec.tie_word_embeddings:
+                self.lm_head = self._vocab_shard(ckpt.get("lm_head.weight"))
+                if prepacks(device, dtype):
+                    self.packed_head, self.lm_head = prepack(self.lm_head), None
         self.rotary = Rotary(spec, max_len, device, ckpt.rope_freq_factors())
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attention: AttentionFn) -> torch.Tensor:
-        """Run the decoder over a flat batch.
+    def _vocab_shard(self, table: torch.Tensor) -> torch.Tensor:
+        """This worker's rows of an embedding-shaped table, zero-padded to the same count on every worker."""
+        rows = table[self.vocab_rows.start : self.vocab_rows.stop]
+        if len(rows) < self.vocab_per_rank:
+            rows = torch.cat([rows, rows.new_zeros(self.vocab_per_rank - len(rows), rows.shape[1])])
+        return rows.to(device=self.device, dtype=self.dtype)
+
+    def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """``[T]`` -> ``[T, hidden]``; under TP each worker looks up its rows (zeros elsewhere), then all-reduce."""
+        if self.group.placement.tp_size == 1:
+            return F.embedding(input_ids, self.embed)
+        local = input_ids - self.vocab_rows.start
+        outside = (local < 0) | (local >= len(self.vocab_rows))
+        h = F.embedding(local.masked_fill(outside, 0), self.embed)
+        return self.group.all_reduce(h.masked_fill_(outside[:, None], 0))
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        attention: AttentionFn,
+        carried: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Run this worker's layers over a flat batch.
 
         Args:
             input_ids: ``[T]`` token ids of every scheduled token, sequences back to back.
             positions: ``[T]`` each token's position in its own sequence.
             attention: computes attention for one layer (and stores K, V).
+            carried: after the first pipeline stage, ``[2, T, hidden]``: the residual stream and the
+                last layer's output from the previous stage.
 
         Returns:
-            ``[T, hidden_size]`` final hidden states (after the last norm).
+            The last stage: ``[T, hidden_size]`` final hidden states (after the last norm). Earlier
+            stages: ``[2, T, hidden]`` for the next one.
         """
-        h = F.embedding(input_ids, self.embed)
+        if carried is None:
+            h, delta = self.embed_tokens(input_ids), None
+        else:
+            h, delta = carried[0], carried[1]
         cos, sin = self.rotary.tables(positions, self.dtype)
-        delta = None
         for layer in self.layers:
             h, delta = layer(h, delta, cos, sin, attention)
+        if not self.last_stage:
+            return torch.stack([h, delta])
         return self.norm(h, delta)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """``[N, hidden_size]`` -> ``[N, vocab_size]`` float32 logits."""
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """``[N, hidden_size]`` -> ``[N, vocab_size]`` float32 logits (on TP rank 0 of the last stage; every
+        TP worker computes its vocabulary rows, and None comes back except on rank 0)."""
         if self.packed_head is not None:
-            return packed_linear(hidden, self.packed_head).float()
-        return F.linear(hidden, self.lm_head).float()
+            logits = packed_linear(hidden, self.packed_head)
+        else:
+            logits = F.linear(hidden, self.lm_head)
+        gathered = self.group.gather_vocab(logits, self.spec.vocab_size)
+        return gathered.float() if gathered is not None else None
 
     def num_weight_bytes(self) -> int:
-        """Bytes of every weight, as stored (quantized layers at their packed size)."""
+        """Bytes of every weight this worker holds, as stored (quantized layers at their packed size)."""
         norms = [w for layer in self.layers for w in (layer.input_norm.weight, layer.post_norm.weight)]
-        dense = [self.embed, self.norm.weight, *norms]
-        dense += [t for t in (self.lm_head, self.packed_head) if t is not None and t is not self.embed]
-        total = sum(t.numel() * t.element_size() for t in dense)
+        dense = [self.embed, self.norm.weight if self.norm else None, *norms]
+        dense += [t for t in (self.lm_head, self.packed_head) if t is not self.embed]
+        total = sum(t.numel() * t.element_size() for t in dense if t is not None)
         return total + sum(linear.num_bytes() for layer in self.layers for linear in layer.linears())

@@ -11,6 +11,7 @@ from conveyor.config import ConfigError, ModelConfig
 from conveyor.model.checkpoint import Checkpoint, ModelNotFoundError, open_checkpoint
 from conveyor.model.llama import LlamaModel
 from conveyor.quant import QuantMethod
+from conveyor.worker.parallel import ParallelGroup
 
 logger = logging.getLogger("conveyor")
 
@@ -45,12 +46,18 @@ def model_len(config: ModelConfig, ckpt: Checkpoint, source: str = "<config>") -
 def load_model(
     ckpt: Checkpoint, quant: QuantMethod, dtype: torch.dtype, device: torch.device, max_model_len: int,
     fused: bool = False,
+    group: ParallelGroup | None = None,
 ) -> LlamaModel:
-    """The model's weights on ``device``, with progress in the log; ``fused``: the C++ CPU layers."""
+    """The model's weights on ``device`` (this worker's share, by ``group``), with progress in the log;
+    ``fused``: the C++ CPU layers."""
     start = time.perf_counter()
-    logger.info("loading %s (%s, %s, %s)", ckpt.path, ckpt.spec.architecture, dtype, device)
+    where = ""
+    if group is not None and group.placement.world_size > 1:
+        p = group.placement
+        where = f", rank {p.rank}: TP {p.tp_rank + 1}/{p.tp_size}, PP stage {p.pp_rank + 1}/{p.pp_size}"
+    logger.info("loading %s (%s, %s, %s%s)", ckpt.path, ckpt.spec.architecture, dtype, device, where)
     model = LlamaModel(ckpt, quant, dtype, device, max_model_len, progress=lambda m: logger.info("  %s", m),
-                       fused=fused)
+                       fused=fused, group=group)
     logger.info(
         "model loaded in %.1f s: %.1f MB of weights", time.perf_counter() - start, model.num_weight_bytes() / 1e6
     )

@@ -5,11 +5,19 @@ engine step time); the engine's state is gauges (running, waiting, KV usage
 and blocks); work done is counters (prompt and generation tokens, requests
 by finish reason, preemptions, prefix-cache hits). Names follow Prometheus
 conventions with the ``conveyor_`` prefix.
+
+With data parallelism (several engine replicas), the gauges and counters
+that describe one engine (running, waiting, KV usage and blocks, alive,
+restarts) carry a ``replica`` label ("0", "1", ...), and
+``conveyor_replica_requests_total`` counts the requests each replica's engine
+ended; request latencies and token counters stay global. With one engine the
+exposition has no ``replica`` label at all.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
@@ -21,12 +29,20 @@ LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0
 
 
 class ServerMetrics:
-    """The metrics of one server; one registry, so several servers in one process stay apart."""
+    """The metrics of one server; one registry, so several servers in one process stay apart.
 
-    def __init__(self, model_name: str):
+    Args:
+        model_name: the ``model_name`` label of every metric.
+        num_replicas: engine replicas (data parallelism); above 1, per-engine metrics get a ``replica`` label.
+        replica_alive: with several replicas, whether replica i is up now (read at each scrape).
+    """
+
+    def __init__(self, model_name: str, num_replicas: int = 1, replica_alive: Callable[[int], bool] | None = None):
         self.registry = CollectorRegistry()
         r = self.registry
         labels = {"model_name": model_name}
+        self.num_replicas = num_replicas
+        self._replica_alive = replica_alive
 
         def histogram(name: str, doc: str) -> Histogram:
             return Histogram(name, doc, ["model_name"], registry=r, buckets=LATENCY_BUCKETS).labels(**labels)
@@ -37,24 +53,34 @@ class ServerMetrics:
         def counter(name: str, doc: str) -> Counter:
             return Counter(name, doc, ["model_name"], registry=r).labels(**labels)
 
+        def per_engine(kind: type[Gauge | Counter], name: str, doc: str) -> list:
+            """One child per replica: unlabeled with one engine, else labeled ``replica="i"``."""
+            if num_replicas == 1:
+                return [kind(name, doc, ["model_name"], registry=r).labels(**labels)]
+            parent = kind(name, doc, ["model_name", "replica"], registry=r)
+            return [parent.labels(model_name, str(i)) for i in range(num_replicas)]
+
         self.ttft = histogram("conveyor_time_to_first_token_seconds", "Time from arrival to the first token.")
         self.itl = histogram("conveyor_inter_token_latency_seconds", "Time between consecutive tokens of a request.")
         self.e2e = histogram("conveyor_e2e_request_latency_seconds", "Time from arrival to the last token.")
         self.queue_time = histogram("conveyor_request_queue_time_seconds", "Time from arrival to the first step.")
         self.step_time = histogram("conveyor_engine_step_seconds", "Duration of one engine step.")
-        self.running = gauge("conveyor_num_requests_running", "Requests in the running batch.")
-        self.waiting = gauge("conveyor_num_requests_waiting", "Requests waiting to run.")
-        self.kv_usage = gauge("conveyor_kv_cache_usage_ratio", "Fraction of the KV cache in use (0..1).")
-        self.kv_blocks = gauge("conveyor_kv_cache_blocks", "KV cache blocks in the pool.")
-        self.kv_free_blocks = gauge("conveyor_kv_cache_free_blocks", "KV cache blocks not held by any request.")
-        self.max_concurrency = gauge(
-            "conveyor_kv_cache_max_concurrency", "Requests of max_model_len tokens that fit in the KV cache."
+        # per engine replica (one list entry each)
+        self.running = per_engine(Gauge, "conveyor_num_requests_running", "Requests in the running batch.")
+        self.waiting = per_engine(Gauge, "conveyor_num_requests_waiting", "Requests waiting to run.")
+        self.kv_usage = per_engine(Gauge, "conveyor_kv_cache_usage_ratio", "Fraction of the KV cache in use (0..1).")
+        self.kv_blocks = per_engine(Gauge, "conveyor_kv_cache_blocks", "KV cache blocks in the pool.")
+        self.kv_free_blocks = per_engine(
+            Gauge, "conveyor_kv_cache_free_blocks", "KV cache blocks not held by any request."
+        )
+        self.max_concurrency = per_engine(
+            Gauge, "conveyor_kv_cache_max_concurrency", "Requests of max_model_len tokens that fit in the KV cache."
         )
         self.in_flight = gauge(
             "conveyor_num_requests_in_flight", "Requests the frontend has submitted to the engine and not seen end."
         )
-        self.engine_alive = gauge("conveyor_engine_alive", "1 while the engine process is up and ready.")
-        self.engine_restarts = counter("conveyor_engine_restarts", "Times the engine process was restarted.")
+        self.engine_alive = per_engine(Gauge, "conveyor_engine_alive", "1 while the engine process is up and ready.")
+        self.engine_restarts = per_engine(Counter, "conveyor_engine_restarts", "Times the engine process was restarted.")
         self.prompt_tokens = counter("conveyor_prompt_tokens", "Prompt tokens of requests that started running.")
         self.generation_tokens = counter("conveyor_generation_tokens", "Tokens generated.")
         self.preemptions = counter("conveyor_preemptions", "Running requests preempted to free KV blocks.")
@@ -65,39 +91,51 @@ class ServerMetrics:
         self.requests = Counter(
             "conveyor_requests", "Finished requests by finish reason.", ["model_name", "finish_reason"], registry=r
         )
+        self.replica_requests = (
+            per_engine(Counter, "conveyor_replica_requests", "Requests each engine replica ended, by its own count.")
+            if num_replicas > 1 else []
+        )
         self._model_name = model_name
-        # cumulative engine counters last seen (preemptions, prefix hits, aborts), to turn them into increments
-        self._engine_counts = (0, 0, 0)
-        self._num_ready = 0
+        # per replica: cumulative engine counters last seen (preemptions, prefix hits, aborts, finished),
+        # to turn them into increments
+        self._engine_counts = [(0, 0, 0, 0)] * num_replicas
+        self._num_ready = [0] * num_replicas
         # for the status line: token totals, and their values at the last report
         self._num_prompt_tokens = 0
         self._num_generation_tokens = 0
         self._last_report = (time.monotonic(), 0, 0)
-        self.last_stats: StepStats | None = None
+        # per replica: its latest step stats
+        self.replica_stats: list[StepStats | None] = [None] * num_replicas
 
-    def engine_ready(self, ready: EngineReady) -> None:
-        self._num_ready += 1
-        if self._num_ready > 1:
-            self.engine_restarts.inc()
-        self._engine_counts = (0, 0, 0)  # a new engine counts from zero
-        self.kv_blocks.set(ready.num_kv_blocks)
-        self.kv_free_blocks.set(ready.num_kv_blocks)
-        self.max_concurrency.set(ready.max_concurrency)
+    def engine_ready(self, ready: EngineReady, replica: int = 0) -> None:
+        """An engine (replica ``replica``) is ready: the first time, or after a restart."""
+        self._num_ready[replica] += 1
+        if self._num_ready[replica] > 1:
+            self.engine_restarts[replica].inc()
+        self._engine_counts[replica] = (0, 0, 0, 0)  # a new engine counts from zero
+        self.kv_blocks[replica].set(ready.num_kv_blocks)
+        self.kv_free_blocks[replica].set(ready.num_kv_blocks)
+        self.max_concurrency[replica].set(ready.max_concurrency)
 
-    def engine_step(self, stats: StepStats) -> None:
-        self.last_stats = stats
-        self.running.set(stats.scheduler.num_running)
-        self.waiting.set(stats.scheduler.num_waiting)
-        self.kv_usage.set(stats.kv.usage)
-        self.kv_blocks.set(stats.kv.num_blocks)
-        self.kv_free_blocks.set(stats.kv.num_free_blocks)
+    def engine_step(self, stats: StepStats, replica: int = 0) -> None:
+        """A step's stats (or a snapshot between steps) from engine replica ``replica``."""
+        self.replica_stats[replica] = stats
+        self.running[replica].set(stats.scheduler.num_running)
+        self.waiting[replica].set(stats.scheduler.num_waiting)
+        self.kv_usage[replica].set(stats.kv.usage)
+        self.kv_blocks[replica].set(stats.kv.num_blocks)
+        self.kv_free_blocks[replica].set(stats.kv.num_free_blocks)
         if stats.num_prefill_tokens or stats.num_decode_tokens:  # a step, not a snapshot after an abort
             self.step_time.observe(stats.schedule_time + stats.forward_time + stats.sample_time + stats.update_time)
-        counts = (stats.scheduler.num_preemptions, stats.kv.num_prefix_hit_tokens, stats.scheduler.num_aborted)
-        for counter, now, before in zip((self.preemptions, self.prefix_hit_tokens, self.engine_aborts), counts,
-                                        self._engine_counts):
+        scheduler = stats.scheduler
+        counts = (scheduler.num_preemptions, stats.kv.num_prefix_hit_tokens, scheduler.num_aborted,
+                  scheduler.num_finished + scheduler.num_aborted)
+        counters = [self.preemptions, self.prefix_hit_tokens, self.engine_aborts]
+        if self.replica_requests:
+            counters.append(self.replica_requests[replica])
+        for counter, now, before in zip(counters, counts, self._engine_counts[replica]):
             counter.inc(max(0, now - before))
-        self._engine_counts = counts
+        self._engine_counts[replica] = counts
 
     def first_token(self, ttft: float, queue_time: float, num_prompt_tokens: int) -> None:
         self.ttft.observe(ttft)
@@ -119,7 +157,9 @@ class ServerMetrics:
 
     def render(self, engine_alive: bool, num_in_flight: int) -> bytes:
         """The Prometheus text exposition."""
-        self.engine_alive.set(1 if engine_alive else 0)
+        for replica, gauge in enumerate(self.engine_alive):
+            alive = self._replica_alive(replica) if self._replica_alive is not None else engine_alive
+            gauge.set(1 if alive else 0)
         self.in_flight.set(num_in_flight)
         return generate_latest(self.registry)
 
@@ -130,16 +170,17 @@ class ServerMetrics:
         return (prompt, generation) != (self._num_prompt_tokens, self._num_generation_tokens)
 
     def status_line(self) -> str:
-        """One line: running, waiting, KV usage, and token rates since the last call."""
+        """One line: running, waiting, KV usage (summed, and averaged, over replicas), and token rates since
+        the last call."""
         now = time.monotonic()
         prompt, generation = self._num_prompt_tokens, self._num_generation_tokens
         then, last_prompt, last_generation = self._last_report
         self._last_report = (now, prompt, generation)
         elapsed = max(now - then, 1e-9)
-        stats = self.last_stats
-        running, waiting, usage = (
-            (stats.scheduler.num_running, stats.scheduler.num_waiting, stats.kv.usage) if stats else (0, 0, 0.0)
-        )
+        seen = [stats for stats in self.replica_stats if stats is not None]
+        running = sum(stats.scheduler.num_running for stats in seen)
+        waiting = sum(stats.scheduler.num_waiting for stats in seen)
+        usage = sum(stats.kv.usage for stats in seen) / len(seen) if seen else 0.0
         return (
             f"running {running}, waiting {waiting}, KV {usage:.1%}, "
             f"prompt {(prompt - last_prompt) / elapsed:.1f} tok/s, generation {(generation - last_generation) / elapsed:.1f} tok/s"

@@ -5,6 +5,9 @@ example curl. While busy, a one-line status is logged every
 ``[server] status_interval`` seconds. SIGINT or SIGTERM stops taking new
 requests, lets in-flight ones finish for up to ``[server] drain_timeout``
 seconds, aborts the rest, stops the engine and returns 0.
+
+With ``[parallel] data_parallel_size`` above 1 the frontend runs that many
+engine processes behind a router (``DPClient``) instead of one (``MPClient``).
 """
 
 from __future__ import annotations
@@ -18,8 +21,9 @@ from typing import Any
 
 import anyio
 
-from conveyor.config import ConfigError, load_config
-from conveyor.engine.client import EngineFailed
+from conveyor.config import Config, ConfigError, load_config
+from conveyor.engine.client import EngineClient, EngineFailed
+from conveyor.engine.dp_client import DPClient
 from conveyor.engine.mp_client import MPClient
 from conveyor.messages import EngineReady
 from conveyor.model.tokenizer import load_tokenizer
@@ -46,15 +50,8 @@ async def serve(config_path: str | Path | None, overrides: Mapping[str, Any] | N
     transports = [registry.build("transport", spec) for spec in config.transport]
     tokenizer = load_tokenizer(config.model, source=config.source)
     model_name = config.model.served_name
-    metrics = ServerMetrics(model_name)
-    engine = MPClient(
-        config,
-        address=config.server.engine_address,
-        max_restarts=config.server.max_engine_restarts,
-        log_level=log_level,
-    )
-    engine.stats_observers.append(metrics.engine_step)
-    engine.ready_observers.append(metrics.engine_ready)
+    engine = _engine_client(config, log_level)
+    metrics = _metrics(engine, model_name)
     try:
         async with anyio.create_task_group() as tg:
             # Transports first: a busy port fails at once, and /health answers 503 while the model loads.
@@ -63,6 +60,10 @@ async def serve(config_path: str | Path | None, overrides: Mapping[str, Any] | N
             logger.info("starting the engine process")
             ready = await tg.start(engine.run)
             _print_banner(model_name, config.kvcache.plugin, ready, urls)
+            if isinstance(engine, DPClient):
+                pids = ", ".join(str(r.pid) for r in engine.readies if r is not None)
+                print(f"Data parallel: {len(engine.replicas)} engine replicas (pids {pids}), each with the KV "
+                      "cache above; requests go to the least loaded one or the one holding their prefix", flush=True)
             if config.server.status_interval:
                 tg.start_soon(_report_status, frontend, config.server.status_interval)
             with anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
@@ -86,6 +87,32 @@ async def serve(config_path: str | Path | None, overrides: Mapping[str, Any] | N
         return 1
     logger.info("stopped")
     return 0
+
+
+def _engine_client(config: Config, log_level: str) -> EngineClient:
+    """One engine process, or ``data_parallel_size`` of them behind a router."""
+    options = {
+        "address": config.server.engine_address,
+        "max_restarts": config.server.max_engine_restarts,
+        "log_level": log_level,
+    }
+    if config.parallel.data_parallel_size > 1:
+        return DPClient.from_config(config, **options)
+    return MPClient(config, **options)
+
+
+def _metrics(engine: EngineClient, model_name: str) -> ServerMetrics:
+    """The server's metrics, fed by the engine's observers (per replica with several)."""
+    if isinstance(engine, DPClient):
+        replicas = engine.replicas
+        metrics = ServerMetrics(model_name, len(replicas), replica_alive=lambda i: replicas[i].alive)
+        engine.replica_stats_observers.append(metrics.engine_step)
+        engine.replica_ready_observers.append(metrics.engine_ready)
+        return metrics
+    metrics = ServerMetrics(model_name)
+    engine.stats_observers.append(metrics.engine_step)
+    engine.ready_observers.append(metrics.engine_ready)
+    return metrics
 
 
 async def _drain(frontend: EngineFrontend, timeout: float) -> None:

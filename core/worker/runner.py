@@ -30,6 +30,7 @@ class ModelRunner:
         Returns:
             Per request, the sampled token (None for a prefill chunk that stops
             short of the last known token), its logprobs, and prompt logprobs where asked.
+            Workers other than the driver (TP rank 0 of the last pipeline stage) return only their times.
         """
         began = time.perf_counter()
         self.sampler.forget(step.finished_request_ids)
@@ -49,27 +50,43 @@ class ModelRunner:
                 sampled_entries.append(i)
             if request.prompt_logprob_token_ids:
                 prompt_rows.append((i, first, len(request.prompt_logprob_token_ids)))
-        hidden = self.model.forward(
+        model, group = self.model, self.model.group
+        carried = None
+        if not model.first_stage:
+            carried = group.recv_prev((2, len(input_ids), model.spec.hidden_size), model.dtype, self.device)
+        hidden = model.forward(
             torch.tensor(input_ids, dtype=torch.long, device=self.device),
             torch.tensor(positions, dtype=torch.long, device=self.device),
             StepAttention(self.attention, step),
+            carried,
         )
         output = RunnerOutput([None] * len(step.requests), [None] * len(step.requests))
+        if not model.last_stage:
+            group.send_next(hidden)
+            return self._timed(RunnerOutput([], []), began)
+        # every TP worker of the last stage computes its part of the logits; the driver samples
         if prompt_rows:
             output.prompt_logprobs = self._prompt_logprobs(hidden, step.requests, prompt_rows)
         logits = None
         if sample_rows:
-            logits = self.model.compute_logits(hidden[torch.tensor(sample_rows, device=self.device)])
+            logits = model.compute_logits(hidden[torch.tensor(sample_rows, device=self.device)])
+        if not group.placement.driver:
+            return self._timed(RunnerOutput([], []), began)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         middle = time.perf_counter()
-        output.forward_time = middle - began
         if logits is not None:
             tokens, entries = self.sampler.sample(logits, [step.requests[i] for i in sampled_entries])
             for i, token, entry in zip(sampled_entries, tokens, entries):
                 output.sampled[i] = token
                 output.logprobs[i] = entry
             output.sample_time = time.perf_counter() - middle
+        return self._timed(output, began, middle)
+
+    def _timed(self, output: RunnerOutput, began: float, middle: float | None = None) -> RunnerOutput:
+        """Fill in the step's times (``middle``: where sampling began)."""
+        output.forward_time = (middle or time.perf_counter()) - began
+        output.comm_time, output.wait_time = self.model.group.take_times()
         return output
 
     def _prompt_logprobs(
@@ -78,6 +95,9 @@ class ModelRunner:
         entries: list[list[TokenLogprob] | None] = [None] * len(requests)
         for i, first, rows in prompt_rows:
             request = requests[i]
-            logprobs = torch.log_softmax(self.model.compute_logits(hidden[first : first + rows]), dim=-1)
+            logits = self.model.compute_logits(hidden[first : first + rows])
+            if logits is None:
+                continue  # another TP worker's part of the vocabulary; the driver has the whole
+            logprobs = torch.log_softmax(logits, dim=-1)
             entries[i] = token_logprobs(logprobs, request.prompt_logprob_token_ids, request.params.prompt_logprobs)
         return entries

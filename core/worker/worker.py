@@ -9,42 +9,37 @@ pool the KV cache manager sized), then ``execute`` once per step.
 from __future__ import annotations
 
 import logging
+import os
 
-import msgspec
 import torch
 
 from conveyor.attention import BackendUnavailable, select_backend
 from conveyor.attention.storage import KVStorage
 from conveyor.config import Config, ConfigError
+from conveyor.executor import ModelInfo
 from conveyor.kvcache import KVCacheLayout, KVCacheSpec
 from conveyor.messages import RunnerOutput, StepInput
 from conveyor.model.loader import DTYPES, load_model, model_len, open_model, resolve_device
 from conveyor.registry import PluginRegistry
+from conveyor.worker.parallel import ParallelGroup, Placement, check_divisible
 from conveyor.worker.runner import ModelRunner
 from conveyor.worker.sampler import Sampler
 
 logger = logging.getLogger("conveyor")
 
 
-class ModelInfo(msgspec.Struct, array_like=True, frozen=True):
-    """What a worker tells the engine core once its share of the model is loaded."""
-
-    max_model_len: int
-    # what one token takes in this worker's KV cache (cache_dtype "auto"; the KV cache manager decides)
-    kv_spec: KVCacheSpec
-    # e.g. "cpu", "cuda:0"
-    device: str
-    # the attention backend chosen for it
-    attention: str
-    # bytes of the weights as stored (quantized layers at their packed size)
-    weight_bytes: int
-
-
 class Worker:
     """Computes the steps on one device."""
 
-    def __init__(self, config: Config, registry: PluginRegistry, rank: int = 0):
-        """Choose the device and the attention backend (cheap; the weights load in ``load_model``).
+    def __init__(self, config: Config, registry: PluginRegistry, rank: int = 0, init_method: str = "",
+                 local_rank: int = 0):
+        """Choose the device and the attention backend and join the other workers (cheap; the weights
+        load in ``load_model``).
+
+        Args:
+            rank: this worker's rank among the engine's ``tensor_parallel_size * pipeline_parallel_size``.
+            init_method: where the workers meet (torch.distributed's ``tcp://HOST:PORT``); several workers only.
+            local_rank: this worker's number on its machine (its CUDA device).
 
         Raises:
             ConfigError: the device or the attention backend cannot be used here (the message says why).
@@ -52,14 +47,22 @@ class Worker:
         self.config = config
         self.registry = registry
         self.rank = rank
+        self.placement = Placement.of(config.parallel, rank)
         self.device = resolve_device(config.model.device)
-        if self.device.type == "cpu" and config.engine.num_threads:
-            torch.set_num_threads(config.engine.num_threads)
+        if self.device.type == "cuda":
+            self.device = torch.device("cuda", local_rank)
+            torch.cuda.set_device(self.device)
+        threads = config.engine.num_threads
+        if not threads and self.placement.world_size > 1:
+            threads = max(1, (os.cpu_count() or 1) // self.placement.world_size)  # the workers share the cores
+        if self.device.type == "cpu" and threads:
+            torch.set_num_threads(threads)
         self.dtype = DTYPES[config.model.dtype]
         try:
             self.backend_class = select_backend(config.engine.attention, self.device)
         except BackendUnavailable as e:
             raise ConfigError(f"{config.source}: [engine] {e}") from None
+        self.group = ParallelGroup.init(self.placement, init_method, self.device)
         self.runner: ModelRunner | None = None
 
     def load_model(self) -> ModelInfo:
@@ -67,10 +70,19 @@ class Worker:
         config = self.config
         ckpt = open_model(config.model, config.source)
         max_model_len = model_len(config.model, ckpt, config.source)
+        spec = ckpt.spec
+        problem = check_divisible(self.placement, spec.num_heads, spec.num_kv_heads, spec.intermediate_size)
+        if problem is None and spec.num_layers < self.placement.pp_size:
+            problem = f"pipeline_parallel_size = {self.placement.pp_size} exceeds the model's {spec.num_layers} layers"
+        if problem is not None:
+            raise ConfigError(f"{config.source}: [parallel] {problem}")
         quant = self.registry.build("quant", config.quant, self.dtype, self.device)
-        self.model = load_model(ckpt, quant, self.dtype, self.device, max_model_len, self.backend_class.fused_layers)
-        spec = self.model.spec
-        kv_spec = KVCacheSpec(spec.num_layers, spec.num_kv_heads, spec.head_dim, config.model.dtype, max_model_len)
+        self.model = load_model(ckpt, quant, self.dtype, self.device, max_model_len, self.backend_class.fused_layers,
+                                self.group)
+        # this worker's layers and KV heads; every worker's pool has the same number of blocks
+        first = self.model.layers[0]
+        kv_spec = KVCacheSpec(len(self.model.layers), first.num_kv_heads, spec.head_dim, config.model.dtype,
+                              max_model_len)
         return ModelInfo(max_model_len, kv_spec, str(self.device), self.backend_class.name,
                          self.model.num_weight_bytes())
 
@@ -91,3 +103,9 @@ class Worker:
     def execute(self, step: StepInput) -> RunnerOutput:
         assert self.runner is not None, "init_kv_cache comes before execute"
         return self.runner.execute(step)
+
+    def shutdown(self) -> None:
+        """Free the KV cache and the model, and leave the process group."""
+        self.runner = None
+        self.model = None
+        self.group.close()

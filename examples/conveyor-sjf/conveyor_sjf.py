@@ -36,7 +36,9 @@ class ShortestPromptFirst(Scheduler):
         return (request.num_prompt_tokens, request.arrival_order)
 
     def pick_victim(self):
-        return max(self.running, key=lambda r: (r.num_tokens, r.arrival_order))
+        # requests in a step still running on the workers (pipeline parallelism) cannot give memory back
+        candidates = [r for r in self.running if not r.in_flight]
+        return max(candidates, key=lambda r: (r.num_tokens, r.arrival_order), default=None)
 
     def can_admit(self, request):
         return len(self.running) < self.options.max_num_seqs

@@ -66,7 +66,15 @@ class FP8(QuantMethod):
     def prepare(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> Params:
         from conveyor.model.formats import quantize_fp8
 
+        return self._params(*quantize_fp8(weight.float()), bias)
+
+    def prepare_input_shard(self, weight: torch.Tensor, columns: slice) -> Params:
+        from conveyor.model.formats import quantize_fp8
+
         q, scale = quantize_fp8(weight.float())
+        return self._params(q[:, columns], scale)
+
+    def _params(self, q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None) -> Params:
         params = {"qweight": q.to(self.device).contiguous(), "scale": scale.to(self.device)}
         if bias is not None:
             params["bias"] = bias.to(device=self.device, dtype=self.dtype)

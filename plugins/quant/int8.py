@@ -48,7 +48,13 @@ class Int8WeightOnly(QuantMethod):
     Options = Int8Options
 
     def prepare(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> Params:
+        return self._params(*quantize_int8(weight.float()), bias)
+
+    def prepare_input_shard(self, weight: torch.Tensor, columns: slice) -> Params:
         q, scale = quantize_int8(weight.float())
+        return self._params(q[:, columns], scale)
+
+    def _params(self, q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None) -> Params:
         params = {"qweight": q.to(self.device).contiguous(), "scale": scale.to(self.device)}
         if self.device.type == "cpu":
             params["scale_model_dtype"] = scale.to(self.dtype)

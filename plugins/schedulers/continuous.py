@@ -39,10 +39,13 @@ class ContinuousScheduler(Scheduler):
             return (request.priority, request.arrival_order)
         return (request.arrival_order,)
 
-    def pick_victim(self) -> Request:
+    def pick_victim(self) -> Request | None:
+        candidates = [r for r in self.running if not r.in_flight]
+        if not candidates:
+            return None
         if self.options.policy == "priority":
-            return max(self.running, key=lambda r: (r.priority, r.arrival_order))
-        return self.running[-1]
+            return max(candidates, key=lambda r: (r.priority, r.arrival_order))
+        return candidates[-1]
 
     def can_admit(self, request: Request) -> bool:
         return len(self.running) < self.options.max_num_seqs

@@ -33,6 +33,9 @@ class StaticOptions(BatchOptions, forbid_unknown_fields=True):
 class RunToCompletionScheduler(Scheduler):
     """Forms a batch from the waiting queue and runs it until every request in it is done."""
 
+    # one batch at a time, also under pipeline parallelism
+    pipelined = False
+
     # most requests in a batch, and how long the oldest waiting request may wait for a full one
     max_batch_size: int
     max_wait_s: float

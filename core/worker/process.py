@@ -1,0 +1,107 @@
+"""A worker process of the ``mp`` executor: one ``Worker`` behind a ZeroMQ DEALER socket.
+
+The executor (``conveyor.executor.mp``) starts it with ``python -m
+conveyor.worker.process``, writes the validated config to its stdin
+(msgpack), and names its rank, the executor's ROUTER socket and where the
+workers meet for torch.distributed. The worker's first message says it
+started, or why it could not; then it answers calls (``conveyor.executor.rpc``)
+in the order they come. It dies with its parent: Linux's parent-death signal,
+and a check of the parent's pid while idle elsewhere.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import logging
+import os
+import signal
+import sys
+
+import zmq
+
+from conveyor.config import ConfigError, decode_config
+from conveyor.executor import rpc
+
+logger = logging.getLogger("conveyor.worker")
+
+# how long an idle worker waits for a call before checking that its parent lives, ms
+IDLE_POLL_MS = 1000
+
+
+def die_with_parent() -> None:
+    """Ask Linux to SIGKILL this process when its parent exits (no orphans after a crash)."""
+    if sys.platform.startswith("linux"):
+        libc = ctypes.CDLL(None, use_errno=True)
+        pr_set_pdeathsig = 1
+        libc.prctl(pr_set_pdeathsig, signal.SIGKILL)
+
+
+def describe(e: BaseException) -> tuple[str, str]:
+    """An exception as (error kind, one line)."""
+    if isinstance(e, ConfigError):
+        return "config", str(e)
+    return "error", f"{type(e).__name__}: {e}"
+
+
+def serve(worker, sock: zmq.Socket, rank: int, parent: int) -> None:
+    """Answer calls until ``shutdown``, or until the parent is gone."""
+    while True:
+        if not sock.poll(IDLE_POLL_MS):
+            if os.getppid() != parent:
+                logger.error("rank %d: the engine process is gone; exiting", rank)
+                return
+            continue
+        seq, method, args = rpc.decode_call(sock.recv())
+        try:
+            result = getattr(worker, method)(*args)
+        except Exception as e:
+            logger.exception("rank %d: %s failed", rank, method)
+            sock.send(rpc.encode_reply(seq, rank, None, *describe(e)))
+            continue
+        sock.send(rpc.encode_reply(seq, rank, result))
+        if method == "shutdown":
+            return
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m conveyor.worker.process",
+                                     description="an engine's worker; reads its config (msgpack) from stdin")
+    parser.add_argument("--rank", type=int, required=True)
+    parser.add_argument("--local-rank", type=int, default=0, help="this worker's number on its machine (its GPU)")
+    parser.add_argument("--executor", required=True, help="the executor's ROUTER socket address")
+    parser.add_argument("--init-method", required=True, help="torch.distributed rendezvous, tcp://HOST:PORT")
+    parser.add_argument("--log-level", default="INFO")
+    args = parser.parse_args(argv)
+    parent = os.getppid()
+    die_with_parent()
+    logging.basicConfig(level=args.log_level, format=f"worker {args.rank}: %(message)s", stream=sys.stderr)
+    # the engine process decides when its workers stop
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    context = zmq.Context()
+    sock = context.socket(zmq.DEALER)
+    sock.setsockopt(zmq.IDENTITY, str(args.rank).encode())
+    sock.setsockopt(zmq.LINGER, 1000)
+    sock.connect(args.executor)
+    try:
+        from conveyor.worker.worker import Worker
+
+        config = decode_config(sys.stdin.buffer.read())
+        worker = Worker(config, config._registry, args.rank, args.init_method, args.local_rank)
+    except Exception as e:
+        logger.exception("rank %d could not start", args.rank)
+        sock.send(rpc.encode_reply(rpc.HELLO, args.rank, None, *describe(e)))
+        sock.close()
+        context.term()
+        return 2
+    sock.send(rpc.encode_reply(rpc.HELLO, args.rank, os.getpid()))
+    try:
+        serve(worker, sock, args.rank, parent)
+    finally:
+        sock.close()
+        context.term()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,137 @@
+"""Tensor and pipeline parallelism: how the model splits, and that a split model computes what one worker does.
+
+The split runs in worker processes (the ``mp`` executor over gloo on this
+CPU): a tiny random Llama made by transformers here, and the real SmolLM2.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from conveyor import LLM, SamplingParams
+from conveyor.config import ConfigError, ParallelConfig, load_config
+from conveyor.worker.parallel import Placement, check_divisible
+from tests.conftest import CHAT_PROMPTS, NUM_TOKENS
+from tests.helpers import assert_matches_reference, assert_same_or_near_tie
+from tests.test_model import tiny_hf_model
+
+
+@pytest.mark.parametrize("tp, pp, num_kv_heads", [(1, 1, 2), (2, 1, 2), (4, 1, 2), (3, 2, 6), (1, 3, 2), (2, 2, 2)])
+def test_every_layer_head_and_vocabulary_row_has_an_owner(tp, pp, num_kv_heads):
+    """Across the workers, the stages' layers are contiguous and cover the model once; every query head
+    and vocabulary row is on exactly one TP worker; each worker's KV heads are the ones its query heads read."""
+    num_layers, num_heads, vocab = 7, 12, 101
+    assert check_divisible(Placement(0, tp, pp), num_heads, num_kv_heads, 48) is None
+    placements = [Placement(rank, tp, pp) for rank in range(tp * pp)]
+    layers = sorted(i for p in placements if p.tp_rank == 0 for i in p.layers(num_layers))
+    assert layers == list(range(num_layers))
+    for p in placements:
+        assert len(p.layers(num_layers)) >= num_layers // pp
+    stage = [p for p in placements if p.pp_rank == 0]
+    assert sorted(h for p in stage for h in p.heads(num_heads)) == list(range(num_heads))
+    assert sorted(v for p in stage for v in p.vocab(vocab)[0]) == list(range(vocab))
+    group = num_heads // num_kv_heads
+    for p in stage:
+        read = sorted({h // group for h in p.heads(num_heads)})
+        assert read == list(p.kv_heads(num_kv_heads))
+    assert sum(p.driver for p in placements) == 1
+
+
+def test_a_split_that_does_not_divide_names_the_numbers():
+    assert "9 attention heads" in check_divisible(Placement(0, 2, 1), 9, 3, 1536)
+    assert "3 KV heads" in check_divisible(Placement(0, 2, 1), 4, 3, 64)
+    assert "MLP width 102" in check_divisible(Placement(0, 4, 1), 8, 2, 102)
+    assert check_divisible(Placement(0, 3, 1), 9, 3, 1536) is None
+    assert check_divisible(Placement(0, 4, 1), 8, 2, 128) is None  # KV heads copied
+
+
+def test_parallel_config_keys_and_auto_executor():
+    config = load_config(None, {"parallel.tensor_parallel_size": "3", "parallel.pipeline_parallel_size": "2"})
+    assert (config.parallel.world_size, config.parallel.executor_name) == (6, "mp")
+    assert ParallelConfig().executor_name == "uniproc"
+    with pytest.raises(ConfigError, match=r"\[parallel\] executor = 'uniproc' runs one worker.*allowed"):
+        load_config(None, {"parallel.tensor_parallel_size": "2", "parallel.executor": "uniproc"})
+    with pytest.raises(ConfigError, match=r"--set parallel.executor.*allowed: 'auto', 'uniproc', 'mp', 'ray'"):
+        load_config(None, {"parallel.executor": "threads"})
+
+
+# A tiny Llama whose heads (8), KV heads (2), MLP width, layers (4) and vocabulary (98: uneven) split every
+# way tested.
+SPLITTABLE = {"vocab_size": 98, "num_hidden_layers": 4, "num_attention_heads": 8}
+PROMPTS = [[5, 17, 3, 88, 41, 2, 9, 60, 1, 33], [60, 1, 33, 97], [7] * 12, list(range(40, 70))]
+
+
+@pytest.fixture(scope="module")
+def tiny_llama(tmp_path_factory, tokenizer):
+    model = tiny_hf_model("llama", **SPLITTABLE)
+    path = tmp_path_factory.mktemp("tiny-llama")
+    model.save_pretrained(path)
+    tokenizer.hf.save(str(path / "tokenizer.json"))  # only token ids < 98 go in and come out
+    return path
+
+
+def tiny_run(path, tp: int, pp: int) -> list:
+    overrides = {
+        "model.path": str(path), "model.dtype": "float32", "model.max_model_len": 128,
+        "parallel.tensor_parallel_size": tp, "parallel.pipeline_parallel_size": pp,
+        "kvcache.memory_gb": 0.05, "scheduler.max_num_batched_tokens": 32,  # prompts in chunks
+    }
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=5, prompt_logprobs=5)
+    with LLM(overrides=overrides) as llm:
+        return llm.generate(PROMPTS, params)
+
+
+@pytest.fixture(scope="module")
+def tiny_single(tiny_llama):
+    return tiny_run(tiny_llama, 1, 1)
+
+
+def assert_same_logits(ours: list, reference: list, label: str) -> None:
+    """Greedy tokens equal, and every prompt and output position's top-5 logprobs equal within fp32 rounding."""
+    for a, b in zip(ours, reference):
+        assert a.token_ids == b.token_ids, label
+        pairs = list(zip(a.prompt_logprobs, b.prompt_logprobs)) + list(zip(a.logprobs, b.logprobs))
+        for x, y in pairs:
+            assert x.top_ids == y.top_ids, label
+            assert x.top_logprobs == pytest.approx(y.top_logprobs, abs=1e-4), label
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("tp, pp", [(2, 1), (4, 1), (1, 2), (1, 3), (2, 2)], ids=lambda v: str(v))
+def test_tiny_llama_split_computes_what_one_worker_does(tiny_llama, tiny_single, tp, pp):
+    """TP=2; TP=4 (more workers than the 2 KV heads: copied); PP=2; PP=3 (4 layers: 2+1+1); TP=2 x PP=2."""
+    assert_same_logits(tiny_run(tiny_llama, tp, pp), tiny_single, f"TP={tp} PP={pp}")
+
+
+@pytest.fixture(scope="module")
+def smollm2_tp3():
+    with LLM(overrides={"model.dtype": "float32", "engine.seed": 1234, "parallel.tensor_parallel_size": 3}) as llm:
+        yield llm
+
+
+@pytest.mark.slow
+def test_smollm2_tp3_matches_one_worker_and_transformers(smollm2_tp3, llm_fp32, reference):
+    """SmolLM2: 9 query heads and 3 KV heads split over 3 workers, the vocabulary gathered for sampling."""
+    params = SamplingParams(max_tokens=NUM_TOKENS, temperature=0, ignore_eos=True, logprobs=5)
+    conversations = [[{"role": "user", "content": p}] for p in CHAT_PROMPTS]
+    split = smollm2_tp3.generate(conversations, params)
+    single = llm_fp32.generate(conversations, params)
+    for prompt, ours, one, (_, ref_tokens, ref_logprobs) in zip(CHAT_PROMPTS, split, single, reference):
+        assert_matches_reference(ours, ref_tokens, ref_logprobs, f"TP=3: {prompt}")
+        assert_same_or_near_tie(ours, one, f"TP=3 vs TP=1: {prompt}")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method", ["int8", "fp8"])
+def test_quantized_weights_split_three_ways_give_the_same_tokens(method):
+    """Each worker keeps its rows with their scales (QKV, gate/up) or its columns with the whole row's
+    scale (o_proj, down): the same numbers as one worker."""
+    overrides = {"model.dtype": "float32", "quant.plugin": method}
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, logprobs=5)
+    conversations = [[{"role": "user", "content": p}] for p in CHAT_PROMPTS[:4]]
+    with LLM(overrides=overrides) as llm:
+        single = llm.generate(conversations, params)
+    with LLM(overrides={**overrides, "parallel.tensor_parallel_size": 3}) as llm:
+        split = llm.generate(conversations, params)
+    for prompt, ours, one in zip(CHAT_PROMPTS, split, single):
+        assert_same_or_near_tie(ours, one, f"{method} TP=3 vs TP=1: {prompt}")
