@@ -21,6 +21,12 @@ class Server(BenchServer):
         """The engine process now (the latest to report ready)."""
         return int(re.findall(r"engine process (\d+) ready", self.output)[-1])
 
+    @property
+    def worker_pids(self) -> list[int]:
+        """The engine's worker processes now (tensor/pipeline parallelism), by rank."""
+        line = re.findall(r"workers ready: (.*)", self.output)[-1]
+        return [int(pid) for pid in re.findall(r"pid (\d+)", line)]
+
     def num_finished(self, finish_reason: str) -> float:
         """Requests the frontend saw end with ``finish_reason`` (0 before the first)."""
         try:

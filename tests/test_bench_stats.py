@@ -8,7 +8,13 @@ import numpy as np
 import pytest
 
 from conveyor.bench.arrivals import arrival_gaps, arrival_times
+from conveyor.bench.command import _server_view
+from conveyor.bench.load import metric_samples
+from conveyor.bench.parallel import parallel_view
+from conveyor.bench.report import run_table
 from conveyor.bench.stats import RequestRecord, meets_slos, percentiles, summarize
+from conveyor.messages import KVCacheStats, SchedulerStats, StepStats
+from conveyor.serving.metrics import ServerMetrics
 
 
 def test_percentiles_interpolate_linearly():
@@ -78,3 +84,113 @@ def test_infinite_rate_sends_everything_at_once():
     assert (np.diff(times) >= 0).all()
     with pytest.raises(ValueError, match="rate"):
         arrival_gaps(3, 0.0)
+
+
+# ---------------------------------------------------------------- the server's parallel metrics over a run
+
+# two engine replicas of TP 2; replica 1 had run no multi-worker step when the run started
+BEFORE = """
+# TYPE conveyor_step_comm_seconds histogram
+conveyor_step_comm_seconds_count{model_name="m"} 100
+conveyor_step_comm_seconds_sum{model_name="m"} 0.5
+# TYPE conveyor_step_compute_seconds histogram
+conveyor_step_compute_seconds_count{model_name="m"} 100
+conveyor_step_compute_seconds_sum{model_name="m"} 2.0
+# TYPE conveyor_step_bubble_fraction histogram
+conveyor_step_bubble_fraction_count{model_name="m"} 100
+conveyor_step_bubble_fraction_sum{model_name="m"} 10.0
+# TYPE conveyor_worker_step_seconds histogram
+conveyor_worker_step_seconds_count{model_name="m",replica="0",rank="0"} 50
+conveyor_worker_step_seconds_sum{model_name="m",replica="0",rank="0"} 1.0
+conveyor_worker_step_seconds_count{model_name="m",replica="0",rank="1"} 50
+conveyor_worker_step_seconds_sum{model_name="m",replica="0",rank="1"} 1.0
+# TYPE conveyor_request_queue_time_seconds histogram
+conveyor_request_queue_time_seconds_count{model_name="m"} 3
+conveyor_request_queue_time_seconds_sum{model_name="m"} 0.3
+"""
+AFTER = """
+# TYPE conveyor_step_comm_seconds histogram
+conveyor_step_comm_seconds_count{model_name="m"} 300
+conveyor_step_comm_seconds_sum{model_name="m"} 0.8
+# TYPE conveyor_step_compute_seconds histogram
+conveyor_step_compute_seconds_count{model_name="m"} 300
+conveyor_step_compute_seconds_sum{model_name="m"} 3.7
+# TYPE conveyor_step_bubble_fraction histogram
+conveyor_step_bubble_fraction_count{model_name="m"} 300
+conveyor_step_bubble_fraction_sum{model_name="m"} 70.0
+# TYPE conveyor_worker_step_seconds histogram
+conveyor_worker_step_seconds_count{model_name="m",replica="0",rank="0"} 150
+conveyor_worker_step_seconds_sum{model_name="m",replica="0",rank="0"} 2.0
+conveyor_worker_step_seconds_count{model_name="m",replica="0",rank="1"} 150
+conveyor_worker_step_seconds_sum{model_name="m",replica="0",rank="1"} 2.4
+conveyor_worker_step_seconds_count{model_name="m",replica="1",rank="0"} 100
+conveyor_worker_step_seconds_sum{model_name="m",replica="1",rank="0"} 1.2
+conveyor_worker_step_seconds_count{model_name="m",replica="1",rank="1"} 100
+conveyor_worker_step_seconds_sum{model_name="m",replica="1",rank="1"} 1.0
+# TYPE conveyor_request_queue_time_seconds histogram
+conveyor_request_queue_time_seconds_count{model_name="m"} 9
+conveyor_request_queue_time_seconds_sum{model_name="m"} 0.9
+"""
+
+
+def test_parallel_view_by_hand():
+    view = parallel_view(list(metric_samples(BEFORE)), list(metric_samples(AFTER)))
+    assert view is not None
+    assert view["steps"] == 200
+    # comm: 0.3 s over 200 steps; compute: 1.7 s over 200 steps; comm share 1.5 / (1.5 + 8.5)
+    assert view["comm_ms"] == pytest.approx(1.5)
+    assert view["compute_ms"] == pytest.approx(8.5)
+    assert view["comm_share"] == pytest.approx(0.15)
+    # rank 0: (1.0 + 1.2) s over (100 + 100) steps; rank 1: (1.4 + 1.0) s over (100 + 100) steps
+    assert view["rank_step_ms"] == pytest.approx({"0": 11.0, "1": 12.0})
+    assert list(view["rank_step_ms"]) == ["0", "1"]
+    # 60 over 200 steps
+    assert view["bubble_fraction"] == pytest.approx(0.3)
+
+
+def test_the_server_view_of_a_run_carries_the_parallel_numbers():
+    view = _server_view(list(metric_samples(BEFORE)), list(metric_samples(AFTER)))
+    assert view["queue_time_mean_ms"] == pytest.approx(100.0)  # 0.6 s over 6 requests
+    assert view["parallel"] == parallel_view(list(metric_samples(BEFORE)), list(metric_samples(AFTER)))
+    assert "parallel" not in _server_view(list(metric_samples(AFTER)), list(metric_samples(AFTER)))  # no steps
+
+
+def test_no_parallel_view_without_multi_worker_steps():
+    single = ServerMetrics("m")
+    single.engine_step(StepStats(1, 0.0, SchedulerStats(), KVCacheStats(), num_decode_tokens=1, forward_time=0.01))
+    text = single.render(True, 0).decode()
+    assert "conveyor_step_comm_seconds" in text  # the families are there, without samples
+    assert parallel_view(list(metric_samples(text)), list(metric_samples(text))) is None
+    assert parallel_view([], []) is None  # a server without /metrics
+    assert parallel_view(list(metric_samples(AFTER)), list(metric_samples(AFTER))) is None  # no step in the run
+
+
+def test_parallel_view_reads_what_the_server_exports():
+    metrics = ServerMetrics("m")
+
+    def step(rank_times: list[float], comm: float, bubble: float) -> None:
+        metrics.engine_step(StepStats(1, 0.0, SchedulerStats(), KVCacheStats(), num_decode_tokens=2,
+                                      rank_times=rank_times, comm_time=comm, bubble_fraction=bubble))
+
+    step([0.5, 0.5], comm=0.25, bubble=0.0)  # before the run
+    before = list(metric_samples(metrics.render(True, 0).decode()))
+    step([0.010, 0.030], comm=0.004, bubble=0.5)  # compute 20 ms x 0.5 - 4 ms = 6 ms
+    step([0.020, 0.020], comm=0.002, bubble=0.0)  # compute 18 ms
+    view = parallel_view(before, list(metric_samples(metrics.render(True, 0).decode())))
+    assert view is not None and view["steps"] == 2
+    assert view["comm_ms"] == pytest.approx(3.0) and view["compute_ms"] == pytest.approx(12.0)
+    assert view["comm_share"] == pytest.approx(0.2)
+    assert view["rank_step_ms"] == pytest.approx({"0": 15.0, "1": 25.0})
+    assert view["bubble_fraction"] == pytest.approx(0.25)
+
+
+def test_the_report_has_a_parallel_section_only_with_its_numbers():
+    records = [RequestRecord(0, 10, output_tokens=3, ttft=0.1, e2e=0.5, itl=[0.2, 0.2])]
+    run = {"config": {"rate": 1.0}, "summary": summarize(records, 1.0), "server": {}}
+    assert "Parallel" not in run_table(run)
+    run["server"]["parallel"] = parallel_view(list(metric_samples(BEFORE)), list(metric_samples(AFTER)))
+    section = run_table(run).split("Parallel", 1)[1]
+    assert "200 steps" in section
+    assert "1.50 / 8.50  (comm 15.0%)" in section
+    assert "0: 11.0  1: 12.0" in section
+    assert "30.0%" in section

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import math
+
+import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from conveyor.messages import EngineReady, KVCacheStats, SchedulerStats, StepStats
@@ -26,10 +29,14 @@ class Exposition:
                     return sample.value
         return 0.0
 
-    def families(self) -> set[str]:
-        """Every metric exported (not the ``_created`` timestamps prometheus_client adds beside counters)."""
+    def families(self, with_samples: bool = True) -> set[str]:
+        """Every metric exported (not the ``_created`` timestamps prometheus_client adds beside counters); by
+        default only those with samples (the parallel ones have none until a multi-worker step)."""
         text = self.metrics.render(True, 0).decode()
-        return {f.name for f in text_string_to_metric_families(text) if not f.name.endswith("_created")}
+        return {
+            f.name for f in text_string_to_metric_families(text)
+            if not f.name.endswith("_created") and (f.samples or not with_samples)
+        }
 
 
 def stats(step: int, tokens: int, preemptions: int = 0, aborted: int = 0, hits: int = 0, free: int = 30) -> StepStats:
@@ -108,3 +115,87 @@ def test_the_status_line_reports_rates_since_the_last_line():
     assert rate > 0
     # nothing new since: the rates fall to zero
     assert "prompt 0.0 tok/s, generation 0.0 tok/s" in metrics.status_line()
+
+
+# ---------------------------------------------------------------- several workers (tensor/pipeline parallelism)
+
+PARALLEL = {"conveyor_step_comm_seconds", "conveyor_step_compute_seconds", "conveyor_worker_step_seconds",
+            "conveyor_step_bubble_fraction", "conveyor_pipeline_bubble_fraction"}
+
+
+def parallel_stats(timestamp: float, rank_times: list[float], comm: float, bubble: float,
+                   tokens: int = 4) -> StepStats:
+    step = stats(1, tokens)
+    step.timestamp, step.rank_times, step.comm_time, step.bubble_fraction = timestamp, rank_times, comm, bubble
+    return step
+
+
+def test_one_worker_leaves_the_parallel_metrics_without_samples():
+    metrics = ServerMetrics(MODEL)
+    metrics.engine_step(stats(1, tokens=40))
+    metrics.engine_step(stats(2, tokens=8))
+    value = Exposition(metrics)
+    assert PARALLEL <= value.families(with_samples=False)  # described, so a dashboard can find them
+    assert not PARALLEL & value.families()
+
+
+def test_multi_worker_steps_export_comm_compute_ranks_and_bubbles():
+    metrics = ServerMetrics(MODEL)
+    value = Exposition(metrics)
+    # TP 2 x PP 2; ranks 2 and 3 (the second stage) wait for the first. Compute is the mean rank time less the
+    # comm and the mean wait (bubble x mean rank time): 16 ms x 0.75 - 2 ms = 10 ms, then 5 ms x 0.5 - 0.5 ms = 2 ms
+    metrics.engine_step(parallel_stats(100.0, [0.010, 0.012, 0.020, 0.022], comm=0.002, bubble=0.25))
+    assert value("conveyor_pipeline_bubble_fraction") == 0.25  # the first step sets the smoothed value
+    metrics.engine_step(parallel_stats(110.0, [0.004, 0.004, 0.006, 0.006], comm=0.0005, bubble=0.5))
+    # a snapshot between steps (no tokens) is no step, even if it carried worker times
+    metrics.engine_step(parallel_stats(111.0, [1.0, 1.0, 1.0, 1.0], comm=1.0, bubble=1.0, tokens=0))
+
+    assert value("conveyor_step_comm_seconds_count") == 2
+    assert value("conveyor_step_comm_seconds_sum") == pytest.approx(0.0025)
+    assert value("conveyor_step_comm_seconds_bucket", le="0.0002") == 0
+    assert value("conveyor_step_comm_seconds_bucket", le="0.0005") == 1
+    assert value("conveyor_step_comm_seconds_bucket", le="0.002") == 2
+    assert value("conveyor_step_compute_seconds_count") == 2
+    assert value("conveyor_step_compute_seconds_sum") == pytest.approx(0.012)
+    assert value("conveyor_step_compute_seconds_bucket", le="0.005") == 1
+    assert value("conveyor_step_compute_seconds_bucket", le="0.01") == 2
+    assert value("conveyor_step_bubble_fraction_count") == 2
+    assert value("conveyor_step_bubble_fraction_sum") == 0.75
+    assert value("conveyor_step_bubble_fraction_bucket", le="0.2") == 0
+    assert value("conveyor_step_bubble_fraction_bucket", le="0.5") == 2
+    for rank, total in {"0": 0.014, "1": 0.016, "2": 0.026, "3": 0.028}.items():
+        assert value("conveyor_worker_step_seconds_count", rank=rank) == 2
+        assert value("conveyor_worker_step_seconds_sum", rank=rank) == pytest.approx(total)
+    assert value("conveyor_worker_step_seconds_bucket", rank="3", le="0.02") == 1
+    assert value("conveyor_worker_step_seconds_bucket", rank="3", le="0.05") == 2
+    # ten seconds (one time constant) later the old value keeps a weight of 1/e
+    assert value("conveyor_pipeline_bubble_fraction") == pytest.approx(0.25 / math.e + 0.5 * (1 - 1 / math.e))
+    # the engine's own step histogram counts the same two steps
+    assert value("conveyor_engine_step_seconds_count") == 2
+    assert PARALLEL <= value.read
+
+    # comm above the mean rank time (clocks of different workers): compute floors at zero
+    metrics.engine_step(parallel_stats(120.0, [0.001, 0.001], comm=0.003, bubble=0.0))
+    assert value("conveyor_step_compute_seconds_bucket", le="0.0001") == 1
+    assert value("conveyor_step_compute_seconds_sum") == pytest.approx(0.012)
+
+
+def test_parallel_metrics_carry_the_replica_label_with_several_replicas():
+    metrics = ServerMetrics(MODEL, 2)
+    metrics.engine_step(parallel_stats(5.0, [0.01, 0.03], comm=0.001, bubble=0.1), 1)
+    metrics.engine_step(parallel_stats(5.0, [0.02, 0.04], comm=0.001, bubble=0.3), 0)
+    families = {f.name: f for f in text_string_to_metric_families(metrics.render(True, 0).decode())}
+
+    def label_sets(name: str) -> set[tuple[tuple[str, str], ...]]:
+        return {tuple(sorted(s.labels.items())) for s in families[name].samples if s.name.endswith("_count")}
+
+    assert label_sets("conveyor_worker_step_seconds") == {
+        (("model_name", MODEL), ("rank", rank), ("replica", replica)) for replica in ("0", "1") for rank in ("0", "1")
+    }
+    assert {s.labels["replica"]: s.value for s in families["conveyor_pipeline_bubble_fraction"].samples} == {
+        "0": 0.3, "1": 0.1}
+    # per-step histograms are global, as the engine step time is
+    for name in ("conveyor_step_comm_seconds", "conveyor_step_compute_seconds", "conveyor_step_bubble_fraction"):
+        assert label_sets(name) == {(("model_name", MODEL),)}
+    comm = families["conveyor_step_comm_seconds"].samples
+    assert next(s.value for s in comm if s.name == "conveyor_step_comm_seconds_count") == 2  # both replicas' steps

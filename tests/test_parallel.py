@@ -70,11 +70,12 @@ def tiny_llama(tmp_path_factory, tokenizer):
     return path
 
 
-def tiny_run(path, tp: int, pp: int) -> list:
+def tiny_run(path, tp: int, pp: int, extra: dict | None = None) -> list:
     overrides = {
         "model.path": str(path), "model.dtype": "float32", "model.max_model_len": 128,
         "parallel.tensor_parallel_size": tp, "parallel.pipeline_parallel_size": pp,
         "kvcache.memory_gb": 0.05, "scheduler.max_num_batched_tokens": 32,  # prompts in chunks
+        **(extra or {}),
     }
     params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=5, prompt_logprobs=5)
     with LLM(overrides=overrides) as llm:

@@ -12,9 +12,11 @@ from typing import Any
 import anyio
 import httpx
 import msgspec
+from prometheus_client.samples import Sample
 
 from conveyor.bench import datasets, report
-from conveyor.bench.load import BenchRequest, LoadOptions, run_load, scrape_metrics, served_model
+from conveyor.bench.load import BenchRequest, LoadOptions, metric_totals, run_load, scrape_metrics, served_model
+from conveyor.bench.parallel import parallel_view
 from conveyor.bench.stats import SLO_METRICS, RequestRecord, summarize
 
 
@@ -167,7 +169,7 @@ def _options(args: argparse.Namespace, rate: float) -> LoadOptions:
 
 
 async def _measure(args: argparse.Namespace, model: str, requests: list[BenchRequest],
-                   rate: float) -> tuple[list[RequestRecord], float, dict[str, float]]:
+                   rate: float) -> tuple[list[RequestRecord], float, dict[str, Any]]:
     from tqdm import tqdm
 
     async with httpx.AsyncClient(timeout=30.0) as client:
@@ -184,19 +186,25 @@ async def _measure(args: argparse.Namespace, model: str, requests: list[BenchReq
     return records, duration, _server_view(before, after)
 
 
-def _server_view(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
-    """What the server's own metrics say about the run (any server whose names end like these)."""
+def _server_view(before: list[Sample], after: list[Sample]) -> dict[str, Any]:
+    """What the server's own metrics say about the run (any server whose names end like these; the parallel
+    section only from Conveyor with several workers)."""
+    start, end = metric_totals(before), metric_totals(after)
+
     def delta(suffix: str) -> float | None:
-        names = [n for n in after if n.endswith(suffix)]
+        names = [n for n in end if n.endswith(suffix)]
         if not names:
             return None
-        return after[names[0]] - before.get(names[0], 0.0)
+        return end[names[0]] - start.get(names[0], 0.0)
 
-    view: dict[str, float] = {}
+    view: dict[str, Any] = {}
     queue_sum, queue_count = delta("request_queue_time_seconds_sum"), delta("request_queue_time_seconds_count")
     if queue_sum is not None and queue_count:
         view["queue_time_mean_ms"] = 1000 * queue_sum / queue_count
     ttft_count = delta("time_to_first_token_seconds_count")
     if ttft_count is not None:
         view["ttft_count"] = ttft_count
+    parallel = parallel_view(before, after)
+    if parallel is not None:
+        view["parallel"] = parallel
     return view

@@ -7,7 +7,7 @@ import itertools
 import json
 import math
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 import anyio
@@ -63,20 +63,25 @@ def metric_samples(text: str) -> Iterator[Sample]:
         yield from family.samples
 
 
-async def scrape_metrics(client: httpx.AsyncClient, url: str) -> dict[str, float]:
-    """Sums of the server's Prometheus samples by name (labels dropped); empty when it has no /metrics."""
+async def scrape_metrics(client: httpx.AsyncClient, url: str) -> list[Sample]:
+    """The server's Prometheus samples; empty when it has no /metrics."""
     try:
         response = await client.get(f"{base_url(url)}/metrics")
     except httpx.HTTPError:
-        return {}
+        return []
     if response.status_code != 200:
-        return {}
-    totals: dict[str, float] = {}
+        return []
     try:
-        for sample in metric_samples(response.text):
-            totals[sample.name] = totals.get(sample.name, 0.0) + sample.value
+        return list(metric_samples(response.text))
     except ValueError:  # not Prometheus text
-        return {}
+        return []
+
+
+def metric_totals(samples: Iterable[Sample]) -> dict[str, float]:
+    """Sums of samples by name (labels dropped)."""
+    totals: dict[str, float] = {}
+    for sample in samples:
+        totals[sample.name] = totals.get(sample.name, 0.0) + sample.value
     return totals
 
 

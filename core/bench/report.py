@@ -8,6 +8,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from conveyor.bench.parallel import parallel_table
+
 LATENCIES = (("ttft_ms", "TTFT"), ("tpot_ms", "TPOT"), ("itl_ms", "ITL"), ("e2e_ms", "E2E latency"))
 
 
@@ -39,6 +41,9 @@ def run_table(run: dict[str, Any]) -> str:
     for key, title in LATENCIES:
         stats = s[key]
         lines.append(f"{title:<12}" + "".join(f"{stats[k]:>10.1f}" for k in ("mean", "p50", "p90", "p95", "p99")))
+    parallel = run.get("server", {}).get("parallel")
+    if parallel is not None:
+        lines += ["", parallel_table(parallel)]
     for error in s["errors"]:
         lines.append(f"error: {error}")
     return "\n".join(lines)

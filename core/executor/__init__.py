@@ -13,6 +13,7 @@ Each implements ``collective_rpc`` and its own start and stop; ``mp`` and
 
 from __future__ import annotations
 
+import logging
 from abc import ABC, abstractmethod
 from collections import deque
 from typing import Any, ClassVar
@@ -23,6 +24,8 @@ from conveyor.config import Config
 from conveyor.kvcache import KVCacheLayout, KVCacheSpec
 from conveyor.messages import RankTimes, RunnerOutput, StepInput
 from conveyor.registry import PluginRegistry
+
+logger = logging.getLogger("conveyor")
 
 
 class ExecutorError(RuntimeError):
@@ -118,6 +121,57 @@ class Executor(ABC):
         if isinstance(done, BaseException):
             raise done
         return done
+
+
+class PipelinedExecutor(Executor):
+    """An executor whose workers run elsewhere (processes, Ray actors) and answer calls in order: up to one
+    step per pipeline stage is in flight. Subclasses send a call to every worker (``_send`` returns a
+    handle) and wait for every worker's result of one (``_results``)."""
+
+    def __init__(self, config: Config, registry: PluginRegistry):
+        super().__init__(config, registry)
+        self._seq = 0
+        # handles of the steps submitted and not collected, oldest first
+        self._in_flight: deque[Any] = deque()
+
+    @property
+    def max_in_flight(self) -> int:
+        return self.config.parallel.pipeline_parallel_size
+
+    @abstractmethod
+    def _send(self, data: bytes) -> Any:
+        """Send an encoded call to every worker; a handle for ``_results``."""
+
+    @abstractmethod
+    def _results(self, handle: Any, method: str) -> list[Any]:
+        """Every worker's result of one call, by rank.
+
+        Raises:
+            ConfigError: a worker found a configuration problem.
+            ExecutorError: a worker raised or died.
+        """
+
+    def _call(self, method: str, args: tuple[Any, ...]) -> Any:
+        from conveyor.executor import rpc
+
+        self._seq += 1
+        return self._send(rpc.encode_call(self._seq, method, args))
+
+    def collective_rpc(self, method: str, *args: Any) -> list[Any]:
+        if self._in_flight:
+            raise ExecutorError(f"{method} called while {len(self._in_flight)} steps are in flight")
+        return self._results(self._call(method, args), method)
+
+    def submit(self, step: StepInput) -> None:
+        self._in_flight.append(self._call("execute", (step,)))
+
+    def collect(self) -> RunnerOutput:
+        return merge_outputs(self._results(self._in_flight.popleft(), "execute"), self.driver_rank)
+
+
+def log_workers(pids: list[int]) -> None:
+    """One line naming every worker's process (tests and operators find them by it)."""
+    logger.info("workers ready: %s", ", ".join(f"rank {rank} pid {pid}" for rank, pid in enumerate(pids)))
 
 
 def merge_outputs(outputs: list[RunnerOutput], driver_rank: int) -> RunnerOutput:

@@ -20,14 +20,13 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections import deque
 from typing import Any
 
+import msgspec
 import zmq
 
 from conveyor.config import Config, ConfigError, encode_config
-from conveyor.executor import Executor, ExecutorError, merge_outputs, rpc
-from conveyor.messages import RunnerOutput, StepInput
+from conveyor.executor import ExecutorError, PipelinedExecutor, log_workers, rpc
 from conveyor.registry import PluginRegistry
 
 logger = logging.getLogger("conveyor")
@@ -42,7 +41,7 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
-class MPExecutor(Executor):
+class MPExecutor(PipelinedExecutor):
     """Worker processes on this machine."""
 
     name = "mp"
@@ -50,8 +49,6 @@ class MPExecutor(Executor):
     def __init__(self, config: Config, registry: PluginRegistry, startup_timeout: float = 600.0):
         super().__init__(config, registry)
         self.world_size = config.parallel.world_size
-        self._seq = 0
-        self._in_flight: deque[int] = deque()
         # replies that came before their call was waited for: seq -> rank -> reply
         self._early: dict[int, dict[int, rpc.Reply]] = {}
         self._dir = tempfile.mkdtemp(prefix="conveyor-workers-")
@@ -77,32 +74,19 @@ class MPExecutor(Executor):
             logger.info("started %d worker processes (TP %d x PP %d), waiting for them to meet on %s",
                         self.world_size, config.parallel.tensor_parallel_size,
                         config.parallel.pipeline_parallel_size, init_method)
-            self._wait(rpc.HELLO, "start", time.monotonic() + startup_timeout)
+            pids = self._wait(rpc.HELLO, "start", time.monotonic() + startup_timeout)
+            log_workers(pids)
         except BaseException:
             self.shutdown()
             raise
 
-    @property
-    def max_in_flight(self) -> int:
-        return self.config.parallel.pipeline_parallel_size
-
-    def collective_rpc(self, method: str, *args: Any) -> list[Any]:
-        if self._in_flight:
-            raise ExecutorError(f"{method} called while {len(self._in_flight)} steps are in flight")
-        return self._wait(self._send(method, args), method)
-
-    def submit(self, step: StepInput) -> None:
-        self._in_flight.append(self._send("execute", (step,)))
-
-    def collect(self) -> RunnerOutput:
-        return merge_outputs(self._wait(self._in_flight.popleft(), "execute"), self.driver_rank)
-
-    def _send(self, method: str, args: tuple[Any, ...]) -> int:
-        self._seq += 1
-        data = rpc.encode_call(self._seq, method, args)
+    def _send(self, data: bytes) -> int:
         for rank in range(self.world_size):
             self._router.send_multipart([str(rank).encode(), data])
         return self._seq
+
+    def _results(self, handle: int, method: str) -> list[Any]:
+        return self._wait(handle, method)
 
     def _wait(self, seq: int, method: str, deadline: float | None = None) -> list[Any]:
         """Every worker's result of call ``seq``, by rank.
@@ -129,8 +113,8 @@ class MPExecutor(Executor):
                 replies[reply.rank] = reply
             else:
                 self._early.setdefault(reply.seq, {})[reply.rank] = reply
-        if method == "start":
-            return [r.rank for r in replies.values()]
+        if method == "start":  # each worker's pid
+            return [msgspec.msgpack.decode(replies[rank].result, type=int) for rank in range(self.world_size)]
         return [rpc.decode_result(method, replies[rank]) for rank in range(self.world_size)]
 
     def _check_alive(self, method: str) -> None:
@@ -149,7 +133,7 @@ class MPExecutor(Executor):
         alive = [p for p in self.processes if p.poll() is None]
         deadline = time.monotonic()
         if len(alive) == len(self.processes) and not self._in_flight:
-            self._send("shutdown", ())
+            self._call("shutdown", ())
             deadline += 5.0
         for process in alive:
             try:

@@ -12,10 +12,17 @@ restarts) carry a ``replica`` label ("0", "1", ...), and
 ``conveyor_replica_requests_total`` counts the requests each replica's engine
 ended; request latencies and token counters stay global. With one engine the
 exposition has no ``replica`` label at all.
+
+Engines with several workers (tensor/pipeline parallelism) add, from their steps
+only: per-step histograms of the time in collectives and transfers vs compute and
+of the pipeline's bubble fraction (global, like the engine step time), each
+worker's step time labelled by ``rank`` (and ``replica``), and a smoothed bubble
+gauge per engine. A single-worker server exports these families without samples.
 """
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable
 
@@ -26,6 +33,13 @@ from conveyor.messages import EngineReady, StepStats
 # seconds; fine at the low end where CPU decode steps live, up to minutes for long requests
 LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5,
                    5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0)
+# seconds, 1-2-5 per decade: from one collective on a fast link (0.1 ms) to a long prefill on CPU workers (10 s)
+PARALLEL_BUCKETS = (0.0001, 0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0,
+                    5.0, 10.0)
+# a share of the step (0..1)
+FRACTION_BUCKETS = (0.01, 0.02, 0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0)
+# seconds: time constant of the smoothed bubble gauge (a step's weight falls by e every this many seconds)
+BUBBLE_SMOOTHING_S = 10.0
 
 
 class ServerMetrics:
@@ -95,6 +109,38 @@ class ServerMetrics:
             per_engine(Counter, "conveyor_replica_requests", "Requests each engine replica ended, by its own count.")
             if num_replicas > 1 else []
         )
+        # several workers: children appear with the first multi-worker step (see ``_parallel_step``)
+        engine_labels = ["model_name", "replica"] if num_replicas > 1 else ["model_name"]
+        self.comm_time = Histogram(
+            "conveyor_step_comm_seconds",
+            "Per multi-worker step: mean seconds a worker spent in collectives and transfers.",
+            ["model_name"], registry=r, buckets=PARALLEL_BUCKETS,
+        )
+        self.compute_time = Histogram(
+            "conveyor_step_compute_seconds",
+            "Per multi-worker step: mean seconds a worker computed (its step time less communication and "
+            "pipeline waits).",
+            ["model_name"], registry=r, buckets=PARALLEL_BUCKETS,
+        )
+        self.worker_step_time = Histogram(
+            "conveyor_worker_step_seconds",
+            "Seconds each worker (rank = pp_stage * tp_size + tp_rank) spent on a step, communication and waits "
+            "included.",
+            [*engine_labels, "rank"], registry=r, buckets=PARALLEL_BUCKETS,
+        )
+        self.bubble = Histogram(
+            "conveyor_step_bubble_fraction",
+            "Per multi-worker step: share of the workers' time spent waiting for the previous pipeline stage.",
+            ["model_name"], registry=r, buckets=FRACTION_BUCKETS,
+        )
+        self.bubble_smoothed = Gauge(
+            "conveyor_pipeline_bubble_fraction",
+            f"Pipeline bubble fraction, exponentially smoothed over steps with a {BUBBLE_SMOOTHING_S:g} s time "
+            "constant.",
+            engine_labels, registry=r,
+        )
+        # per replica: (timestamp, smoothed bubble fraction) after its latest multi-worker step
+        self._bubble_state: list[tuple[float, float] | None] = [None] * num_replicas
         self._model_name = model_name
         # per replica: cumulative engine counters last seen (preemptions, prefix hits, aborts, finished),
         # to turn them into increments
@@ -113,6 +159,7 @@ class ServerMetrics:
         if self._num_ready[replica] > 1:
             self.engine_restarts[replica].inc()
         self._engine_counts[replica] = (0, 0, 0, 0)  # a new engine counts from zero
+        self._bubble_state[replica] = None
         self.kv_blocks[replica].set(ready.num_kv_blocks)
         self.kv_free_blocks[replica].set(ready.num_kv_blocks)
         self.max_concurrency[replica].set(ready.max_concurrency)
@@ -127,6 +174,8 @@ class ServerMetrics:
         self.kv_free_blocks[replica].set(stats.kv.num_free_blocks)
         if stats.num_prefill_tokens or stats.num_decode_tokens:  # a step, not a snapshot after an abort
             self.step_time.observe(stats.schedule_time + stats.forward_time + stats.sample_time + stats.update_time)
+            if stats.rank_times:
+                self._parallel_step(stats, replica)
         scheduler = stats.scheduler
         counts = (scheduler.num_preemptions, stats.kv.num_prefix_hit_tokens, scheduler.num_aborted,
                   scheduler.num_finished + scheduler.num_aborted)
@@ -136,6 +185,28 @@ class ServerMetrics:
         for counter, now, before in zip(counters, counts, self._engine_counts[replica]):
             counter.inc(max(0, now - before))
         self._engine_counts[replica] = counts
+
+    def _parallel_step(self, stats: StepStats, replica: int) -> None:
+        """The parallel metrics of one step of a multi-worker engine."""
+        mean_rank_time = sum(stats.rank_times) / len(stats.rank_times)
+        # NOTE: a rank's time holds its communication and its waits for the previous stage; compute is the rest
+        # (the mean wait is bubble_fraction x the mean rank time, since the fraction is sum(wait) / sum(busy))
+        compute = mean_rank_time * (1 - stats.bubble_fraction) - stats.comm_time
+        self.comm_time.labels(self._model_name).observe(stats.comm_time)
+        self.compute_time.labels(self._model_name).observe(max(0.0, compute))
+        self.bubble.labels(self._model_name).observe(stats.bubble_fraction)
+        engine = [self._model_name, str(replica)] if self.num_replicas > 1 else [self._model_name]
+        for rank, seconds in enumerate(stats.rank_times):
+            self.worker_step_time.labels(*engine, str(rank)).observe(seconds)
+        previous = self._bubble_state[replica]
+        if previous is None:
+            smoothed = stats.bubble_fraction
+        else:
+            then, value = previous
+            weight = 1 - math.exp(-max(stats.timestamp - then, 0.0) / BUBBLE_SMOOTHING_S)
+            smoothed = value + weight * (stats.bubble_fraction - value)
+        self._bubble_state[replica] = (stats.timestamp, smoothed)
+        self.bubble_smoothed.labels(*engine).set(smoothed)
 
     def first_token(self, ttft: float, queue_time: float, num_prompt_tokens: int) -> None:
         self.ttft.observe(ttft)

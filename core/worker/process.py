@@ -44,6 +44,30 @@ def describe(e: BaseException) -> tuple[str, str]:
     return "error", f"{type(e).__name__}: {e}"
 
 
+def answer(worker, rank: int, data: bytes) -> tuple[bytes, str]:
+    """Run one call on ``worker``: the reply, and the method's name."""
+    seq, method, args = rpc.decode_call(data)
+    try:
+        result = getattr(worker, method)(*args)
+    except Exception as e:
+        logger.exception("rank %d: %s failed", rank, method)
+        return rpc.encode_reply(seq, rank, None, *describe(e)), method
+    return rpc.encode_reply(seq, rank, result), method
+
+
+def start_worker(data: bytes, rank: int, init_method: str, local_rank: int):
+    """A Worker from the encoded config, and its first reply: its pid, or why it could not start."""
+    try:
+        from conveyor.worker.worker import Worker
+
+        config = decode_config(data)
+        worker = Worker(config, config._registry, rank, init_method, local_rank)
+    except Exception as e:
+        logger.exception("rank %d could not start", rank)
+        return None, rpc.encode_reply(rpc.HELLO, rank, None, *describe(e))
+    return worker, rpc.encode_reply(rpc.HELLO, rank, os.getpid())
+
+
 def serve(worker, sock: zmq.Socket, rank: int, parent: int) -> None:
     """Answer calls until ``shutdown``, or until the parent is gone."""
     while True:
@@ -52,14 +76,8 @@ def serve(worker, sock: zmq.Socket, rank: int, parent: int) -> None:
                 logger.error("rank %d: the engine process is gone; exiting", rank)
                 return
             continue
-        seq, method, args = rpc.decode_call(sock.recv())
-        try:
-            result = getattr(worker, method)(*args)
-        except Exception as e:
-            logger.exception("rank %d: %s failed", rank, method)
-            sock.send(rpc.encode_reply(seq, rank, None, *describe(e)))
-            continue
-        sock.send(rpc.encode_reply(seq, rank, result))
+        reply, method = answer(worker, rank, sock.recv())
+        sock.send(reply)
         if method == "shutdown":
             return
 
@@ -83,18 +101,12 @@ def main(argv: list[str] | None = None) -> int:
     sock.setsockopt(zmq.IDENTITY, str(args.rank).encode())
     sock.setsockopt(zmq.LINGER, 1000)
     sock.connect(args.executor)
-    try:
-        from conveyor.worker.worker import Worker
-
-        config = decode_config(sys.stdin.buffer.read())
-        worker = Worker(config, config._registry, args.rank, args.init_method, args.local_rank)
-    except Exception as e:
-        logger.exception("rank %d could not start", args.rank)
-        sock.send(rpc.encode_reply(rpc.HELLO, args.rank, None, *describe(e)))
+    worker, hello = start_worker(sys.stdin.buffer.read(), args.rank, args.init_method, args.local_rank)
+    sock.send(hello)
+    if worker is None:
         sock.close()
         context.term()
         return 2
-    sock.send(rpc.encode_reply(rpc.HELLO, args.rank, os.getpid()))
     try:
         serve(worker, sock, args.rank, parent)
     finally:
