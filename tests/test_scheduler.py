@@ -17,6 +17,7 @@ from tests.factories import (
     create_request,
     create_spec,
     fake_step,
+    next_token,
     run_to_completion,
 )
 
@@ -312,3 +313,46 @@ def test_random_arrivals_and_aborts_always_end_and_never_leak(kind, kv, events, 
         if ended[request.request_id] == "length":
             assert len(request.output_token_ids) == request.params.max_tokens
     assert_no_leak(scheduler.kvcache)
+
+
+def test_pipelined_batches_share_the_requests_and_never_preempt_one_in_flight():
+    """Two batches in flight (pipeline parallelism): disjoint, about half the requests each; when memory
+    runs out, a request in flight is not preempted (the one asking waits); the results equal one at a time."""
+    scheduler = create_scheduler(num_blocks=12, block_size=4, max_num_batched_tokens=64)
+    scheduler.pipeline_depth = 2
+    requests = [create_request(6, max_tokens=12) for _ in range(4)]
+    for request in requests:
+        scheduler.add(request)
+    in_flight = []
+    finished = []
+    for _ in range(400):
+        if not scheduler.has_unfinished():
+            break
+        while len(in_flight) < 2:
+            batch = scheduler.schedule()
+            if not batch.requests:
+                break
+            assert not any(r.in_flight for r in batch.requests), "a request in two batches at once"
+            assert len(batch) <= 2
+            for request in batch.requests:
+                request.in_flight = True
+            in_flight.append(batch)
+        assert all(r.status == RequestStatus.RUNNING for b in in_flight for r in b.requests), "in flight, preempted"
+        batch = in_flight.pop(0)
+        for request in batch.requests:
+            request.in_flight = False
+        sampled = [tokens_of(r, n) for r, n in zip(batch.requests, batch.num_tokens)]
+        finished += [o.request_id for o in scheduler.update(batch, sampled, [None] * len(batch)) if o.finish_reason]
+    assert sorted(finished) == sorted(r.request_id for r in requests)
+    assert scheduler.stats().num_preemptions > 0  # 4 x 18 tokens do not fit in 12 blocks of 4: memory ran out
+    reference = create_scheduler(num_blocks=64, block_size=4)
+    alone = [create_request(6, max_tokens=12) for _ in range(4)]
+    for request in alone:
+        reference.add(request)
+    run_to_completion(reference)
+    assert [r.output_token_ids for r in requests] == [r.output_token_ids for r in alone]
+    assert_no_leak(scheduler.kvcache)
+
+
+def tokens_of(request, n: int) -> int | None:
+    return next_token(request) if request.num_computed_tokens + n == request.num_tokens else None
