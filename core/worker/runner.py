@@ -60,10 +60,10 @@ class ModelRunner:
             StepAttention(self.attention, step),
             carried,
         )
-        output = RunnerOutput([None] * len(step.requests), [None] * len(step.requests))
         if not model.last_stage:
             group.send_next(hidden)
             return self._timed(RunnerOutput([], []), began)
+        output = RunnerOutput([None] * len(step.requests), [None] * len(step.requests))
         # every TP worker of the last stage computes its part of the logits; the driver samples
         if prompt_rows:
             output.prompt_logprobs = self._prompt_logprobs(hidden, step.requests, prompt_rows)
