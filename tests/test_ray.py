@@ -12,6 +12,7 @@ import pytest
 os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
 
 from conveyor import LLM, SamplingParams
+from conveyor.config import ConfigError
 from tests.conftest import CHAT_PROMPTS
 from tests.helpers import assert_same_or_near_tie
 from tests.test_parallel import assert_same_logits, tiny_llama, tiny_run, tiny_single  # noqa: F401 - fixtures
@@ -55,3 +56,12 @@ def test_a_killed_actor_gives_503s_then_the_engine_restarts(ray_cluster, tiny_ll
         kill_a_worker_under_load(server, rank=0)
     finally:
         assert server.stop() == 0, server.output
+
+
+def test_a_ray_address_nothing_answers_on_is_a_config_error():
+    from conveyor.executor.mp import free_port
+
+    address = f"127.0.0.1:{free_port()}"  # nothing listens there
+    ray.shutdown()  # an engine connects once: leave the cluster an earlier test joined in this process
+    with pytest.raises(ConfigError, match=rf"\[parallel\] ray_address = '{address}': no Ray cluster answers there"):
+        LLM(overrides={"parallel.executor": "ray", "parallel.ray_address": address})

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
 from typing import Any
 
 from conveyor.config import Config, ConfigError, encode_config
@@ -87,6 +88,7 @@ class RayExecutor(PipelinedExecutor):
         if ray.is_initialized():
             return
         if address:
+            self._check_reachable(address)
             logger.info("joining the Ray cluster at %s", address)
             ray.init(address=address, logging_level=logging.WARNING, log_to_driver=True)
         else:
@@ -96,6 +98,19 @@ class RayExecutor(PipelinedExecutor):
             ray.init(num_cpus=cpus, include_dashboard=False, logging_level=logging.WARNING, log_to_driver=True,
                      _node_ip_address="127.0.0.1")
         self._started_ray = not address
+
+    def _check_reachable(self, address: str) -> None:
+        """Refuse at once an address nothing answers on (Ray itself would retry without end)."""
+        if address == "auto":
+            return
+        host, _, port = address.removeprefix("ray://").rpartition(":")
+        try:
+            socket.create_connection((host, int(port)), timeout=5).close()
+        except (OSError, ValueError) as e:
+            raise ConfigError(
+                f"{self.config.source}: [parallel] ray_address = {address!r}: no Ray cluster answers there ({e}); "
+                "start one with `ray start --head`, or use \"\" for a local instance"
+            ) from None
 
     def _start_actors(self) -> None:
         ray = self._ray
