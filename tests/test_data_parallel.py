@@ -4,7 +4,10 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import re
+import signal
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import aclosing
 
 import anyio
@@ -409,7 +412,19 @@ def test_two_replicas_serve_every_stream_like_one_engine(tmp_path):
     try:
         assert "Data parallel: 2 engine replicas" in server.output
         assert len(set(re.findall(r"engine process (\d+) ready", server.output))) == 2
-        results = asyncio.run(stream_all(server, model_name(server)))
+        # replica 0's engine held still while the requests come: it cannot finish any, so the router must
+        # send the others to replica 1, however fast the device
+        replica0 = int(re.search(r"engine process (\d+) ready in [\d.]+ s \(replica 0\)", server.output).group(1))
+        name = model_name(server)
+        with ThreadPoolExecutor(1) as pool:
+            os.kill(replica0, signal.SIGSTOP)
+            try:
+                running = pool.submit(asyncio.run, stream_all(server, name))
+                server.wait_for(lambda: server.metric("conveyor_num_requests_in_flight") == NUM_REQUESTS,
+                                timeout=120, what="every request routed")
+            finally:
+                os.kill(replica0, signal.SIGCONT)
+            results = running.result()
         for index, (dp, one) in enumerate(zip(results, single)):
             # none lost: each stream ends with exactly one finish reason
             assert len(dp["finish_reasons"]) == 1 and dp["tokens"], f"request {index}: {dp}"

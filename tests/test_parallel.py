@@ -21,7 +21,7 @@ def test_every_layer_head_and_vocabulary_row_has_an_owner(tp, pp, num_kv_heads):
     """Across the workers, the stages' layers are contiguous and cover the model once; every query head
     and vocabulary row is on exactly one TP worker; each worker's KV heads are the ones its query heads read."""
     num_layers, num_heads, vocab = 7, 12, 101
-    assert check_divisible(Placement(0, tp, pp), num_heads, num_kv_heads, 48) is None
+    assert check_divisible(Placement(0, tp, pp), num_heads, num_kv_heads, 48, num_layers) is None
     placements = [Placement(rank, tp, pp) for rank in range(tp * pp)]
     layers = sorted(i for p in placements if p.tp_rank == 0 for i in p.layers(num_layers))
     assert layers == list(range(num_layers))
@@ -38,11 +38,12 @@ def test_every_layer_head_and_vocabulary_row_has_an_owner(tp, pp, num_kv_heads):
 
 
 def test_a_split_that_does_not_divide_names_the_numbers():
-    assert "9 attention heads" in check_divisible(Placement(0, 2, 1), 9, 3, 1536)
-    assert "3 KV heads" in check_divisible(Placement(0, 2, 1), 4, 3, 64)
-    assert "MLP width 102" in check_divisible(Placement(0, 4, 1), 8, 2, 102)
-    assert check_divisible(Placement(0, 3, 1), 9, 3, 1536) is None
-    assert check_divisible(Placement(0, 4, 1), 8, 2, 128) is None  # KV heads copied
+    assert "9 attention heads" in check_divisible(Placement(0, 2, 1), 9, 3, 1536, 30)
+    assert "3 KV heads" in check_divisible(Placement(0, 2, 1), 4, 3, 64, 30)
+    assert "MLP width 102" in check_divisible(Placement(0, 4, 1), 8, 2, 102, 30)
+    assert "exceeds the model's 2 layers" in check_divisible(Placement(0, 1, 3), 8, 2, 128, 2)
+    assert check_divisible(Placement(0, 3, 1), 9, 3, 1536, 30) is None
+    assert check_divisible(Placement(0, 4, 1), 8, 2, 128, 30) is None  # KV heads copied
 
 
 def test_parallel_config_keys_and_auto_executor():

@@ -27,38 +27,39 @@ def gone(pid: int) -> bool:
     return False
 
 
-def stream(server: Server, results: list, started: threading.Barrier) -> None:
-    """One streaming completion; what it ended with goes to ``results``."""
+def stream(server: Server, results: list) -> None:
+    """One streaming completion; its events go to ``results``."""
     body = {"prompt": "once upon a time", "max_tokens": 100, "ignore_eos": True, "stream": True}
-    last = None
     with httpx.stream("POST", f"{server.http}/v1/completions", json=body, timeout=120) as response:
         lines = (line.removeprefix("data: ") for line in response.iter_lines() if line.startswith("data: "))
-        first = next(lines)
-        started.wait(60)
-        for data in lines:
-            if data != "[DONE]":
-                last = json.loads(data)
-    results.append((json.loads(first), last))
+        results.append([json.loads(data) for data in lines if data != "[DONE]"])
 
 
 def kill_a_worker_under_load(server: Server, rank: int) -> None:
-    """Streams in flight, the engine held still (none can finish), worker ``rank`` SIGKILLed: every stream
-    ends with a 503 error, the engine comes back with new workers, serves again, and the old ones are gone."""
+    """Streams in flight, the workers held still (no step can finish, however fast the device), worker
+    ``rank`` SIGKILLed: every stream ends with a 503 error and none finished; the engine comes back with new
+    workers, serves again, and the old processes are gone."""
     engine, workers = server.engine_pid, server.worker_pids
     results: list = []
-    started = threading.Barrier(NUM_STREAMS + 1)
-    threads = [threading.Thread(target=stream, args=(server, results, started)) for _ in range(NUM_STREAMS)]
-    for thread in threads:
-        thread.start()
-    started.wait(60)  # every stream has its first token
-    with server.paused_engine():
+    threads = [threading.Thread(target=stream, args=(server, results)) for _ in range(NUM_STREAMS)]
+    for pid in workers:
+        os.kill(pid, signal.SIGSTOP)
+    try:
+        for thread in threads:
+            thread.start()
+        server.wait_for(lambda: server.metric("conveyor_num_requests_in_flight") == NUM_STREAMS, timeout=60,
+                        what="every stream in flight")
         os.kill(workers[rank], signal.SIGKILL)
+    finally:
+        for pid in workers:
+            if pid != workers[rank]:
+                os.kill(pid, signal.SIGCONT)
     for thread in threads:
         thread.join(120)
     assert len(results) == NUM_STREAMS
-    for first, last in results:
-        assert "choices" in first
-        assert last is not None and last["error"]["code"] == 503, last
+    for events in results:
+        assert events and events[-1]["error"]["code"] == 503, events
+        assert not any(c.get("finish_reason") for e in events if "choices" in e for c in e["choices"])
     server.wait_for(lambda: server.engine_pid != engine and server.worker_pids != workers
                     and httpx.get(f"{server.http}/health").status_code == 200, timeout=180,
                     what="the engine and its workers to restart")

@@ -7,6 +7,7 @@ import sys
 from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import aclosing
 from functools import partial
+from typing import Any
 
 import anyio
 import anyio.abc
@@ -67,24 +68,11 @@ class DPClient(EngineClient):
             replica.ready_observers.append(partial(self._replica_ready, index))
 
     @classmethod
-    def from_config(
-        cls,
-        config: Config,
-        *,
-        address: str = "ipc",
-        max_restarts: int = 3,
-        restart_window: float = 600.0,
-        startup_timeout: float = 600.0,
-        log_level: str = "INFO",
-    ) -> DPClient:
-        """``config.parallel.data_parallel_size`` engine processes (``MPClient``, arguments as there), routed over
-        the KV cache's blocks."""
+    def from_config(cls, config: Config, **options: Any) -> DPClient:
+        """``config.parallel.data_parallel_size`` engine processes (``MPClient``, with ``options`` as there),
+        routed over the KV cache's blocks."""
         num_replicas = config.parallel.data_parallel_size
-        replicas = [
-            MPClient(config, address=address, max_restarts=max_restarts, restart_window=restart_window,
-                     startup_timeout=startup_timeout, log_level=log_level, replica=index)
-            for index in range(num_replicas)
-        ]
+        replicas = [MPClient(config, replica=index, **options) for index in range(num_replicas)]
         block_size = getattr(config.kvcache.options, "block_size", DEFAULT_BLOCK_SIZE)
         return cls(replicas, Router(num_replicas, block_size=block_size))
 

@@ -22,10 +22,9 @@ import tempfile
 import time
 from typing import Any
 
-import msgspec
 import zmq
 
-from conveyor.config import Config, ConfigError, encode_config
+from conveyor.config import Config, encode_config
 from conveyor.executor import ExecutorError, PipelinedExecutor, log_workers, rpc
 from conveyor.registry import PluginRegistry
 
@@ -74,7 +73,7 @@ class MPExecutor(PipelinedExecutor):
             logger.info("started %d worker processes (TP %d x PP %d), waiting for them to meet on %s",
                         self.world_size, config.parallel.tensor_parallel_size,
                         config.parallel.pipeline_parallel_size, init_method)
-            pids = self._wait(rpc.HELLO, "start", time.monotonic() + startup_timeout)
+            pids = self._results(rpc.HELLO, "start", time.monotonic() + startup_timeout)
             log_workers(pids)
         except BaseException:
             self.shutdown()
@@ -85,15 +84,11 @@ class MPExecutor(PipelinedExecutor):
             self._router.send_multipart([str(rank).encode(), data])
         return self._seq
 
-    def _results(self, handle: int, method: str) -> list[Any]:
-        return self._wait(handle, method)
-
-    def _wait(self, seq: int, method: str, deadline: float | None = None) -> list[Any]:
-        """Every worker's result of call ``seq``, by rank.
+    def _results(self, seq: int, method: str, deadline: float | None = None) -> list[Any]:
+        """Every worker's result of call ``seq``, by rank (``rpc.decode_result`` raises what a worker raised).
 
         Raises:
-            ConfigError: a worker found a configuration problem (e.g. the model does not split this way).
-            ExecutorError: a worker raised, died, or did not answer by ``deadline``.
+            ExecutorError: a worker died, or did not answer by ``deadline``.
         """
         replies = self._early.pop(seq, {})
         while len(replies) < self.world_size:
@@ -105,16 +100,12 @@ class MPExecutor(PipelinedExecutor):
                 continue
             _, data = self._router.recv_multipart()
             reply = rpc.decode_reply(data)
-            if reply.error_kind == "config":
-                raise ConfigError(reply.error)
             if reply.error_kind:
-                raise ExecutorError(f"worker rank {reply.rank} failed to {method}: {reply.error}")
+                rpc.decode_result(method, reply)  # raises the worker's error now, whichever call it answers
             if reply.seq == seq:
                 replies[reply.rank] = reply
             else:
                 self._early.setdefault(reply.seq, {})[reply.rank] = reply
-        if method == "start":  # each worker's pid
-            return [msgspec.msgpack.decode(replies[rank].result, type=int) for rank in range(self.world_size)]
         return [rpc.decode_result(method, replies[rank]) for rank in range(self.world_size)]
 
     def _check_alive(self, method: str) -> None:
@@ -144,8 +135,4 @@ class MPExecutor(PipelinedExecutor):
         self._router.close(linger=0)
         self._context.term()
         shutil.rmtree(self._dir, ignore_errors=True)
-
-    @property
-    def pids(self) -> list[int]:
-        return [p.pid for p in self.processes]
 

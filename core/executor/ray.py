@@ -140,12 +140,7 @@ class RayExecutor(PipelinedExecutor):
         # every worker must be in torch.distributed's rendezvous at once: start them all, then wait
         hellos = [actor.start.remote(data, rank, init_method, rank % tp if gpu else 0)
                   for rank, actor in enumerate(self.actors)]
-        replies = [rpc.decode_reply(self._get(h, rank, "start")) for rank, h in enumerate(hellos)]
-        for reply in replies:
-            _raise_error(reply, "start")
-        import msgspec
-
-        log_workers([msgspec.msgpack.decode(r.result, type=int) for r in replies])
+        log_workers(self._results(hellos, "start"))
 
     def _get(self, ref: Any, rank: int, method: str) -> Any:
         try:
@@ -158,8 +153,6 @@ class RayExecutor(PipelinedExecutor):
 
     def _results(self, refs: list[Any], method: str) -> list[Any]:
         replies = [rpc.decode_reply(self._get(ref, rank, method)) for rank, ref in enumerate(refs)]
-        for reply in replies:
-            _raise_error(reply, method)
         return [rpc.decode_result(method, reply) for reply in replies]
 
     def shutdown(self) -> None:
@@ -177,13 +170,6 @@ class RayExecutor(PipelinedExecutor):
         if self._started_ray and ray.is_initialized():
             ray.shutdown()
             self._started_ray = False
-
-
-def _raise_error(reply: rpc.Reply, method: str) -> None:
-    if reply.error_kind == "config":
-        raise ConfigError(reply.error)
-    if reply.error_kind:
-        raise ExecutorError(f"worker rank {reply.rank} failed to {method}: {reply.error}")
 
 
 def _cluster_has_gpus(ray) -> bool:

@@ -69,4 +69,17 @@ def decode_reply(data: bytes) -> Reply:
 
 
 def decode_result(method: str, reply: Reply) -> Any:
-    return msgspec.msgpack.decode(reply.result, type=METHODS[method][1])
+    """What a call returned; for the first message (``method`` "start"), the worker's pid.
+
+    Raises:
+        ConfigError: the worker found a configuration problem (the text names the key).
+        ExecutorError: the worker raised.
+    """
+    from conveyor.config import ConfigError
+    from conveyor.executor import ExecutorError
+
+    if reply.error_kind == "config":
+        raise ConfigError(reply.error)
+    if reply.error_kind:
+        raise ExecutorError(f"worker rank {reply.rank} failed to {method}: {reply.error}")
+    return msgspec.msgpack.decode(reply.result, type=int if method == "start" else METHODS[method][1])

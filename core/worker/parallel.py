@@ -89,8 +89,9 @@ class Placement:
         return range(start, min(start + per, vocab_size)), per
 
 
-def check_divisible(placement: Placement, num_heads: int, num_kv_heads: int, intermediate_size: int) -> str | None:
-    """Why this model cannot be split ``tp_size`` ways (None when it can)."""
+def check_divisible(placement: Placement, num_heads: int, num_kv_heads: int, intermediate_size: int,
+                    num_layers: int) -> str | None:
+    """Why this model cannot be split ``tp_size`` x ``pp_size`` ways (None when it can)."""
     tp = placement.tp_size
     if num_heads % tp:
         return f"tensor_parallel_size = {tp} does not divide the model's {num_heads} attention heads"
@@ -99,6 +100,8 @@ def check_divisible(placement: Placement, num_heads: int, num_kv_heads: int, int
                 "(KV heads are split, or copied when there are fewer than workers)")
     if intermediate_size % tp:
         return f"tensor_parallel_size = {tp} does not divide the model's MLP width {intermediate_size}"
+    if num_layers < placement.pp_size:
+        return f"pipeline_parallel_size = {placement.pp_size} exceeds the model's {num_layers} layers"
     return None
 
 

@@ -71,9 +71,8 @@ class Worker:
         ckpt = open_model(config.model, config.source)
         max_model_len = model_len(config.model, ckpt, config.source)
         spec = ckpt.spec
-        problem = check_divisible(self.placement, spec.num_heads, spec.num_kv_heads, spec.intermediate_size)
-        if problem is None and spec.num_layers < self.placement.pp_size:
-            problem = f"pipeline_parallel_size = {self.placement.pp_size} exceeds the model's {spec.num_layers} layers"
+        problem = check_divisible(self.placement, spec.num_heads, spec.num_kv_heads, spec.intermediate_size,
+                                  spec.num_layers)
         if problem is not None:
             raise ConfigError(f"{config.source}: [parallel] {problem}")
         quant = self.registry.build("quant", config.quant, self.dtype, self.device)
