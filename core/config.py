@@ -79,6 +79,14 @@ class EngineConfig(msgspec.Struct, forbid_unknown_fields=True):
     # only) or "triton" (CUDA; on a CPU only under TRITON_INTERPRET=1). A choice that cannot run here stops
     # the engine at start-up with the reason.
     attention: Literal["auto", "cpu", "torch", "triton"] = "auto"
+    # decode steps through torch.compile (inductor), one graph per batch size in compile_batch_sizes (a step
+    # of decodes runs in the smallest that holds it, padded); prefill and mixed steps stay eager. "auto":
+    # on CUDA; off on a CPU, where eager with the C++ kernels measured as fast (README). "on" compiles on a
+    # CPU too; "off" never. Needs an attention backend over block tables ("cpu" or "triton") and one worker.
+    compile: Literal["auto", "on", "off"] = "auto"
+    # batch sizes compiled at start-up (capped at [scheduler] max_num_seqs, which is added when missing)
+    compile_batch_sizes: Annotated[list[Annotated[int, msgspec.Meta(ge=1)]], msgspec.Meta(min_length=1)] = msgspec.field(
+        default_factory=lambda: [1, 2, 4, 8, 16, 32, 64])
 
 
 class ParallelConfig(msgspec.Struct, forbid_unknown_fields=True):

@@ -172,9 +172,10 @@ class KVCacheManager(ABC):
 
 
 def blocks_in_budget(options: KVCacheOptions, spec: KVCacheSpec, block_size: int, free_memory: int | None) -> int:
-    """How many blocks the memory budget holds: a fraction of the measured free memory, else ``memory_gb``."""
+    """How many blocks the memory budget holds: a fraction of the measured free memory, else ``memory_gb``
+    (less the one block the workers add to pad compiled steps)."""
     budget = free_memory * options.memory_fraction if free_memory is not None else options.memory_gb * 2**30
-    blocks = int(budget // (block_size * spec.bytes_per_token))
+    blocks = int(budget // (block_size * spec.bytes_per_token)) - 1
     if blocks < 1:
         raise ValueError(f"[kvcache] the memory budget ({budget / 2**30:.3g} GiB) holds no block of {block_size} tokens")
     return blocks

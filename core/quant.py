@@ -32,14 +32,14 @@ class QuantMethod(ABC):
     name: ClassVar[str]
     Options: ClassVar[type[msgspec.Struct]] = NoOptions
 
-    def __init__(self, options: msgspec.Struct, dtype: torch.dtype, device: torch.device):
+    def __init__(self, options: msgspec.Struct | None, dtype: torch.dtype, device: torch.device):
         """
         Args:
-            options: an instance of ``Options`` (the TOML table's other keys).
+            options: an instance of ``Options`` (the TOML table's other keys); None: its defaults.
             dtype: the model's activation dtype.
             device: where the weights live.
         """
-        self.options = options
+        self.options = options if options is not None else self.Options()
         self.dtype = dtype
         self.device = device
 

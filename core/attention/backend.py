@@ -32,6 +32,9 @@ class AttentionBackend(ABC):
     name: ClassVar[str]
     # the model's norms, rotary embedding and SwiGLU run in the C++ CPU kernels alongside this backend
     fused_layers: ClassVar[bool] = False
+    # ``decode`` takes a ``DecodeTables`` plan (block tables and context lengths as tensors), so a compiled
+    # decode graph can hold it with its inputs in buffers written in place
+    decode_tables: ClassVar[bool] = False
 
     @classmethod
     @abstractmethod

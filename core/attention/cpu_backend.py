@@ -22,6 +22,7 @@ class CpuAttention(TorchAttention):
 
     name = "cpu"
     fused_layers = True
+    decode_tables = True
 
     @classmethod
     def unavailable(cls, device: torch.device) -> str | None:

@@ -13,7 +13,7 @@ SCALE_DTYPE = torch.bfloat16
 
 
 class KVStorage:
-    """K and V for every layer: ``[layers, kv_heads, num_blocks * block_size, head_dim]``.
+    """K and V for every layer: ``[layers, kv_heads, (num_blocks + 1) * block_size, head_dim]``.
 
     Slot ``block * block_size + offset`` holds one token. Head-major: the keys
     of one head in one block are a contiguous ``[block_size, head_dim]``
@@ -25,13 +25,16 @@ class KVStorage:
     def __init__(self, layout: KVCacheLayout, device: torch.device):
         spec = layout.spec
         self.layout = layout
-        self.num_blocks = layout.num_blocks
+        # the pool's blocks, and one more that the KV cache manager never hands out: the rows that pad a
+        # compiled step to its batch size write and read there
+        self.num_blocks = layout.num_blocks + 1
+        self.pad_block = layout.num_blocks
         self.block_size = layout.block_size
         self.device = device
         # the model's activation dtype (what attention computes in)
         self.dtype = DTYPES[spec.dtype]
         self.quantized = spec.quantized
-        shape = (spec.num_layers, spec.num_kv_heads, layout.num_blocks * layout.block_size, spec.head_dim)
+        shape = (spec.num_layers, spec.num_kv_heads, self.num_blocks * layout.block_size, spec.head_dim)
         self.k = torch.zeros(shape, dtype=torch.uint8 if self.quantized else self.dtype, device=device)
         self.v = torch.zeros_like(self.k)
         self.k_scale = self.v_scale = None

@@ -19,6 +19,7 @@ class TritonAttention(AttentionBackend):
     """Triton kernels over the block tables."""
 
     name = "triton"
+    decode_tables = True
 
     @classmethod
     def unavailable(cls, device: torch.device) -> str | None:

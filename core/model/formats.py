@@ -34,6 +34,21 @@ def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | No
     return torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed, bias, "none", [], "")
 
 
+def one_token_kernel(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether ``one_token_linear`` runs here (a CPU with AVX-512 BF16 where the C++ kernels build; bfloat16)."""
+    from conveyor import native
+
+    return device.type == "cpu" and dtype == torch.bfloat16 and native.gemv_supported()
+
+
+def one_token_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x @ weight.T (+ bias)`` for ``x [1, in]`` against a row-major bfloat16 ``weight`` (where
+    ``one_token_kernel``): one pass over the weight, streamed at close to the memory's read bandwidth."""
+    from conveyor import native
+
+    return native.gemv_bf16(x.contiguous(), weight, bias)
+
+
 def quantize_fp8(x: torch.Tensor, scale_dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
     """e4m3 with one scale per row (the last dimension): ``x ~= q * scale[..., None]``, each row's largest
     magnitude at FP8_MAX. Weights use it per output channel, activations per token, the KV cache per token

@@ -18,7 +18,8 @@ import torch.nn.functional as F
 
 from conveyor import native
 from conveyor.model.checkpoint import Checkpoint
-from conveyor.model.formats import packed_linear, prepack, prepacks
+from conveyor.model.formats import one_token_kernel, one_token_linear, packed_linear, prepack, prepacks
+from conveyor.model.graph_ops import linear_op, register_linear
 from conveyor.model.spec import ModelSpec
 from conveyor.quant import Params, QuantMethod
 from conveyor.worker.parallel import ParallelGroup, Placement
@@ -63,12 +64,19 @@ class Linear:
             inputs: a row-parallel layer's share of the input columns (its sum is all-reduced after).
         """
         self.method = method
+        self.out_features = weight.shape[0]
         if inputs is None:
             self.params: Params = method.prepare(weight, bias)
         else:
             self.params = method.prepare_input_shard(weight, inputs)
+        self.number = register_linear(self)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if torch.compiler.is_compiling():  # one opaque op in a compiled graph, whatever the weights' format
+            return linear_op(x, self.number)
+        return self.apply(x)
+
+    def apply(self, x: torch.Tensor) -> torch.Tensor:
         return self.method.linear(x, self.params)
 
     def num_bytes(self) -> int:
@@ -217,6 +225,33 @@ def _part(part: range, unit: int, placement: Placement) -> slice | None:
     return slice(part.start * unit, part.stop * unit) if placement.tp_size > 1 else None
 
 
+class OutputHead:
+    """Hidden states to this worker's share of the logits (its rows of the vocabulary)."""
+
+    def __init__(self, weight: torch.Tensor, tied: bool):
+        """
+        Args:
+            weight: ``[vocab rows, hidden]`` in the model dtype.
+            tied: ``weight`` is the embedding table, kept as it is; an untied head is kept prepacked where
+                that is faster (a packed copy of a tied one would cost the table's memory again).
+        """
+        self.weight: torch.Tensor | None = weight
+        self.packed: torch.Tensor | None = None
+        if not tied and prepacks(weight.device, weight.dtype):
+            self.packed, self.weight = prepack(weight), None
+        # a plain head multiplies one token in the C++ kernel where it runs
+        self.one_token = self.weight is not None and one_token_kernel(weight.device, weight.dtype)
+        self.out_features = weight.shape[0]
+        self.number = register_linear(self)
+
+    def apply(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self.one_token and hidden.shape[0] == 1:
+            return one_token_linear(hidden, self.weight)
+        if self.packed is not None:
+            return packed_linear(hidden, self.packed)
+        return F.linear(hidden, self.weight)
+
+
 class LlamaModel:
     """Llama / Mistral / Qwen2-style decoder (RMSNorm, RoPE, GQA, SwiGLU).
 
@@ -261,18 +296,12 @@ class LlamaModel:
             if progress and (local + 1) % max(1, len(layers) // 5) == 0:
                 progress(f"loaded layer {local + 1}/{len(layers)} ({time.perf_counter() - start:.1f} s)")
         self.norm: RMSNorm | None = None
-        # An untied head is kept prepacked where that is faster; a tied one stays the embedding table
-        # (a packed copy would cost the table's memory again).
-        self.lm_head: torch.Tensor | None = None
-        self.packed_head: torch.Tensor | None = None
+        self.head: OutputHead | None = None
         if self.last_stage:
             self.norm = RMSNorm(ckpt.get("model.norm.weight").to(device=device, dtype=dtype), spec.rms_norm_eps,
                                 fused)
-            self.lm_head = self.embed
-            if not spec.tie_word_embeddings:
-                self.lm_head = self._vocab_shard(ckpt.get("lm_head.weight"))
-                if prepacks(device, dtype):
-                    self.packed_head, self.lm_head = prepack(self.lm_head), None
+            tied = spec.tie_word_embeddings
+            self.head = OutputHead(self.embed if tied else self._vocab_shard(ckpt.get("lm_head.weight")), tied)
         self.rotary = Rotary(spec, max_len, device, ckpt.rope_freq_factors())
 
     def _vocab_shard(self, table: torch.Tensor) -> torch.Tensor:
@@ -325,10 +354,10 @@ class LlamaModel:
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """``[N, hidden_size]`` -> ``[N, vocab_size]`` float32 logits (on TP rank 0 of the last stage; every
         TP worker computes its vocabulary rows, and None comes back except on rank 0)."""
-        if self.packed_head is not None:
-            logits = packed_linear(hidden, self.packed_head)
+        if torch.compiler.is_compiling():
+            logits = linear_op(hidden, self.head.number)
         else:
-            logits = F.linear(hidden, self.lm_head)
+            logits = self.head.apply(hidden)
         gathered = self.group.gather_vocab(logits, self.spec.vocab_size)
         return gathered.float() if gathered is not None else None
 
@@ -336,6 +365,7 @@ class LlamaModel:
         """Bytes of every weight this worker holds, as stored (quantized layers at their packed size)."""
         norms = [w for layer in self.layers for w in (layer.input_norm.weight, layer.post_norm.weight)]
         dense = [self.embed, self.norm.weight if self.norm else None, *norms]
-        dense += [t for t in (self.lm_head, self.packed_head) if t is not self.embed]
+        if self.head is not None and self.head.weight is not self.embed:
+            dense.append(self.head.weight if self.head.packed is None else self.head.packed)
         total = sum(t.numel() * t.element_size() for t in dense if t is not None)
         return total + sum(linear.num_bytes() for layer in self.layers for linear in layer.linears())

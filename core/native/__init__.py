@@ -54,9 +54,13 @@ def _build_name() -> str:
     return f"conveyor_cpu_{digest.hexdigest()[:12]}"
 
 
+def cache_root() -> Path:
+    """Where Conveyor keeps what it builds: ``$CONVEYOR_CACHE_DIR``, by default ``~/.cache/conveyor``."""
+    return Path(os.environ.get("CONVEYOR_CACHE_DIR") or Path.home() / ".cache" / "conveyor")
+
+
 def cache_dir() -> Path:
-    root = os.environ.get("CONVEYOR_CACHE_DIR") or Path.home() / ".cache" / "conveyor"
-    return Path(root) / "kernels"
+    return cache_root() / "kernels"
 
 
 def _put_ninja_on_path() -> None:
@@ -97,11 +101,21 @@ def load() -> bool:
             _loaded = False
             return False
         logger.debug("CPU kernels loaded in %.1f s", time.perf_counter() - started)
+        _register_fakes()
         _loaded = True
         return True
 
 
+def _register_fakes() -> None:
+    """Shapes of the in-place element-wise kernels for torch.compile (they return nothing; their outputs
+    are the tensors they write), so a compiled graph holds them without a break."""
+    for name in ("rms_norm", "silu_mul", "rotary_"):
+        torch.library.register_fake(f"conveyor_cpu::{name}", lambda *args: None)
+
+
 def _ops():
+    if _loaded:  # (a plain read first: torch.compile traces through this)
+        return torch.ops.conveyor_cpu
     if not load():
         raise RuntimeError("the CPU kernels could not be built on this machine (see the warning above)")
     return torch.ops.conveyor_cpu
@@ -192,3 +206,15 @@ def rotary_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     _ops().rotary_(x, cos, sin)
     return x
 
+
+
+def gemv_supported() -> bool:
+    """Whether ``gemv_bf16`` runs on this CPU (AVX-512 BF16)."""
+    return load() and bool(torch.ops.conveyor_cpu.gemv_supported())
+
+
+def gemv_bf16(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x @ weight.T (+ bias)`` for one token: ``x [1, K]``, ``weight [N, K]`` row-major, all bfloat16."""
+    out = x.new_empty(1, weight.shape[0])
+    _ops().gemv_bf16(x, weight, bias, out)
+    return out

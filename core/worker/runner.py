@@ -9,16 +9,23 @@ import torch
 from conveyor.attention.backend import AttentionBackend, StepAttention
 from conveyor.messages import RunnerOutput, ScheduledRequest, StepInput, TokenLogprob
 from conveyor.model.llama import LlamaModel
+from conveyor.worker.compiled import CompiledDecode
 from conveyor.worker.sampler import Sampler, token_logprobs
 
 
 class ModelRunner:
     """Runs one forward pass over a step's requests and samples."""
 
-    def __init__(self, model: LlamaModel, attention: AttentionBackend, sampler: Sampler):
+    def __init__(self, model: LlamaModel, attention: AttentionBackend, sampler: Sampler,
+                 compiled: CompiledDecode | None = None):
+        """
+        Args:
+            compiled: graphs for steps of decodes only (the others run eagerly); None: every step eagerly.
+        """
         self.model = model
         self.attention = attention
         self.sampler = sampler
+        self.compiled = compiled
         self.device = model.device
 
     @torch.inference_mode()
@@ -34,6 +41,13 @@ class ModelRunner:
         """
         began = time.perf_counter()
         self.sampler.forget(step.finished_request_ids)
+        if self.compiled is not None and self.compiled.accepts(step):
+            logits = self.compiled.run(step)
+            rows = [i for i, r in enumerate(step.requests) if r.sample]  # (a one-token prompt chunk may not)
+            if len(rows) < len(step.requests):
+                logits = logits[torch.tensor(rows, device=self.device)]
+            output = RunnerOutput([None] * len(step.requests), [None] * len(step.requests))
+            return self._sample(step, logits if rows else None, rows, output, began)
         input_ids: list[int] = []
         positions: list[int] = []
         # rows of the hidden states whose logits are needed: the last row of each sampled request, and
@@ -72,6 +86,11 @@ class ModelRunner:
             logits = model.compute_logits(hidden[torch.tensor(sample_rows, device=self.device)])
         if not group.placement.driver:
             return self._timed(RunnerOutput([], []), began)
+        return self._sample(step, logits, sampled_entries, output, began)
+
+    def _sample(self, step: StepInput, logits: torch.Tensor | None, sampled_entries: list[int],
+                output: RunnerOutput, began: float) -> RunnerOutput:
+        """Sample a token for each of ``sampled_entries`` (the requests the rows of ``logits`` belong to)."""
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         middle = time.perf_counter()

@@ -13,6 +13,7 @@ import os
 
 import torch
 
+from conveyor import native
 from conveyor.attention import BackendUnavailable, select_backend
 from conveyor.attention.storage import KVStorage
 from conveyor.config import Config, ConfigError
@@ -21,6 +22,7 @@ from conveyor.kvcache import KVCacheLayout, KVCacheSpec
 from conveyor.messages import RunnerOutput, StepInput
 from conveyor.model.loader import DTYPES, load_model, model_len, open_model, resolve_device
 from conveyor.registry import PluginRegistry
+from conveyor.worker.compiled import CompiledDecode, use_inductor_cache
 from conveyor.worker.parallel import ParallelGroup, Placement, check_divisible
 from conveyor.worker.runner import ModelRunner
 from conveyor.worker.sampler import Sampler
@@ -62,8 +64,27 @@ class Worker:
             self.backend_class = select_backend(config.engine.attention, self.device)
         except BackendUnavailable as e:
             raise ConfigError(f"{config.source}: [engine] {e}") from None
+        self.compile = self._compile_choice()
         self.group = ParallelGroup.init(self.placement, init_method, self.device)
         self.runner: ModelRunner | None = None
+
+    def _compile_choice(self) -> bool:
+        """Whether decode steps run compiled (``[engine] compile``)."""
+        config = self.config
+        choice = config.engine.compile
+        if choice == "off" or (choice == "auto" and self.device.type != "cuda"):
+            return False
+        reasons = []
+        if not self.backend_class.decode_tables:
+            reasons.append(f"the {self.backend_class.name!r} attention backend gathers blocks in Python")
+        if self.placement.world_size > 1:
+            reasons.append("tensor and pipeline parallelism run eagerly for now")
+        if not reasons:
+            return True
+        if choice == "on":
+            raise ConfigError(f"{config.source}: [engine] compile = 'on' cannot run here: {'; '.join(reasons)}; "
+                              "allowed here: 'off' ('auto' turns it off where it cannot run)")
+        return False
 
     def load_model(self) -> ModelInfo:
         """Load the weights (quantized by the configured quant method)."""
@@ -85,6 +106,15 @@ class Worker:
         return ModelInfo(max_model_len, kv_spec, str(self.device), self.backend_class.name,
                          self.model.num_weight_bytes())
 
+    def _compile_batch_sizes(self) -> list[int]:
+        """``compile_batch_sizes`` up to ``max_num_seqs``, and ``max_num_seqs`` itself where it falls short of the
+        largest (so every step of decodes fits a graph)."""
+        sizes = self.config.engine.compile_batch_sizes
+        most = getattr(self.config.scheduler.options, "max_num_seqs", None)  # (a scheduler plugin's option)
+        if most is None:
+            return sorted(set(sizes))
+        return sorted({s for s in sizes if s <= most} | ({most} if most < max(sizes) else set()))
+
     def free_memory(self) -> int | None:
         """Bytes free on the device now, or None on a CPU (where the configured budget applies)."""
         if self.device.type == "cuda":
@@ -95,7 +125,13 @@ class Worker:
         """Allocate the KV cache pool and set up the backend and the runner over it."""
         storage = KVStorage(layout, self.device)
         backend = self.backend_class(storage)
-        self.runner = ModelRunner(self.model, backend, Sampler(self.config.engine.seed))
+        compiled = None
+        if self.compile:
+            use_inductor_cache(native.cache_root())
+            compiled = CompiledDecode(self.model, backend, self._compile_batch_sizes(),
+                                      layout.spec.max_model_len)
+            compiled.compile_all()
+        self.runner = ModelRunner(self.model, backend, Sampler(self.config.engine.seed), compiled)
         logger.debug("worker %d: KV cache of %.2f GiB, attention %r", self.rank, storage.num_bytes / 2**30,
                      backend.name)
 

@@ -1,0 +1,159 @@
+"""One stream at a time: inter-token latency through `conveyor serve`, next to two floors measured in the same run.
+
+    python benchmarks/latency.py [--configs default int8] [--requests 6] [--tokens 128] [--set KEY=VALUE ...]
+
+For each config of configs/ (default: bf16 weights; int8: W8A16) it starts
+`conveyor serve` on a free port and sends chat requests one after
+another (greedy, ignore_eos, ``--tokens`` each) through the streaming OpenAI
+API, then prints ITL p50/p90/p99 and TTFT p50. The floors, measured in this
+process while no server runs:
+
+- bandwidth floor: the bytes of every weight read for one token (the model
+  as that config's quant method stores it) over this machine's read bandwidth
+  (summing a 1 GiB tensor, best of several);
+- linear floor: the model's linear layers and output head alone at one
+  token (each layer's weights in turn, as a forward pass reads them).
+
+A step can beat neither; the gap between ITL and the linear floor is the
+engine's own per-token cost (attention, norms, sampling, the engine loop,
+detokenizing, HTTP).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import gc
+import platform
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from conveyor.bench.load import BenchRequest, LoadOptions, run_load, served_model
+from conveyor.bench.server import Server
+from conveyor.bench.stats import percentiles
+from conveyor.config import load_config
+from conveyor.registry import PluginRegistry
+from conveyor.worker.worker import Worker
+
+CONFIGS = Path(__file__).resolve().parent.parent / "configs"
+QUESTIONS = [
+    "Write a long story about a lighthouse keeper and the sea.",
+    "Explain in detail how a steam engine works.",
+    "Describe the history of the printing press.",
+    "List everything you know about volcanoes.",
+]
+
+
+def median_seconds(fn, repeat: int) -> float:
+    fn()
+    times = []
+    for _ in range(repeat):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def read_bandwidth() -> float:
+    """Bytes per second summing a 1 GiB float32 tensor on all threads (the best of several runs)."""
+    x = torch.ones(2**28, dtype=torch.float32)
+    best = min(median_seconds(x.sum, 3) for _ in range(3))
+    return x.nbytes / best
+
+
+@torch.inference_mode()
+def linear_floor(path: Path, overrides: dict[str, str]) -> tuple[float, int]:
+    """Seconds for every linear layer and the output head at one token, and the model's weight bytes."""
+    config = load_config(path, overrides)
+    worker = Worker(config, PluginRegistry.of(config))
+    worker.load_model()
+    model = worker.model
+    hidden = torch.randn(1, model.spec.hidden_size, dtype=model.dtype)
+    wide = torch.randn(1, model.layers[0].intermediate_size, dtype=model.dtype)
+    attended = torch.randn(1, model.layers[0].q_size, dtype=model.dtype)
+
+    def linears() -> None:
+        for layer in model.layers:
+            layer.qkv(hidden)
+            layer.o_proj(attended)
+            layer.gate_up(hidden)
+            layer.down(wide)
+        model.compute_logits(hidden)
+
+    seconds = median_seconds(linears, 20)
+    weight_bytes = model.num_weight_bytes()
+    worker.shutdown()
+    return seconds, weight_bytes
+
+
+def serve_itl(path: Path, args: argparse.Namespace) -> dict[str, float]:
+    overrides = args.set
+    with tempfile.TemporaryDirectory() as tmp:
+        text = path.read_text().replace("port = 8000", "port = 0")
+        server = Server(text, Path(tmp), overrides=overrides, echo=args.verbose).start()
+        try:
+            requests = [
+                BenchRequest([{"role": "user", "content": QUESTIONS[i % len(QUESTIONS)]}], None, 0, args.tokens)
+                for i in range(args.requests + 1)
+            ]
+
+            async def run():
+                import httpx
+
+                async with httpx.AsyncClient() as client:
+                    model = await served_model(client, server.http)
+                options = LoadOptions(max_concurrency=1, ignore_eos=True)
+                await run_load(server.http, model, requests[:1], options)  # warm up
+                records, _ = await run_load(server.http, model, requests[1:], options)
+                return records
+
+            records = asyncio.run(run())
+        finally:
+            server.stop()
+    failed = [r.error for r in records if not r.ok]
+    if failed:
+        raise RuntimeError(f"{len(failed)} requests failed: {failed[0]}")
+    itl = percentiles([gap for r in records for gap in r.itl])
+    ttft = percentiles([r.ttft for r in records])
+    return {"itl_p50": itl["p50"], "itl_p90": itl["p90"], "itl_p99": itl["p99"], "ttft_p50": ttft["p50"]}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--configs", nargs="+", default=["default", "int8"])
+    parser.add_argument("--requests", type=int, default=6)
+    parser.add_argument("--tokens", type=int, default=128)
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="a config override for the server and the floors (repeatable)")
+    parser.add_argument("--verbose", action="store_true", help="echo the server's output")
+    args = parser.parse_args()
+    overrides = dict(item.split("=", 1) for item in args.set)
+    print(f"# {platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, torch {torch.__version__}")
+    bandwidth = read_bandwidth()
+    print(f"read bandwidth: {bandwidth / 1e9:.1f} GB/s")
+    rows = []
+    for name in args.configs:
+        path = CONFIGS / f"{name}.toml"
+        print(f"[{name}] floors ...", flush=True)
+        linear_s, weight_bytes = linear_floor(path, overrides)
+        gc.collect()
+        print(f"[{name}] serving {args.requests} requests of {args.tokens} tokens, one at a time ...", flush=True)
+        served = serve_itl(path, args)
+        rows.append((name, weight_bytes, weight_bytes / bandwidth, linear_s, served))
+    print()
+    print("| config | weights MB | bandwidth floor ms | linear floor ms | ITL p50 ms | p90 | p99 | ITL p50 / bw floor "
+          "| TTFT p50 ms |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for name, weight_bytes, bw_floor, linear_s, s in rows:
+        print(f"| {name} | {weight_bytes / 1e6:.0f} | {bw_floor * 1e3:.1f} | {linear_s * 1e3:.1f} "
+              f"| {s['itl_p50'] * 1e3:.1f} | {s['itl_p90'] * 1e3:.1f} | {s['itl_p99'] * 1e3:.1f} "
+              f"| {s['itl_p50'] / bw_floor:.2f}x | {s['ttft_p50'] * 1e3:.0f} |")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,117 @@
+"""Decode steps through compiled graphs: one per batch size, inputs in buffers allocated once.
+
+A step whose requests are all single-token decodes (the steady state of a
+busy server) runs in the graph of the smallest compiled batch size that holds
+it. Its inputs are written in place into the buffers (token, position, slot,
+block table row, context length); the rows past its requests are padding
+that writes and reads the KV storage's pad block, which no request owns.
+Prefill and mixed steps run eagerly.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from pathlib import Path
+
+import torch
+
+from conveyor.attention.backend import AttentionBackend
+from conveyor.messages import StepInput
+from conveyor.model.graph_ops import paged_decode_op, register_backend
+from conveyor.model.llama import LlamaModel
+
+logger = logging.getLogger("conveyor")
+
+
+def use_inductor_cache(root: Path) -> None:
+    """Keep inductor's compiled kernels under ``root`` (unless TORCHINDUCTOR_CACHE_DIR says otherwise), so a
+    restart finds them instead of compiling again."""
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(root / "inductor"))
+
+
+class CompiledDecode:
+    """torch.compile'd decode forward passes (inductor), one graph per batch size."""
+
+    def __init__(self, model: LlamaModel, attention: AttentionBackend, batch_sizes: list[int], max_model_len: int):
+        self.model = model
+        self.attention = attention
+        self.backend_number = register_backend(attention)
+        self.batch_sizes = sorted(set(batch_sizes))
+        storage = attention.storage
+        self.block_size = storage.block_size
+        self.pad_slot = storage.pad_block * storage.block_size
+        rows, width = self.batch_sizes[-1], -(-max_model_len // storage.block_size)
+        device = model.device
+        self.input_ids = torch.zeros(rows, dtype=torch.long, device=device)
+        self.positions = torch.zeros(rows, dtype=torch.long, device=device)
+        self.slot_mapping = torch.full((rows,), self.pad_slot, dtype=torch.long, device=device)
+        self.block_tables = torch.full((rows, width), storage.pad_block, dtype=torch.int32, device=device)
+        self.context_lens = torch.ones(rows, dtype=torch.int32, device=device)
+        limit = len(self.batch_sizes) + 2  # one graph per batch size, and room for nothing else
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, limit)
+        self.forward = torch.compile(self._forward, fullgraph=True, dynamic=False)
+        # steps run in a graph (start-up's compiling passes not counted)
+        self.num_steps = 0
+
+    def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
+                 block_tables: torch.Tensor, context_lens: torch.Tensor) -> torch.Tensor:
+        number = self.backend_number
+
+        def attention(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            return paged_decode_op(q, k, v, slot_mapping, block_tables, context_lens, layer, number)
+
+        return self.model.compute_logits(self.model.forward(input_ids, positions, attention))
+
+    @torch.inference_mode()
+    def compile_all(self) -> None:
+        """Compile every batch size now (a forward pass of padding rows each), logging the time of each."""
+        started = time.perf_counter()
+        for size in self.batch_sizes:
+            began = time.perf_counter()
+            self._run(0, size)
+            logger.info("compiled the decode graph for batch size %d in %.1f s", size, time.perf_counter() - began)
+        logger.info("decode graphs for batch sizes %s ready in %.1f s", self.batch_sizes,
+                    time.perf_counter() - started)
+
+    def accepts(self, step: StepInput) -> bool:
+        """Whether this step runs in a graph: single-token decodes only, no more than the largest batch size,
+        no prompt logprobs."""
+        requests = step.requests
+        return (
+            0 < len(requests) <= self.batch_sizes[-1]
+            and step.num_decodes == len(requests)
+            and all(len(r.token_ids) == 1 and not r.prompt_logprob_token_ids for r in requests)
+        )
+
+    def run(self, step: StepInput) -> torch.Tensor:
+        """The step's logits ``[requests, vocab]`` float32 (where ``accepts(step)``)."""
+        n = len(step.requests)
+        size = next(s for s in self.batch_sizes if s >= n)
+        self.num_steps += 1
+        requests = step.requests
+        bs = self.block_size
+        positions = [r.start for r in requests]
+        tables = [r.block_ids for r in requests]
+        width = max(len(t) for t in tables)
+        device = self.input_ids.device
+        self.input_ids[:n] = torch.tensor([r.token_ids[0] for r in requests], device=device)
+        self.positions[:n] = torch.tensor(positions, device=device)
+        self.slot_mapping[:n] = torch.tensor([t[p // bs] * bs + p % bs for t, p in zip(tables, positions)],
+                                             device=device)
+        self.block_tables[:n, :width] = torch.tensor([t + [0] * (width - len(t)) for t in tables],
+                                                     dtype=torch.int32, device=device)
+        self.context_lens[:n] = torch.tensor(positions, dtype=torch.int32, device=device) + 1
+        return self._run(n, size)[:n]
+
+    def _run(self, n: int, size: int) -> torch.Tensor:
+        # rows n .. size pad the batch: they must not write over a request's slots (an earlier, larger step
+        # left its rows there)
+        self.slot_mapping[n:size] = self.pad_slot
+        self.block_tables[n:size, 0] = self.attention.storage.pad_block
+        self.context_lens[n:size] = 1
+        self.input_ids[n:size] = 0
+        self.positions[n:size] = 0
+        return self.forward(self.input_ids[:size], self.positions[:size], self.slot_mapping[:size],
+                            self.block_tables[:size], self.context_lens[:size])

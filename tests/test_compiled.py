@@ -1,0 +1,119 @@
+"""Fast steps: compiled decode graphs against the eager path, and the one-token C++ linear kernel."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from conveyor import native
+from conveyor.bench.datasets import mixed
+from conveyor.config import ConfigError
+from conveyor.sampling import SamplingParams
+from tests.conftest import CHAT_PROMPTS, NUM_TOKENS
+
+needs_gemv = pytest.mark.skipif(not native.gemv_supported(), reason="the one-token kernel needs AVX-512 BF16")
+
+BATCH_SIZES = [1, 8, 64]
+
+
+@needs_gemv
+@pytest.mark.parametrize("shape", [(960, 576), (7, 100), (5, 33), (1, 32)])
+def test_one_token_kernel_matches_a_float32_matmul(shape):
+    n, k = shape
+    generator = torch.Generator().manual_seed(n * 1000 + k)
+    x = torch.randn(1, k, generator=generator).bfloat16()
+    weight = torch.randn(n, k, generator=generator).bfloat16()
+    bias = torch.randn(n, generator=generator).bfloat16()
+    reference = x.float() @ weight.float().T + bias.float()
+    out = native.gemv_bf16(x, weight, bias)
+    # float32 sums rounded once to bfloat16 (8 bits of mantissa)
+    torch.testing.assert_close(out.float(), reference, rtol=2**-7, atol=1e-3)
+    torch.testing.assert_close(native.gemv_bf16(x, weight).float(), x.float() @ weight.float().T, rtol=2**-7,
+                               atol=1e-3)
+
+
+@needs_gemv
+def test_row_major_copies_stay_within_their_budget():
+    from conveyor.plugins.quant.none import NoQuant, NoQuantOptions
+
+    weights = [torch.randn(64, 128) for _ in range(3)]
+    each = 64 * 128 * 2  # bytes of one bfloat16 copy
+    method = NoQuant(NoQuantOptions(cpu_one_token_copy_mb=2.5 * each / 2**20), torch.bfloat16, torch.device("cpu"))
+    params = [method.prepare(w) for w in weights]
+    assert ["rows" in p for p in params] == [True, True, False]
+    x = torch.randn(1, 128).bfloat16()
+    for w, p in zip(weights, params):
+        # a step reads one copy; both paths give the same product
+        assert method.num_bytes(p) == sum(t.numel() * t.element_size() for k, t in p.items() if k != "rows")
+        torch.testing.assert_close(method.linear(x, p).float(), F.linear(x, w.bfloat16()).float(), rtol=2**-7,
+                                   atol=1e-2)
+
+
+def test_compile_on_refuses_an_attention_backend_it_cannot_hold(tmp_path):
+    from conveyor.config import load_config
+    from conveyor.registry import PluginRegistry
+    from conveyor.worker.worker import Worker
+
+    config = load_config(None, {"engine.compile": "on", "engine.attention": "torch"})
+    with pytest.raises(ConfigError, match=r"\[engine\] compile = 'on' cannot run here: the 'torch' attention"):
+        Worker(config, PluginRegistry.of(config))
+
+
+@pytest.fixture(scope="module")
+def compiled_llm():
+    from conveyor import LLM
+
+    logging.getLogger("conveyor").setLevel(logging.WARNING)
+    torch._dynamo.utils.counters.clear()
+    llm = LLM(overrides={"model.dtype": "float32", "engine.seed": 1234, "engine.compile": "on",
+                         "engine.compile_batch_sizes": BATCH_SIZES})
+    yield llm
+    llm.close()
+
+
+def compiled_of(llm):
+    return llm.engine.executor.worker.runner.compiled
+
+
+def assert_same(eager, compiled):
+    for a, b in zip(eager, compiled, strict=True):
+        assert b.token_ids == a.token_ids, (a.text, b.text)
+        for x, y in zip(a.logprobs, b.logprobs, strict=True):
+            assert abs(x.logprob - y.logprob) <= 1e-4
+
+
+@pytest.mark.slow
+def test_compiled_decode_has_one_graph_per_batch_size_and_no_breaks(compiled_llm):
+    compiled = compiled_of(compiled_llm)
+    assert compiled is not None and compiled.batch_sizes == BATCH_SIZES
+    compiled_llm.generate(CHAT_PROMPTS[:3], SamplingParams(max_tokens=8, temperature=0))
+    assert compiled.num_steps > 0
+    counters = torch._dynamo.utils.counters
+    assert not counters["graph_break"], dict(counters["graph_break"])
+    assert counters["stats"]["unique_graphs"] == len(BATCH_SIZES)  # no recompilation while serving
+
+
+@pytest.mark.slow
+def test_compiled_decode_matches_eager_alone(llm_fp32, compiled_llm):
+    params = SamplingParams(max_tokens=NUM_TOKENS, temperature=0, logprobs=1)
+    before = compiled_of(compiled_llm).num_steps
+    decodes = 0
+    for prompt in CHAT_PROMPTS:
+        compiled = compiled_llm.generate([prompt], params)
+        assert_same(llm_fp32.generate([prompt], params), compiled)
+        decodes += len(compiled[0].token_ids) - 1  # the first token comes from the prompt's step
+    # every step after the prompt's ran in a graph
+    assert compiled_of(compiled_llm).num_steps - before == decodes
+
+
+@pytest.mark.slow
+def test_compiled_decode_matches_eager_in_a_batch_of_48_mixed_requests(llm_fp32, compiled_llm, tokenizer):
+    requests = mixed(48, 7, lambda m: len(tokenizer.encode_chat(m)), input_len=(30, 200), output_len=(4, 40))
+    prompts = [r.messages for r in requests]
+    params = [SamplingParams(max_tokens=r.max_tokens, temperature=0, logprobs=1, ignore_eos=True) for r in requests]
+    before = compiled_of(compiled_llm).num_steps
+    assert_same(llm_fp32.generate(prompts, params), compiled_llm.generate(prompts, params))
+    assert compiled_of(compiled_llm).num_steps > before
