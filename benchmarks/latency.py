@@ -25,13 +25,12 @@ import argparse
 import asyncio
 import gc
 import platform
-import statistics
 import tempfile
-import time
 from pathlib import Path
 
 import torch
 
+from conveyor.bench.floors import linear_seconds, read_bandwidth
 from conveyor.bench.load import BenchRequest, LoadOptions, run_load, served_model
 from conveyor.bench.server import Server
 from conveyor.bench.stats import percentiles
@@ -48,44 +47,13 @@ QUESTIONS = [
 ]
 
 
-def median_seconds(fn, repeat: int) -> float:
-    fn()
-    times = []
-    for _ in range(repeat):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
-
-
-def read_bandwidth() -> float:
-    """Bytes per second summing a 1 GiB float32 tensor on all threads (the best of several runs)."""
-    x = torch.ones(2**28, dtype=torch.float32)
-    best = min(median_seconds(x.sum, 3) for _ in range(3))
-    return x.nbytes / best
-
-
-@torch.inference_mode()
 def linear_floor(path: Path, overrides: dict[str, str]) -> tuple[float, int]:
     """Seconds for every linear layer and the output head at one token, and the model's weight bytes."""
     config = load_config(path, overrides)
     worker = Worker(config, PluginRegistry.of(config))
     worker.load_model()
-    model = worker.model
-    hidden = torch.randn(1, model.spec.hidden_size, dtype=model.dtype)
-    wide = torch.randn(1, model.layers[0].intermediate_size, dtype=model.dtype)
-    attended = torch.randn(1, model.layers[0].q_size, dtype=model.dtype)
-
-    def linears() -> None:
-        for layer in model.layers:
-            layer.qkv(hidden)
-            layer.o_proj(attended)
-            layer.gate_up(hidden)
-            layer.down(wide)
-        model.compute_logits(hidden)
-
-    seconds = median_seconds(linears, 20)
-    weight_bytes = model.num_weight_bytes()
+    seconds = linear_seconds(worker.model, 1, repeat=20)
+    weight_bytes = worker.model.num_weight_bytes()
     worker.shutdown()
     return seconds, weight_bytes
 

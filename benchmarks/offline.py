@@ -31,6 +31,7 @@ import torch
 
 from conveyor import LLM
 from conveyor.bench.datasets import mixed
+from conveyor.bench.floors import linear_flops_per_token, linear_seconds, matmul_flops
 from conveyor.config import load_config
 from conveyor.messages import StepStats
 from conveyor.model.checkpoint import resolve_model_path
@@ -62,6 +63,8 @@ class Result:
     kv_used_mib: float
     preemptions: int = 0
     wasted_slots: int = 0
+    # output tokens/s this machine allows for the steps this system ran (Conveyor only; 0: not measured)
+    ceiling: float = 0.0
 
     @property
     def tokens_per_s(self) -> float:
@@ -83,7 +86,8 @@ def progress(name: str, done: int, total: int, tokens: int, start: float, last: 
         print(f"  {name}: {done}/{total} requests done, {tokens} tokens, {now - start:.0f} s", flush=True)
 
 
-def run_conveyor(name: str, prompts: list[list[int]], max_tokens: list[int], dtype: str, kv_gb: float) -> Result:
+def run_conveyor(name: str, prompts: list[list[int]], max_tokens: list[int], dtype: str, kv_gb: float,
+                 matmul_rate: float) -> Result:
     """The workload through ``LLM.generate``: the engine path the server takes, in this process."""
     config_file, overrides = SYSTEMS[name]
     llm = LLM(CONFIGS / config_file, {"model.dtype": dtype, "kvcache.memory_gb": kv_gb, **overrides})
@@ -92,10 +96,13 @@ def run_conveyor(name: str, prompts: list[list[int]], max_tokens: list[int], dty
     llm.generate([prompts[0][:32]], SamplingParams(max_tokens=2, temperature=0))
     finished_before = llm.engine.scheduler.stats().num_finished
     peaks = {"reserved": 0, "used": 0, "tokens": 0}
+    steps: list[tuple[int, int]] = []  # (prompt tokens, decode tokens) of each step
     start = time.perf_counter()
     last = [start]
 
     def observe(stats: StepStats) -> None:
+        if stats.num_prefill_tokens or stats.num_decode_tokens:
+            steps.append((stats.num_prefill_tokens, stats.num_decode_tokens))
         peaks["reserved"] = max(peaks["reserved"], stats.kv.reserved_tokens)
         peaks["used"] = max(peaks["used"], stats.kv.used_tokens)
         peaks["tokens"] += stats.num_decode_tokens
@@ -107,11 +114,32 @@ def run_conveyor(name: str, prompts: list[list[int]], max_tokens: list[int], dty
     seconds = time.perf_counter() - start
     latencies = [c.latency for c in completions]
     scheduler = llm.engine.scheduler.stats()
+    output_tokens = sum(len(c.token_ids) for c in completions)
+    print(f"  {name}: measuring the ceiling of its {len(steps)} steps ...", flush=True)
+    ceiling_s = ceiling_seconds(llm.engine.executor.worker.model, steps, matmul_rate)
+    llm.close()
     return Result(
-        name, sum(len(c.token_ids) for c in completions), seconds, sum(latencies) / len(latencies),
+        name, output_tokens, seconds, sum(latencies) / len(latencies),
         percentile(latencies, 99), peaks["reserved"] * bytes_per_token / 2**20,
         peaks["used"] * bytes_per_token / 2**20, scheduler.num_preemptions, scheduler.num_wasted_slots,
+        output_tokens / ceiling_s,
     )
+
+
+def ceiling_seconds(model, steps: list[tuple[int, int]], matmul_rate: float) -> float:
+    """The shortest time the steps could take here: each step's prompt tokens at the measured matmul rate
+    (their linear layers' FLOPs), plus its decode tokens at the speed of the model's own linear layers and
+    output head at that batch size (measured once per batch size)."""
+    flops = linear_flops_per_token(model)
+    decode_times: dict[int, float] = {}
+    total = 0.0
+    for prompt_tokens, decode_tokens in steps:
+        total += prompt_tokens * flops / matmul_rate
+        if decode_tokens:
+            if decode_tokens not in decode_times:
+                decode_times[decode_tokens] = linear_seconds(model, decode_tokens, repeat=5)
+            total += decode_times[decode_tokens]
+    return total
 
 
 def run_transformers(prompts: list[list[int]], max_tokens: list[int], dtype: str, batch_size: int) -> Result:
@@ -156,13 +184,15 @@ def run_transformers(prompts: list[list[int]], max_tokens: list[int], dtype: str
 
 def table(results: list[Result]) -> str:
     header = (
-        f"| {'system':<38} | tokens/s | mean latency s | P99 latency s | KV reserved MiB | KV used MiB |"
-        " preemptions | wasted slots |"
+        f"| {'system':<38} | tokens/s | ceiling tokens/s | of ceiling | mean latency s | P99 latency s |"
+        " KV reserved MiB | KV used MiB | preemptions | wasted slots |"
     )
     lines = [header, "|" + "|".join("-" * (len(c)) for c in header.split("|")[1:-1]) + "|"]
     for r in results:
         lines.append(
-            f"| {r.system:<38} | {r.tokens_per_s:>8.1f} | {r.mean_latency:>14.1f} | {r.p99_latency:>13.1f} |"
+            f"| {r.system:<38} | {r.tokens_per_s:>8.1f} | {r.ceiling:>16.0f} |"
+            f" {f'{r.tokens_per_s / r.ceiling:.0%}' if r.ceiling else '-':>10} |"
+            f" {r.mean_latency:>14.1f} | {r.p99_latency:>13.1f} |"
             f" {r.kv_reserved_mib:>15.0f} | {r.kv_used_mib:>11.0f} | {r.preemptions:>11} | {r.wasted_slots:>12} |"
         )
     return "\n".join(lines)
@@ -190,6 +220,8 @@ def main() -> None:
         f"(total {sum(max_tokens)}); {args.dtype}, {torch.get_num_threads()} threads",
         flush=True,
     )
+    matmul_rate = matmul_flops(getattr(torch, args.dtype))
+    print(f"matmul: {matmul_rate / 1e9:.0f} GFLOP/s ({args.dtype}, 2048^3)", flush=True)
     names = args.only or [*SYSTEMS, "transformers"]
     results = []
     for name in names:
@@ -197,7 +229,7 @@ def main() -> None:
         if name == "transformers":
             results.append(run_transformers(prompts, max_tokens, args.dtype, args.hf_batch_size))
         else:
-            results.append(run_conveyor(name, prompts, max_tokens, args.dtype, args.kv_gb))
+            results.append(run_conveyor(name, prompts, max_tokens, args.dtype, args.kv_gb, matmul_rate))
         gc.collect()
     print()
     print(table(results))

@@ -192,3 +192,20 @@ def test_paged_prefill_chunks_match_reference_attention(block_size, heads, kv_he
     for i, ((start, n), row) in enumerate(zip(plan, rows)):
         expected = reference_attention(chunks[i], keys[i], values[i], start)
         assert relative_error(out[row : row + n], expected) < TOLERANCE[torch.bfloat16], f"chunk {i} {plan[i]}"
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_store_kv_writes_what_index_copy_writes(dtype):
+    kv_heads, head_dim, slots = 3, 64, 160
+    qkv = torch.randn(7, (9 + 2 * kv_heads) * head_dim).to(dtype)  # k, v as views into the qkv rows
+    k = qkv[:, 9 * head_dim : 12 * head_dim].view(7, kv_heads, head_dim)
+    v = qkv[:, 12 * head_dim :].view(7, kv_heads, head_dim)
+    slot_mapping = torch.tensor(random.sample(range(slots), 7))
+    k_cache, v_cache = torch.randn(kv_heads, slots, head_dim).to(dtype), torch.randn(kv_heads, slots, head_dim).to(dtype)
+    expected_k, expected_v = k_cache.clone(), v_cache.clone()
+    expected_k.index_copy_(1, slot_mapping, k.transpose(0, 1))
+    expected_v.index_copy_(1, slot_mapping, v.transpose(0, 1))
+    native.store_kv(k_cache, v_cache, slot_mapping, k, v)
+    assert torch.equal(k_cache, expected_k) and torch.equal(v_cache, expected_v)
+    with pytest.raises(RuntimeError, match=f"goes to slot {slots} of {slots}"):
+        native.store_kv(k_cache, v_cache, torch.tensor([0, 1, 2, 3, 4, 5, slots]), k, v)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from conveyor import native
 from conveyor.kvcache import KVCacheLayout
 from conveyor.model.formats import quantize_fp8
 from conveyor.model.loader import DTYPES
@@ -37,6 +38,8 @@ class KVStorage:
         shape = (spec.num_layers, spec.num_kv_heads, self.num_blocks * layout.block_size, spec.head_dim)
         self.k = torch.zeros(shape, dtype=torch.uint8 if self.quantized else self.dtype, device=device)
         self.v = torch.zeros_like(self.k)
+        # a CPU with the C++ kernels stores rows in one pass (index_copy_ elsewhere)
+        self.native_store = device.type == "cpu" and native.load()
         self.k_scale = self.v_scale = None
         if self.quantized:
             self.k_scale = torch.zeros(shape[:-1], dtype=SCALE_DTYPE, device=device)
@@ -56,6 +59,9 @@ class KVStorage:
     def write(self, index: int, slot_mapping: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store the step's new keys and values ``[tokens, kv_heads, head_dim]`` of one layer at their slots."""
         k_cache, v_cache, k_scale, v_scale = self.layer(index)
+        if not self.quantized and self.native_store:
+            native.store_kv(k_cache, v_cache, slot_mapping, k, v)
+            return
         if not self.quantized:
             k_cache.index_copy_(1, slot_mapping, k.transpose(0, 1))
             v_cache.index_copy_(1, slot_mapping, v.transpose(0, 1))

@@ -82,12 +82,12 @@ class TorchAttention(AttentionBackend):
             if context_slots is None:  # a fresh prompt attends its own new keys
                 keys, values = k[row : row + n].transpose(0, 1), v[row : row + n].transpose(0, 1)
             else:
-                keys = _gather_slots(k_cache, k_scale, context_slots, q.dtype)
-                values = _gather_slots(v_cache, v_scale, context_slots, q.dtype)
+                keys = gather_slots(k_cache, k_scale, context_slots, q.dtype)
+                values = gather_slots(v_cache, v_scale, context_slots, q.dtype)
             out[row : row + n] = causal_attention(q[row : row + n], keys, values, start)
 
 
-def _gather_slots(cache: torch.Tensor, scales: torch.Tensor | None, slots: torch.Tensor,
+def gather_slots(cache: torch.Tensor, scales: torch.Tensor | None, slots: torch.Tensor,
                   dtype: torch.dtype) -> torch.Tensor:
     gathered = cache.index_select(1, slots)
     return gathered if scales is None else dequantize(gathered, scales.index_select(1, slots), dtype)

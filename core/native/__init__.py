@@ -218,3 +218,10 @@ def gemv_bf16(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None =
     out = x.new_empty(1, weight.shape[0])
     _ops().gemv_bf16(x, weight, bias, out)
     return out
+
+
+def store_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor, k: torch.Tensor,
+             v: torch.Tensor) -> None:
+    """``k_cache[:, slot_mapping] = k.transpose(0, 1)`` and the same for v: caches ``[Hkv, slots, D]``,
+    ``k``, ``v`` ``[T, Hkv, D]`` (unit stride along D), ``slot_mapping`` int64 ``[T]``."""
+    _ops().store_kv(k_cache, v_cache, slot_mapping, k, v)
