@@ -106,7 +106,7 @@ def test_compiled_decode_matches_eager_alone(llm_fp32, compiled_llm):
         assert_same(llm_fp32.generate([prompt], params), compiled)
         decodes += len(compiled[0].token_ids) - 1  # the first token comes from the prompt's step
     # every step after the prompt's ran in a graph
-    assert compiled_of(compiled_llm).num_steps - before == decodes
+    assert decodes > len(CHAT_PROMPTS) and compiled_of(compiled_llm).num_steps - before == decodes
 
 
 @pytest.mark.slow
@@ -117,3 +117,17 @@ def test_compiled_decode_matches_eager_in_a_batch_of_48_mixed_requests(llm_fp32,
     before = compiled_of(compiled_llm).num_steps
     assert_same(llm_fp32.generate(prompts, params), compiled_llm.generate(prompts, params))
     assert compiled_of(compiled_llm).num_steps > before
+
+
+@pytest.mark.slow
+def test_a_second_compiled_engine_in_the_process_has_graphs_of_its_own(llm_fp32, compiled_llm):
+    from conveyor import LLM
+
+    params = SamplingParams(max_tokens=12, temperature=0, logprobs=1, ignore_eos=True)
+    with LLM(overrides={"model.dtype": "float32", "engine.compile": "on", "engine.compile_batch_sizes": [1, 2]}) as llm:
+        assert_same(llm_fp32.generate(CHAT_PROMPTS[:2], params), llm.generate(CHAT_PROMPTS[:2], params))
+        assert compiled_of(llm).num_steps > 0
+    # the first engine's graphs still serve it
+    before = compiled_of(compiled_llm).num_steps
+    assert_same(llm_fp32.generate(CHAT_PROMPTS[:1], params), compiled_llm.generate(CHAT_PROMPTS[:1], params))
+    assert compiled_of(compiled_llm).num_steps - before == 11

@@ -163,3 +163,20 @@ def test_the_engine_process_gets_the_validated_config_as_it_was(tmp_path):
     assert decoded.engine.attention == "torch" and decoded.source == str(REPO / "configs" / "int8.toml")
     with pytest.raises(ConfigError, match="not a Conveyor config"):
         decode_config(b"\x93\x01\x02\x03")
+
+
+def test_offline_llm_takes_a_larger_step_budget_where_the_config_sets_none(tmp_path):
+    from conveyor.llm import OFFLINE_DEFAULTS, _with_offline_defaults
+
+    budget = OFFLINE_DEFAULTS["scheduler.max_num_batched_tokens"]
+    server_default = load_config(None).scheduler.options.max_num_batched_tokens
+    assert budget > server_default
+    assert _with_offline_defaults(None, {}).scheduler.options.max_num_batched_tokens == budget
+    # set by an override or by the file: kept
+    assert _with_offline_defaults(None, {"scheduler.max_num_batched_tokens": 256}).scheduler.options \
+        .max_num_batched_tokens == 256
+    path = tmp_path / "c.toml"
+    path.write_text("[scheduler]\nmax_num_batched_tokens = 384\n")
+    assert _with_offline_defaults(path, {}).scheduler.options.max_num_batched_tokens == 384
+    path.write_text("[model]\ndtype = 'float32'\n")
+    assert _with_offline_defaults(path, {}).scheduler.options.max_num_batched_tokens == budget

@@ -32,8 +32,9 @@ def text_ids(tokenizer) -> list[int]:
 
 def make_llm(**overrides) -> LLM:
     # the text is one prompt of NUM_TOKENS (and one generated token), computed in chunks of 512
+    # (chunks of 512: later chunks read the earlier ones' K and V back from the cache, as an fp8 cache stores them)
     return LLM(overrides={"model.dtype": "float32", "model.max_model_len": NUM_TOKENS + 1, "kvcache.num_blocks": 160,
-                          **overrides})
+                          "scheduler.max_num_batched_tokens": 512, **overrides})
 
 
 @pytest.fixture(scope="module")

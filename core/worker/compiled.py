@@ -49,9 +49,13 @@ class CompiledDecode:
         self.slot_mapping = torch.full((rows,), self.pad_slot, dtype=torch.long, device=device)
         self.block_tables = torch.full((rows, width), storage.pad_block, dtype=torch.int32, device=device)
         self.context_lens = torch.ones(rows, dtype=torch.int32, device=device)
-        limit = len(self.batch_sizes) + 2  # one graph per batch size, and room for nothing else
-        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, limit)
-        self.forward = torch.compile(self._forward, fullgraph=True, dynamic=False)
+        # One graph per batch size. Dynamo keeps graphs per code object, shared by every instance of this
+        # class in the process (each guarded by its own model), so each instance adds its own room.
+        torch._dynamo.config.recompile_limit += len(self.batch_sizes) + 1
+        # on CUDA each graph is also captured as a CUDA graph (inductor's cudagraph trees) and replayed: one
+        # launch per step instead of one per kernel
+        mode = "reduce-overhead" if device.type == "cuda" else "default"
+        self.forward = torch.compile(self._forward, fullgraph=True, dynamic=False, mode=mode)
         # steps run in a graph (start-up's compiling passes not counted)
         self.num_steps = 0
 
