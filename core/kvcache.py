@@ -41,6 +41,9 @@ class KVCacheSpec(msgspec.Struct, frozen=True):
     max_model_len: int
     # what K and V are stored as: "auto" (the model dtype) or "fp8" (e4m3, one scale per token and head)
     cache_dtype: Literal["auto", "fp8"] = "auto"
+    # every layer attends to the last this-many keys only (a sliding window): what lies behind a request's
+    # window may be freed; 0: every key stays
+    sliding_window: int = 0
 
     @property
     def storage_dtype(self) -> str:
@@ -62,7 +65,9 @@ class KVCacheSpec(msgspec.Struct, frozen=True):
 
 
 class KVCacheLayout(msgspec.Struct, array_like=True, frozen=True):
-    """The pool the workers allocate: ``num_blocks`` blocks of ``block_size`` slots, as ``spec`` stores them."""
+    """The pool the workers allocate: ``num_blocks`` blocks of ``block_size`` slots, as ``spec`` stores them,
+    and one more, block id ``num_blocks``, that no request owns: compiled steps pad their batches there, and
+    block tables point there for the blocks a sliding window has left behind (never read)."""
 
     spec: KVCacheSpec
     num_blocks: int

@@ -13,12 +13,15 @@ from conveyor.scheduler import Scheduler
 _ids = itertools.count()
 
 
-def create_spec(max_model_len: int = 256, num_layers: int = 1, num_kv_heads: int = 1, head_dim: int = 4) -> KVCacheSpec:
-    return KVCacheSpec(num_layers, num_kv_heads, head_dim, "float32", max_model_len)
+def create_spec(max_model_len: int = 256, num_layers: int = 1, num_kv_heads: int = 1, head_dim: int = 4,
+                sliding_window: int = 0) -> KVCacheSpec:
+    return KVCacheSpec(num_layers, num_kv_heads, head_dim, "float32", max_model_len, sliding_window=sliding_window)
 
 
-def create_kvcache(num_blocks: int = 64, block_size: int = 4, max_model_len: int = 256) -> PagedKVCache:
-    return PagedKVCache(PagedOptions(block_size=block_size, num_blocks=num_blocks), create_spec(max_model_len))
+def create_kvcache(num_blocks: int = 64, block_size: int = 4, max_model_len: int = 256,
+                   sliding_window: int = 0) -> PagedKVCache:
+    return PagedKVCache(PagedOptions(block_size=block_size, num_blocks=num_blocks),
+                        create_spec(max_model_len, sliding_window=sliding_window))
 
 
 def create_request(

@@ -42,32 +42,42 @@ def assert_same_or_near_tie(a: Completion, b: Completion, label: str) -> None:
     assert a.finish_reason == b.finish_reason, label
 
 
-def dense_attention(seq_lens: list[int]):
-    """The model's attention function for whole sequences with no KV cache (each attends causally to itself)."""
+def dense_attention(seq_lens: list[int], layers: list | None = None):
+    """The model's attention function for whole sequences with no KV cache (each attends causally to itself);
+    ``layers``: each layer's ``LayerAttention`` (scale, sliding window, soft cap), default plain."""
     from conveyor.attention.ops import causal_attention
 
     def attention(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        params = layers[layer] if layers else None
+        attend = (params.scale, params.window, params.softcap) if params else ()
         outs, start = [], 0
         for n in seq_lens:
             keys, values = k[start : start + n].transpose(0, 1), v[start : start + n].transpose(0, 1)
-            outs.append(causal_attention(q[start : start + n], keys, values, 0))
+            outs.append(causal_attention(q[start : start + n], keys, values, 0, *attend))
             start += n
         return torch.cat(outs)
 
     return attention
 
 
-def reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_start: int) -> torch.Tensor:
+def reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_start: int, scale: float | None = None,
+                        window: int = 0, softcap: float = 0.0) -> torch.Tensor:
     """Causal attention of one sequence in float64, K/V heads repeated for GQA.
 
-    q: [n, Hq, D] at positions q_start..; k, v: [L, Hkv, D] at positions 0..L-1.
+    q: [n, Hq, D] at positions q_start..; k, v: [L, Hkv, D] at positions 0..L-1. Scores are multiplied by
+    ``scale`` (default 1/sqrt(D)), soft-capped at ``softcap`` (``c * tanh(s / c)``) and limited to the last
+    ``window`` keys up to each query's own.
     """
     group = q.shape[1] // k.shape[1]
     k = k.double().repeat_interleave(group, dim=1)
     v = v.double().repeat_interleave(group, dim=1)
-    scores = torch.einsum("qhd,khd->hqk", q.double(), k) / math.sqrt(q.shape[-1])
+    scores = torch.einsum("qhd,khd->hqk", q.double(), k) * (scale or 1 / math.sqrt(q.shape[-1]))
+    if softcap:
+        scores = softcap * torch.tanh(scores / softcap)
     q_pos = torch.arange(q_start, q_start + q.shape[0]).unsqueeze(1)
-    scores = scores.masked_fill(torch.arange(k.shape[0]).unsqueeze(0) > q_pos, float("-inf"))
+    key_pos = torch.arange(k.shape[0]).unsqueeze(0)
+    hidden = (key_pos > q_pos) | ((key_pos <= q_pos - window) if window else False)
+    scores = scores.masked_fill(hidden, float("-inf"))
     return torch.einsum("hqk,khd->qhd", torch.softmax(scores, dim=-1), v)
 
 

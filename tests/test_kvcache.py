@@ -83,3 +83,34 @@ def test_contiguous_reserves_whole_slabs_and_reports_the_unused_part():
     per_request = ContiguousKVCache(ContiguousOptions(num_tokens=160, reserve="request"), spec)
     assert all(per_request.allocate(r, 10) for r in requests)  # 15 tokens -> one granule each
     assert per_request.stats().reserved_tokens == 48
+
+
+def test_a_sliding_window_bounds_the_blocks_a_request_holds():
+    """Window 10, blocks of 4: a request that grows to 120 tokens never holds more than the blocks its window
+    and this step's tokens touch; its table points the blocks behind it at the spare block; a second request
+    with the same prompt still finds the prompt's blocks in the prefix cache; nothing leaks."""
+    window, size = 10, 4
+    kvcache = create_kvcache(num_blocks=40, block_size=size, sliding_window=window)
+    scheduler = ContinuousScheduler(ContinuousOptions(max_num_batched_tokens=8), kvcache, 256)
+    first = create_request(30, max_tokens=90, request_id="first")
+    scheduler.add(first)
+    most = 0
+    while scheduler.has_unfinished():
+        batch, _ = fake_step(scheduler)
+        held = kvcache.num_blocks - kvcache.num_free_blocks
+        most = max(most, held)
+        # this step's queries start at num_computed_tokens - n; keys from window - 1 before that
+        computed, n = first.num_computed_tokens, batch.num_tokens[0]
+        first_key = max(0, computed - n - window + 1)
+        assert held <= -(-computed // size) - first_key // size, f"at {computed} tokens"
+        if not first.is_finished:  # (its table is gone once it finishes)
+            table = kvcache.block_ids(first)
+            assert all(b == kvcache.num_blocks for b in table[: first_key // size])
+    assert most <= -(-(window + 8) // size) + 1, most
+    assert_no_leak(kvcache)
+    second = create_request(30, max_tokens=2, request_id="second")
+    scheduler.add(second)
+    fake_step(scheduler)
+    assert second.num_cached_tokens == 28  # the first 7 blocks: freed behind the window, still cached
+    run_to_completion(scheduler)
+    assert_no_leak(kvcache)

@@ -12,6 +12,7 @@ from conveyor.model.checkpoint import open_checkpoint
 from conveyor.model.gguf_checkpoint import unpermute_rows
 from conveyor.model.llama import LlamaModel
 from conveyor.plugins.quant.none import NoQuant
+from tests.gguf_writer import llama_cpp_permute, write_gguf
 from tests.helpers import dense_attention
 
 TINY = dict(
@@ -83,67 +84,6 @@ def test_safetensors_checkpoint_matches_transformers(tmp_path, kind, overrides, 
     model.save_pretrained(tmp_path)
     ours = conveyor_logits(tmp_path, SEQUENCES, fused)
     torch.testing.assert_close(ours, hf_logits(model, SEQUENCES), rtol=1e-4, atol=1e-4)
-
-
-def llama_cpp_permute(weight: np.ndarray, num_heads: int) -> np.ndarray:
-    """llama.cpp's converter: half-split RoPE rows -> interleaved pairs."""
-    return weight.reshape(num_heads, 2, weight.shape[0] // num_heads // 2, *weight.shape[1:]).swapaxes(1, 2).reshape(
-        weight.shape
-    )
-
-
-GGUF_NAMES = {
-    "model.embed_tokens.weight": "token_embd.weight",
-    "model.norm.weight": "output_norm.weight",
-    "lm_head.weight": "output.weight",
-    "input_layernorm.weight": "attn_norm.weight",
-    "post_attention_layernorm.weight": "ffn_norm.weight",
-    "self_attn.q_proj.weight": "attn_q.weight",
-    "self_attn.k_proj.weight": "attn_k.weight",
-    "self_attn.v_proj.weight": "attn_v.weight",
-    "self_attn.o_proj.weight": "attn_output.weight",
-    "mlp.gate_proj.weight": "ffn_gate.weight",
-    "mlp.up_proj.weight": "ffn_up.weight",
-    "mlp.down_proj.weight": "ffn_down.weight",
-}
-
-
-def write_gguf(path, model, qtype: gguf.GGMLQuantizationType) -> dict[str, np.ndarray]:
-    """Write a transformers Llama as llama.cpp would; return the float weights by HF name."""
-    cfg = model.config
-    writer = gguf.GGUFWriter(str(path), "llama")
-    writer.add_block_count(cfg.num_hidden_layers)
-    writer.add_context_length(cfg.max_position_embeddings)
-    writer.add_embedding_length(cfg.hidden_size)
-    writer.add_feed_forward_length(cfg.intermediate_size)
-    writer.add_head_count(cfg.num_attention_heads)
-    writer.add_head_count_kv(cfg.num_key_value_heads)
-    writer.add_rope_freq_base(cfg.rope_parameters["rope_theta"] if hasattr(cfg, "rope_parameters") else cfg.rope_theta)
-    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-    writer.add_vocab_size(cfg.vocab_size)
-    weights = {}
-    for name, tensor in model.state_dict().items():
-        array = tensor.float().numpy()
-        weights[name] = array
-        if name.startswith("model.layers."):
-            _, _, layer, short = name.split(".", 3)
-            gguf_name = f"blk.{layer}.{GGUF_NAMES[short]}"
-        else:
-            short = name
-            gguf_name = GGUF_NAMES[name]
-        if short == "self_attn.q_proj.weight":
-            array = llama_cpp_permute(array, cfg.num_attention_heads)
-        elif short == "self_attn.k_proj.weight":
-            array = llama_cpp_permute(array, cfg.num_key_value_heads)
-        if array.ndim == 2 and qtype not in (gguf.GGMLQuantizationType.F32,):
-            writer.add_tensor(gguf_name, gguf.quants.quantize(array, qtype), raw_dtype=qtype)
-        else:
-            writer.add_tensor(gguf_name, array)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return weights
 
 
 def test_gguf_checkpoint_matches_transformers(tmp_path):

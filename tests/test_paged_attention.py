@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from conveyor.attention import BACKENDS, select_backend
-from conveyor.attention.backend import StepAttention
+from conveyor.attention.backend import LayerAttention, StepAttention
 from conveyor.attention.storage import KVStorage
 from conveyor.kvcache import KVCacheSpec
 from conveyor.messages import ScheduledRequest, StepInput
@@ -53,11 +53,29 @@ def test_mixed_bf16_step_matches_dense_attention(backend):
     check_mixed_step(backend, "auto", torch.bfloat16, dim=64, tolerance={"rtol": 3e-2, "atol": 3e-2})
 
 
-def check_mixed_step(backend: str, kv_dtype: str, dtype: torch.dtype, dim: int, tolerance: dict) -> None:
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    "params",
+    [LayerAttention(0.3, window=7), LayerAttention(0.25, softcap=3.0), LayerAttention(0.3, window=12, softcap=2.0)],
+    ids=["window", "softcap", "window-softcap"],
+)
+@pytest.mark.parametrize("backend", ["torch", "cpu", "triton"])
+def test_sliding_window_and_soft_cap_match_dense_attention(backend, params, dtype):
+    """Gemma's and Mistral's attention: a scale of the model's, a sliding window shorter than the contexts
+    (decodes and chunks that start inside, at and past it), and scores soft-capped before the softmax.
+    head_dim 64 in bfloat16 takes the C++ kernel's vector path; Triton runs under the interpreter."""
+    tolerance = {"rtol": 1e-4, "atol": 1e-5} if dtype == torch.float32 else {"rtol": 3e-2, "atol": 3e-2}
+    check_mixed_step(backend, "auto", dtype, dim=16 if dtype == torch.float32 else 64, tolerance=tolerance,
+                     params=params)
+
+
+def check_mixed_step(backend: str, kv_dtype: str, dtype: torch.dtype, dim: int, tolerance: dict,
+                     params: LayerAttention | None = None) -> None:
     heads, kv_heads = 6, 2
     spec = KVCacheSpec(1, kv_heads, dim, str(dtype).removeprefix("torch."), 512)
     cache = PagedKVCache(PagedOptions(block_size=4, num_blocks=200, dtype=kv_dtype), spec)
-    attention_backend = select_backend(backend, CPU)(KVStorage(cache.layout, CPU))
+    attention_backend = select_backend(backend, CPU)(KVStorage(cache.layout, CPU), [params] if params else None)
+    attend = {"scale": params.scale, "window": params.window, "softcap": params.softcap} if params else {}
     # hand out blocks in random order so no block table is contiguous
     cache.free_blocks = OrderedDict.fromkeys(torch.randperm(200).tolist())
     # (total length, tokens already cached, tokens this step)
@@ -91,7 +109,7 @@ def check_mixed_step(backend: str, kv_dtype: str, dtype: torch.dtype, dim: int, 
         # the torch path attends a fresh prompt chunk's own K and V; everything else comes from the cache
         if kv_dtype == "fp8" and (backend == "triton" or start > 0 or i < len(decodes)):
             k, v = fp8_round_trip(k), fp8_round_trip(v)
-        expected = reference_attention(q[start : start + n], k[: start + n], v[: start + n], start)
+        expected = reference_attention(q[start : start + n], k[: start + n], v[: start + n], start, **attend)
         torch.testing.assert_close(out[row : row + n].double(), expected, **tolerance)
         row += n
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import itertools
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -20,6 +21,7 @@ import torch
 
 from conveyor.attention.storage import KVStorage
 from conveyor.messages import StepInput
+from conveyor.model.spec import LayerAttention
 
 
 class BackendUnavailable(ValueError):
@@ -41,8 +43,19 @@ class AttentionBackend(ABC):
     def unavailable(cls, device: torch.device) -> str | None:
         """Why this backend cannot run on ``device`` here, or None when it can."""
 
-    def __init__(self, storage: KVStorage):
+    def __init__(self, storage: KVStorage, layers: Sequence[LayerAttention] | None = None):
+        """
+        Args:
+            layers: how each layer of the storage attends, from the first (the rest, or all by default: at
+                ``head_dim ** -0.5``, no window, no cap).
+        """
         self.storage = storage
+        spec = storage.layout.spec
+        layers = list(layers or [])
+        if len(layers) > spec.num_layers:
+            raise ValueError(f"{len(layers)} layers' attention given for a KV cache of {spec.num_layers} layers")
+        # (a pipeline stage with fewer layers than the first leaves the cache's last ones unused)
+        self.layers = layers + [LayerAttention(spec.head_dim**-0.5)] * (spec.num_layers - len(layers))
 
     @abstractmethod
     def plan_decodes(self, tables: list[list[int]], context_lens: list[int]) -> Any:

@@ -20,11 +20,12 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Sequence
 
 import torch
 
 from conveyor import native
-from conveyor.attention.backend import DecodeTables, PrefillTables
+from conveyor.attention.backend import DecodeTables, LayerAttention, PrefillTables
 from conveyor.attention.ops import causal_attention
 from conveyor.attention.storage import KVStorage
 from conveyor.attention.torch_backend import TorchAttention, gather_slots
@@ -57,10 +58,12 @@ class CpuAttention(TorchAttention):
             return "the C++ kernels could not be built on this machine (see the warning above)"
         return None
 
-    def __init__(self, storage: KVStorage):
-        super().__init__(storage)
+    def __init__(self, storage: KVStorage, layers: Sequence[LayerAttention] | None = None):
+        super().__init__(storage, layers)
         spec = storage.layout.spec
-        self.prefill_kernel = native.prefill_supported(
+        # (the prefill kernel has no sliding window or soft cap: models with either prefill in torch ops)
+        plain = not any(params.window or params.softcap for params in self.layers)
+        self.prefill_kernel = plain and native.prefill_supported(
             torch.empty(0, 1, spec.head_dim, dtype=storage.dtype), storage.k[0]
         ) and self._kernel_beats_sdpa(spec.num_kv_heads, spec.head_dim)
         logger.debug("cpu attention: prompt chunks in %s", "the C++ kernel" if self.prefill_kernel else "torch SDPA")
@@ -92,9 +95,9 @@ class CpuAttention(TorchAttention):
 
     def decode(self, layer: int, q: torch.Tensor, plan: DecodeTables, out: torch.Tensor) -> None:
         k_cache, v_cache, k_scale, v_scale = self.storage.layer(layer)
-        native.paged_decode_attention(
-            q, k_cache, v_cache, plan.tables, plan.context_lens, self.storage.block_size, k_scale, v_scale, out=out
-        )
+        params = self.layers[layer]
+        native.paged_decode_attention(q, k_cache, v_cache, plan.tables, plan.context_lens, self.storage.block_size,
+                                      k_scale, v_scale, out, params.scale, params.window, params.softcap)
 
     def plan_prefills(self, tables: list[list[int]], starts: list[int], lens: list[int], first_row: int):
         if not self.prefill_kernel:
@@ -105,6 +108,5 @@ class CpuAttention(TorchAttention):
         if not self.prefill_kernel:
             return super().prefill(layer, q, k, v, plan, out)
         k_cache, v_cache, _, _ = self.storage.layer(layer)
-        native.paged_prefill_attention(
-            q, k_cache, v_cache, plan.tables, plan.rows, plan.lens, plan.starts, self.storage.block_size, out
-        )
+        native.paged_prefill_attention(q, k_cache, v_cache, plan.tables, plan.rows, plan.lens, plan.starts,
+                                       self.storage.block_size, out, self.layers[layer].scale)

@@ -24,20 +24,29 @@ import triton.language as tl
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
 
-def _shared_args(q, k_cache, v_cache, out, block_tables, block_size, k_scale, v_scale) -> tuple[tuple, dict]:
-    """What both kernels take after their own pointers: scales, softmax scale, strides; and the layout constants."""
+def _shared_args(q, k_cache, v_cache, out, block_tables, block_size, k_scale, v_scale, scale, window,
+                 softcap) -> tuple[tuple, dict]:
+    """What both kernels take after their own pointers: scales, softmax scale, window, cap, strides; and the
+    layout constants."""
     scaled = k_scale is not None
     args = (
-        k_scale if scaled else k_cache, v_scale if scaled else v_cache, q.shape[2] ** -0.5,
+        k_scale if scaled else k_cache, v_scale if scaled else v_cache, q.shape[2] ** -0.5 if scale is None else scale,
+        window, softcap or 1.0,
         q.stride(0), q.stride(1),
         k_cache.stride(1), k_cache.stride(0),
         out.stride(0), out.stride(1),
         block_tables.stride(0),
         k_scale.stride(0) if scaled else 0,
     )
-    layout = {"KV_SCALED": scaled, "GROUP": q.shape[1] // k_cache.shape[0], "HEAD_DIM": q.shape[2],
-              "BLOCK_SIZE": block_size}
+    layout = {"KV_SCALED": scaled, "CAPPED": bool(softcap), "GROUP": q.shape[1] // k_cache.shape[0],
+              "HEAD_DIM": q.shape[2], "BLOCK_SIZE": block_size}
     return args, layout
+
+
+@triton.jit
+def _soft_cap(scores, softcap):
+    """``softcap * tanh(scores / softcap)``, tanh written with exp (the interpreter and every backend have it)."""
+    return softcap * (2.0 / (1.0 + tl.exp(-2.0 * scores / softcap)) - 1.0)
 
 
 @triton.jit
@@ -51,12 +60,15 @@ def _decode_kernel(
     k_scale_ptr,  # [Hkv, S]: per-slot scales of an fp8 cache (KV_SCALED)
     v_scale_ptr,
     scale,
+    window,  # keys a query sees, its own included (0: all)
+    softcap,
     stride_qb, stride_qh,
     stride_ks, stride_kh,
     stride_ob, stride_oh,
     stride_tb,
     stride_sh,
     KV_SCALED: tl.constexpr,
+    CAPPED: tl.constexpr,  # scores soft-capped at softcap
     GROUP: tl.constexpr,  # query heads per kv head
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -73,7 +85,8 @@ def _decode_kernel(
     m_i = -float("inf")
     l_i = 0.0
     acc = tl.zeros([BLOCK_D], dtype=tl.float32)
-    for start in range(0, context, BLOCK_N):
+    first = tl.where(window > 0, tl.maximum(context - window, 0), 0)
+    for start in range(first, context, BLOCK_N):
         pos = start + tl.arange(0, BLOCK_N)
         valid = pos < context
         block = tl.load(tables_ptr + seq * stride_tb + pos // BLOCK_SIZE, mask=valid, other=0)
@@ -84,6 +97,8 @@ def _decode_kernel(
         if KV_SCALED:
             k = k * tl.load(k_scale_ptr + kv_head * stride_sh + slot, mask=valid, other=0.0).to(tl.float32)[:, None]
         scores = tl.sum(k * q[None, :], axis=1) * scale
+        if CAPPED:
+            scores = _soft_cap(scores, softcap)
         scores = tl.where(valid, scores, -float("inf"))
         m_new = tl.maximum(m_i, tl.max(scores, axis=0))
         p = tl.exp(scores - m_new)
@@ -108,6 +123,9 @@ def paged_decode_attention(
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
+    scale: float | None = None,
+    window: int = 0,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
     """One query per sequence over its paged context.
 
@@ -119,6 +137,9 @@ def paged_decode_attention(
         block_size: tokens per block.
         k_scale, v_scale: ``[Hkv, num_slots]`` scales of an fp8 cache (value = stored x scale), or None.
         out: ``[B, Hq, D]`` to write into (a new tensor if None).
+        scale: what scores are multiplied by (None: ``D ** -0.5``).
+        window: keys each query sees, its own included: the last ``window`` (0: all).
+        softcap: scores become ``softcap * tanh(score / softcap)`` before the softmax (0: not capped).
 
     Returns:
         ``out``, in q's dtype.
@@ -126,7 +147,8 @@ def paged_decode_attention(
     batch, num_heads, head_dim = q.shape
     if out is None:
         out = torch.empty_like(q)
-    args, layout = _shared_args(q, k_cache, v_cache, out, block_tables, block_size, k_scale, v_scale)
+    args, layout = _shared_args(q, k_cache, v_cache, out, block_tables, block_size, k_scale, v_scale, scale, window,
+                                softcap)
     _decode_kernel[(batch, num_heads)](
         q, k_cache, v_cache, out, block_tables, context_lens, *args, **layout,
         BLOCK_D=triton.next_power_of_2(head_dim),
@@ -148,12 +170,15 @@ def _prefill_kernel(
     k_scale_ptr,  # [Hkv, S]: per-slot scales of an fp8 cache (KV_SCALED)
     v_scale_ptr,
     scale,
+    window,
+    softcap,
     stride_qt, stride_qh,
     stride_ks, stride_kh,
     stride_ot, stride_oh,
     stride_tb,
     stride_sh,
     KV_SCALED: tl.constexpr,
+    CAPPED: tl.constexpr,
     GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -183,9 +208,10 @@ def _prefill_kernel(
         m_i = tl.full([BLOCK_M], -float("inf"), dtype=tl.float32)
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
         acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-        # keys up to the last query of this tile (causal)
+        # keys up to the last query of this tile (causal), from the first one its first query sees
         end = start + tl.minimum((tile + 1) * BLOCK_M, q_len)
-        for key_start in range(0, end, BLOCK_N):
+        key_first = tl.where(window > 0, tl.maximum(start + tile * BLOCK_M - window + 1, 0), 0)
+        for key_start in range(key_first, end, BLOCK_N):
             key_pos = key_start + tl.arange(0, BLOCK_N)
             key_valid = key_pos < end
             block = tl.load(tables_ptr + seq * stride_tb + key_pos // BLOCK_SIZE, mask=key_valid, other=0)
@@ -199,7 +225,10 @@ def _prefill_kernel(
             elif UPCAST_DOT:
                 k = k.to(tl.float32)
             scores = tl.dot(q, tl.trans(k)).to(tl.float32) * scale
+            if CAPPED:
+                scores = _soft_cap(scores, softcap)
             allowed = (key_pos[None, :] <= query_pos[:, None]) & key_valid[None, :]
+            allowed &= (window <= 0) | (key_pos[None, :] > query_pos[:, None] - window)
             scores = tl.where(allowed, scores, -float("inf"))
             m_new = tl.maximum(m_i, tl.max(scores, axis=1))
             # rows with nothing allowed yet keep m = -inf; avoid inf - inf
@@ -233,6 +262,9 @@ def paged_prefill_attention(
     out: torch.Tensor | None = None,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
+    scale: float | None = None,
+    window: int = 0,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
     """Prefill chunks attending causally over their paged context.
 
@@ -245,6 +277,8 @@ def paged_prefill_attention(
         max_q_len: the longest chunk.
         out: where to write (rows outside the chunks are left alone); a new tensor if None.
         k_scale, v_scale: ``[Hkv, num_slots]`` scales of an fp8 cache, or None.
+        scale, window, softcap: as ``paged_decode_attention`` takes them; each query sees the last ``window``
+            positions up to its own.
 
     Returns:
         ``out``.
@@ -254,7 +288,8 @@ def paged_prefill_attention(
         out = torch.empty_like(q)
     block_m = 16
     grid = (q_lens.shape[0], num_heads, triton.cdiv(max_q_len, block_m))
-    args, layout = _shared_args(q, k_cache, v_cache, out, block_tables, block_size, k_scale, v_scale)
+    args, layout = _shared_args(q, k_cache, v_cache, out, block_tables, block_size, k_scale, v_scale, scale, window,
+                                softcap)
     _prefill_kernel[grid](
         q, k_cache, v_cache, out, block_tables, q_rows, q_lens, starts, *args, **layout,
         BLOCK_D=max(16, triton.next_power_of_2(head_dim)),

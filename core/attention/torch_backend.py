@@ -40,16 +40,20 @@ class TorchAttention(AttentionBackend):
             # NOTE: index_select over whole blocks is ~4x faster than advanced indexing on CPU.
             blocks = torch.tensor(padded, dtype=torch.long, device=device).flatten()
             context = torch.tensor([context_lens[i] for i in rows], device=device)
-            mask = torch.arange(width * size, device=device) < context.unsqueeze(1)
-            groups.append((torch.tensor(rows, device=device), blocks, mask))
+            positions = torch.arange(width * size, device=device)
+            groups.append((torch.tensor(rows, device=device), blocks, positions, context.unsqueeze(1)))
         return groups
 
     def decode(self, layer: int, q: torch.Tensor, plan: list, out: torch.Tensor) -> None:
         k_cache, v_cache, k_scale, v_scale = self.storage.layer(layer)
-        for rows, blocks, mask in plan:
+        params = self.layers[layer]
+        for rows, blocks, positions, context in plan:
+            mask = positions < context
+            if params.window:
+                mask &= positions >= context - params.window
             keys = self._gather_blocks(k_cache, k_scale, blocks, rows.shape[0], q.dtype)
             values = self._gather_blocks(v_cache, v_scale, blocks, rows.shape[0], q.dtype)
-            out[rows] = decode_attention(q[rows], keys, values, mask)
+            out[rows] = decode_attention(q[rows], keys, values, mask, params.scale, params.softcap)
 
     def _gather_blocks(self, cache: torch.Tensor, scales: torch.Tensor | None, blocks: torch.Tensor, rows: int,
                        dtype: torch.dtype) -> torch.Tensor:
@@ -78,13 +82,15 @@ class TorchAttention(AttentionBackend):
     def prefill(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: list,
                 out: torch.Tensor) -> None:
         k_cache, v_cache, k_scale, v_scale = self.storage.layer(layer)
+        params = self.layers[layer]
         for row, n, start, context_slots in plan:
             if context_slots is None:  # a fresh prompt attends its own new keys
                 keys, values = k[row : row + n].transpose(0, 1), v[row : row + n].transpose(0, 1)
             else:
                 keys = gather_slots(k_cache, k_scale, context_slots, q.dtype)
                 values = gather_slots(v_cache, v_scale, context_slots, q.dtype)
-            out[row : row + n] = causal_attention(q[row : row + n], keys, values, start)
+            out[row : row + n] = causal_attention(q[row : row + n], keys, values, start, params.scale, params.window,
+                                                  params.softcap)
 
 
 def gather_slots(cache: torch.Tensor, scales: torch.Tensor | None, slots: torch.Tensor,

@@ -45,8 +45,9 @@ class TritonAttention(AttentionBackend):
         from conveyor.attention.kernels import paged_decode_attention
 
         k_cache, v_cache, k_scale, v_scale = self._layer(layer)
+        params = self.layers[layer]
         paged_decode_attention(q, k_cache, v_cache, plan.tables, plan.context_lens, self.storage.block_size,
-                               k_scale, v_scale, out=out)
+                               k_scale, v_scale, out, params.scale, params.window, params.softcap)
 
     def plan_prefills(self, tables: list[list[int]], starts: list[int], lens: list[int],
                       first_row: int) -> PrefillTables:
@@ -57,5 +58,7 @@ class TritonAttention(AttentionBackend):
         from conveyor.attention.kernels import paged_prefill_attention
 
         k_cache, v_cache, k_scale, v_scale = self._layer(layer)
+        params = self.layers[layer]
         paged_prefill_attention(q, k_cache, v_cache, plan.tables, plan.rows, plan.lens, plan.starts,
-                                self.storage.block_size, plan.max_len, out=out, k_scale=k_scale, v_scale=v_scale)
+                                self.storage.block_size, plan.max_len, out, k_scale, v_scale, params.scale,
+                                params.window, params.softcap)

@@ -83,9 +83,13 @@ class Executor(ABC):
 
     def load_model(self) -> ModelInfo:
         """Load every worker's share of the weights. The first worker's facts come back (it holds the
-        most layers, so its KV spec fits every worker), with the weight bytes of all of them."""
+        most layers, so its KV spec fits every worker), with the weight bytes of all of them and the
+        sliding window they share (0 unless all have the same)."""
         infos = self.collective_rpc("load_model")
-        return msgspec.structs.replace(infos[0], weight_bytes=sum(info.weight_bytes for info in infos))
+        # blocks go back behind a sliding window only where every worker's layers slide by the same one
+        windows = {info.kv_spec.sliding_window for info in infos}
+        kv_spec = msgspec.structs.replace(infos[0].kv_spec, sliding_window=windows.pop() if len(windows) == 1 else 0)
+        return msgspec.structs.replace(infos[0], kv_spec=kv_spec, weight_bytes=sum(info.weight_bytes for info in infos))
 
     def free_memory(self) -> int | None:
         """Bytes every worker has free for its KV cache (the smallest), or None where that is not measured."""

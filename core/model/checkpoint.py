@@ -14,6 +14,7 @@ from abc import ABC, abstractmethod
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from conveyor.model.families import spec_from_hf_config
 from conveyor.model.spec import ModelSpec
 
 if TYPE_CHECKING:
@@ -41,13 +42,56 @@ class Checkpoint(ABC):
     spec: ModelSpec
 
     @abstractmethod
+    def tensor(self, name: str) -> torch.Tensor:
+        """The float32 tensor stored under a Hugging Face name.
+
+        Raises:
+            KeyError: the checkpoint has no such tensor.
+        """
+
     def get(self, name: str) -> torch.Tensor:
-        """The float32 tensor stored under a Hugging Face name, e.g.
-        ``model.layers.0.self_attn.q_proj.weight``."""
+        """The float32 tensor of a Hugging Face name, e.g. ``model.layers.0.self_attn.q_proj.weight``;
+        q, k, v and gate, up are cut out of the fused tensors where the checkpoint stores them so (Phi-3)."""
+        try:
+            return self.tensor(name)
+        except KeyError:
+            fused = _fused(name)
+            if fused is None:
+                raise
+            whole, index, parts = fused
+            try:
+                tensor = self.tensor(whole)
+            except KeyError:
+                raise KeyError(f"{self.path}: tensor {name!r} is missing (and so is {whole!r})") from None
+            spec = self.spec
+            sizes = {"qkv": [spec.num_heads * spec.head_dim] + [spec.num_kv_heads * spec.head_dim] * 2,
+                     "gate_up": [spec.intermediate_size] * 2}[parts]
+            return tensor.split(sizes)[index]
 
     def rope_freq_factors(self) -> torch.Tensor | None:
         """Per-frequency RoPE divisors stored beside the weights, if any."""
         return None
+
+
+# a projection some checkpoints store fused -> (the fused projection, its index there, which fusion)
+_FUSED = {
+    "self_attn.q_proj": ("self_attn.qkv_proj", 0, "qkv"),
+    "self_attn.k_proj": ("self_attn.qkv_proj", 1, "qkv"),
+    "self_attn.v_proj": ("self_attn.qkv_proj", 2, "qkv"),
+    "mlp.gate_proj": ("mlp.gate_up_proj", 0, "gate_up"),
+    "mlp.up_proj": ("mlp.gate_up_proj", 1, "gate_up"),
+}
+
+
+def _fused(name: str) -> tuple[str, int, str] | None:
+    """Where a projection's weight (or bias) lies in a fused tensor: (its name, index, fusion), or None."""
+    prefix, _, rest = name.partition(".layers.")
+    layer, _, part = rest.partition(".")
+    projection, _, kind = part.rpartition(".")
+    if projection not in _FUSED:
+        return None
+    whole, index, parts = _FUSED[projection]
+    return f"{prefix}.layers.{layer}.{whole}.{kind}", index, parts
 
 
 def resolve_model_path(path: str) -> Path:
@@ -88,34 +132,6 @@ def open_checkpoint(path: str | Path) -> Checkpoint:
     raise ModelNotFoundError(f"model path {str(path)!r}: expected a .gguf file or a directory with config.json")
 
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
-
-
-def spec_from_hf_config(config: dict) -> ModelSpec:
-    """ModelSpec from a Hugging Face config.json dict."""
-    arch = (config.get("architectures") or ["?"])[0]
-    if arch not in SUPPORTED_ARCHITECTURES:
-        raise ValueError(f"architecture {arch!r} is not supported; supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
-    num_heads = config["num_attention_heads"]
-    hidden = config["hidden_size"]
-    return ModelSpec(
-        architecture=arch,
-        vocab_size=config["vocab_size"],
-        hidden_size=hidden,
-        intermediate_size=config["intermediate_size"],
-        num_layers=config["num_hidden_layers"],
-        num_heads=num_heads,
-        num_kv_heads=config.get("num_key_value_heads") or num_heads,
-        head_dim=config.get("head_dim") or hidden // num_heads,
-        rope_theta=float(config.get("rope_theta", (config.get("rope_parameters") or {}).get("rope_theta", 10000.0))),
-        rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
-        max_position_embeddings=config.get("max_position_embeddings", 2048),
-        tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
-        rope_scaling=config.get("rope_scaling") or config.get("rope_parameters"),
-        attention_bias=arch == "Qwen2ForCausalLM" or bool(config.get("attention_bias", False)),
-    )
-
-
 class SafetensorsCheckpoint(Checkpoint):
     """A Hugging Face directory: config.json + one or more *.safetensors."""
 
@@ -133,7 +149,7 @@ class SafetensorsCheckpoint(Checkpoint):
         self._files = [safe_open(str(f), framework="pt") for f in files]
         self._where = {name: f for f in self._files for name in f.keys()}
 
-    def get(self, name: str) -> torch.Tensor:
+    def tensor(self, name: str) -> torch.Tensor:
         if name == "lm_head.weight" and name not in self._where and self.spec.tie_word_embeddings:
             name = "model.embed_tokens.weight"
         try:

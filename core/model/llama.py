@@ -1,4 +1,11 @@
-"""A Llama-family decoder over a flat batch of tokens.
+"""The decoder of every family Conveyor runs, over a flat batch of tokens.
+
+Llama's block (RMSNorm, RoPE, GQA attention, a gated MLP) with each
+family's quirks switched on by the ``ModelSpec`` (``conveyor.model.families``
+reads them from the checkpoint): q/k norms (Qwen3, Gemma 3), norms around
+the attention and the MLP and a GeGLU MLP (Gemma), sliding windows and soft
+caps (handed to the attention backend as ``LayerAttention``), a scaled
+embedding and capped logits (Gemma 2).
 
 The forward pass takes the tokens of many sequences concatenated (no
 padding), their positions, and an ``attention`` callable that knows where
@@ -20,7 +27,7 @@ from conveyor import native
 from conveyor.model.checkpoint import Checkpoint
 from conveyor.model.formats import one_token_kernel, one_token_linear, packed_linear, prepack, prepacks
 from conveyor.model.graph_ops import linear_op, register_linear
-from conveyor.model.spec import ModelSpec
+from conveyor.model.spec import LayerAttention, ModelSpec
 from conveyor.quant import Params, QuantMethod
 from conveyor.worker.parallel import ParallelGroup, Placement
 
@@ -86,10 +93,10 @@ class Linear:
 class Rotary:
     """Rotary position embedding (the half-split layout of Hugging Face Llama)."""
 
-    def __init__(self, spec: ModelSpec, max_len: int, device: torch.device, freq_factors: torch.Tensor | None):
-        dim = spec.head_dim
-        inv_freq = 1.0 / (spec.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
-        inv_freq = _scale_inv_freq(inv_freq, spec.rope_scaling)
+    def __init__(self, dim: int, theta: float, scaling: dict | None, max_len: int, device: torch.device,
+                 freq_factors: torch.Tensor | None):
+        inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
+        inv_freq = _scale_inv_freq(inv_freq, scaling)
         if freq_factors is not None:
             inv_freq = inv_freq / freq_factors.to(torch.float64)
         angles = torch.outer(torch.arange(max_len, dtype=torch.float64), inv_freq)
@@ -151,8 +158,9 @@ class DecoderLayer:
         heads, kv_heads = placement.heads(spec.num_heads), placement.kv_heads(spec.num_kv_heads)
         columns = placement.split(spec.intermediate_size)
 
-        def norm(name: str) -> RMSNorm:
-            return RMSNorm(get(prefix + name).to(device=device, dtype=dtype), spec.rms_norm_eps, fused)
+        def norm(name: str, fuse: bool = fused) -> RMSNorm:
+            weight = get(prefix + name) + spec.norm_weight_offset
+            return RMSNorm(weight.to(device=device, dtype=dtype), spec.rms_norm_eps, fuse)
 
         def rows(t: torch.Tensor, part: range, unit: int = 1) -> torch.Tensor:
             return t[part.start * unit : part.stop * unit]
@@ -170,12 +178,21 @@ class DecoderLayer:
         self.q_size = self.num_heads * head_dim
         self.kv_size = self.num_kv_heads * head_dim
         self.input_norm = norm("input_layernorm.weight")
+        # (per head, on views of the qkv output: torch ops)
+        self.q_norm = norm("self_attn.q_norm.weight", False) if spec.qk_norm else None
+        self.k_norm = norm("self_attn.k_norm.weight", False) if spec.qk_norm else None
+        self.local_rope = bool(spec.local_rope_theta and spec.window(index))
         # Q, K, V in one matmul and gate, up in another: fewer, larger GEMMs.
         self.qkv = Linear(
             quant, torch.cat([rows(get(attn + p + ".weight"), part, head_dim) for p, part in qkv_parts]), qkv_bias
         )
         self.o_proj = Linear(quant, get(attn + "o_proj.weight"), inputs=_part(heads, head_dim, placement))
-        self.post_norm = norm("post_attention_layernorm.weight")
+        # Gemma: attention output -> post_attention_layernorm; the MLP: pre_ and post_feedforward_layernorm
+        self.attn_out_norm = norm("post_attention_layernorm.weight") if spec.sandwich_norms else None
+        self.post_norm = norm("pre_feedforward_layernorm.weight" if spec.sandwich_norms else
+                              "post_attention_layernorm.weight")
+        self.mlp_out_norm = norm("post_feedforward_layernorm.weight") if spec.sandwich_norms else None
+        self.activation = spec.activation
         mlp = prefix + "mlp."
         self.gate_up = Linear(
             quant, torch.cat([rows(get(mlp + "gate_proj.weight"), columns), rows(get(mlp + "up_proj.weight"), columns)])
@@ -192,7 +209,7 @@ class DecoderLayer:
         sin: torch.Tensor,
         attention: AttentionFn,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """One block over the residual stream ``h + delta``.
+        """One block over the residual stream ``h + delta`` (``cos``, ``sin``: its rotary tables).
 
         ``h`` is updated in place (the residual adds are folded into the norms);
         returns it and the MLP's output, which the next block (or the final norm) adds.
@@ -202,6 +219,8 @@ class DecoderLayer:
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(num_tokens, self.num_heads, self.head_dim)
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
         if self.fused:
             native.rotary_(q, cos, sin)
             native.rotary_(k, cos, sin)
@@ -210,14 +229,26 @@ class DecoderLayer:
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         out = attention(self.cache_index, q, k, v)
         attended = self.group.all_reduce(self.o_proj(out.reshape(num_tokens, self.q_size)))
+        if self.attn_out_norm is not None:
+            attended = self.attn_out_norm(attended)
         gate_up = self.gate_up(self.post_norm(h, attended))
-        if self.fused:
-            return h, self.group.all_reduce(self.down(native.silu_mul(gate_up)))
-        gate, up = gate_up.split(self.intermediate_size, dim=-1)
-        return h, self.group.all_reduce(self.down(F.silu(gate) * up))
+        if self.fused and self.activation == "silu":
+            mlp = self.group.all_reduce(self.down(native.silu_mul(gate_up)))
+        else:
+            gate, up = gate_up.split(self.intermediate_size, dim=-1)
+            if self.activation == "silu":
+                gate = F.silu(gate)
+            else:
+                gate = F.gelu(gate, approximate="tanh" if self.activation == "gelu_tanh" else "none")
+            mlp = self.group.all_reduce(self.down(gate * up))
+        return h, mlp if self.mlp_out_norm is None else self.mlp_out_norm(mlp)
 
     def linears(self) -> list[Linear]:
         return [self.qkv, self.o_proj, self.gate_up, self.down]
+
+    def norms(self) -> list[RMSNorm]:
+        norms = (self.input_norm, self.q_norm, self.k_norm, self.attn_out_norm, self.post_norm, self.mlp_out_norm)
+        return [n for n in norms if n is not None]
 
 
 def _part(part: range, unit: int, placement: Placement) -> slice | None:
@@ -257,7 +288,8 @@ class OutputHead:
 
 
 class LlamaModel:
-    """Llama / Mistral / Qwen2-style decoder (RMSNorm, RoPE, GQA, SwiGLU).
+    """Llama-style decoder (RMSNorm, RoPE, GQA, a gated MLP) with the quirks of the families in
+    ``conveyor.model.families``.
 
     Under pipeline parallelism a worker holds its stage's layers only (the
     first stage the embedding, the last the final norm and the output head);
@@ -302,11 +334,16 @@ class LlamaModel:
         self.norm: RMSNorm | None = None
         self.head: OutputHead | None = None
         if self.last_stage:
-            self.norm = RMSNorm(ckpt.get("model.norm.weight").to(device=device, dtype=dtype), spec.rms_norm_eps,
-                                fused)
+            weight = ckpt.get("model.norm.weight") + spec.norm_weight_offset
+            self.norm = RMSNorm(weight.to(device=device, dtype=dtype), spec.rms_norm_eps, fused)
             tied = spec.tie_word_embeddings
             self.head = OutputHead(self.embed if tied else self._vocab_shard(ckpt.get("lm_head.weight")), tied)
-        self.rotary = Rotary(spec, max_len, device, ckpt.rope_freq_factors())
+        self.rotary = Rotary(spec.head_dim, spec.rope_theta, spec.rope_scaling, max_len, device,
+                             ckpt.rope_freq_factors())
+        # Gemma 3's sliding-window layers: their own base, no scaling
+        self.local_rotary = None
+        if spec.local_rope_theta:
+            self.local_rotary = Rotary(spec.head_dim, spec.local_rope_theta, None, max_len, device, None)
 
     def _vocab_shard(self, table: torch.Tensor) -> torch.Tensor:
         """This worker's rows of an embedding-shaped table, zero-padded to the same count on every worker."""
@@ -346,11 +383,14 @@ class LlamaModel:
         """
         if carried is None:
             h, delta = self.embed_tokens(input_ids), None
+            if self.spec.embedding_multiplier != 1.0:  # (rounded to the model dtype first, as Gemma does)
+                h = h * torch.tensor(self.spec.embedding_multiplier, dtype=h.dtype)
         else:
             h, delta = carried[0], carried[1]
-        cos, sin = self.rotary.tables(positions, self.dtype)
+        tables = self.rotary.tables(positions, self.dtype)
+        local = self.local_rotary.tables(positions, self.dtype) if self.local_rotary is not None else tables
         for layer in self.layers:
-            h, delta = layer(h, delta, cos, sin, attention)
+            h, delta = layer(h, delta, *(local if layer.local_rope else tables), attention)
         if not self.last_stage:
             return torch.stack([h, delta])
         return self.norm(h, delta)
@@ -363,11 +403,20 @@ class LlamaModel:
         else:
             logits = self.head.apply(hidden)
         gathered = self.group.gather_vocab(logits, self.spec.vocab_size)
-        return gathered.float() if gathered is not None else None
+        if gathered is None:
+            return None
+        cap = self.spec.final_softcap
+        return gathered.float() if not cap else torch.tanh(gathered.float() / cap) * cap
+
+    def attention_layers(self) -> list[LayerAttention]:
+        """How each of this worker's layers attends (scale, sliding window, soft cap), by cache layer."""
+        spec = self.spec
+        return [LayerAttention(spec.softmax_scale, spec.window(layer.index), spec.attn_softcap)
+                for layer in self.layers]
 
     def num_weight_bytes(self) -> int:
         """Bytes of every weight this worker holds, as stored (quantized layers at their packed size)."""
-        norms = [w for layer in self.layers for w in (layer.input_norm.weight, layer.post_norm.weight)]
+        norms = [norm.weight for layer in self.layers for norm in layer.norms()]
         dense = [self.embed, self.norm.weight if self.norm else None, *norms]
         if self.head is not None and self.head.weight is not self.embed:  # (a tied head reads one copy a step)
             dense.append(self.head.weight if self.head.packed is None else self.head.packed)

@@ -1,6 +1,8 @@
-"""The architecture hyperparameters of a Llama-family checkpoint."""
+"""The architecture hyperparameters of a decoder checkpoint, quirks of each family included."""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import msgspec
 
@@ -23,3 +25,44 @@ class ModelSpec(msgspec.Struct, frozen=True):
     rope_scaling: dict | None = None
     # bias on the q/k/v projections (Qwen2)
     attention_bias: bool = False
+    # q and k RMS-normed per head before the rotary embedding (Qwen3, Gemma 3)
+    qk_norm: bool = False
+    # norms scale by (offset + weight): Gemma stores weight - 1 (the loader adds the offset back)
+    norm_weight_offset: float = 0.0
+    # Gemma 2/3: the attention's and the MLP's outputs are normed before they join the residual stream
+    # (post_attention_layernorm, post_feedforward_layernorm; the MLP's input norm is pre_feedforward_layernorm)
+    sandwich_norms: bool = False
+    # the MLP gate's activation: "silu" (SwiGLU), "gelu_tanh" or "gelu" (GeGLU)
+    activation: str = "silu"
+    # the embeddings are multiplied by this (Gemma: sqrt(hidden_size))
+    embedding_multiplier: float = 1.0
+    # what q . k is multiplied by; 0: head_dim ** -0.5
+    attention_scale: float = 0.0
+    # attention scores and final logits soft-capped: c * tanh(x / c) (Gemma 2; 0: not capped)
+    attn_softcap: float = 0.0
+    final_softcap: float = 0.0
+    # per layer, the keys a query sees, its own included (a sliding window); 0 for global attention.
+    # Empty: every layer global.
+    layer_windows: tuple[int, ...] = ()
+    # Gemma 3: the rotary base of the sliding-window layers (without rope scaling); 0: rope_theta everywhere
+    local_rope_theta: float = 0.0
+
+    def window(self, layer: int) -> int:
+        """Layer ``layer``'s sliding window (0: global attention)."""
+        return self.layer_windows[layer] if self.layer_windows else 0
+
+    @property
+    def softmax_scale(self) -> float:
+        return self.attention_scale or self.head_dim**-0.5
+
+
+@dataclass(frozen=True)
+class LayerAttention:
+    """How one layer attends (the model's choice; Llama's is the scale alone)."""
+
+    # what q . k is multiplied by (head_dim ** -0.5 for most models)
+    scale: float
+    # keys each query sees, its own included: a sliding window (0: every key before it)
+    window: int = 0
+    # scores become softcap * tanh(score / softcap) before the softmax (Gemma 2; 0: not capped)
+    softcap: float = 0.0

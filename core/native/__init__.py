@@ -131,6 +131,9 @@ def paged_decode_attention(
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
+    scale: float | None = None,
+    window: int = 0,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
     """Attention of one query per sequence over its paged keys and values, read in place.
 
@@ -142,6 +145,9 @@ def paged_decode_attention(
         context_lens: ``[B]`` int32 keys per sequence.
         k_scale, v_scale: ``[Hkv, slots]`` bfloat16 per-token scales of an fp8 cache.
         out: ``[B, Hq, D]`` to write into (a new tensor if None).
+        scale: what scores are multiplied by (None: ``D ** -0.5``).
+        window: keys each query sees, its own included: the last ``window`` (0: all).
+        softcap: scores become ``softcap * tanh(score / softcap)`` before the softmax (0: not capped).
 
     Returns:
         ``[B, Hq, D]`` in q's dtype.
@@ -150,7 +156,8 @@ def paged_decode_attention(
     if out is None:
         out = torch.empty_like(q)
     ops.paged_decode_attention(
-        q, k_cache, v_cache, k_scale, v_scale, block_tables, context_lens, block_size, q.shape[-1] ** -0.5, out
+        q, k_cache, v_cache, k_scale, v_scale, block_tables, context_lens, block_size,
+        q.shape[-1] ** -0.5 if scale is None else scale, window, softcap, out,
     )
     return out
 
@@ -170,6 +177,7 @@ def paged_prefill_attention(
     starts: torch.Tensor,
     block_size: int,
     out: torch.Tensor,
+    scale: float | None = None,
 ) -> torch.Tensor:
     """Causal attention of prompt chunks over their paged keys and values (the chunks' own K, V already stored).
 
@@ -180,9 +188,11 @@ def paged_prefill_attention(
         q_rows, q_lens, starts: ``[S]`` int32: first row, length, and position of the first query
             (the tokens already cached before the chunk).
         out: ``[T, Hq, D]``; only the chunks' rows are written.
+        scale: what scores are multiplied by (None: ``D ** -0.5``).
     """
     _ops().paged_prefill_attention(
-        q, k_cache, v_cache, block_tables, q_rows, q_lens, starts, block_size, q.shape[-1] ** -0.5, out
+        q, k_cache, v_cache, block_tables, q_rows, q_lens, starts, block_size,
+        q.shape[-1] ** -0.5 if scale is None else scale, out,
     )
     return out
 

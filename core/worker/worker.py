@@ -101,8 +101,9 @@ class Worker:
                                 self.group)
         # this worker's layers and KV heads; every worker's pool has the same number of blocks
         first = self.model.layers[0]
+        windows = {spec.window(layer.index) for layer in self.model.layers}
         kv_spec = KVCacheSpec(len(self.model.layers), first.num_kv_heads, spec.head_dim, config.model.dtype,
-                              max_model_len)
+                              max_model_len, sliding_window=windows.pop() if len(windows) == 1 else 0)
         return ModelInfo(max_model_len, kv_spec, str(self.device), self.backend_class.name,
                          self.model.num_weight_bytes())
 
@@ -124,7 +125,7 @@ class Worker:
     def init_kv_cache(self, layout: KVCacheLayout) -> None:
         """Allocate the KV cache pool and set up the backend and the runner over it."""
         storage = KVStorage(layout, self.device)
-        backend = self.backend_class(storage)
+        backend = self.backend_class(storage, self.model.attention_layers())
         compiled = None
         if self.compile:
             use_inductor_cache(native.cache_root())

@@ -34,7 +34,7 @@ def block_digest(parent: bytes, tokens: Sequence[int]) -> bytes:
 class _Table:
     """A request's blocks and how many of them are registered in the prefix cache."""
 
-    __slots__ = ("blocks", "digest", "num_hashed", "num_tokens")
+    __slots__ = ("blocks", "digest", "num_dropped", "num_hashed", "num_tokens")
 
     def __init__(self, blocks: list[int], digest: bytes):
         self.blocks = blocks
@@ -43,6 +43,8 @@ class _Table:
         self.digest = digest
         # tokens stored (after this step's allocation)
         self.num_tokens = 0
+        # leading blocks given back because they fell behind the sliding window
+        self.num_dropped = 0
 
 
 class PagedKVCache(KVCacheManager):
@@ -52,6 +54,9 @@ class PagedKVCache(KVCacheManager):
     their end. A new request whose tokens start the same way shares those
     blocks (ref counts) instead of recomputing them. Freed blocks keep their
     contents and stay findable until they are reused, least recently used first.
+    With a sliding window on every layer, blocks that fall wholly behind a
+    request's window go back to the pool as it grows (its table points them
+    at the spare block), so a request holds about ``window`` tokens of blocks.
     """
 
     name = "paged"
@@ -121,6 +126,8 @@ class PagedKVCache(KVCacheManager):
                 self.num_prefix_hits += len(claimed) * self.block_size
         else:
             self._register_full_blocks(request, table)
+            if self.spec.sliding_window:
+                self._drop_behind_window(request.num_computed_tokens, table)
             needed = self._blocks_for(request.num_computed_tokens + num_new_tokens) - len(table.blocks)
             if needed > len(self.free_blocks):
                 return False
@@ -138,6 +145,21 @@ class PagedKVCache(KVCacheManager):
             self.block_digests[block] = None
         self.ref_counts[block] = 1
         return block
+
+    def _drop_behind_window(self, first_query: int, table: _Table) -> None:
+        """Give back the blocks no query from position ``first_query`` on sees (registered blocks stay
+        findable in the prefix cache until they are reused)."""
+        # the first key position ``first_query`` sees
+        first_key = first_query - self.spec.sliding_window + 1
+        for i in range(table.num_dropped, max(0, first_key) // self.block_size):
+            self._release(table.blocks[i])
+            table.blocks[i] = self.num_blocks  # the spare block: a placeholder no kernel reads
+        table.num_dropped = max(table.num_dropped, max(0, first_key) // self.block_size)
+
+    def _release(self, block: int) -> None:
+        self.ref_counts[block] -= 1
+        if self.ref_counts[block] == 0:
+            self.free_blocks[block] = None
 
     def _register_full_blocks(self, request: Request, table: _Table) -> None:
         """Make the request's newly completed blocks findable by later requests."""
@@ -164,10 +186,8 @@ class PagedKVCache(KVCacheManager):
             return
         self._register_full_blocks(request, table)
         # Tail blocks first, so they are evicted before the shared prefix blocks.
-        for block in reversed(table.blocks):
-            self.ref_counts[block] -= 1
-            if self.ref_counts[block] == 0:
-                self.free_blocks[block] = None
+        for block in reversed(table.blocks[table.num_dropped :]):
+            self._release(block)
 
     def stats(self) -> KVCacheStats:
         return KVCacheStats(

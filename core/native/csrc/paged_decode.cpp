@@ -39,25 +39,35 @@ struct E4M3Table {
 };
 const E4M3Table kE4M3;
 
-// Calls visit(position, slot) for positions [0, len) of a sequence, through its block table.
+// Calls visit(position, slot) for positions [first, len) of a sequence, through its block table.
 template <typename F>
-inline void for_each_slot(const int32_t* table, int64_t len, int64_t block_size, F&& visit) {
-  for (int64_t start = 0; start < len; start += block_size) {
-    const int64_t first_slot = int64_t(table[start / block_size]) * block_size;
-    const int64_t n = std::min(block_size, len - start);
-    for (int64_t j = 0; j < n; ++j) visit(start + j, first_slot + j);
+inline void for_each_slot(const int32_t* table, int64_t first, int64_t len, int64_t block_size, F&& visit) {
+  for (int64_t pos = first; pos < len;) {
+    const int64_t offset = pos % block_size;
+    const int64_t first_slot = int64_t(table[pos / block_size]) * block_size + offset;
+    const int64_t n = std::min(block_size - offset, len - pos);
+    for (int64_t j = 0; j < n; ++j) visit(pos + j, first_slot + j);
+    pos += n;
   }
 }
 
-// scores [rows, len] -> exp(score - row max) in place; sums[r] = the row's total.
-inline void softmax_numerators(float* scores, int64_t rows, int64_t len, float* sums) {
+// The first key a query at position len - 1 sees: all of them, or the last `window` (a sliding window).
+inline int64_t first_key(int64_t len, int64_t window) { return window > 0 ? std::max<int64_t>(0, len - window) : 0; }
+
+// scores [rows, stride], positions [first, len) of each row -> exp(score - row max) in place (soft-capped
+// first where softcap > 0); sums[r] = the row's total.
+inline void softmax_numerators(float* scores, int64_t rows, int64_t stride, int64_t first, int64_t len,
+                               float softcap, float* sums) {
   for (int64_t r = 0; r < rows; ++r) {
-    float* s = scores + r * len;
+    float* s = scores + r * stride;
+    if (softcap > 0.0f) {
+      for (int64_t t = first; t < len; ++t) s[t] = softcap * std::tanh(s[t] / softcap);
+    }
     float top = std::numeric_limits<float>::lowest();
-    for (int64_t t = 0; t < len; ++t) top = std::max(top, s[t]);
+    for (int64_t t = first; t < len; ++t) top = std::max(top, s[t]);
     float sum = 0.0f;
 #pragma omp simd reduction(+ : sum)
-    for (int64_t t = 0; t < len; ++t) {
+    for (int64_t t = first; t < len; ++t) {
       s[t] = std::exp(s[t] - top);
       sum += s[t];
     }
@@ -97,13 +107,13 @@ inline void load_row<uint8_t>(const uint8_t* src, float* dst, int64_t n) {
 // dpbf16 (exact bf16 products, float32 sums), values accumulated in float32
 // registers for up to kGroup query heads at a time.
 template <int kHeadDim, int kGroup>
-inline void accumulate_values(const uint16_t* v_head, const int32_t* table, int64_t len, int64_t block_size,
-                              const float* probs, int64_t stride, float* out) {
+inline void accumulate_values(const uint16_t* v_head, const int32_t* table, int64_t first, int64_t len,
+                              int64_t block_size, const float* probs, int64_t stride, float* out) {
   constexpr int kVectors = kHeadDim / 16;
   __m512 acc[kGroup][kVectors];
   for (int g = 0; g < kGroup; ++g)
     for (int i = 0; i < kVectors; ++i) acc[g][i] = _mm512_setzero_ps();
-  for_each_slot(table, len, block_size, [&](int64_t t, int64_t slot) {
+  for_each_slot(table, first, len, block_size, [&](int64_t t, int64_t slot) {
     const uint16_t* row = v_head + slot * kHeadDim;
     __m512 p[kGroup];
     for (int g = 0; g < kGroup; ++g) p[g] = _mm512_set1_ps(probs[g * stride + t]);
@@ -145,11 +155,13 @@ inline __m512 sum_lanes16(const __m512 v[16]) {
 
 template <int kHeadDim>
 void attend_bf16(const uint16_t* q_rows, int64_t group, const uint16_t* k_head, const uint16_t* v_head,
-                 const int32_t* table, int64_t len, int64_t block_size, float scale, float* scores, float* out) {
+                 const int32_t* table, int64_t first, int64_t len, int64_t block_size, float scale, float softcap,
+                 float* scores, float* out) {
   constexpr int kVectors = kHeadDim / 32;
   const __m512 scale_v = _mm512_set1_ps(scale);
-  // scores[g, t] = q_g . k_t * scale: 16 keys at a time where a block holds them back to back
-  for (int64_t start = 0; start < len; start += block_size) {
+  // scores[g, t] = q_g . k_t * scale: 16 keys at a time where a block holds them back to back (from the start
+  // of first's block; the softmax skips positions before first)
+  for (int64_t start = first - first % block_size; start < len; start += block_size) {
     const int64_t first_slot = int64_t(table[start / block_size]) * block_size;
     const int64_t n = std::min(block_size, len - start);
     // Blocks lie anywhere in the cache, too short for the hardware prefetcher to get going: ask for the
@@ -189,16 +201,16 @@ void attend_bf16(const uint16_t* q_rows, int64_t group, const uint16_t* k_head, 
   }
   // softmax numerators; the sums divide at the end
   float sums[64];
-  softmax_numerators(scores, group, len, sums);
+  softmax_numerators(scores, group, len, first, len, softcap, sums);
   constexpr int kChunk = kHeadDim == 64 ? 4 : 2;  // 16 accumulator registers
   for (int64_t g = 0; g < group; g += kChunk) {
     const float* probs = scores + g * len;
     float* dst = out + g * kHeadDim;
     switch (std::min<int64_t>(kChunk, group - g)) {
-      case 1: accumulate_values<kHeadDim, 1>(v_head, table, len, block_size, probs, len, dst); break;
-      case 2: accumulate_values<kHeadDim, 2>(v_head, table, len, block_size, probs, len, dst); break;
-      case 3: accumulate_values<kHeadDim, 3>(v_head, table, len, block_size, probs, len, dst); break;
-      default: accumulate_values<kHeadDim, 4>(v_head, table, len, block_size, probs, len, dst); break;
+      case 1: accumulate_values<kHeadDim, 1>(v_head, table, first, len, block_size, probs, len, dst); break;
+      case 2: accumulate_values<kHeadDim, 2>(v_head, table, first, len, block_size, probs, len, dst); break;
+      case 3: accumulate_values<kHeadDim, 3>(v_head, table, first, len, block_size, probs, len, dst); break;
+      default: accumulate_values<kHeadDim, 4>(v_head, table, first, len, block_size, probs, len, dst); break;
     }
   }
   for (int64_t g = 0; g < group; ++g) {
@@ -231,7 +243,7 @@ int32_t max_context(const int32_t* lens, int64_t batch) {
 template <int kHeadDim>
 void decode_bf16(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                  const at::Tensor& block_tables, const at::Tensor& context_lens, int64_t block_size,
-                 double softmax_scale, at::Tensor& out) {
+                 double softmax_scale, int64_t window, double softcap, at::Tensor& out) {
   const int64_t batch = q.size(0), num_heads = q.size(1), num_kv_heads = k_cache.size(0);
   const int64_t num_slots = k_cache.size(1), group = num_heads / num_kv_heads, width = block_tables.size(1);
   const uint16_t* q_ptr = reinterpret_cast<const uint16_t*>(q.data_ptr<c10::BFloat16>());
@@ -245,8 +257,8 @@ void decode_bf16(const at::Tensor& q, const at::Tensor& k_cache, const at::Tenso
   for_each_item(lens, batch, num_kv_heads, scores_floats + group * kHeadDim, [&](int64_t b, int64_t h, float* scratch) {
     float* result = scratch + scores_floats;
     attend_bf16<kHeadDim>(q_ptr + b * q_stride + h * group * kHeadDim, group, k_ptr + h * num_slots * kHeadDim,
-                          v_ptr + h * num_slots * kHeadDim, tables + b * width, lens[b], block_size,
-                          static_cast<float>(softmax_scale), scratch, result);
+                          v_ptr + h * num_slots * kHeadDim, tables + b * width, first_key(lens[b], window), lens[b],
+                          block_size, static_cast<float>(softmax_scale), static_cast<float>(softcap), scratch, result);
     c10::BFloat16* dst = out_ptr + b * out_stride + h * group * kHeadDim;
     for (int64_t i = 0; i < group * kHeadDim; ++i) dst[i] = c10::BFloat16(result[i]);
   });
@@ -258,7 +270,7 @@ template <typename T, int kHeadDim>
 void decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
             const c10::optional<at::Tensor>& k_scale, const c10::optional<at::Tensor>& v_scale,
             const at::Tensor& block_tables, const at::Tensor& context_lens, int64_t block_size, double softmax_scale,
-            at::Tensor& out) {
+            int64_t window, double softcap, at::Tensor& out) {
   const int64_t batch = q.size(0), num_heads = q.size(1), head_dim = kHeadDim ? kHeadDim : q.size(2);
   const int64_t num_kv_heads = k_cache.size(0), num_slots = k_cache.size(1);
   const int64_t group = num_heads / num_kv_heads, table_width = block_tables.size(1);
@@ -284,7 +296,7 @@ void decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
     float* row = acc + group * head_dim;
     float* qs = row + head_dim;
     float* sums = qs + group * head_dim;
-    const int64_t len = lens[b];
+    const int64_t len = lens[b], first = first_key(len, window);
     const int32_t* table = tables + b * table_width;
     const float* q_rows = q_ptr + (b * num_heads + h * group) * head_dim;
     for (int64_t i = 0; i < group * head_dim; ++i) qs[i] = q_rows[i] * scale;
@@ -292,7 +304,7 @@ void decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
     const T* v_head = v_ptr + h * num_slots * head_dim;
     const int64_t scale_offset = h * num_slots;
     // scores[g, t] = q_g . k_t (scaled)
-    for_each_slot(table, len, block_size, [&](int64_t t, int64_t slot) {
+    for_each_slot(table, first, len, block_size, [&](int64_t t, int64_t slot) {
       load_row<T>(k_head + slot * head_dim, row, head_dim);
       const float row_scale = scaled ? static_cast<float>(ks_ptr[scale_offset + slot]) : 1.0f;
       for (int64_t g = 0; g < group; ++g) {
@@ -303,10 +315,10 @@ void decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
         scores[g * len + t] = dot * row_scale;
       }
     });
-    softmax_numerators(scores, group, len, sums);
+    softmax_numerators(scores, group, len, first, len, static_cast<float>(softcap), sums);
     // acc[g] = sum_t p[g, t] v_t
     std::fill(acc, acc + group * head_dim, 0.0f);
-    for_each_slot(table, len, block_size, [&](int64_t t, int64_t slot) {
+    for_each_slot(table, first, len, block_size, [&](int64_t t, int64_t slot) {
       load_row<T>(v_head + slot * head_dim, row, head_dim);
       const float row_scale = scaled ? static_cast<float>(vs_ptr[scale_offset + slot]) : 1.0f;
       for (int64_t g = 0; g < group; ++g) {
@@ -328,7 +340,7 @@ void decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
 void paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                             const c10::optional<at::Tensor>& k_scale, const c10::optional<at::Tensor>& v_scale,
                             const at::Tensor& block_tables, const at::Tensor& context_lens, int64_t block_size,
-                            double softmax_scale, at::Tensor out) {
+                            double softmax_scale, int64_t window, double softcap, at::Tensor out) {
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 3 && v_cache.dim() == 3, "q [B, Hq, D], caches [Hkv, slots, D]");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "the KV caches must be contiguous");
   TORCH_CHECK(k_cache.sizes() == v_cache.sizes() && k_cache.scalar_type() == v_cache.scalar_type(),
@@ -359,9 +371,9 @@ void paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache, cons
   if (k_cache.scalar_type() == at::kBFloat16 && q.scalar_type() == at::kBFloat16 &&
       out.scalar_type() == at::kBFloat16 && rows_of_heads(q) && rows_of_heads(out)) {
     if (q.size(2) == 64) return decode_bf16<64>(q, k_cache, v_cache, block_tables, context_lens, block_size,
-                                                softmax_scale, out);
+                                                softmax_scale, window, softcap, out);
     if (q.size(2) == 128) return decode_bf16<128>(q, k_cache, v_cache, block_tables, context_lens, block_size,
-                                                  softmax_scale, out);
+                                                  softmax_scale, window, softcap, out);
   }
 #endif
   const auto run = [&](auto element) {
@@ -369,13 +381,13 @@ void paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache, cons
     switch (q.size(2)) {
       case 64:
         return decode<T, 64>(q, k_cache, v_cache, k_scale, v_scale, block_tables, context_lens, block_size,
-                             softmax_scale, out);
+                             softmax_scale, window, softcap, out);
       case 128:
         return decode<T, 128>(q, k_cache, v_cache, k_scale, v_scale, block_tables, context_lens, block_size,
-                              softmax_scale, out);
+                              softmax_scale, window, softcap, out);
       default:
         return decode<T, 0>(q, k_cache, v_cache, k_scale, v_scale, block_tables, context_lens, block_size,
-                            softmax_scale, out);
+                            softmax_scale, window, softcap, out);
     }
   };
   switch (k_cache.scalar_type()) {
@@ -398,7 +410,8 @@ void paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache, cons
 TORCH_LIBRARY(conveyor_cpu, m) {
   m.def(
       "paged_decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor? k_scale, Tensor? v_scale, "
-      "Tensor block_tables, Tensor context_lens, int block_size, float softmax_scale, Tensor(a!) out) -> ()");
+      "Tensor block_tables, Tensor context_lens, int block_size, float softmax_scale, int window, float softcap, "
+      "Tensor(a!) out) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(conveyor_cpu, CPU, m) { m.impl("paged_decode_attention", &paged_decode_attention); }

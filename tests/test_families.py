@@ -1,0 +1,213 @@
+"""Every model family against transformers on tiny random checkpoints made here, with the family's quirks
+switched on: a sliding window shorter than the prompts, soft caps, q/k norms, fused weights, Gemma's norms."""
+
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import pytest
+import torch
+
+from conveyor import native
+from conveyor.llm import LLM
+from conveyor.model.checkpoint import open_checkpoint
+from conveyor.model.llama import LlamaModel
+from conveyor.plugins.quant.none import NoQuant
+from conveyor.sampling import SamplingParams
+from tests.conftest import hf_greedy
+from tests.gguf_writer import write_gguf
+from tests.helpers import assert_matches_reference, dense_attention
+
+TINY = {
+    "vocab_size": 96,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 128,
+    "head_dim": 16,
+}
+WINDOW = 8  # shorter than most prompts below
+
+# family -> (transformers config and model class names, what the tiny checkpoint switches on)
+FAMILIES = {
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {}),
+    "qwen3-sliding": ("Qwen3Config", "Qwen3ForCausalLM",
+                      {"use_sliding_window": True, "sliding_window": WINDOW, "max_window_layers": 1}),
+    "mistral-sliding": ("MistralConfig", "MistralForCausalLM", {"sliding_window": WINDOW}),
+    "phi3": ("Phi3Config", "Phi3ForCausalLM",
+             {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2, "sliding_window": WINDOW}),
+    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM",
+               {"sliding_window": WINDOW, "attn_logit_softcapping": 1.5, "final_logit_softcapping": 4.0,
+                "query_pre_attn_scalar": 24}),
+    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM",
+               {"sliding_window": WINDOW, "layer_types": ["sliding_attention", "full_attention"],
+                "query_pre_attn_scalar": 24}),
+}
+SEQUENCES = [[5, 17, 3, 88, 41, 2, 9, 60, 1, 33, 12, 70, 8, 8, 19, 54, 3, 90, 27, 4], [60, 1, 33], list(range(30, 43))]
+
+
+def tiny_model(family: str):
+    import transformers
+
+    config_name, model_name, quirks = FAMILIES[family]
+    torch.manual_seed(0)
+    config = getattr(transformers, config_name)(**TINY, initializer_range=0.1, **quirks)
+    model = getattr(transformers, model_name)(config)
+    offset = 1.0 if family.startswith("gemma") else 0.0  # Gemma scales by 1 + weight
+    with torch.no_grad():  # random norms, so a swapped or missing norm weight shows
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.uniform_(0.5 - offset, 1.5 - offset)
+    return model.eval()
+
+
+@pytest.fixture(scope="module", params=list(FAMILIES))
+def family(request, tmp_path_factory, tokenizer):
+    """(name, transformers model, checkpoint directory with the SmolLM2 tokenizer: ids < 96 in and out)."""
+    model = tiny_model(request.param)
+    path = tmp_path_factory.mktemp(request.param)
+    model.save_pretrained(path)
+    tokenizer.hf.save(str(path / "tokenizer.json"))
+    return request.param, model, path
+
+
+def conveyor_logits(path, sequences: list[list[int]], fused: bool) -> torch.Tensor:
+    model = LlamaModel(open_checkpoint(path), NoQuant(None, torch.float32, torch.device("cpu")), torch.float32,
+                       torch.device("cpu"), 128, fused=fused)
+    ids = torch.tensor([t for s in sequences for t in s])
+    positions = torch.tensor([p for s in sequences for p in range(len(s))])
+    attention = dense_attention([len(s) for s in sequences], model.attention_layers())
+    with torch.inference_mode():
+        return model.compute_logits(model.forward(ids, positions, attention))
+
+
+@pytest.mark.parametrize(
+    "fused",
+    [False, pytest.param(True, marks=pytest.mark.skipif(not native.load(), reason="no C++ compiler"))],
+    ids=["torch-ops", "cpu-kernels"],
+)
+def test_logits_match_transformers(family, fused):
+    name, model, path = family
+    with torch.inference_mode():
+        expected = torch.cat([model(torch.tensor([s])).logits[0] for s in SEQUENCES])
+    ours = conveyor_logits(path, SEQUENCES, fused)
+    print(f"{name}: max |logit difference| {float((ours - expected).abs().max()):.2e}")
+    torch.testing.assert_close(ours, expected, rtol=1e-4, atol=1e-4)
+
+
+PROMPTS = [SEQUENCES[0], SEQUENCES[1], SEQUENCES[2], [7] * 25, list(range(50, 90)), [44, 45]]
+PROMPTS += [[t + 1 for t in p] for p in PROMPTS]
+NUM_TOKENS = 32
+
+
+@pytest.mark.parametrize("attention", ["torch", "cpu"])
+def test_greedy_decoding_matches_transformers_alone_and_in_a_preempting_batch(family, attention):
+    """32 greedy tokens per prompt, each prompt alone and then all twelve at once in small steps (prompts in
+    chunks of at most 16 tokens) with too few KV blocks for all (preemption; 18 blocks of 4 tokens hold the
+    longest request alone): transformers' tokens, or a near tie at the first difference."""
+    name, model, path = family
+    if attention == "cpu" and not native.load():
+        pytest.skip("no C++ compiler")
+    references = [hf_greedy(model, prompt, NUM_TOKENS) for prompt in PROMPTS]
+    params = SamplingParams(max_tokens=NUM_TOKENS, temperature=0, ignore_eos=True, logprobs=5)
+    overrides = {"model.path": str(path), "model.dtype": "float32", "model.max_model_len": 128,
+                 "engine.attention": attention, "kvcache.block_size": 4, "kvcache.num_blocks": 18,
+                 "scheduler.max_num_batched_tokens": 16}
+    with LLM(overrides=overrides) as llm:
+        alone = [llm.generate([prompt], params)[0] for prompt in PROMPTS]
+        batch = llm.generate(PROMPTS, params)
+        preemptions = llm.engine.scheduler.counters.num_preemptions
+    assert preemptions > 0, "the batch was meant to run out of KV blocks"
+    for i, (ref_tokens, ref_logprobs) in enumerate(references):
+        assert_matches_reference(alone[i], ref_tokens, ref_logprobs, f"{name}, prompt {i} alone")
+        assert_matches_reference(batch[i], ref_tokens, ref_logprobs, f"{name}, prompt {i} in the batch")
+
+
+def test_kv_blocks_behind_a_sliding_window_go_back_to_the_pool(family):
+    """A 40-token prompt and 60 greedy tokens (transformers' tokens), one request: where every layer slides
+    (Mistral, Phi-3), the blocks it holds at each step stay within what its window and the step's tokens
+    touch; where some layers are global (Gemma, Qwen's max_window_layers), every block stays."""
+    name, model, path = family
+    prompt, window, size, budget = list(range(20, 60)), WINDOW, 4, 16
+    ref_tokens, ref_logprobs = hf_greedy(model, prompt, 60)
+    overrides = {"model.path": str(path), "model.dtype": "float32", "model.max_model_len": 128,
+                 "kvcache.block_size": size, "kvcache.num_blocks": 64, "scheduler.max_num_batched_tokens": budget}
+    with LLM(overrides=overrides) as llm:
+        step, held = llm.engine.step, []
+
+        def recording_step():
+            outputs, stats = step()
+            if stats is not None:
+                held.append(stats.kv.num_blocks - stats.kv.num_free_blocks)
+            return outputs, stats
+
+        llm.engine.step = recording_step
+        [ours] = llm.generate([prompt], SamplingParams(max_tokens=60, temperature=0, ignore_eos=True, logprobs=5))
+        sliding = llm.engine.kvcache.spec.sliding_window
+    assert_matches_reference(ours, ref_tokens, ref_logprobs, name)
+    if name in ("mistral-sliding", "phi3"):
+        assert sliding == window
+        # the window, the step's tokens and a block boundary on either side
+        assert max(held) <= -(-(window + budget) // size) + 1, held
+    else:
+        assert sliding == 0
+        assert max(held) == -(-(len(prompt) + 59) // size)
+
+
+def test_gguf_of_each_family_matches_transformers(family, tmp_path):
+    """The same checkpoint written as llama.cpp writes it (names from the gguf package's map, Gemma's norms
+    with +1, Phi-3's fused projections) loads with the same logits. Qwen's per-layer windows have no GGUF
+    form (llama.cpp runs Qwen without them): not written."""
+    name, model, _ = family
+    if name == "qwen3-sliding":
+        pytest.skip("GGUF has no per-layer window for Qwen")
+    path = tmp_path / f"{name}.gguf"
+    write_gguf(path, model, gguf.GGMLQuantizationType.F32)
+    with torch.inference_mode():
+        expected = torch.cat([model(torch.tensor([s])).logits[0] for s in SEQUENCES])
+    ours = conveyor_logits(path, SEQUENCES, fused=False)
+    print(f"{name} (GGUF): max |logit difference| {float((ours - expected).abs().max()):.2e}")
+    torch.testing.assert_close(ours, expected, rtol=1e-4, atol=1e-4)
+
+
+def test_an_unsupported_architecture_stops_the_server_at_start_with_what_is_supported(tmp_path, tokenizer):
+    import json
+    import re
+    import subprocess
+    import sys
+
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["FalconForCausalLM"], **TINY}))
+    tokenizer.hf.save(str(tmp_path / "tokenizer.json"))
+    result = subprocess.run(
+        [sys.executable, "-m", "conveyor", "serve", "--set", f"model.path={tmp_path}", "--set", "transport.0.port=0"],
+        capture_output=True, text=True, timeout=300, check=False,
+    )
+    assert result.returncode == 1
+    errors = [line for line in result.stderr.splitlines() if "error" in line]
+    assert len(errors) == 1, result.stderr
+    assert re.search(r"architecture 'FalconForCausalLM' is not supported; supported: LlamaForCausalLM, .*"
+                     r"Gemma3ForCausalLM", errors[0]), errors[0]
+
+
+@pytest.mark.parametrize("what", ["architecture", "type"])
+def test_an_unsupported_gguf_is_refused_naming_what_is_supported(tmp_path, what):
+    path = tmp_path / "model.gguf"
+    writer = gguf.GGUFWriter(str(path), "falcon" if what == "architecture" else "llama")
+    writer.add_block_count(1)
+    weight = np.zeros((4, 256), dtype=np.float32)
+    if what == "type":
+        weight = gguf.quants.quantize(weight, gguf.GGMLQuantizationType.Q4_0)
+        # (the bytes of an IQ4_NL tensor have the same size as Q4_0's: 18 bytes per 32 values)
+        writer.add_tensor("token_embd.weight", weight, raw_dtype=gguf.GGMLQuantizationType.IQ4_NL)
+    else:
+        writer.add_tensor("token_embd.weight", weight)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    expected = {"architecture": r"GGUF architecture 'falcon' is not supported; supported: llama, qwen2, .*gemma3",
+                "type": r"stored as IQ4_NL, which is not supported; supported: F32, F16, BF16, Q8_0, .*Q6_K"}[what]
+    with pytest.raises(ValueError, match=expected):
+        open_checkpoint(path)
