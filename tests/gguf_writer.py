@@ -8,7 +8,8 @@ import numpy as np
 
 # transformers model_type -> llama.cpp architecture
 GGUF_ARCHS = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "phi3": "phi3",
-              "gemma2": "gemma2", "gemma3_text": "gemma3"}
+              "gemma2": "gemma2", "gemma3_text": "gemma3", "mixtral": "llama", "qwen2_moe": "qwen2moe",
+              "qwen3_moe": "qwen3moe"}
 
 
 def llama_cpp_permute(weight: np.ndarray, num_heads: int) -> np.ndarray:
@@ -49,11 +50,17 @@ def write_gguf(path, model, qtype: gguf.GGMLQuantizationType, quantize=None) -> 
             writer.add_attn_logit_softcapping(cfg.attn_logit_softcapping)
         if getattr(cfg, "final_logit_softcapping", None):
             writer.add_final_logit_softcapping(cfg.final_logit_softcapping)
+    experts = getattr(cfg, "num_experts", None) or getattr(cfg, "num_local_experts", None)
+    if experts:
+        writer.add_expert_count(experts)
+        writer.add_expert_used_count(cfg.num_experts_per_tok)
+        if arch != "llama":  # (Mixtral's experts are feed_forward_length wide)
+            writer.add_expert_feed_forward_length(cfg.moe_intermediate_size)
+            writer.add_expert_weights_norm(cfg.norm_topk_prob)
+        if getattr(cfg, "shared_expert_intermediate_size", 0):
+            writer.add_expert_shared_feed_forward_length(cfg.shared_expert_intermediate_size)
     weights = {}
-    for name, tensor in model.state_dict().items():
-        if name == "lm_head.weight" and cfg.tie_word_embeddings:
-            continue
-        array = tensor.float().numpy()
+    for name, array in _tensors(model).items():
         weights[name] = array
         base, _, kind = name.rpartition(".")
         gguf_name = names.get_name(base)
@@ -65,7 +72,7 @@ def write_gguf(path, model, qtype: gguf.GGMLQuantizationType, quantize=None) -> 
         elif arch.startswith("gemma") and base.endswith("norm"):
             array = array + 1.0  # llama.cpp's Gemma converters store 1 + weight
         name = f"{gguf_name}.{kind}"
-        if array.ndim == 2 and qtype != gguf.GGMLQuantizationType.F32 and not base.endswith("norm"):
+        if array.ndim >= 2 and qtype != gguf.GGMLQuantizationType.F32 and not base.endswith("norm"):
             writer.add_tensor(name, (quantize or gguf.quants.quantize)(array, qtype), raw_dtype=qtype)
         else:
             writer.add_tensor(name, array)
@@ -74,3 +81,22 @@ def write_gguf(path, model, qtype: gguf.GGMLQuantizationType, quantize=None) -> 
     writer.write_tensors_to_file()
     writer.close()
     return weights
+
+
+def _tensors(model) -> dict[str, np.ndarray]:
+    """The model's float32 weights by Hugging Face name; a mixture's experts stacked per projection
+    (``mlp.experts.gate_proj.weight`` ``[experts, rows, columns]``, as llama.cpp stores them)."""
+    tensors = {}
+    for name, tensor in model.state_dict().items():
+        if name == "lm_head.weight" and model.config.tie_word_embeddings:
+            continue
+        array = tensor.float().numpy()
+        if name.endswith("experts.gate_up_proj"):  # transformers keeps [experts, gate rows + up rows, columns]
+            gate, up = np.split(array, 2, axis=1)
+            tensors[name.replace("gate_up_proj", "gate_proj.weight")] = gate
+            tensors[name.replace("gate_up_proj", "up_proj.weight")] = up
+        elif name.endswith("experts.down_proj"):
+            tensors[name + ".weight"] = array
+        else:
+            tensors[name] = array
+    return tensors

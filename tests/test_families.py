@@ -44,22 +44,31 @@ FAMILIES = {
     "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM",
                {"sliding_window": WINDOW, "layer_types": ["sliding_attention", "full_attention"],
                 "query_pre_attn_scalar": 24}),
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM", {"num_local_experts": 4, "num_experts_per_tok": 2}),
+    # a shared expert, weights not renormalized, and the second layer dense
+    "qwen2-moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM",
+                  {"num_experts": 6, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+                   "shared_expert_intermediate_size": 48, "norm_topk_prob": False, "mlp_only_layers": [1]}),
+    "qwen3-moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM",
+                  {"num_experts": 6, "num_experts_per_tok": 3, "moe_intermediate_size": 32, "norm_topk_prob": True}),
 }
 SEQUENCES = [[5, 17, 3, 88, 41, 2, 9, 60, 1, 33, 12, 70, 8, 8, 19, 54, 3, 90, 27, 4], [60, 1, 33], list(range(30, 43))]
 
 
-def tiny_model(family: str):
+def tiny_model(family: str, **overrides):
     import transformers
 
     config_name, model_name, quirks = FAMILIES[family]
     torch.manual_seed(0)
-    config = getattr(transformers, config_name)(**TINY, initializer_range=0.1, **quirks)
+    config = getattr(transformers, config_name)(**TINY, initializer_range=0.1, **{**quirks, **overrides})
     model = getattr(transformers, model_name)(config)
     offset = 1.0 if family.startswith("gemma") else 0.0  # Gemma scales by 1 + weight
     with torch.no_grad():  # random norms, so a swapped or missing norm weight shows
         for name, param in model.named_parameters():
             if "norm" in name:
                 param.uniform_(0.5 - offset, 1.5 - offset)
+            elif name.endswith("mlp.gate.weight"):  # routers that choose clearly (no near ties between experts)
+                param.normal_(0, 1.0)
     return model.eval()
 
 
@@ -158,11 +167,14 @@ def test_kv_blocks_behind_a_sliding_window_go_back_to_the_pool(family):
 
 def test_gguf_of_each_family_matches_transformers(family, tmp_path):
     """The same checkpoint written as llama.cpp writes it (names from the gguf package's map, Gemma's norms
-    with +1, Phi-3's fused projections) loads with the same logits. Qwen's per-layer windows have no GGUF
-    form (llama.cpp runs Qwen without them): not written."""
+    with +1, Phi-3's fused projections, experts stacked) loads with the same logits. Qwen's per-layer windows
+    have no GGUF form (llama.cpp runs Qwen without them): not written; nor have Qwen MoE's dense layers
+    (every layer a mixture there)."""
     name, model, _ = family
     if name == "qwen3-sliding":
         pytest.skip("GGUF has no per-layer window for Qwen")
+    if getattr(model.config, "mlp_only_layers", None):
+        model = tiny_model(name, mlp_only_layers=[])
     path = tmp_path / f"{name}.gguf"
     write_gguf(path, model, gguf.GGMLQuantizationType.F32)
     with torch.inference_mode():
@@ -211,3 +223,57 @@ def test_an_unsupported_gguf_is_refused_naming_what_is_supported(tmp_path, what)
                 "type": r"stored as IQ4_NL, which is not supported; supported: F32, F16, BF16, Q8_0, .*Q6_K"}[what]
     with pytest.raises(ValueError, match=expected):
         open_checkpoint(path)
+
+
+@pytest.mark.parametrize("method", ["int8", "fp8"])
+def test_quantized_weights_of_each_family_stay_close(family, method):
+    """int8 (per-channel) and fp8 (e4m3) weights, experts included: logits near the float32 model's (mean
+    relative error), and the linear weights (experts and all) really stored at one byte."""
+    from conveyor.plugins.quant.fp8 import FP8, FP8Options
+    from conveyor.plugins.quant.int8 import Int8Options, Int8WeightOnly
+
+    name, _, path = family
+    cpu = torch.device("cpu")
+    quant = Int8WeightOnly(Int8Options(), torch.float32, cpu) if method == "int8" else FP8(FP8Options(),
+                                                                                             torch.float32, cpu)
+    ckpt = open_checkpoint(path)
+    full = LlamaModel(ckpt, NoQuant(None, torch.float32, cpu), torch.float32, cpu, 128)
+    quantized = LlamaModel(ckpt, quant, torch.float32, cpu, 128)
+    ids = torch.tensor(SEQUENCES[0])
+    positions = torch.arange(len(ids))
+    attention = dense_attention([len(ids)], full.attention_layers())
+    with torch.inference_mode():
+        expected = full.compute_logits(full.forward(ids, positions, attention))
+        ours = quantized.compute_logits(quantized.forward(ids, positions, attention))
+    error = float((ours - expected).abs().mean() / expected.abs().mean())
+    agree = float((ours.argmax(-1) == expected.argmax(-1)).float().mean())
+    print(f"{name} {method}: mean logit error {error:.3%}, top-1 agreement {agree:.0%}")
+    # (tiny random models have small logits: these relative errors run 1-5% for int8 and 5-11% for fp8 here;
+    # a layer whose weights are misplaced or left out gives errors near 100%)
+    assert error < {"int8": 0.08, "fp8": 0.2}[method], error
+    linear_bytes = sum(lin.num_bytes() for layer in quantized.layers for lin in layer.linears())
+    full_bytes = sum(lin.num_bytes() for layer in full.layers for lin in layer.linears())
+    assert linear_bytes < 0.3 * full_bytes  # one byte per weight (+ scales) against four
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["gemma2", "phi3", "qwen2-moe", "qwen3-moe"])
+@pytest.mark.parametrize("tp, pp", [(2, 1), (1, 2)], ids=["TP2", "PP2"])
+def test_split_workers_compute_what_one_worker_does(tmp_path, tokenizer, name, tp, pp):
+    """Two workers (processes): heads, MLP columns and every expert's columns split (TP), or the layers
+    (PP; Gemma's sliding and global layers on different stages): the same greedy tokens and top-5 logprobs
+    at every prompt and output position as one worker."""
+    from tests.test_parallel import assert_same_logits
+
+    tiny_model(name).save_pretrained(tmp_path)
+    tokenizer.hf.save(str(tmp_path / "tokenizer.json"))
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=5, prompt_logprobs=5)
+
+    def run(tp: int, pp: int) -> list:
+        overrides = {"model.path": str(tmp_path), "model.dtype": "float32", "model.max_model_len": 128,
+                     "parallel.tensor_parallel_size": tp, "parallel.pipeline_parallel_size": pp,
+                     "kvcache.memory_gb": 0.05, "scheduler.max_num_batched_tokens": 32}
+        with LLM(overrides=overrides) as llm:
+            return llm.generate(PROMPTS, params)
+
+    assert_same_logits(run(tp, pp), run(1, 1), f"{name} TP={tp} PP={pp}")

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import re
 from abc import ABC, abstractmethod
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -51,7 +52,8 @@ class Checkpoint(ABC):
 
     def get(self, name: str) -> torch.Tensor:
         """The float32 tensor of a Hugging Face name, e.g. ``model.layers.0.self_attn.q_proj.weight``;
-        q, k, v and gate, up are cut out of the fused tensors where the checkpoint stores them so (Phi-3)."""
+        q, k, v and gate, up are cut out of the fused tensors where the checkpoint stores them so (Phi-3).
+        Experts go by the names of Qwen's MoE (``mlp.gate``, ``mlp.experts.E.gate_proj``) in every format."""
         try:
             return self.tensor(name)
         except KeyError:
@@ -81,6 +83,16 @@ _FUSED = {
     "mlp.gate_proj": ("mlp.gate_up_proj", 0, "gate_up"),
     "mlp.up_proj": ("mlp.gate_up_proj", 1, "gate_up"),
 }
+
+
+_MIXTRAL = re.compile(r"\.mlp\.(gate\.|experts\.(\d+)\.(gate|up|down)_proj\.)")
+_MIXTRAL_PROJECTIONS = {"gate": "w1", "up": "w3", "down": "w2"}
+
+
+def _mixtral_name(match: re.Match) -> str:
+    if match.group(2) is None:
+        return ".block_sparse_moe.gate."
+    return f".block_sparse_moe.experts.{match.group(2)}.{_MIXTRAL_PROJECTIONS[match.group(3)]}."
 
 
 def _fused(name: str) -> tuple[str, int, str] | None:
@@ -152,6 +164,8 @@ class SafetensorsCheckpoint(Checkpoint):
     def tensor(self, name: str) -> torch.Tensor:
         if name == "lm_head.weight" and name not in self._where and self.spec.tie_word_embeddings:
             name = "model.embed_tokens.weight"
+        elif self.spec.architecture == "MixtralForCausalLM":  # (block_sparse_moe.gate, .experts.E.w1 ...)
+            name = _MIXTRAL.sub(_mixtral_name, name)
         try:
             return self._where[name].get_tensor(name).float()
         except KeyError:

@@ -60,6 +60,35 @@ def _phi3(config: dict) -> dict:
     return _mistral(config)
 
 
+def _moe(config: dict, width: int) -> dict:
+    layers = config["num_hidden_layers"]
+    dense = set(config.get("mlp_only_layers") or [])
+    step = config.get("decoder_sparse_step") or 1
+    return {
+        "num_experts": config.get("num_experts") or config.get("num_local_experts"),
+        "num_experts_per_tok": config["num_experts_per_tok"],
+        "moe_intermediate_size": width,
+        "moe_layers": tuple(i not in dense and (i + 1) % step == 0 for i in range(layers)),
+    }
+
+
+def _mixtral(config: dict) -> dict:
+    return {**_mistral(config), **_moe(config, config["intermediate_size"]), "norm_topk_prob": True}
+
+
+def _qwen2_moe(config: dict) -> dict:
+    return {
+        **_qwen2(config), **_moe(config, config["moe_intermediate_size"]),
+        "norm_topk_prob": bool(config.get("norm_topk_prob", False)),
+        "shared_expert_intermediate_size": config.get("shared_expert_intermediate_size") or 0,
+    }
+
+
+def _qwen3_moe(config: dict) -> dict:
+    return {**_qwen3(config), **_moe(config, config["moe_intermediate_size"]),
+            "norm_topk_prob": bool(config.get("norm_topk_prob", True))}
+
+
 def _gemma2(config: dict) -> dict:
     return {
         **_gemma(config, lambda i: i % 2 == 0),
@@ -102,6 +131,9 @@ FAMILIES: dict[str, Callable[[dict], dict]] = {
     "Phi3ForCausalLM": _phi3,
     "Gemma2ForCausalLM": _gemma2,
     "Gemma3ForCausalLM": _gemma3,
+    "MixtralForCausalLM": _mixtral,
+    "Qwen2MoeForCausalLM": _qwen2_moe,
+    "Qwen3MoeForCausalLM": _qwen3_moe,
 }
 
 

@@ -33,6 +33,15 @@ _LAYER_NAMES = {
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+    # mixtures of experts: the router, every expert's weights stacked [experts, rows, columns], the shared expert
+    "ffn_gate_inp": "mlp.gate",
+    "ffn_gate_exps": "mlp.experts.gate_proj",
+    "ffn_up_exps": "mlp.experts.up_proj",
+    "ffn_down_exps": "mlp.experts.down_proj",
+    "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
+    "ffn_up_shexp": "mlp.shared_expert.up_proj",
+    "ffn_down_shexp": "mlp.shared_expert.down_proj",
+    "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
 }
 # where an architecture names a part otherwise
 _ARCH_LAYER_NAMES = {
@@ -58,7 +67,12 @@ ARCHITECTURES = {
     "phi3": "Phi3ForCausalLM",
     "gemma2": "Gemma2ForCausalLM",
     "gemma3": "Gemma3ForCausalLM",
+    "qwen2moe": "Qwen2MoeForCausalLM",
+    "qwen3moe": "Qwen3MoeForCausalLM",
 }
+# llama.cpp's mixtures: whether the top-k weights are renormalized (where the file does not say)
+_RENORMALIZED = {"llama": True, "qwen2moe": False, "qwen3moe": True}
+_EXPERT = re.compile(r"(.*\.mlp\.experts)\.(\d+)\.(\w+)\.weight")
 # weight formats read (dequantized to float32 at load)
 T = gguf.GGMLQuantizationType
 TYPES = (T.F32, T.F16, T.BF16, T.Q8_0, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q4_K, T.Q5_K, T.Q6_K)
@@ -111,6 +125,8 @@ class GGUFCheckpoint(Checkpoint):
             if name is not None:
                 self._tensors[name] = tensor
         self._extra = {t.name: t for t in self.reader.tensors}
+        # the last stacked experts tensor read, dequantized: (name, [experts, rows, columns])
+        self._experts: tuple[str, torch.Tensor] | None = None
         self.spec = self._spec()
 
     def field(self, key: str, default=None):
@@ -151,11 +167,25 @@ class GGUFCheckpoint(Checkpoint):
                 fields["local_rope_theta"] = float(self.field(a + "rope.freq_base_swa", 10_000.0))
         elif window:  # (Phi-3, Mistral: every layer)
             fields["layer_windows"] = (window,) * num_layers
+        experts = int(self.field(a + "expert_count", 0) or 0)
+        architecture = ARCHITECTURES[self.arch]
+        if experts:
+            # (llama with experts is Mixtral; a layer with a router is a mixture, the others dense)
+            architecture = "MixtralForCausalLM" if self.arch == "llama" else architecture
+            fields.update(
+                num_experts=experts,
+                num_experts_per_tok=int(self.field(a + "expert_used_count")),
+                moe_intermediate_size=int(self.field(a + "expert_feed_forward_length", 0)
+                                          or self.field(a + "feed_forward_length")),
+                norm_topk_prob=bool(self.field(a + "expert_weights_norm", _RENORMALIZED[self.arch])),
+                shared_expert_intermediate_size=int(self.field(a + "expert_shared_feed_forward_length", 0) or 0),
+                moe_layers=tuple(f"model.layers.{i}.mlp.gate.weight" in self._tensors for i in range(num_layers)),
+            )
         return ModelSpec(
-            architecture=ARCHITECTURES[self.arch],
+            architecture=architecture,
             vocab_size=int(vocab),
             hidden_size=hidden,
-            intermediate_size=int(self.field(a + "feed_forward_length")),
+            intermediate_size=int(self.field(a + "feed_forward_length", 0) or 0),
             num_layers=num_layers,
             num_heads=num_heads,
             num_kv_heads=int(self.field(a + "attention.head_count_kv", num_heads)),
@@ -179,6 +209,12 @@ class GGUFCheckpoint(Checkpoint):
     def tensor(self, name: str) -> torch.Tensor:
         if name == "lm_head.weight" and self.spec.tie_word_embeddings:
             name = "model.embed_tokens.weight"
+        expert = _EXPERT.fullmatch(name)
+        if expert is not None:  # one expert of a stacked tensor
+            stacked = f"{expert.group(1)}.{expert.group(3)}.weight"
+            if self._experts is None or self._experts[0] != stacked:
+                self._experts = (stacked, self.tensor(stacked))
+            return self._experts[1][int(expert.group(2))]
         try:
             tensor = self._tensors[name]
         except KeyError:

@@ -27,6 +27,7 @@ from conveyor import native
 from conveyor.model.checkpoint import Checkpoint
 from conveyor.model.formats import one_token_kernel, one_token_linear, packed_linear, prepack, prepacks
 from conveyor.model.graph_ops import linear_op, register_linear
+from conveyor.model.moe import MoE
 from conveyor.model.spec import LayerAttention, ModelSpec
 from conveyor.quant import Params, QuantMethod
 from conveyor.worker.parallel import ParallelGroup, Placement
@@ -194,10 +195,16 @@ class DecoderLayer:
         self.mlp_out_norm = norm("post_feedforward_layernorm.weight") if spec.sandwich_norms else None
         self.activation = spec.activation
         mlp = prefix + "mlp."
-        self.gate_up = Linear(
-            quant, torch.cat([rows(get(mlp + "gate_proj.weight"), columns), rows(get(mlp + "up_proj.weight"), columns)])
-        )
-        self.down = Linear(quant, get(mlp + "down_proj.weight"), inputs=_part(columns, 1, placement))
+        self.moe: MoE | None = None
+        if spec.is_moe(index):
+            # (the Triton grouped kernel reads the experts' weights as they are: CUDA, unquantized)
+            stacked = device.type == "cuda" and quant.name == "none"
+            self.moe = MoE(spec, mlp, get, lambda w, inputs: Linear(quant, w, inputs=inputs), placement, dtype,
+                           device, stacked)
+        else:
+            self.gate_up = Linear(quant, torch.cat([rows(get(mlp + "gate_proj.weight"), columns),
+                                                    rows(get(mlp + "up_proj.weight"), columns)]))
+            self.down = Linear(quant, get(mlp + "down_proj.weight"), inputs=_part(columns, 1, placement))
         self.intermediate_size = len(columns)
         self.fused = fused
 
@@ -231,7 +238,11 @@ class DecoderLayer:
         attended = self.group.all_reduce(self.o_proj(out.reshape(num_tokens, self.q_size)))
         if self.attn_out_norm is not None:
             attended = self.attn_out_norm(attended)
-        gate_up = self.gate_up(self.post_norm(h, attended))
+        x = self.post_norm(h, attended)
+        if self.moe is not None:
+            mlp = self.group.all_reduce(self.moe(x))
+            return h, mlp if self.mlp_out_norm is None else self.mlp_out_norm(mlp)
+        gate_up = self.gate_up(x)
         if self.fused and self.activation == "silu":
             mlp = self.group.all_reduce(self.down(native.silu_mul(gate_up)))
         else:
@@ -244,6 +255,8 @@ class DecoderLayer:
         return h, mlp if self.mlp_out_norm is None else self.mlp_out_norm(mlp)
 
     def linears(self) -> list[Linear]:
+        if self.moe is not None:
+            return [self.qkv, self.o_proj, *self.moe.linears()]
         return [self.qkv, self.o_proj, self.gate_up, self.down]
 
     def norms(self) -> list[RMSNorm]:
@@ -421,4 +434,5 @@ class LlamaModel:
         if self.head is not None and self.head.weight is not self.embed:  # (a tied head reads one copy a step)
             dense.append(self.head.weight if self.head.packed is None else self.head.packed)
         total = sum(t.numel() * t.element_size() for t in dense if t is not None)
-        return total + sum(linear.num_bytes() for layer in self.layers for linear in layer.linears())
+        moe = sum(layer.moe.dense_bytes() for layer in self.layers if layer.moe is not None)
+        return total + moe + sum(linear.num_bytes() for layer in self.layers for linear in layer.linears())

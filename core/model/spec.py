@@ -46,6 +46,21 @@ class ModelSpec(msgspec.Struct, frozen=True):
     layer_windows: tuple[int, ...] = ()
     # Gemma 3: the rotary base of the sliding-window layers (without rope scaling); 0: rope_theta everywhere
     local_rope_theta: float = 0.0
+    # mixture of experts (Mixtral, Qwen MoE): experts in each MoE layer (0: dense MLPs only), how many each
+    # token takes, and each expert's MLP width
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    # the top-k routing weights renormalized to sum to 1 (Mixtral always; Qwen where norm_topk_prob)
+    norm_topk_prob: bool = True
+    # Qwen2-MoE: an expert every token takes, this wide, gated by sigmoid(shared_expert_gate . x); 0: none
+    shared_expert_intermediate_size: int = 0
+    # per layer, whether its MLP is the mixture (empty: every layer's, where num_experts)
+    moe_layers: tuple[bool, ...] = ()
+
+    def is_moe(self, layer: int) -> bool:
+        """Whether layer ``layer``'s MLP is a mixture of experts."""
+        return bool(self.num_experts) and (self.moe_layers[layer] if self.moe_layers else True)
 
     def window(self, layer: int) -> int:
         """Layer ``layer``'s sliding window (0: global attention)."""

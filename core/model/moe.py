@@ -1,0 +1,138 @@
+"""The mixture-of-experts MLP (Mixtral, Qwen2-MoE, Qwen3-MoE).
+
+A router scores every expert per token; each token goes through its top-k
+experts (gated MLPs like the dense one) and their outputs are summed,
+weighted by the router's softmax probabilities (renormalized over the top k
+where the model does). Qwen2-MoE adds a shared expert every token takes,
+scaled by a sigmoid gate.
+
+On a CPU the experts run grouped: the (token, expert) pairs are sorted by
+expert and each expert multiplies its tokens in one matmul, through the
+quant method's linear (so int8 and fp8 weights work). On CUDA, where the
+experts' weights are kept unquantized, the grouped matmuls run in one Triton
+kernel each (``conveyor.model.moe_kernels``). Under tensor parallelism each
+worker keeps its share of every expert's columns; the sum is all-reduced
+after, as for a dense MLP.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+from conveyor.model.graph_ops import linear_op, register_linear
+from conveyor.model.spec import ModelSpec
+from conveyor.worker.parallel import Placement
+
+
+def route(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Router logits ``[T, E]`` -> each token's top-k expert ids and weights ``[T, k]`` (float32 softmax)."""
+    probs = torch.softmax(logits.float(), dim=-1)
+    weights, experts = torch.topk(probs, top_k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return experts, weights
+
+
+def activate(gate_up: torch.Tensor, activation: str) -> torch.Tensor:
+    """``act(gate) * up`` of a gated MLP's fused ``[T, 2I]`` output."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    if activation == "silu":
+        return F.silu(gate) * up
+    return F.gelu(gate, approximate="tanh" if activation == "gelu_tanh" else "none") * up
+
+
+class MoE:
+    """One layer's experts, router and (Qwen2-MoE) shared expert, on this worker."""
+
+    def __init__(self, spec: ModelSpec, prefix: str, get: Callable[[str], torch.Tensor], linear: Callable,
+                 placement: Placement, dtype: torch.dtype, device: torch.device, fused_kernel: bool = False):
+        """
+        Args:
+            prefix: the layer's MLP, e.g. ``model.layers.3.mlp.``.
+            get: the checkpoint's tensors by Hugging Face name.
+            linear: ``linear(weight, inputs)`` -> a layer of the quant method (``inputs``: the input columns a
+                row-parallel layer keeps, or None).
+            placement: this worker's place under tensor parallelism (its share of every expert's columns).
+            fused_kernel: keep the experts' weights stacked for the Triton kernel (CUDA, unquantized).
+        """
+        self.top_k = spec.num_experts_per_tok
+        self.renormalize = spec.norm_topk_prob
+        self.activation = spec.activation
+        self.num_experts = spec.num_experts
+        self.router = get(prefix + "gate.weight").to(device=device, dtype=dtype)
+
+        def mlp(name: str, width: int) -> tuple[torch.Tensor, torch.Tensor, slice | None]:
+            """A gated MLP's gate|up rows and its down weight with the columns this worker keeps."""
+            part = placement.split(width)
+            gate_up = torch.cat([get(name + p + ".weight")[part.start : part.stop] for p in ("gate_proj", "up_proj")])
+            return gate_up, get(name + "down_proj.weight"), (
+                slice(part.start, part.stop) if placement.tp_size > 1 else None)
+
+        experts = [mlp(f"{prefix}experts.{e}.", spec.moe_intermediate_size) for e in range(self.num_experts)]
+        self.fused_kernel = fused_kernel
+        self.gate_ups, self.downs = [], []
+        if fused_kernel:  # [E, 2I, H] and [E, H, I] for the grouped kernel
+            self.gate_up_stack = torch.stack([g for g, _, _ in experts]).to(device=device, dtype=dtype)
+            self.down_stack = torch.stack([d if c is None else d[:, c] for _, d, c in experts]).to(device=device,
+                                                                                                 dtype=dtype)
+        else:
+            self.gate_ups = [linear(g, None) for g, _, _ in experts]
+            self.downs = [linear(d, c) for _, d, c in experts]
+        self.shared = None
+        if spec.shared_expert_intermediate_size:
+            gate_up, down, columns = mlp(prefix + "shared_expert.", spec.shared_expert_intermediate_size)
+            gate = get(prefix + "shared_expert_gate.weight").to(device=device, dtype=dtype)
+            self.shared = (linear(gate_up, None), linear(down, columns), gate)
+        self.out_features = spec.hidden_size
+        self.number = register_linear(self)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if torch.compiler.is_compiling():  # one opaque op in a compiled graph (its shapes depend on the routing)
+            return linear_op(x, self.number)
+        return self.apply(x)
+
+    def apply(self, x: torch.Tensor) -> torch.Tensor:
+        """``[T, hidden]`` -> this worker's part of the MLP output ``[T, hidden]`` (all-reduced by the caller)."""
+        experts, weights = route(F.linear(x, self.router), self.top_k, self.renormalize)
+        if self.fused_kernel:
+            from conveyor.model.moe_kernels import fused_moe
+
+            out = fused_moe(x, self.gate_up_stack, self.down_stack, experts, weights, self.activation)
+        else:
+            out = self._grouped(x, experts, weights)
+        if self.shared is not None:
+            gate_up, down, gate = self.shared
+            out += torch.sigmoid(F.linear(x, gate)) * down.apply(activate(gate_up.apply(x), self.activation))
+        return out
+
+    def _grouped(self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """Each expert over its tokens in one matmul: pairs sorted by expert, results added back by token."""
+        flat = experts.flatten()
+        order = torch.argsort(flat, stable=True)
+        tokens = order // self.top_k
+        counts = torch.bincount(flat, minlength=self.num_experts).tolist()
+        pair_weights = weights.flatten()[order].unsqueeze(1)
+        out = torch.zeros_like(x)
+        start = 0
+        for e, n in enumerate(counts):
+            if not n:
+                continue
+            rows = tokens[start : start + n]
+            hidden = self.downs[e].apply(activate(self.gate_ups[e].apply(x[rows]), self.activation))
+            out.index_add_(0, rows, (hidden * pair_weights[start : start + n]).to(x.dtype))
+            start += n
+        return out
+
+    def linears(self) -> list:
+        shared = list(self.shared[:2]) if self.shared is not None else []
+        return self.gate_ups + self.downs + shared
+
+    def dense_bytes(self) -> int:
+        """Bytes of the weights kept outside the quant method's layers: the routers, the stacked experts."""
+        dense = [self.router] + ([self.shared[2]] if self.shared is not None else [])
+        if self.fused_kernel:
+            dense += [self.gate_up_stack, self.down_stack]
+        return sum(t.numel() * t.element_size() for t in dense)
