@@ -14,6 +14,7 @@ from conveyor.model.llama import LlamaModel
 from conveyor.plugins.quant.none import NoQuant
 from tests.gguf_writer import llama_cpp_permute, write_gguf
 from tests.helpers import dense_attention
+from tests.kquants import quantize
 
 TINY = dict(
     vocab_size=96,
@@ -93,28 +94,44 @@ def test_gguf_checkpoint_matches_transformers(tmp_path):
     torch.testing.assert_close(conveyor_logits(path, SEQUENCES), hf_logits(model, SEQUENCES), rtol=1e-4, atol=1e-4)
 
 
-# the largest error each format allows, as a fraction of each 32-value block's absolute maximum
+# the largest error each format allows, as a fraction of each 32-value block's absolute maximum: half a
+# quantization step. K-quants, of each 256-value super-block's: half a step of the sub-block, plus what
+# rounding the sub-block's scale (six bits; Q6_K eight) to the super-block's unit can clip at the top.
 FORMAT_ERROR = {
     gguf.GGMLQuantizationType.F16: 1e-3,
     gguf.GGMLQuantizationType.BF16: 8e-3,
     gguf.GGMLQuantizationType.Q8_0: 1 / 127,
     gguf.GGMLQuantizationType.Q4_0: 1 / 7,
     gguf.GGMLQuantizationType.Q4_1: 2 / 15,
+    gguf.GGMLQuantizationType.Q5_0: 1 / 15,
+    gguf.GGMLQuantizationType.Q5_1: 2 / 31,
+    gguf.GGMLQuantizationType.Q4_K: 1 / 15 + 1 / 42,
+    gguf.GGMLQuantizationType.Q5_K: 1 / 31 + 1 / 42,
+    gguf.GGMLQuantizationType.Q6_K: 1 / 62 + 1 / 254,
 }
+K_QUANTS = (gguf.GGMLQuantizationType.Q4_K, gguf.GGMLQuantizationType.Q5_K, gguf.GGMLQuantizationType.Q6_K)
 
 
 @pytest.mark.parametrize("qtype", list(FORMAT_ERROR), ids=lambda q: q.name)
 def test_gguf_dequantization_of_each_format(tmp_path, qtype):
-    model = tiny_hf_model()
+    """Every weight of a checkpoint written in each format reads back within the format's error (the
+    K-quants need rows of 256: a wider model), and the model still computes nearly the same logits."""
+    model = tiny_hf_model(hidden_size=256, intermediate_size=512)
     path = tmp_path / f"tiny-{qtype.name}.gguf"
-    originals = write_gguf(path, model, qtype)
+    originals = write_gguf(path, model, qtype, quantize)
     ckpt = open_checkpoint(path)
+    assert {t.tensor_type for t in ckpt.reader.tensors if len(t.shape) == 2} == {qtype}
     for name, original in originals.items():
         loaded = ckpt.get(name).numpy()
         assert loaded.shape == original.shape, name
-        blocks = np.abs(original).reshape(-1, 32).max(axis=1, keepdims=True) if original.ndim == 2 else np.abs(original)
+        size = 256 if qtype in K_QUANTS else 32
+        blocks = np.abs(original).reshape(-1, size).max(axis=1, keepdims=True) if original.ndim == 2 else np.abs(original)
         error = np.abs(loaded - original).reshape(blocks.shape[0], -1)
         assert (error <= FORMAT_ERROR[qtype] * blocks + 1e-7).all(), f"{name}: max error {error.max():.4g}"
+    expected = hf_logits(model, SEQUENCES)
+    error = float((conveyor_logits(path, SEQUENCES) - expected).abs().mean() / expected.abs().mean())
+    # (mean logit errors here run 0.5-2.5x the format's weight error: 1.2% for Q8_0, 19% for Q4_K)
+    assert error < 4 * FORMAT_ERROR[qtype], error
 
 
 @pytest.mark.parametrize("num_heads, head_dim, cols", [(1, 2, 1), (4, 16, 8), (3, 64, 5)])
