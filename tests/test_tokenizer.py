@@ -88,3 +88,72 @@ def test_gguf_byte_level_tokenizers_match_transformers(tmp_path, pre, arch):
         ids = ours.encode(text, add_special_tokens=False).ids
         assert ids == reference.encode(text, add_special_tokens=False).ids, text
         assert ours.decode(ids) == text
+
+
+# Templates in the shape of each family's (the constructs their checkpoints' templates use: BOS and header
+# tokens, a system turn folded into the first user turn with role alternation enforced, a namespace and a
+# reversed scan that strip earlier thinking, a generation prompt or an EOS at the end).
+FAMILY_TEMPLATES = {
+    "llama3": (
+        "{{- bos_token }}{%- for message in messages %}{{- '<|start_header_id|>' + message['role'] + "
+        "'<|end_header_id|>\\n\\n' + message['content'] | trim + '<|eot_id|>' }}{%- endfor %}"
+        "{%- if add_generation_prompt %}{{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{%- endif %}"
+    ),
+    "gemma": (
+        "{{ bos_token }}{% if messages[0]['role'] == 'system' %}{% set first_user_prefix = messages[0]['content'] + "
+        "'\\n\\n' %}{% set loop_messages = messages[1:] %}{% else %}{% set first_user_prefix = '' %}"
+        "{% set loop_messages = messages %}{% endif %}{% for message in loop_messages %}"
+        "{% if (message['role'] == 'user') != (loop.index0 % 2 == 0) %}"
+        "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}{% endif %}"
+        "{% set role = 'model' if message['role'] == 'assistant' else message['role'] %}"
+        "{{ '<start_of_turn>' + role + '\\n' + (first_user_prefix if loop.first else '') + message['content'] | trim"
+        " + '<end_of_turn>\\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<start_of_turn>model\\n' }}{% endif %}"
+    ),
+    "qwen3": (
+        "{%- set ns = namespace(multi_step_tool=true, last_query_index=messages|length - 1) %}"
+        "{%- for message in messages[::-1] %}{%- set index = (messages|length - 1) - loop.index0 %}"
+        "{%- if ns.multi_step_tool and message.role == 'user' %}{%- set ns.multi_step_tool = false %}"
+        "{%- set ns.last_query_index = index %}{%- endif %}{%- endfor %}"
+        "{%- for message in messages %}{%- set content = message.content %}"
+        "{%- if message.role == 'assistant' and '</think>' in content %}"
+        "{%- set reasoning = content.split('</think>')[0].rstrip('\\n').split('<think>')[-1].lstrip('\\n') %}"
+        "{%- set content = content.split('</think>')[-1].lstrip('\\n') %}"
+        "{%- if loop.index0 > ns.last_query_index %}{%- set content = '<think>\\n' + reasoning + '\\n</think>\\n\\n'"
+        " + content %}{%- endif %}{%- endif %}"
+        "{{- '<|im_start|>' + message.role + '\\n' + content + '<|im_end|>\\n' }}{%- endfor %}"
+        "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+    ),
+    "phi3": (
+        "{% for message in messages %}{% if message['role'] == 'system' %}{{'<|system|>\\n' + message['content'] + "
+        "'<|end|>\\n'}}{% elif message['role'] == 'user' %}{{'<|user|>\\n' + message['content'] + '<|end|>\\n'}}"
+        "{% elif message['role'] == 'assistant' %}{{'<|assistant|>\\n' + message['content'] + '<|end|>\\n'}}"
+        "{% endif %}{% endfor %}{% if add_generation_prompt %}{{ '<|assistant|>\\n' }}{% else %}{{ eos_token }}"
+        "{% endif %}"
+    ),
+}
+CONVERSATION = [
+    {"role": "system", "content": "You are terse. "},
+    {"role": "user", "content": " What is 2 + 2?"},
+    {"role": "assistant", "content": "<think>\nadd them\n</think>\n\n4"},
+    {"role": "user", "content": "And 3 + 3?"},
+]
+
+
+@pytest.mark.parametrize("family", list(FAMILY_TEMPLATES))
+@pytest.mark.parametrize("add_generation_prompt", [True, False])
+def test_family_chat_templates_render_as_transformers_renders_them(tokenizer, family, add_generation_prompt):
+    from transformers.utils.chat_template_utils import render_jinja_template
+
+    template = FAMILY_TEMPLATES[family]
+    ours = Tokenizer(tokenizer.hf, {"chat_template": template, "bos_token_id": 1, "eos_token_id": 2})
+    rendered, _ = render_jinja_template(
+        [CONVERSATION], chat_template=template, add_generation_prompt=add_generation_prompt,
+        bos_token=tokenizer.hf.id_to_token(1), eos_token=tokenizer.hf.id_to_token(2),
+    )
+    assert ours.apply_chat_template(CONVERSATION, add_generation_prompt) == rendered[0]
+
+
+def test_a_template_that_refuses_the_conversation_says_why(tokenizer):
+    gemma = Tokenizer(tokenizer.hf, {"chat_template": FAMILY_TEMPLATES["gemma"]})
+    with pytest.raises(ChatTemplateError, match="roles must alternate"):
+        gemma.apply_chat_template([{"role": "user", "content": "a"}, {"role": "user", "content": "b"}])
