@@ -155,6 +155,7 @@ def test_kv_blocks_behind_a_sliding_window_go_back_to_the_pool(family):
         llm.engine.step = recording_step
         [ours] = llm.generate([prompt], SamplingParams(max_tokens=60, temperature=0, ignore_eos=True, logprobs=5))
         sliding = llm.engine.kvcache.spec.sliding_window
+    print(f"{name}: most blocks held {max(held)}")
     assert_matches_reference(ours, ref_tokens, ref_logprobs, name)
     if name in ("mistral-sliding", "phi3"):
         assert sliding == window
