@@ -171,6 +171,10 @@ class StepInput(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     num_decodes: int
     # requests that ended since the last step: workers drop what they keep for them
     finished_request_ids: list[str] = []
+    # entries under a grammar (structured output), and their rows of the token bitmask: int32
+    # [len(grammar_rows), ceil(vocab / 32)], little-endian; bit t set where token t may come next
+    grammar_rows: list[int] = []
+    bitmask: bytes = b""
 
 
 class RunnerOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):

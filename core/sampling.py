@@ -7,6 +7,30 @@ import msgspec
 MAX_LOGPROBS = 20
 
 
+class StructuredOutput(msgspec.Struct, omit_defaults=True, forbid_unknown_fields=True, frozen=True):
+    """The language the output must be in: exactly one field set (OpenAI's ``response_format`` and vLLM's
+    ``guided_*`` / ``structured_outputs`` fields map here)."""
+
+    # a JSON Schema, as JSON text
+    json: str | None = None
+    # any JSON object
+    json_object: bool = False
+    # a regular expression the whole output matches
+    regex: str | None = None
+    # exactly one of these strings
+    choice: list[str] | None = None
+    # an EBNF grammar (GBNF style; the start rule is ``root``)
+    grammar: str | None = None
+
+    def __post_init__(self) -> None:
+        kinds = [k for k in ("json", "regex", "choice", "grammar") if getattr(self, k) is not None]
+        kinds += ["json_object"] if self.json_object else []
+        _check(len(kinds) == 1, f"structured output takes exactly one of json, json_object, regex, choice, grammar;"
+                                f" got {', '.join(kinds) or 'none'}")
+        _check(self.choice is None or (self.choice and all(isinstance(c, str) and c for c in self.choice)),
+               "choice must be a non-empty list of non-empty strings")
+
+
 class SamplingParams(msgspec.Struct, omit_defaults=True, forbid_unknown_fields=True):
     """Per-request sampling settings; out-of-range values raise ValueError naming the field."""
 
@@ -42,6 +66,8 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, forbid_unknown_fields=T
     # most likely alternatives (such a request is computed in full: it does not use the prefix cache)
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
+    # constrain the output to a JSON schema, a regex, a choice or a grammar
+    structured: StructuredOutput | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

@@ -16,6 +16,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from conveyor.config import Config
+from conveyor.engine.grammars import GrammarRequests
 from conveyor.executor import ExecutorError, build_executor
 from conveyor.kvcache import KVCacheManager
 from conveyor.messages import (
@@ -69,6 +70,8 @@ class EngineCore:
             raise
         self.info = info
         self.max_model_len = info.max_model_len
+        # structured-output requests: compiling, and the matchers of those the scheduler holds
+        self.grammars = GrammarRequests(config, info.vocab_size)
         self.num_steps = 0
         # the last step scheduled nothing although requests are pending (a batching scheduler collecting)
         self._collecting = False
@@ -82,6 +85,7 @@ class EngineCore:
 
     def shutdown(self) -> None:
         """Stop the workers."""
+        self.grammars.shutdown()
         self.executor.shutdown()
 
     def add_request(self, message: EngineRequest) -> RequestOutput | None:
@@ -92,7 +96,13 @@ class EngineCore:
             with the HTTP status that says why.
         """
         try:
-            self.scheduler.add(Request.from_message(message, self.max_model_len))
+            request = Request.from_message(message, self.max_model_len)
+            if message.params.structured is not None:  # (the scheduler takes it once its grammar compiles)
+                if request.request_id in self.scheduler.requests:
+                    raise RequestRejected(f"request id {request.request_id!r} is already in use")
+                self.grammars.add(request)
+            else:
+                self.scheduler.add(request)
         except RequestRejected as e:
             return RequestOutput(message.request_id, finish_reason=FinishReason.ERROR.value, error=str(e),
                                  error_status=e.status)
@@ -101,7 +111,10 @@ class EngineCore:
 
     def abort(self, request_ids: Iterable[str]) -> list[RequestOutput]:
         """End requests wherever they are; returns a final ``abort`` output for each unfinished one."""
-        return self.scheduler.abort(request_ids)
+        request_ids = list(request_ids)
+        compiling = [RequestOutput(r.request_id, finish_reason=FinishReason.ABORT.value,
+                                   num_prompt_tokens=r.num_prompt_tokens) for r in self.grammars.abort(request_ids)]
+        return compiling + self.scheduler.abort(request_ids)
 
     def apply(self, messages: Iterable[tuple[MessageType, object]]) -> EngineOutputs | None:
         """Take ADD and ABORT messages (``EngineRequest``, a list of request ids) in the order they came.
@@ -125,15 +138,15 @@ class EngineCore:
         return EngineOutputs(outputs, self.stats() if aborted else None)
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or bool(self.grammars.compiling)
 
     def poll_timeout(self) -> float | None:
         """How long a loop around ``step`` may wait for new requests before stepping again:
         0 while there is work, a moment while a batching scheduler collects, None (until a
         request comes) when idle."""
-        if not self.scheduler.has_unfinished():
+        if not self.has_unfinished():
             return None
-        return COLLECT_WAIT if self._collecting else 0.0
+        return COLLECT_WAIT if self._collecting or not self.scheduler.has_unfinished() else 0.0
 
     def step(self) -> tuple[list[RequestOutput], StepStats | None]:
         """Run one step: submit batches while the pipeline has room (one, without pipeline parallelism),
@@ -146,6 +159,7 @@ class EngineCore:
         Raises:
             ExecutorError: the workers cannot go on (the engine must restart).
         """
+        compiled = self._take_compiled()
         while len(self._in_flight) < self.max_in_flight:
             start = time.perf_counter()
             batch = self.scheduler.schedule()
@@ -162,7 +176,7 @@ class EngineCore:
             self.executor.submit(step)
         self._collecting = not self._in_flight
         if not self._in_flight:
-            return [], None
+            return compiled, None
         flight = self._in_flight.popleft()
         batch = flight.batch
         try:
@@ -173,14 +187,18 @@ class EngineCore:
             logger.exception("step failed; ending its %d requests with an error", len(batch))
             for request in batch.requests:
                 request.in_flight = False
-            return self.scheduler.abort([r.request_id for r in batch.requests], error=f"{type(e).__name__}: {e}"), None
+            failed = self.scheduler.abort([r.request_id for r in batch.requests], error=f"{type(e).__name__}: {e}")
+            return compiled + failed, None
         executed = time.perf_counter()
         for request in batch.requests:
             request.in_flight = False
         outputs = self.scheduler.update(batch, result.sampled, result.logprobs)
+        if self.grammars.matchers:
+            self._end_grammars(batch, result.sampled, outputs)
         if result.prompt_logprobs:
             outputs = self._add_prompt_logprobs(batch, flight.step, result, outputs)
         self.num_steps += 1
+        outputs = compiled + outputs
         stats = self.stats()
         stats.num_prefill_tokens = batch.total_tokens - flight.num_decode
         stats.num_decode_tokens = flight.num_decode
@@ -194,6 +212,32 @@ class EngineCore:
             busy = sum(r.busy for r in result.ranks)
             stats.bubble_fraction = sum(r.wait for r in result.ranks) / busy if busy else 0.0
         return outputs, stats
+
+    def _take_compiled(self) -> list[RequestOutput]:
+        """Hand the scheduler the requests whose grammar compiled; the error outputs of those that failed."""
+        outputs = []
+        for request, error in self.grammars.take_compiled():
+            try:
+                if error is not None:
+                    raise RequestRejected(error)
+                self.scheduler.add(request)
+            except RequestRejected as e:
+                self.grammars.forget([request.request_id])
+                outputs.append(RequestOutput(request.request_id, finish_reason=FinishReason.ERROR.value, error=str(e),
+                                             error_status=e.status))
+        if outputs or self.grammars.compiling:
+            self._collecting = False
+        return outputs
+
+    def _end_grammars(self, batch: ScheduledBatch, sampled: list[int | None], outputs: list[RequestOutput]) -> None:
+        """Advance the requests' matchers; a grammar that completed (or refused the token) ends its request."""
+        ended = self.grammars.advance(batch.requests, sampled)
+        by_id = {o.request_id: o for o in outputs}
+        for request in ended:
+            self.scheduler.finish(request, FinishReason.STOP)
+            output = by_id.get(request.request_id)
+            if output is not None:
+                output.finish_reason = FinishReason.STOP.value
 
     def stats(self) -> StepStats:
         """The queues and the KV cache now (a step fills in its tokens and timings)."""
@@ -216,7 +260,13 @@ class EngineCore:
             if params.prompt_logprobs is not None and request.num_prompt_logprobs < request.num_prompt_tokens - 1:
                 entry.prompt_logprob_token_ids = request.prompt_token_ids[start + 1 : start + n + 1]
             requests.append(entry)
-        return StepInput(requests, batch.num_decodes, self.scheduler.take_finished())
+        finished = self.scheduler.take_finished()
+        step = StepInput(requests, batch.num_decodes, finished)
+        if self.grammars.matchers:
+            self.grammars.forget(finished)
+            step.grammar_rows, step.bitmask = self.grammars.bitmask(
+                [e.request_id if e.sample else None for e in requests])
+        return step
 
     def _add_prompt_logprobs(
         self, batch: ScheduledBatch, step: StepInput, result: RunnerOutput, outputs: list[RequestOutput]

@@ -44,6 +44,8 @@ class ModelInfo(msgspec.Struct, array_like=True, frozen=True):
     attention: str
     # bytes of the weights as stored (quantized layers at their packed size); the executor reports all workers'
     weight_bytes: int
+    # the width of the logits (the tokenizer's vocabulary, padded by some models)
+    vocab_size: int = 0
 
 
 class Executor(ABC):

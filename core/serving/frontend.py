@@ -102,6 +102,13 @@ class EngineFrontend:
             raise RequestError(
                 f"the prompt has {num_prompt} tokens; max_model_len={limit} leaves no room for output", 400, "prompt"
             )
+        if params.structured is not None:
+            from conveyor.structured import check
+
+            try:
+                check(params.structured)
+            except ValueError as e:
+                raise RequestError(f"response_format: {e}", 400, "response_format") from None
         if params.max_tokens is not None and num_prompt + params.max_tokens > limit:
             raise RequestError(
                 f"the prompt ({num_prompt} tokens) + max_tokens ({params.max_tokens}) = "

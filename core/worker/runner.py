@@ -95,7 +95,12 @@ class ModelRunner:
             torch.cuda.synchronize(self.device)
         middle = time.perf_counter()
         if logits is not None:
-            tokens, entries = self.sampler.sample(logits, [step.requests[i] for i in sampled_entries])
+            allowed = None
+            if step.grammar_rows:  # (structured output: the rows of logits under a grammar, and their bitmask)
+                row_of = {entry: row for row, entry in enumerate(sampled_entries)}
+                bitmask = torch.frombuffer(bytearray(step.bitmask), dtype=torch.int32).view(len(step.grammar_rows), -1)
+                allowed = ([row_of[entry] for entry in step.grammar_rows], bitmask)
+            tokens, entries = self.sampler.sample(logits, [step.requests[i] for i in sampled_entries], allowed)
             for i, token, entry in zip(sampled_entries, tokens, entries):
                 output.sampled[i] = token
                 output.logprobs[i] = entry

@@ -109,7 +109,7 @@ class Worker:
         kv_spec = KVCacheSpec(len(self.model.layers), first.num_kv_heads, spec.head_dim, config.model.dtype,
                               max_model_len, sliding_window=windows.pop() if len(windows) == 1 else 0)
         return ModelInfo(max_model_len, kv_spec, str(self.device), self.backend_class.name,
-                         self.model.num_weight_bytes())
+                         self.model.num_weight_bytes(), spec.vocab_size)
 
     def _compile_batch_sizes(self) -> list[int]:
         """``compile_batch_sizes`` up to ``max_num_seqs``, and ``max_num_seqs`` itself where it falls short of the

@@ -3,19 +3,23 @@
 Requests are msgspec Structs, so a wrong type is reported with the field's
 path; fields that OpenAI clients send and Conveyor does not use are
 accepted and ignored. vLLM's extra sampling fields (``top_k``, ``min_p``,
-``repetition_penalty``, ``ignore_eos``, ``priority``, ...) are accepted too.
+``repetition_penalty``, ``ignore_eos``, ``priority``, ...) are accepted too,
+and its structured-output fields beside OpenAI's ``response_format``:
+``structured_outputs`` ({"json" | "regex" | "choice" | "grammar": ...}) and
+the older ``guided_json``, ``guided_regex``, ``guided_choice``, ``guided_grammar``.
 """
 
 from __future__ import annotations
 
+import json
 import time
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 import msgspec
 
 from conveyor.messages import TokenLogprob
 from conveyor.model.tokenizer import Tokenizer
-from conveyor.sampling import SamplingParams
+from conveyor.sampling import SamplingParams, StructuredOutput
 from conveyor.transport import RequestError
 
 MAX_N = 16
@@ -25,6 +29,27 @@ Int = Annotated[int, msgspec.Meta(ge=-(2**63), le=2**63 - 1)]
 
 class StreamOptions(msgspec.Struct):
     include_usage: bool = False
+
+
+class JSONSchemaFormat(msgspec.Struct):
+    name: str = "response"
+    # JSON Schema; None: any JSON object
+    schema: dict[str, Any] | None = None
+    strict: bool | None = None
+    description: str | None = None
+
+
+class ResponseFormat(msgspec.Struct):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JSONSchemaFormat | None = None
+
+
+class StructuredOutputs(msgspec.Struct, forbid_unknown_fields=True):
+    json: dict[str, Any] | str | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
 
 
 class _Common(msgspec.Struct, kw_only=True):
@@ -49,6 +74,13 @@ class _Common(msgspec.Struct, kw_only=True):
     stop_token_ids: list[Int] | None = None
     skip_special_tokens: bool = True
     priority: Int = 0
+    # structured output
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
 
 class CompletionRequest(_Common, kw_only=True):
@@ -122,6 +154,7 @@ def sampling_params(request: CompletionRequest | ChatCompletionRequest, default_
             min_tokens=request.min_tokens,
             logprobs=logprobs,
             skip_special_tokens=request.skip_special_tokens,
+            structured=structured_output(request),
         )
     except ValueError as e:
         message = str(e)
@@ -130,6 +163,50 @@ def sampling_params(request: CompletionRequest | ChatCompletionRequest, default_
         if param == "logprobs" and isinstance(request, ChatCompletionRequest):
             param = "top_logprobs"
         raise RequestError(message, 400, param) from None
+
+
+def structured_output(request: CompletionRequest | ChatCompletionRequest) -> StructuredOutput | None:
+    """The language the request constrains its output to, from whichever field it used (at most one).
+
+    Raises:
+        RequestError: 400 when two fields ask for it, or one asks for nothing.
+    """
+    given = {}
+    fmt = request.response_format
+    if fmt is not None and fmt.type == "json_object":
+        given["response_format"] = StructuredOutput(json_object=True)
+    elif fmt is not None and fmt.type == "json_schema":
+        if fmt.json_schema is None:
+            raise RequestError("response_format: type 'json_schema' needs a json_schema", 400, "response_format")
+        schema = fmt.json_schema.schema
+        given["response_format"] = (StructuredOutput(json=json.dumps(schema)) if schema is not None
+                                    else StructuredOutput(json_object=True))
+    guided = {"guided_json": ("json", request.guided_json), "guided_regex": ("regex", request.guided_regex),
+              "guided_choice": ("choice", request.guided_choice), "guided_grammar": ("grammar", request.guided_grammar)}
+    for field, (kind, value) in guided.items():
+        if value is not None:
+            given[field] = _structured(kind, value, field)
+    if request.structured_outputs is not None:
+        chosen = {k: v for k, v in msgspec.structs.asdict(request.structured_outputs).items() if v is not None}
+        if len(chosen) != 1:
+            raise RequestError(f"structured_outputs takes exactly one of json, regex, choice, grammar, json_object; "
+                               f"got {', '.join(chosen) or 'none'}", 400, "structured_outputs")
+        (kind, value), = chosen.items()
+        given["structured_outputs"] = _structured(kind, value, "structured_outputs")
+    if len(given) > 1:
+        raise RequestError(f"structured output asked for twice: {', '.join(given)}", 400, next(iter(given)))
+    return next(iter(given.values()), None)
+
+
+def _structured(kind: str, value: Any, field: str) -> StructuredOutput:
+    if kind == "json":
+        return StructuredOutput(json=value if isinstance(value, str) else json.dumps(value))
+    if kind == "json_object":
+        return StructuredOutput(json_object=bool(value))
+    try:
+        return StructuredOutput(**{kind: value})
+    except ValueError as e:
+        raise RequestError(f"{field}: {e}", 400, field) from None
 
 
 def chat_logprobs(tokenizer: Tokenizer, token_ids: list[int], logprobs: list[TokenLogprob]) -> dict[str, Any]:
