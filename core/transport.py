@@ -96,8 +96,9 @@ class Frontend(Protocol):
             RequestError: 400, naming ``field``.
         """
 
-    def encode_chat(self, messages: list[dict[str, Any]], field: str = "messages") -> list[int]:
-        """Token ids of a conversation rendered with the model's chat template.
+    def encode_chat(self, messages: list[dict[str, Any]], field: str = "messages", **context: Any) -> list[int]:
+        """Token ids of a conversation rendered with the model's chat template (``context``: more variables
+        the template may read, e.g. ``tools``).
 
         Raises:
             RequestError: 400, naming what is wrong with the messages.

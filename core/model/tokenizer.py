@@ -205,8 +205,10 @@ class Tokenizer:
         )
         return env.from_string(self.chat_template)
 
-    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
-        """Render a conversation to the prompt text the model was trained on.
+    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                            **context: Any) -> str:
+        """Render a conversation to the prompt text the model was trained on (``context``: more variables the
+        template may read, e.g. ``tools``).
 
         Raises:
             ChatTemplateError: no template, malformed messages, or the template refused them.
@@ -223,13 +225,16 @@ class Tokenizer:
                 add_generation_prompt=add_generation_prompt,
                 bos_token=token(self.bos_token_id) if self.bos_token_id is not None else "",
                 eos_token=token(self.eos_token_id) if self.eos_token_id is not None else "",
+                **context,
             )
         except TemplateError as e:
             raise ChatTemplateError(f"chat template: {e}") from None
 
-    def encode_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> list[int]:
+    def encode_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                    **context: Any) -> list[int]:
         # The template writes any BOS itself.
-        return self.encode(self.apply_chat_template(messages, add_generation_prompt), add_special_tokens=False)
+        return self.encode(self.apply_chat_template(messages, add_generation_prompt, **context),
+                           add_special_tokens=False)
 
 
 def load_tokenizer(config: ModelConfig, source: str = "<config>") -> Tokenizer:

@@ -81,10 +81,11 @@ class EngineFrontend:
             return list(prompt)
         raise RequestError(f"{field} must be a string or a list of token ids", 400, field)
 
-    def encode_chat(self, messages: list[dict[str, Any]], field: str = "messages") -> list[int]:
-        """Token ids of a conversation rendered with the model's chat template."""
+    def encode_chat(self, messages: list[dict[str, Any]], field: str = "messages", **context: Any) -> list[int]:
+        """Token ids of a conversation rendered with the model's chat template (``context``: more template
+        variables, e.g. ``tools``)."""
         try:
-            return self.tokenizer.encode_chat(messages)
+            return self.tokenizer.encode_chat(messages, **context)
         except ChatTemplateError as e:
             raise RequestError(f"{field}: {e}", 400, field) from None
 

@@ -29,6 +29,8 @@ from starlette.types import Receive, Scope, Send
 
 from conveyor.hookspecs import hookimpl
 from conveyor.plugins.transport import openai_api as api
+from conveyor.plugins.transport.tool_calls import Tools
+from conveyor.sampling import StructuredOutput
 from conveyor.transport import Chunk, Frontend, RequestError, Transport
 
 logger = logging.getLogger("conveyor")
@@ -256,9 +258,12 @@ class _Routes:
         if (denied := self._check_key(request)) is not None:
             return denied
         try:
+            tools = None
             if chat:
                 body = await self._parse(request, api.ChatCompletionRequest)
-                prompt_ids = self.frontend.encode_chat(body.messages)
+                tools = Tools(body.tools, body.tool_choice)
+                messages, context = tools.messages(body.messages, self.frontend.tokenizer.chat_template)
+                prompt_ids = self.frontend.encode_chat(messages, **context)
                 default_max_tokens = None  # chat: until the end of the context
             else:
                 body = await self._parse(request, api.CompletionRequest)
@@ -271,10 +276,15 @@ class _Routes:
                 prompt_ids = self.frontend.encode(prompt, "prompt")
                 default_max_tokens = 16  # OpenAI's default for completions
             params = api.sampling_params(body, default_max_tokens)
+            if tools is not None and (schema := tools.forced_schema()) is not None:
+                if params.structured is not None:
+                    raise RequestError("tool_choice forces a call, which response_format cannot constrain too", 400,
+                                       "tool_choice")
+                params.structured = StructuredOutput(json=schema)
             self.frontend.check(prompt_ids, params)
         except RequestError as e:
             return error_response(e)
-        call = _Call(self.frontend, body, prompt_ids, params, chat)
+        call = _Call(self.frontend, body, prompt_ids, params, chat, tools)
         if body.stream:
             return EventStream(call.stream)
         try:
@@ -288,8 +298,14 @@ class _Routes:
 class _Call:
     """One completions or chat completions call, with its n choices."""
 
-    def __init__(self, frontend: Frontend, body: Any, prompt_ids: list[int], params: Any, chat: bool):
+    def __init__(self, frontend: Frontend, body: Any, prompt_ids: list[int], params: Any, chat: bool,
+                 tools: Tools | None = None):
+        """
+        Args:
+            tools: a chat call's tools; where they are active, replies are read for calls (and streamed whole).
+        """
         self.frontend = frontend
+        self.tools = tools if tools is not None and tools.active else None
         self.body = body
         self.prompt_ids = prompt_ids
         self.params = params
@@ -331,14 +347,38 @@ class _Call:
         choices = []
         for i in range(self.body.n):
             choice: dict[str, Any] = {"index": i}
+            finish_reason = self.finish_reasons[i]
             if self.chat:
-                choice["message"] = {"role": "assistant", "content": self.texts[i]}
+                choice["message"], finish_reason = self._message(i)
             else:
                 choice["text"] = self.texts[i]
             choice["logprobs"] = self._logprobs(i, self.token_ids[i], self.logprobs[i], 0)
-            choice["finish_reason"] = self.finish_reasons[i]
+            choice["finish_reason"] = finish_reason
             choices.append(choice)
         return api.envelope(self.id, self.object, self.frontend.model_name, choices, usage=self.usage())
+
+    def _message(self, index: int) -> tuple[dict[str, Any], str | None]:
+        """A chat choice's message (its tool calls read from the text where tools are active), and its
+        finish reason ("tool_calls" when it made any)."""
+        if self.tools is None:
+            return {"role": "assistant", "content": self.texts[index]}, self.finish_reasons[index]
+        content, calls = self.tools.parse(self.texts[index])
+        if not calls:
+            return {"role": "assistant", "content": content}, self.finish_reasons[index]
+        return {"role": "assistant", "content": content, "tool_calls": calls}, "tool_calls"
+
+    async def _stream_whole(self, emit: Emit, extra: dict[str, Any]) -> None:
+        """Tools active: each choice's reply, read for calls, in one delta once it is complete."""
+        chunk_object, model = "chat.completion.chunk", self.frontend.model_name
+        await self.run()
+        for i in range(self.body.n):
+            message, finish_reason = self._message(i)
+            delta = {"content": message["content"]} if message["content"] else {}
+            if "tool_calls" in message:
+                delta["tool_calls"] = [{"index": j, **call} for j, call in enumerate(message["tool_calls"])]
+            logprobs = self._logprobs(i, self.token_ids[i], self.logprobs[i], 0)
+            await emit(api.envelope(self.id, chunk_object, model, [{"index": i, "delta": delta, "logprobs": logprobs,
+                                                                    "finish_reason": finish_reason}], **extra))
 
     async def stream(self, emit: Emit) -> None:
         include_usage = self.body.stream_options is not None and self.body.stream_options.include_usage
@@ -350,6 +390,11 @@ class _Call:
                 choice = {"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                           "finish_reason": None}
                 await emit(api.envelope(self.id, chunk_object, model, [choice], **extra))
+            if self.tools is not None:
+                await self._stream_whole(emit, extra)
+                if include_usage:
+                    await emit(api.envelope(self.id, chunk_object, model, [], usage=self.usage()))
+                return
 
         async def on_chunk(index: int, chunk: Chunk) -> None:
             if not chunk.text and chunk.finish_reason is None and self.params.logprobs is None:

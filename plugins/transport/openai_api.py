@@ -19,6 +19,7 @@ import msgspec
 
 from conveyor.messages import TokenLogprob
 from conveyor.model.tokenizer import Tokenizer
+from conveyor.plugins.transport.tool_calls import ToolDef
 from conveyor.sampling import SamplingParams, StructuredOutput
 from conveyor.transport import RequestError
 
@@ -97,6 +98,10 @@ class ChatCompletionRequest(_Common, kw_only=True):
     max_completion_tokens: Int | None = None
     logprobs: bool = False
     top_logprobs: Int | None = None
+    tools: list[ToolDef] | None = None
+    # "none" | "auto" | "required" | {"type": "function", "function": {"name": ...}}
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
 
 
 def decode_body(body: bytes, kind: type[msgspec.Struct]) -> Any:
