@@ -87,6 +87,14 @@ class EngineConfig(msgspec.Struct, forbid_unknown_fields=True):
     # batch sizes compiled at start-up (capped at [scheduler] max_num_seqs, which is added when missing)
     compile_batch_sizes: Annotated[list[Annotated[int, msgspec.Meta(ge=1)]], msgspec.Meta(min_length=1)] = msgspec.field(
         default_factory=lambda: [1, 2, 4, 8, 16, 32, 64])
+    # speculative decoding: "off", or "ngram" (prompt lookup: the tokens that followed the latest earlier
+    # occurrence of a request's last few tokens are proposed, and one step checks them all)
+    speculative: Literal["off", "ngram"] = "off"
+    # tokens proposed per request and step
+    num_speculative_tokens: Annotated[int, msgspec.Meta(ge=1, le=16)] = 4
+    # lengths of the n-gram looked up, longest first
+    ngram_max: Annotated[int, msgspec.Meta(ge=1)] = 4
+    ngram_min: Annotated[int, msgspec.Meta(ge=1)] = 2
 
 
 class ParallelConfig(msgspec.Struct, forbid_unknown_fields=True):

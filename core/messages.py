@@ -72,6 +72,9 @@ class SchedulerStats(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fal
     num_rejected: int = 0
     # run-to-completion batching: slot-steps a batch held for requests already finished (or never there)
     num_wasted_slots: int = 0
+    # speculative decoding: tokens proposed, and of those the ones the model accepted
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
 
 
 class KVCacheStats(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
@@ -161,6 +164,9 @@ class ScheduledRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=F
     output_token_ids: list[int] = []
     # with params.prompt_logprobs: the prompt tokens that rows 0, 1, ... of this step predict
     prompt_logprob_token_ids: list[int] = []
+    # speculative decoding: proposed tokens, the last ones of token_ids; the step checks them and samples after
+    # the last one it accepts
+    draft_token_ids: list[int] = []
 
 
 class StepInput(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
@@ -186,6 +192,10 @@ class RunnerOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=False
     logprobs: list[TokenLogprob | None]
     # entries for the rows of ScheduledRequest.prompt_logprob_token_ids, when there are any
     prompt_logprobs: list[list[TokenLogprob] | None] = []
+    # speculative decoding, per entry when any has drafts: the drafts accepted (they come before the sampled
+    # token), with their logprobs where asked
+    accepted: list[list[int]] = []
+    accepted_logprobs: list[list[TokenLogprob] | None] = []
     # seconds: building inputs + the forward pass, and sampling
     forward_time: float = 0.0
     sample_time: float = 0.0

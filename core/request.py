@@ -41,6 +41,7 @@ class Request:
     __slots__ = (
         "arrival_order",
         "arrival_time",
+        "draft_token_ids",
         "eos_token_ids",
         "finish_reason",
         "first_scheduled_time",
@@ -93,6 +94,8 @@ class Request:
         self.num_prompt_logprobs = 0
         # in a step the workers have not finished (pipeline parallelism keeps several in flight)
         self.in_flight = False
+        # speculative decoding: tokens proposed to follow the last one, checked in the next step
+        self.draft_token_ids: list[int] = []
 
     @classmethod
     def from_message(cls, msg: EngineRequest, max_model_len: int) -> Request:

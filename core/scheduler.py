@@ -152,7 +152,8 @@ class Scheduler:
     def schedule(self) -> ScheduledBatch:
         """Pick this step's batch and allocate its KV memory: continuous batching.
 
-        Running requests first, in admission order, each with its next chunk;
+        Running requests first, in admission order, each with its next chunk
+        (a decode with its proposed draft tokens, as many as the budget holds);
         when memory runs out, ``pick_victim()`` is preempted (and recomputed
         later). Then waiting requests in ``waiting_key`` order while the token
         budget, ``can_admit`` and memory allow, none in a step that preempted.
@@ -173,6 +174,9 @@ class Scheduler:
             if request.status != RequestStatus.RUNNING or request.in_flight:
                 continue  # preempted earlier in this step, or its last step is not back yet
             n = min(request.num_uncomputed_tokens, self.chunk_limit(budget))
+            if n == request.num_uncomputed_tokens == 1 and request.draft_token_ids:
+                del request.draft_token_ids[budget - 1 :]  # (the drafts the budget holds are checked)
+                n += len(request.draft_token_ids)
             while not self.kvcache.allocate(request, n):
                 victim = self.pick_victim()
                 if victim is None or victim.in_flight:
@@ -267,6 +271,7 @@ class Scheduler:
         self.kvcache.free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
+        request.draft_token_ids = []
         self.counters.num_preemptions += 1
         self._enqueue(request)
 
@@ -310,7 +315,8 @@ class Scheduler:
         return outputs
 
     def update(
-        self, batch: ScheduledBatch, sampled: list[int | None], logprobs: list[TokenLogprob | None]
+        self, batch: ScheduledBatch, sampled: list[int | None], logprobs: list[TokenLogprob | None],
+        accepted: list[list[int]] | None = None, accepted_logprobs: list[list[TokenLogprob] | None] | None = None,
     ) -> list[RequestOutput]:
         """Record a finished step.
 
@@ -319,25 +325,40 @@ class Scheduler:
             sampled: per batch entry, the new token, or None for a prefill
                 chunk that did not reach the end of the prompt.
             logprobs: per batch entry, logprobs of the new token (or None).
+            accepted: per batch entry (speculative decoding), the draft tokens the model accepted: they come
+                before the sampled token; the rest of the drafts are dropped (their KV is rewritten later).
+            accepted_logprobs: their logprobs, where asked.
 
         Returns:
-            One output per request that got a token (the last one says why it finished).
+            One output per request that got tokens (the last one says why it finished).
         """
         outputs: list[RequestOutput] = []
-        for request, n, token, logprob in zip(batch.requests, batch.num_tokens, sampled, logprobs):
-            request.num_computed_tokens += n
+        for i, (request, n, token, logprob) in enumerate(zip(batch.requests, batch.num_tokens, sampled, logprobs)):
+            drafted = request.draft_token_ids[: n - 1] if n > 1 and request.num_uncomputed_tokens == 1 else []
+            taken = accepted[i] if accepted else []
+            request.num_computed_tokens += n - (len(drafted) - len(taken))
+            request.draft_token_ids = []
+            if drafted:
+                self.counters.num_draft_tokens += len(drafted)
+                self.counters.num_accepted_tokens += len(taken)
             if token is None or request.is_finished:
                 continue
-            reason = request.append_token(token)
+            tokens = [*taken, token]
+            entries = [*(accepted_logprobs[i] or [] if accepted_logprobs else []), logprob]
+            reason = None
+            for count, new in enumerate(tokens, 1):
+                reason = request.append_token(new)
+                if reason is not None:
+                    break
             outputs.append(
                 RequestOutput(
                     request.request_id,
-                    [token],
-                    [logprob] if logprob is not None else None,
+                    tokens[:count],
+                    entries[:count] if logprob is not None else None,
                     reason.value if reason else None,
                     num_prompt_tokens=request.num_prompt_tokens,
                     num_cached_tokens=request.num_cached_tokens,
-                    queue_time=request.queue_time if request.num_output_tokens == 1 else 0.0,
+                    queue_time=request.queue_time if request.num_output_tokens == count else 0.0,
                 )
             )
             if reason is not None:

@@ -39,9 +39,11 @@ class Exposition:
         }
 
 
-def stats(step: int, tokens: int, preemptions: int = 0, aborted: int = 0, hits: int = 0, free: int = 30) -> StepStats:
+def stats(step: int, tokens: int, preemptions: int = 0, aborted: int = 0, hits: int = 0, free: int = 30,
+          drafted: int = 0, accepted: int = 0) -> StepStats:
     return StepStats(
-        step, 0.0, SchedulerStats(num_running=3, num_waiting=2, num_preemptions=preemptions, num_aborted=aborted),
+        step, 0.0, SchedulerStats(num_running=3, num_waiting=2, num_preemptions=preemptions, num_aborted=aborted,
+                                  num_draft_tokens=drafted, num_accepted_tokens=accepted),
         KVCacheStats(usage=1 - free / 50, num_blocks=50, num_free_blocks=free, num_prefix_hit_tokens=hits),
         num_prefill_tokens=tokens, schedule_time=0.001, forward_time=0.02, sample_time=0.003, update_time=0.001,
     )
@@ -58,7 +60,7 @@ def test_every_metric_moves_with_its_traffic():
     assert value("conveyor_engine_restarts_total") == 0
 
     # a step: the engine's gauges follow it, its cumulative counts become increments
-    metrics.engine_step(stats(1, tokens=40, preemptions=1, aborted=1, hits=32, free=30))
+    metrics.engine_step(stats(1, tokens=40, preemptions=1, aborted=1, hits=32, free=30, drafted=10, accepted=7))
     assert value("conveyor_num_requests_running") == 3 and value("conveyor_num_requests_waiting") == 2
     assert value("conveyor_kv_cache_usage_ratio") == 0.4 and value("conveyor_kv_cache_free_blocks") == 30
     assert value("conveyor_engine_step_seconds_count") == 1
@@ -66,6 +68,7 @@ def test_every_metric_moves_with_its_traffic():
     assert value("conveyor_preemptions_total") == 1
     assert value("conveyor_engine_aborted_requests_total") == 1
     assert value("conveyor_prefix_cache_hit_tokens_total") == 32
+    assert value("conveyor_spec_draft_tokens_total") == 10 and value("conveyor_spec_accepted_tokens_total") == 7
     # a snapshot between steps (after an abort): gauges move, no step is counted, counters add only what is new
     metrics.engine_step(stats(1, tokens=0, preemptions=3, aborted=2, hits=32, free=50))
     assert value("conveyor_kv_cache_free_blocks") == 50
@@ -76,8 +79,9 @@ def test_every_metric_moves_with_its_traffic():
     metrics.engine_ready(EngineReady(pid=2, max_model_len=256, num_kv_blocks=50, block_size=16,
                                      max_concurrency=3.125, load_time=1.0))
     assert value("conveyor_engine_restarts_total") == 1
-    metrics.engine_step(stats(1, tokens=8, preemptions=1, hits=16))
+    metrics.engine_step(stats(1, tokens=8, preemptions=1, hits=16, drafted=4, accepted=1))
     assert value("conveyor_preemptions_total") == 4 and value("conveyor_prefix_cache_hit_tokens_total") == 48
+    assert value("conveyor_spec_draft_tokens_total") == 14 and value("conveyor_spec_accepted_tokens_total") == 8
 
     # one request: its first token, a second, and its end
     metrics.first_token(ttft=0.5, queue_time=0.125, num_prompt_tokens=20)

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 from conveyor.config import Config
 from conveyor.engine.grammars import GrammarRequests
+from conveyor.engine.speculative import NgramProposer
 from conveyor.executor import ExecutorError, build_executor
 from conveyor.kvcache import KVCacheManager
 from conveyor.messages import (
@@ -72,6 +73,7 @@ class EngineCore:
         self.max_model_len = info.max_model_len
         # structured-output requests: compiling, and the matchers of those the scheduler holds
         self.grammars = GrammarRequests(config, info.vocab_size)
+        self.proposer = NgramProposer(config.engine) if config.engine.speculative == "ngram" else None
         self.num_steps = 0
         # the last step scheduled nothing although requests are pending (a batching scheduler collecting)
         self._collecting = False
@@ -192,9 +194,12 @@ class EngineCore:
         executed = time.perf_counter()
         for request in batch.requests:
             request.in_flight = False
-        outputs = self.scheduler.update(batch, result.sampled, result.logprobs)
+        outputs = self.scheduler.update(batch, result.sampled, result.logprobs, result.accepted,
+                                        result.accepted_logprobs)
         if self.grammars.matchers:
             self._end_grammars(batch, result.sampled, outputs)
+        if self.proposer is not None:
+            self.proposer.propose(batch.requests)
         if result.prompt_logprobs:
             outputs = self._add_prompt_logprobs(batch, flight.step, result, outputs)
         self.num_steps += 1
@@ -251,9 +256,12 @@ class EngineCore:
                 request.first_scheduled_time = now
             start = request.num_computed_tokens
             params = request.params
+            known = min(n, request.num_tokens - start)  # (the rest are draft tokens, to be checked)
+            drafts = request.draft_token_ids[: n - known]
             entry = ScheduledRequest(
-                request.request_id, start, request.token_ids(start, start + n), self.kvcache.block_ids(request),
-                params, sample=start + n == request.num_tokens,
+                request.request_id, start, request.token_ids(start, start + known) + drafts,
+                self.kvcache.block_ids(request), params, sample=start + known == request.num_tokens,
+                draft_token_ids=drafts,
             )
             if entry.sample and params.has_penalties:
                 entry.prompt_token_ids, entry.output_token_ids = request.prompt_token_ids, request.output_token_ids

@@ -102,6 +102,11 @@ class ServerMetrics:
             "conveyor_engine_aborted_requests", "Requests the engine ended before their end: aborted or failed."
         )
         self.prefix_hit_tokens = counter("conveyor_prefix_cache_hit_tokens", "Prompt tokens served from the cache.")
+        self.draft_tokens = counter("conveyor_spec_draft_tokens", "Speculative decoding: tokens proposed and checked.")
+        self.accepted_tokens = counter(
+            "conveyor_spec_accepted_tokens",
+            "Speculative decoding: proposed tokens the model accepted (acceptance rate: this over draft tokens).",
+        )
         self.requests = Counter(
             "conveyor_requests", "Finished requests by finish reason.", ["model_name", "finish_reason"], registry=r
         )
@@ -144,7 +149,7 @@ class ServerMetrics:
         self._model_name = model_name
         # per replica: cumulative engine counters last seen (preemptions, prefix hits, aborts, finished),
         # to turn them into increments
-        self._engine_counts = [(0, 0, 0, 0)] * num_replicas
+        self._engine_counts = [(0,) * 6] * num_replicas
         self._num_ready = [0] * num_replicas
         # for the status line: token totals, and their values at the last report
         self._num_prompt_tokens = 0
@@ -158,7 +163,7 @@ class ServerMetrics:
         self._num_ready[replica] += 1
         if self._num_ready[replica] > 1:
             self.engine_restarts[replica].inc()
-        self._engine_counts[replica] = (0, 0, 0, 0)  # a new engine counts from zero
+        self._engine_counts[replica] = (0,) * 6  # a new engine counts from zero
         self._bubble_state[replica] = None
         self.kv_blocks[replica].set(ready.num_kv_blocks)
         self.kv_free_blocks[replica].set(ready.num_kv_blocks)
@@ -178,8 +183,8 @@ class ServerMetrics:
                 self._parallel_step(stats, replica)
         scheduler = stats.scheduler
         counts = (scheduler.num_preemptions, stats.kv.num_prefix_hit_tokens, scheduler.num_aborted,
-                  scheduler.num_finished + scheduler.num_aborted)
-        counters = [self.preemptions, self.prefix_hit_tokens, self.engine_aborts]
+                  scheduler.num_draft_tokens, scheduler.num_accepted_tokens, scheduler.num_finished + scheduler.num_aborted)
+        counters = [self.preemptions, self.prefix_hit_tokens, self.engine_aborts, self.draft_tokens, self.accepted_tokens]
         if self.replica_requests:
             counters.append(self.replica_requests[replica])
         for counter, now, before in zip(counters, counts, self._engine_counts[replica]):

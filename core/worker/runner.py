@@ -50,8 +50,8 @@ class ModelRunner:
             return self._sample(step, logits if rows else None, rows, output, began)
         input_ids: list[int] = []
         positions: list[int] = []
-        # rows of the hidden states whose logits are needed: the last row of each sampled request, and
-        # the rows of requests that asked for prompt logprobs
+        # rows of the hidden states whose logits are needed: the last row of each sampled request (and the
+        # rows before it that predict its draft tokens), and the rows of requests that asked for prompt logprobs
         sample_rows: list[int] = []
         sampled_entries: list[int] = []
         prompt_rows: list[tuple[int, int, int]] = []  # (entry, first row, rows)
@@ -60,7 +60,7 @@ class ModelRunner:
             input_ids.extend(request.token_ids)
             positions.extend(range(request.start, request.start + len(request.token_ids)))
             if request.sample:
-                sample_rows.append(len(input_ids) - 1)
+                sample_rows.extend(range(len(input_ids) - 1 - len(request.draft_token_ids), len(input_ids)))
                 sampled_entries.append(i)
             if request.prompt_logprob_token_ids:
                 prompt_rows.append((i, first, len(request.prompt_logprob_token_ids)))
@@ -94,6 +94,9 @@ class ModelRunner:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         middle = time.perf_counter()
+        if logits is not None and any(step.requests[i].draft_token_ids for i in sampled_entries):
+            logits = self._verify(step, logits, sampled_entries, output)
+            sampled_entries = [i for i in sampled_entries if not step.requests[i].draft_token_ids]
         if logits is not None:
             allowed = None
             if step.grammar_rows:  # (structured output: the rows of logits under a grammar, and their bitmask)
@@ -104,8 +107,29 @@ class ModelRunner:
             for i, token, entry in zip(sampled_entries, tokens, entries):
                 output.sampled[i] = token
                 output.logprobs[i] = entry
-            output.sample_time = time.perf_counter() - middle
+        output.sample_time = time.perf_counter() - middle
         return self._timed(output, began, middle)
+
+    def _verify(self, step: StepInput, logits: torch.Tensor, sampled_entries: list[int],
+                output: RunnerOutput) -> torch.Tensor | None:
+        """Check the draft tokens of the entries that have them (their rows of ``logits``: one per draft and
+        one after); returns the logits of the other entries (a row each), or None when there are none."""
+        output.accepted = [[] for _ in step.requests]
+        output.accepted_logprobs = [None] * len(step.requests)
+        plain_rows: list[int] = []
+        row = 0
+        for i in sampled_entries:
+            request = step.requests[i]
+            drafts = len(request.draft_token_ids)
+            if not drafts:
+                plain_rows.append(row)
+                row += 1
+                continue
+            tokens, entries = self.sampler.verify(logits[row : row + drafts + 1], request)
+            output.accepted[i], output.sampled[i] = tokens[:-1], tokens[-1]
+            output.accepted_logprobs[i], output.logprobs[i] = entries[:-1], entries[-1]
+            row += drafts + 1
+        return logits[torch.tensor(plain_rows, device=logits.device)] if plain_rows else None
 
     def _timed(self, output: RunnerOutput, began: float, middle: float | None = None) -> RunnerOutput:
         """Fill in the step's times (``middle``: where sampling began)."""

@@ -74,30 +74,81 @@ class Sampler:
         return token_list, entries
 
     def _sample_random(self, logits: torch.Tensor, requests: list[ScheduledRequest]) -> torch.Tensor:
-        params = [r.params for r in requests]
-        device = logits.device
-        temperature = torch.tensor([p.temperature for p in params], dtype=logits.dtype, device=device).unsqueeze(1)
-        logits = logits / temperature
-        top_k = [max(0, p.top_k) for p in params]
-        if any(top_k):
-            logits = apply_top_k(logits, top_k)
-        probs = torch.softmax(logits, dim=-1)
-        top_p = [p.top_p for p in params]
-        if any(p < 1 for p in top_p):
-            probs = apply_top_p(probs, top_p)
-        min_p = [p.min_p for p in params]
-        if any(min_p):
-            threshold = torch.tensor(min_p, dtype=probs.dtype, device=device).unsqueeze(1) * probs.max(dim=-1, keepdim=True).values
-            probs = probs.masked_fill(probs < threshold, 0.0)
-        uniform = torch.rand(len(requests), 1, generator=self.generator, dtype=torch.float64)
-        for i, request in enumerate(requests):
-            seed = request.params.seed
-            if seed is not None:
-                generator = self.generators.get(request.request_id)
-                if generator is None:
-                    generator = self.generators[request.request_id] = torch.Generator().manual_seed(seed)
-                uniform[i, 0] = torch.rand(1, generator=generator, dtype=torch.float64).item()
-        return inverse_cdf(probs, uniform.to(device))
+        probs = filtered_probs(logits, [r.params for r in requests])
+        uniform = torch.tensor([[self._uniform(r)] for r in requests], dtype=torch.float64)
+        return inverse_cdf(probs, uniform.to(logits.device))
+
+    def _uniform(self, request: ScheduledRequest) -> float:
+        """One draw in [0, 1) from the request's own generator (a seed of its own) or the shared one."""
+        seed = request.params.seed
+        if seed is None:
+            return torch.rand(1, generator=self.generator, dtype=torch.float64).item()
+        generator = self.generators.get(request.request_id)
+        if generator is None:
+            generator = self.generators[request.request_id] = torch.Generator().manual_seed(seed)
+        return torch.rand(1, generator=generator, dtype=torch.float64).item()
+
+    def verify(self, logits: torch.Tensor, request: ScheduledRequest) -> tuple[list[int], list[TokenLogprob | None]]:
+        """Check a request's draft tokens and sample the token after the last one accepted.
+
+        Greedy: drafts are accepted while each is the argmax. Sampled: draft ``d`` at a row whose filtered
+        distribution is ``p`` is accepted with probability ``p(d)``; at the first rejection the token is drawn
+        from ``p`` without ``d`` (renormalized), so every token comes from the model's distribution, as
+        without drafts (an n-gram draft is one token for sure: rejection sampling with a point mass).
+
+        Args:
+            logits: ``[drafts + 1, vocab]``: row i predicts the token after the request's token (row 0) or
+                after draft i - 1.
+
+        Returns:
+            The tokens (the accepted drafts, then the sampled one), and their logprobs entries where asked.
+        """
+        drafts, params = request.draft_token_ids, request.params
+        logprobs = torch.log_softmax(logits, dim=-1) if params.logprobs is not None else None
+        if params.greedy:
+            targets = logits.max(dim=-1).indices.tolist()
+            taken = next((i for i, (d, t) in enumerate(zip(drafts, targets)) if d != t), len(drafts))
+            tokens = [*drafts[:taken], targets[taken]]
+        else:
+            probs = filtered_probs(logits, [params] * len(logits)).double()
+            probs = probs / probs.sum(dim=-1, keepdim=True)
+            tokens = []
+            for row, draft in enumerate(drafts):
+                if self._uniform(request) < float(probs[row, draft]):
+                    tokens.append(draft)
+                    continue
+                residual = probs[row].clone()
+                residual[draft] = 0.0
+                tokens.append(int(inverse_cdf(residual.unsqueeze(0), torch.tensor([[self._uniform(request)]]))[0]))
+                break
+            else:
+                last = probs[len(drafts)].unsqueeze(0)
+                tokens.append(int(inverse_cdf(last, torch.tensor([[self._uniform(request)]]))[0]))
+        if logprobs is None:
+            return tokens, [None] * len(tokens)
+        rows = logprobs[: len(tokens)]
+        entries = [token_logprobs(rows[i : i + 1], [t], params.logprobs)[0] for i, t in enumerate(tokens)]
+        return tokens, entries
+
+
+def filtered_probs(logits: torch.Tensor, params: list) -> torch.Tensor:
+    """Each row's sampling distribution under its params (temperature, top-k, top-p, min-p); rows are not
+    renormalized after the filters (``inverse_cdf`` takes them as they are)."""
+    device = logits.device
+    temperature = torch.tensor([p.temperature for p in params], dtype=logits.dtype, device=device).unsqueeze(1)
+    logits = logits / temperature
+    top_k = [max(0, p.top_k) for p in params]
+    if any(top_k):
+        logits = apply_top_k(logits, top_k)
+    probs = torch.softmax(logits, dim=-1)
+    top_p = [p.top_p for p in params]
+    if any(p < 1 for p in top_p):
+        probs = apply_top_p(probs, top_p)
+    min_p = [p.min_p for p in params]
+    if any(min_p):
+        threshold = torch.tensor(min_p, dtype=probs.dtype, device=device).unsqueeze(1) * probs.max(dim=-1, keepdim=True).values
+        probs = probs.masked_fill(probs < threshold, 0.0)
+    return probs
 
 
 def token_logprobs(logprobs: torch.Tensor, token_ids: list[int], num_top: int) -> list[TokenLogprob]:

@@ -1,0 +1,104 @@
+"""Speculative decoding with n-gram drafts: the proposer, the check (greedy: the model's own tokens; sampled:
+the model's distribution, tested with chi-square on a small vocabulary), and SmolLM2 end to end."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from scipy.stats import chisquare
+
+from conveyor import LLM
+from conveyor.engine.speculative import propose_ngram
+from conveyor.messages import ScheduledRequest
+from conveyor.sampling import SamplingParams
+from conveyor.worker.sampler import Sampler, filtered_probs
+from tests.conftest import CHAT_PROMPTS
+from tests.helpers import assert_same_or_near_tie
+
+TEXT = ("The quick brown fox jumps over the lazy dog. The dog sleeps under the old oak tree while the fox runs into "
+        "the forest. Birds sing in the branches and the river flows quietly past the farm.")
+REPEAT = [{"role": "user", "content": f"Repeat this text exactly:\n\n{TEXT}"}]
+
+
+def test_the_latest_occurrence_of_the_longest_ngram_is_proposed():
+    tokens = [1, 2, 3, 9, 9, 1, 2, 3, 7, 8, 5, 2, 3]
+    # "2 3" last occurred at 6..7, followed by 7, 8, 5
+    assert propose_ngram(tokens, 4, 2, 3) == [7, 8, 5]
+    assert propose_ngram(tokens, 4, 2, 10) == [7, 8, 5, 2, 3]  # (up to the end)
+    assert propose_ngram([1, 2, 3, 1, 2, 4, 5, 1, 2, 3], 3, 1, 2) == [1, 2]  # "1 2 3" beats the later "1 2"
+    assert propose_ngram([5, 6, 7, 8], 3, 1, 4) == []
+    assert propose_ngram([4], 3, 1, 4) == []
+
+
+def draws(sampler: Sampler, logits: torch.Tensor, drafts: list[int], params: SamplingParams, n: int) -> list[list[int]]:
+    request = ScheduledRequest("r", 0, [0], [0], params, sample=True, draft_token_ids=drafts)
+    return [sampler.verify(logits, request)[0] for _ in range(n)]
+
+
+@pytest.mark.parametrize("params", [SamplingParams(temperature=1.0), SamplingParams(temperature=0.7, top_k=5)],
+                         ids=["plain", "temperature-top-k"])
+def test_sampled_tokens_keep_the_models_distribution(params):
+    """8 tokens, two drafts: the first token is drawn from row 0's distribution whether or not the draft is
+    accepted, and after an accepted draft the second from row 1's (chi-square, 20,000 draws, p > 0.001)."""
+    torch.manual_seed(0)
+    logits = torch.randn(3, 8) * 1.5
+    drafts = [int(logits[0].argsort()[-2]), 3]  # a likely but not the likeliest first token
+    probs = filtered_probs(logits, [params] * 3).double()
+    probs = probs / probs.sum(-1, keepdim=True)
+    results = draws(Sampler(seed=1), logits, drafts, params, 20_000)
+    first = np.bincount([r[0] for r in results], minlength=8)
+    seen = probs[0] > 0
+    assert first[~seen.numpy()].sum() == 0  # a filtered-out token is never drawn
+    assert chisquare(first[seen.numpy()], probs[0][seen].numpy() * len(results)).pvalue > 1e-3
+    after = [r[1] for r in results if r[0] == drafts[0]]
+    second = np.bincount(after, minlength=8)
+    seen = probs[1] > 0
+    assert chisquare(second[seen.numpy()], probs[1][seen].numpy() * len(after)).pvalue > 1e-3
+
+
+def test_greedy_checking_keeps_the_argmax_and_stops_at_the_first_miss():
+    logits = torch.full((4, 10), -5.0)
+    for row, token in enumerate([4, 7, 2, 9]):
+        logits[row, token] = 5.0
+    sampler = Sampler()
+    greedy = SamplingParams(temperature=0, logprobs=1)
+    [(tokens, entries)] = [sampler.verify(logits, ScheduledRequest("r", 0, [0], [0], greedy, sample=True,
+                                                                      draft_token_ids=[4, 7, 1]))]
+    assert tokens == [4, 7, 2] and [e.top_ids[0] for e in entries] == [4, 7, 2]
+
+
+@pytest.fixture(scope="module")
+def llm_spec():
+    with LLM(overrides={"model.dtype": "float32", "engine.seed": 1234, "engine.speculative": "ngram"}) as llm:
+        yield llm
+
+
+def test_greedy_tokens_are_the_same_with_and_without_drafts(llm_spec, llm_fp32):
+    """SmolLM2 at float32: the chat prompts and a text to repeat, each alone and all at once (decodes with
+    drafts beside plain ones and prompt chunks): the tokens without drafts, or a near tie at the first
+    difference; many drafts accepted; every KV block free after."""
+    params = SamplingParams(max_tokens=32, temperature=0, ignore_eos=True, logprobs=5)
+    prompts = [[{"role": "user", "content": p}] for p in CHAT_PROMPTS[:4]] + [REPEAT]
+    reference = llm_fp32.generate(prompts, params)
+    counters = llm_spec.engine.scheduler.counters
+    alone = [llm_spec.generate([p], params)[0] for p in prompts]
+    drafted, accepted = counters.num_draft_tokens, counters.num_accepted_tokens
+    together = llm_spec.generate(prompts, params)
+    for i, (ref, one, batched) in enumerate(zip(reference, alone, together)):
+        assert_same_or_near_tie(one, ref, f"prompt {i} alone")
+        assert_same_or_near_tie(batched, ref, f"prompt {i} in the batch")
+    assert accepted > 20, (drafted, accepted)  # (the check ran on many accepted drafts)
+    kv = llm_spec.engine.kvcache
+    assert kv.num_free_blocks == kv.num_blocks
+
+
+def test_stop_conditions_hold_inside_accepted_drafts(llm_spec):
+    """max_tokens and a stop string land inside a run of accepted drafts: the output ends exactly there."""
+    [long] = llm_spec.generate(REPEAT, SamplingParams(max_tokens=40, temperature=0))
+    for n in (5, 13, 21):
+        [cut] = llm_spec.generate(REPEAT, SamplingParams(max_tokens=n, temperature=0))
+        assert cut.token_ids == long.token_ids[:n] and cut.finish_reason == "length"
+    [stopped] = llm_spec.generate(REPEAT, SamplingParams(max_tokens=40, temperature=0, stop="lazy"))
+    assert stopped.text == long.text[: long.text.index("lazy")] and stopped.finish_reason == "stop"
+
