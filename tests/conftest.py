@@ -136,3 +136,17 @@ def reference(hf_model, tokenizer):
         ids = tokenizer.encode_chat([{"role": "user", "content": prompt}])
         results.append((ids, *hf_greedy(hf_model, ids, NUM_TOKENS)))
     return results
+
+
+@pytest.fixture(scope="session")
+def openai_client(tmp_path_factory):
+    """The openai client on one `conveyor serve` with the default config, shared by the tests that only send it
+    requests (structured output, tool calls)."""
+    import openai
+
+    from tests.server import Server, http_config
+
+    server = Server(http_config(), tmp_path_factory.mktemp("openai_server")).start()
+    with openai.OpenAI(base_url=f"{server.http}/v1", api_key="unused", max_retries=0, timeout=120) as client:
+        yield client
+    assert server.stop() == 0, server.output

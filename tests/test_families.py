@@ -113,7 +113,7 @@ NUM_TOKENS = 32
 
 @pytest.mark.parametrize("attention", ["torch", "cpu"])
 def test_greedy_decoding_matches_transformers_alone_and_in_a_preempting_batch(family, attention):
-    """32 greedy tokens per prompt, each prompt alone and then all twelve at once in small steps (prompts in
+    """32 greedy tokens per prompt, six prompts alone and then all twelve at once in small steps (prompts in
     chunks of at most 16 tokens) with too few KV blocks for all (preemption; 18 blocks of 4 tokens hold the
     longest request alone): transformers' tokens, or a near tie at the first difference."""
     name, model, path = family
@@ -125,12 +125,13 @@ def test_greedy_decoding_matches_transformers_alone_and_in_a_preempting_batch(fa
                  "engine.attention": attention, "kvcache.block_size": 4, "kvcache.num_blocks": 18,
                  "scheduler.max_num_batched_tokens": 16}
     with LLM(overrides=overrides) as llm:
-        alone = [llm.generate([prompt], params)[0] for prompt in PROMPTS]
+        alone = [llm.generate([prompt], params)[0] for prompt in PROMPTS[:6]]
         batch = llm.generate(PROMPTS, params)
         preemptions = llm.engine.scheduler.counters.num_preemptions
     assert preemptions > 0, "the batch was meant to run out of KV blocks"
     for i, (ref_tokens, ref_logprobs) in enumerate(references):
-        assert_matches_reference(alone[i], ref_tokens, ref_logprobs, f"{name}, prompt {i} alone")
+        if i < len(alone):
+            assert_matches_reference(alone[i], ref_tokens, ref_logprobs, f"{name}, prompt {i} alone")
         assert_matches_reference(batch[i], ref_tokens, ref_logprobs, f"{name}, prompt {i} in the batch")
 
 

@@ -3,6 +3,8 @@ the model's distribution, tested with chi-square on a small vocabulary), and Smo
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 import torch
@@ -102,3 +104,33 @@ def test_stop_conditions_hold_inside_accepted_drafts(llm_spec):
     [stopped] = llm_spec.generate(REPEAT, SamplingParams(max_tokens=40, temperature=0, stop="lazy"))
     assert stopped.text == long.text[: long.text.index("lazy")] and stopped.finish_reason == "stop"
 
+
+
+@pytest.mark.slow
+def test_drafts_and_grammars_cross_process_boundaries(tmp_path, tokenizer):
+    """Two worker processes (TP=2): drafts go out in the step, accepted tokens come back; a grammar's bitmask
+    travels with the step. Tokens and top-5 logprobs are one worker's without drafts."""
+    from conveyor.sampling import StructuredOutput
+    from tests.test_model import tiny_hf_model
+    from tests.test_parallel import PROMPTS, SPLITTABLE, assert_same_logits
+
+    tiny_hf_model("llama", **SPLITTABLE).save_pretrained(tmp_path)
+    tokenizer.hf.save(str(tmp_path / "tokenizer.json"))
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, logprobs=5, prompt_logprobs=5)
+    regex = SamplingParams(max_tokens=24, temperature=0, structured=StructuredOutput(regex="(ab|cd)+e"))
+
+    def run(tp: int, speculative: str) -> tuple[list, list, int]:
+        overrides = {"model.path": str(tmp_path), "model.dtype": "float32", "model.max_model_len": 128,
+                     "parallel.tensor_parallel_size": tp, "engine.speculative": speculative,
+                     "kvcache.memory_gb": 0.05, "scheduler.max_num_batched_tokens": 32}
+        with LLM(overrides=overrides) as llm:
+            outputs = llm.generate(PROMPTS, params)
+            constrained = llm.generate(PROMPTS[:2], regex)
+            return outputs, constrained, llm.engine.scheduler.counters.num_accepted_tokens
+
+    split, split_constrained, accepted = run(2, "ngram")
+    single, single_constrained, _ = run(1, "off")
+    assert accepted > 0
+    assert_same_logits(split, single, "TP=2 with drafts")
+    assert [c.text for c in split_constrained] == [c.text for c in single_constrained]
+    assert all(re.fullmatch("(ab|cd)+e", c.text) for c in split_constrained)

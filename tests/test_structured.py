@@ -16,7 +16,6 @@ import torch
 
 from conveyor.messages import EngineRequest
 from conveyor.sampling import SamplingParams, StructuredOutput
-from tests.server import Server, http_config
 
 SCHEMAS = json.loads((Path(__file__).parent / "data" / "json_schemas.json").read_text())
 
@@ -25,15 +24,15 @@ def ask(name: str) -> list[dict[str, str]]:
     return [{"role": "user", "content": f"Give an example of a {name} as JSON."}]
 
 
-@pytest.mark.parametrize("temperature", [0.0, 1.0], ids=["greedy", "sampled"])
-def test_thirty_schemas_give_json_that_validates(llm_fp32, temperature):
+def test_thirty_schemas_give_json_that_validates_greedy_and_sampled(llm_fp32):
     """30 schemas from one boolean to nested objects with bounded arrays, enums, patterns, anyOf and $refs,
-    all at once: every output parses, validates against its schema, and ends on the model's stop token
-    (never cut by max_tokens)."""
+    each greedy and sampled (temperature 1), all 60 at once: every output parses, validates against its
+    schema, and ends on the model's stop token (never cut by max_tokens)."""
     params = [SamplingParams(max_tokens=400, temperature=temperature, seed=11,
-                             structured=StructuredOutput(json=json.dumps(s["schema"]))) for s in SCHEMAS]
-    outputs = llm_fp32.generate([ask(s["name"]) for s in SCHEMAS], params)
-    for schema, output in zip(SCHEMAS, outputs):
+                             structured=StructuredOutput(json=json.dumps(s["schema"])))
+              for temperature in (0.0, 1.0) for s in SCHEMAS]
+    outputs = llm_fp32.generate([ask(s["name"]) for s in SCHEMAS] * 2, params)
+    for schema, output in zip(SCHEMAS * 2, outputs):
         assert output.finish_reason == "stop", (schema["name"], output.text)
         jsonschema.validate(json.loads(output.text), schema["schema"])
 
@@ -116,36 +115,30 @@ def test_the_sampler_draws_only_what_the_bitmask_allows():
         assert entries[0].logprob == pytest.approx(float(torch.log_softmax(logits[0], -1)[70]), abs=1e-5)
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    server = Server(http_config(), tmp_path_factory.mktemp("structured")).start()
-    yield server
-    assert server.stop() == 0, server.output
-
-
-def test_openai_response_format_through_the_server(server):
+def test_openai_response_format_through_the_server(openai_client):
     schema = SCHEMAS[26]["schema"]  # a tool call's shape
-    with openai.OpenAI(base_url=f"{server.http}/v1", api_key="unused", max_retries=0, timeout=120) as client:
-        model = client.models.list().data[0].id
-        response_format = {"type": "json_schema", "json_schema": {"name": "call", "schema": schema, "strict": True}}
-        reply = client.chat.completions.create(model=model, messages=ask("weather tool call"), max_tokens=200,
-                                               temperature=0, response_format=response_format)
-        jsonschema.validate(json.loads(reply.choices[0].message.content), schema)
-        stream = client.chat.completions.create(model=model, messages=ask("weather tool call"), max_tokens=200,
-                                                temperature=0, response_format=response_format, stream=True)
-        streamed = "".join(chunk.choices[0].delta.content or "" for chunk in stream if chunk.choices)
-        assert streamed == reply.choices[0].message.content
-        with pytest.raises(openai.BadRequestError) as bad:
-            client.chat.completions.create(
-                model=model, messages=ask("x"), max_tokens=10,
-                response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "strin"}}},
-            )
-        assert "JSON schema" in bad.value.body["message"] and bad.value.body["param"] == "response_format"
-        # vLLM's fields; two at once is a 400
-        body = {"model": model, "prompt": "Pick one:", "max_tokens": 5, "temperature": 0,
-                "structured_outputs": {"choice": ["yes", "no"]}}
-        text = httpx.post(f"{server.http}/v1/completions", json=body, timeout=60).json()["choices"][0]["text"]
-        assert text in ("yes", "no")
-        body["guided_regex"] = "[0-9]+"
-        response = httpx.post(f"{server.http}/v1/completions", json=body, timeout=60)
-        assert response.status_code == 400 and "asked for twice" in response.json()["error"]["message"]
+    client = openai_client
+    model = client.models.list().data[0].id
+    response_format = {"type": "json_schema", "json_schema": {"name": "call", "schema": schema, "strict": True}}
+    reply = client.chat.completions.create(model=model, messages=ask("weather tool call"), max_tokens=200,
+                                           temperature=0, response_format=response_format)
+    jsonschema.validate(json.loads(reply.choices[0].message.content), schema)
+    stream = client.chat.completions.create(model=model, messages=ask("weather tool call"), max_tokens=200,
+                                            temperature=0, response_format=response_format, stream=True)
+    streamed = "".join(chunk.choices[0].delta.content or "" for chunk in stream if chunk.choices)
+    assert streamed == reply.choices[0].message.content
+    with pytest.raises(openai.BadRequestError) as bad:
+        client.chat.completions.create(
+            model=model, messages=ask("x"), max_tokens=10,
+            response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "strin"}}},
+        )
+    assert "JSON schema" in bad.value.body["message"] and bad.value.body["param"] == "response_format"
+    # vLLM's fields; two at once is a 400
+    body = {"model": model, "prompt": "Pick one:", "max_tokens": 5, "temperature": 0,
+            "structured_outputs": {"choice": ["yes", "no"]}}
+    url = f"{client.base_url}completions"
+    text = httpx.post(url, json=body, timeout=60).json()["choices"][0]["text"]
+    assert text in ("yes", "no")
+    body["guided_regex"] = "[0-9]+"
+    response = httpx.post(url, json=body, timeout=60)
+    assert response.status_code == 400 and "asked for twice" in response.json()["error"]["message"]

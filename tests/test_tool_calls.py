@@ -12,7 +12,6 @@ import pytest
 
 from conveyor.plugins.transport.tool_calls import ToolDef, Tools
 from conveyor.transport import RequestError
-from tests.server import Server, http_config
 
 WEATHER = {
     "type": "function",
@@ -29,17 +28,10 @@ TIME = {"type": "function", "function": {"name": "get_time", "parameters": {
 QUESTION = [{"role": "user", "content": "What is the weather like in Paris today?"}]
 
 
-@pytest.fixture(scope="module")
-def client(tmp_path_factory):
-    server = Server(http_config(), tmp_path_factory.mktemp("tools")).start()
-    with openai.OpenAI(base_url=f"{server.http}/v1", api_key="unused", max_retries=0, timeout=120) as client:
-        yield client
-    assert server.stop() == 0, server.output
-
-
 @pytest.mark.parametrize("tool_choice", ["required", {"type": "function", "function": {"name": "get_weather"}}],
                          ids=["required", "named"])
-def test_the_tool_calling_flow_end_to_end(client, tool_choice):
+def test_the_tool_calling_flow_end_to_end(openai_client, tool_choice):
+    client = openai_client
     model = client.models.list().data[0].id
     tools = [WEATHER, TIME] if tool_choice == "required" else [TIME, WEATHER]
     first = client.chat.completions.create(model=model, messages=QUESTION, tools=tools, tool_choice=tool_choice,
@@ -80,7 +72,8 @@ def test_the_tool_calling_flow_end_to_end(client, tool_choice):
         assert text and "<tool_call>" not in text
 
 
-def test_bad_tool_choices_are_400s(client):
+def test_bad_tool_choices_are_400s(openai_client):
+    client = openai_client
     model = client.models.list().data[0].id
     for tools, choice, message in [
         ([WEATHER], {"type": "function", "function": {"name": "nope"}}, "no function 'nope'"),
