@@ -20,7 +20,6 @@ cache and the thread hide here).
 from __future__ import annotations
 
 import json
-import logging
 import re
 from typing import TYPE_CHECKING
 
@@ -32,8 +31,6 @@ if TYPE_CHECKING:
     import xgrammar
 
     from conveyor.model.tokenizer import Tokenizer
-
-logger = logging.getLogger("conveyor")
 
 
 def _choice_regex(choices: list[str]) -> str:

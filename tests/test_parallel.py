@@ -41,6 +41,7 @@ def test_a_split_that_does_not_divide_names_the_numbers():
     assert "9 attention heads" in check_divisible(Placement(0, 2, 1), 9, 3, 1536, 30)
     assert "3 KV heads" in check_divisible(Placement(0, 2, 1), 4, 3, 64, 30)
     assert "MLP width 102" in check_divisible(Placement(0, 4, 1), 8, 2, 102, 30)
+    assert "MLP width 30" in check_divisible(Placement(0, 4, 1), 8, 2, 128, 30, (64, 30))  # (an expert's)
     assert "exceeds the model's 2 layers" in check_divisible(Placement(0, 1, 3), 8, 2, 128, 2)
     assert check_divisible(Placement(0, 3, 1), 9, 3, 1536, 30) is None
     assert check_divisible(Placement(0, 4, 1), 8, 2, 128, 30) is None  # KV heads copied

@@ -14,7 +14,6 @@ one never pays it.
 
 from __future__ import annotations
 
-import logging
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
@@ -23,8 +22,6 @@ from conveyor.request import Request, RequestRejected
 
 if TYPE_CHECKING:
     from conveyor.structured import Grammars
-
-logger = logging.getLogger("conveyor")
 
 
 class GrammarRequests:

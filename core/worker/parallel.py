@@ -90,16 +90,18 @@ class Placement:
 
 
 def check_divisible(placement: Placement, num_heads: int, num_kv_heads: int, intermediate_size: int,
-                    num_layers: int) -> str | None:
-    """Why this model cannot be split ``tp_size`` x ``pp_size`` ways (None when it can)."""
+                    num_layers: int, expert_widths: tuple[int, ...] = ()) -> str | None:
+    """Why this model cannot be split ``tp_size`` x ``pp_size`` ways (None when it can); ``expert_widths``: the
+    MLP widths of a mixture's experts (and shared expert), split like the dense MLP's."""
     tp = placement.tp_size
     if num_heads % tp:
         return f"tensor_parallel_size = {tp} does not divide the model's {num_heads} attention heads"
     if num_kv_heads % tp and tp % num_kv_heads:
         return (f"tensor_parallel_size = {tp} and the model's {num_kv_heads} KV heads: one must divide the other "
                 "(KV heads are split, or copied when there are fewer than workers)")
-    if intermediate_size % tp:
-        return f"tensor_parallel_size = {tp} does not divide the model's MLP width {intermediate_size}"
+    for width in (intermediate_size, *expert_widths):
+        if width % tp:
+            return f"tensor_parallel_size = {tp} does not divide the model's MLP width {width}"
     if num_layers < placement.pp_size:
         return f"pipeline_parallel_size = {placement.pp_size} exceeds the model's {num_layers} layers"
     return None

@@ -75,7 +75,10 @@ class Sampler:
 
     def _sample_random(self, logits: torch.Tensor, requests: list[ScheduledRequest]) -> torch.Tensor:
         probs = filtered_probs(logits, [r.params for r in requests])
-        uniform = torch.tensor([[self._uniform(r)] for r in requests], dtype=torch.float64)
+        uniform = torch.rand(len(requests), 1, generator=self.generator, dtype=torch.float64)
+        for i, request in enumerate(requests):
+            if request.params.seed is not None:
+                uniform[i, 0] = self._uniform(request)
         return inverse_cdf(probs, uniform.to(logits.device))
 
     def _uniform(self, request: ScheduledRequest) -> float:
@@ -104,7 +107,6 @@ class Sampler:
             The tokens (the accepted drafts, then the sampled one), and their logprobs entries where asked.
         """
         drafts, params = request.draft_token_ids, request.params
-        logprobs = torch.log_softmax(logits, dim=-1) if params.logprobs is not None else None
         if params.greedy:
             targets = logits.max(dim=-1).indices.tolist()
             taken = next((i for i, (d, t) in enumerate(zip(drafts, targets)) if d != t), len(drafts))
@@ -113,22 +115,18 @@ class Sampler:
             probs = filtered_probs(logits, [params] * len(logits)).double()
             probs = probs / probs.sum(dim=-1, keepdim=True)
             tokens = []
-            for row, draft in enumerate(drafts):
-                if self._uniform(request) < float(probs[row, draft]):
-                    tokens.append(draft)
-                    continue
-                residual = probs[row].clone()
-                residual[draft] = 0.0
-                tokens.append(int(inverse_cdf(residual.unsqueeze(0), torch.tensor([[self._uniform(request)]]))[0]))
-                break
-            else:
-                last = probs[len(drafts)].unsqueeze(0)
-                tokens.append(int(inverse_cdf(last, torch.tensor([[self._uniform(request)]]))[0]))
-        if logprobs is None:
+            for draft in drafts:
+                row = probs[len(tokens)]
+                if self._uniform(request) >= float(row[draft]):  # rejected: the token comes from p without it
+                    probs[len(tokens), draft] = 0.0
+                    break
+                tokens.append(draft)
+            row = probs[len(tokens)].unsqueeze(0)
+            tokens.append(int(inverse_cdf(row, torch.tensor([[self._uniform(request)]], device=row.device))[0]))
+        if params.logprobs is None:
             return tokens, [None] * len(tokens)
-        rows = logprobs[: len(tokens)]
-        entries = [token_logprobs(rows[i : i + 1], [t], params.logprobs)[0] for i, t in enumerate(tokens)]
-        return tokens, entries
+        logprobs = torch.log_softmax(logits[: len(tokens)], dim=-1)
+        return tokens, token_logprobs(logprobs, tokens, params.logprobs)
 
 
 def filtered_probs(logits: torch.Tensor, params: list) -> torch.Tensor:

@@ -92,12 +92,9 @@ class Worker:
         ckpt = open_model(config.model, config.source)
         max_model_len = model_len(config.model, ckpt, config.source)
         spec = ckpt.spec
+        experts = (spec.moe_intermediate_size, spec.shared_expert_intermediate_size)
         problem = check_divisible(self.placement, spec.num_heads, spec.num_kv_heads, spec.intermediate_size,
-                                  spec.num_layers)
-        for width in (spec.moe_intermediate_size, spec.shared_expert_intermediate_size):  # (the experts' MLPs)
-            if width:
-                problem = problem or check_divisible(self.placement, spec.num_heads, spec.num_kv_heads, width,
-                                                     spec.num_layers)
+                                  spec.num_layers, tuple(w for w in experts if w))
         if problem is not None:
             raise ConfigError(f"{config.source}: [parallel] {problem}")
         quant = self.registry.build("quant", config.quant, self.dtype, self.device)
