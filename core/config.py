@@ -145,6 +145,26 @@ class ServerConfig(msgspec.Struct, forbid_unknown_fields=True):
             raise ValueError(f"engine_address = {self.engine_address!r}: allowed: 'ipc' or 'tcp://HOST'")
 
 
+class LoraConfig(msgspec.Struct, forbid_unknown_fields=True):
+    # LoRA adapters (PEFT format) the workers hold at once, each in a slot of its own; 0: LoRA off. A request
+    # for an adapter not held waits until a slot frees (the least recently used adapter no request holds
+    # goes first)
+    max_loras: Annotated[int, msgspec.Meta(ge=0, le=64)] = 0
+    # the largest adapter rank; the slots are this wide (memory: see README "LoRA adapters")
+    max_lora_rank: Annotated[int, msgspec.Meta(ge=1, le=256)] = 16
+    # adapters served from start-up: name -> directory (adapter_config.json, adapter_model.safetensors);
+    # requests choose one with "model": "NAME" or "BASE:NAME"
+    adapters: dict[str, str] = msgspec.field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.adapters and not self.max_loras:
+            raise ValueError(f"adapters names {len(self.adapters)} adapters but max_loras = 0 turns LoRA off; "
+                             "allowed: max_loras >= 1")
+        bad = [name for name in self.adapters if not name or ":" in name]
+        if bad:
+            raise ValueError(f"adapters: the name {bad[0]!r} is not allowed (non-empty, no ':')")
+
+
 class PluginSpec(msgspec.Struct):
     """One plugin table after validation."""
 
@@ -170,6 +190,7 @@ class Config(msgspec.Struct, dict=True):
     engine: EngineConfig = msgspec.field(default_factory=EngineConfig)
     server: ServerConfig = msgspec.field(default_factory=ServerConfig)
     parallel: ParallelConfig = msgspec.field(default_factory=ParallelConfig)
+    lora: LoraConfig = msgspec.field(default_factory=LoraConfig)
     scheduler: PluginSpec = msgspec.field(default_factory=lambda: PluginSpec(PLUGIN_KINDS["scheduler"]))
     kvcache: PluginSpec = msgspec.field(default_factory=lambda: PluginSpec(PLUGIN_KINDS["kvcache"]))
     quant: PluginSpec = msgspec.field(default_factory=lambda: PluginSpec(PLUGIN_KINDS["quant"]))
@@ -182,8 +203,9 @@ class Config(msgspec.Struct, dict=True):
 
 _CORE_TABLES: dict[str, type[msgspec.Struct]] = {
     "model": ModelConfig, "engine": EngineConfig, "server": ServerConfig, "parallel": ParallelConfig,
+    "lora": LoraConfig,
 }
-_TOP_LEVEL_KEYS = ("model", "engine", "server", "parallel", "scheduler", "kvcache", "quant", "transport", "plugins")
+_TOP_LEVEL_KEYS = ("model", "engine", "server", "parallel", "lora", "scheduler", "kvcache", "quant", "transport", "plugins")
 
 
 class _Origin:

@@ -140,7 +140,8 @@ class KVCacheManager(ABC):
         """Find the longest start of the request's tokens already in the cache.
 
         Reserves nothing: pass the result to ``allocate`` in the same step.
-        Layouts without prefix caching find nothing.
+        Layouts without prefix caching find nothing. Tokens match only under the same
+        ``request.cache_salt`` (their KV depends on it too: the request's LoRA adapter).
         """
         return PrefixMatch()
 

@@ -23,10 +23,10 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover
     import tomli as tomllib
 
-from conveyor.config import Config, load_config
+from conveyor.config import Config, ConfigError, load_config
 from conveyor.engine.core import EngineCore
 from conveyor.engine.inproc import InprocClient
-from conveyor.messages import TokenLogprob
+from conveyor.messages import LoraAdapter, TokenLogprob
 from conveyor.model.tokenizer import load_tokenizer
 from conveyor.sampling import SamplingParams
 from conveyor.serving.frontend import EngineFrontend
@@ -99,7 +99,11 @@ class LLM:
         self.tokenizer = load_tokenizer(self.config.model, source=self.config.source)
         self.client = InprocClient(self.engine)
         name = self.config.model.served_name
-        self.frontend = EngineFrontend(self.client, self.tokenizer, name, ServerMetrics(name))
+        try:
+            self.frontend = EngineFrontend(self.client, self.tokenizer, name, ServerMetrics(name), self.config.lora)
+        except ValueError as e:
+            self.engine.shutdown()
+            raise ConfigError(f"{self.config.source}: {e}") from None
         self._ids = itertools.count()
 
     def close(self) -> None:
@@ -111,6 +115,17 @@ class LLM:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+    def add_lora(self, name: str, path: str | Path) -> None:
+        """Serve the PEFT LoRA adapter directory ``path`` as ``name`` (``generate(..., lora=name)``).
+
+        Raises:
+            ValueError: LoRA is off ([lora] max_loras = 0), the name is taken, or ``path`` is not an adapter.
+        """
+        try:
+            self.frontend.add_adapter(name, str(path))
+        except RequestError as e:
+            raise ValueError(e.message) from None
 
     def encode(self, prompt: Prompt) -> list[int]:
         """Token ids of a prompt; chat conversations go through the chat template, token ids are checked.
@@ -129,12 +144,14 @@ class LLM:
         self,
         prompts: Prompt | Sequence[Prompt],
         params: SamplingParams | Sequence[SamplingParams] | None = None,
+        lora: str | Sequence[str | None] | None = None,
     ) -> list[Completion]:
         """Complete every prompt, batched together; all or nothing.
 
         Args:
             prompts: a string, a chat conversation, token ids, or a list of any of them.
             params: one SamplingParams for all prompts, or one per prompt.
+            lora: the LoRA adapter (its name) for all prompts, or one per prompt (None: the base model).
 
         Returns:
             One Completion per prompt, in order.
@@ -151,9 +168,17 @@ class LLM:
             params = [params] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"got {len(params)} SamplingParams for {len(prompts)} prompts")
+        if lora is None or isinstance(lora, str):
+            lora = [lora] * len(prompts)
+        if len(lora) != len(prompts):
+            raise ValueError(f"got {len(lora)} adapters for {len(prompts)} prompts")
         prompt_ids = [self.encode(p) for p in prompts]
         try:
-            return anyio.run(self._generate, prompt_ids, list(params))
+            adapters = [self.frontend.adapter(name) for name in lora]
+        except RequestError as e:
+            raise ValueError(e.message) from None
+        try:
+            return anyio.run(self._generate, prompt_ids, list(params), adapters)
         except BaseExceptionGroup as group:
             errors = group.subgroup(RequestError)
             if errors is None:
@@ -163,7 +188,8 @@ class LLM:
                 error = error.exceptions[0]
             raise (ValueError if error.status < 500 else RuntimeError)(error.message) from None
 
-    async def _generate(self, prompt_ids: list[list[int]], params: list[SamplingParams]) -> list[Completion]:
+    async def _generate(self, prompt_ids: list[list[int]], params: list[SamplingParams],
+                        adapters: list[LoraAdapter | None]) -> list[Completion]:
         results: list[Completion | None] = [None] * len(prompt_ids)
         start = time.perf_counter()
 
@@ -175,7 +201,8 @@ class LLM:
             prompt_logprobs: list[TokenLogprob] = []
             first_token = None
             reason = "abort"
-            chunks = self.frontend.generate(prompt_ids[index], params[index], request_id=request_id)
+            chunks = self.frontend.generate(prompt_ids[index], params[index], request_id=request_id,
+                                            lora=adapters[index])
             async with aclosing(chunks):
                 async for chunk in chunks:
                     if chunk.token_ids and first_token is None:

@@ -16,6 +16,16 @@ import msgspec
 from conveyor.sampling import SamplingParams
 
 
+class LoraAdapter(msgspec.Struct, array_like=True, frozen=True, gc=False):
+    """A LoRA adapter a request runs under (the frontend names each one it serves)."""
+
+    name: str
+    # a PEFT adapter directory
+    path: str
+    # unique among the adapters one server has served (a name loaded again gets a new id)
+    id: int
+
+
 class EngineRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     request_id: str
     prompt_token_ids: list[int]
@@ -26,6 +36,8 @@ class EngineRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fals
     arrival_time: float = 0.0
     # tokens that end the generation (the tokenizer's end-of-sequence ids) unless params.ignore_eos
     eos_token_ids: list[int] = []
+    # the LoRA adapter the request runs under; None: the base model
+    lora: LoraAdapter | None = None
 
 
 class TokenLogprob(msgspec.Struct, array_like=True, gc=False):
@@ -167,6 +179,8 @@ class ScheduledRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=F
     # speculative decoding: proposed tokens, the last ones of token_ids; the step checks them and samples after
     # the last one it accepts
     draft_token_ids: list[int] = []
+    # the workers' LoRA slot of the request's adapter; -1: the base model
+    lora_slot: int = -1
 
 
 class StepInput(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):

@@ -7,7 +7,7 @@ import itertools
 import time
 from collections.abc import Collection
 
-from conveyor.messages import EngineRequest
+from conveyor.messages import EngineRequest, LoraAdapter
 from conveyor.sampling import SamplingParams
 
 _arrival_counter = itertools.count()
@@ -41,11 +41,13 @@ class Request:
     __slots__ = (
         "arrival_order",
         "arrival_time",
+        "cache_salt",
         "draft_token_ids",
         "eos_token_ids",
         "finish_reason",
         "first_scheduled_time",
         "in_flight",
+        "lora",
         "max_total_tokens",
         "num_cached_tokens",
         "num_computed_tokens",
@@ -68,6 +70,7 @@ class Request:
         eos_token_ids: Collection[int] = (),
         priority: int = 0,
         arrival_time: float | None = None,
+        lora: LoraAdapter | None = None,
     ):
         self.request_id = request_id
         self.prompt_token_ids = prompt_token_ids
@@ -96,6 +99,10 @@ class Request:
         self.in_flight = False
         # speculative decoding: tokens proposed to follow the last one, checked in the next step
         self.draft_token_ids: list[int] = []
+        # the LoRA adapter it runs under (None: the base model)
+        self.lora = lora
+        # what else its tokens' KV depends on (the adapter): prefix caching shares blocks only where it matches
+        self.cache_salt = b"" if lora is None else f"lora {lora.id}".encode()
 
     @classmethod
     def from_message(cls, msg: EngineRequest, max_model_len: int) -> Request:
@@ -107,6 +114,7 @@ class Request:
             msg.eos_token_ids,
             msg.priority,
             msg.arrival_time or None,
+            msg.lora,
         )
 
     @property

@@ -17,7 +17,7 @@ from typing import Any, ClassVar, Protocol
 import anyio
 import msgspec
 
-from conveyor.messages import TokenLogprob
+from conveyor.messages import LoraAdapter, TokenLogprob
 from conveyor.model.tokenizer import Tokenizer
 from conveyor.sampling import SamplingParams
 
@@ -65,6 +65,8 @@ class Frontend(Protocol):
     tokenizer: Tokenizer
     # conveyor.serving.metrics.ServerMetrics: what /metrics shows
     metrics: Any
+    # the LoRA adapters served, by name
+    adapters: dict[str, LoraAdapter]
 
     @property
     def max_model_len(self) -> int:
@@ -111,10 +113,33 @@ class Frontend(Protocol):
             RequestError: naming the limit.
         """
 
+    def adapter(self, model: str | None) -> LoraAdapter | None:
+        """The LoRA adapter a client's model name chooses (``NAME`` or ``BASE:NAME``); None: the base model.
+
+        Raises:
+            RequestError: 404, no such model.
+        """
+
+    def add_adapter(self, name: str, path: str) -> LoraAdapter:
+        """Serve the PEFT adapter directory ``path`` as ``name`` (loaded when a request first runs under it).
+
+        Raises:
+            RequestError: 400 naming what is wrong (LoRA off, the name, the directory).
+        """
+
+    def remove_adapter(self, name: str) -> None:
+        """Stop serving an adapter (requests already running under it finish).
+
+        Raises:
+            RequestError: 404, no adapter of that name.
+        """
+
     def generate(
-        self, prompt_ids: list[int], params: SamplingParams, *, request_id: str, priority: int = 0
+        self, prompt_ids: list[int], params: SamplingParams, *, request_id: str, priority: int = 0,
+        lora: LoraAdapter | None = None,
     ) -> AsyncIterator[Chunk]:
-        """Run one sequence; yield its chunks until the one with a finish_reason.
+        """Run one sequence (under ``lora``, from ``adapter()``); yield its chunks until the one with a
+        finish_reason.
 
         Iterate it inside ``contextlib.aclosing``: leaving early aborts the request.
 
@@ -124,7 +149,7 @@ class Frontend(Protocol):
 
     async def run_choices(
         self, prompt_ids: list[int], params: SamplingParams, n: int, *, request_id: str, priority: int = 0,
-        on_chunk: Callable[[int, Chunk], Awaitable[None]],
+        on_chunk: Callable[[int, Chunk], Awaitable[None]], lora: LoraAdapter | None = None,
     ) -> None:
         """Run ``n`` sequences of one prompt at once, calling ``on_chunk(index, chunk)`` as they come."""
 

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 from conveyor.config import Config
 from conveyor.engine.grammars import GrammarRequests
+from conveyor.engine.loras import LoraSlots
 from conveyor.engine.speculative import NgramProposer
 from conveyor.executor import ExecutorError, build_executor
 from conveyor.kvcache import KVCacheManager
@@ -74,6 +75,7 @@ class EngineCore:
         # structured-output requests: compiling, and the matchers of those the scheduler holds
         self.grammars = GrammarRequests(config, info.vocab_size)
         self.proposer = NgramProposer(config.engine) if config.engine.speculative == "ngram" else None
+        self.loras = LoraSlots(self.executor, config.lora.max_loras) if config.lora.max_loras else None
         self.num_steps = 0
         # the last step scheduled nothing although requests are pending (a batching scheduler collecting)
         self._collecting = False
@@ -99,24 +101,50 @@ class EngineCore:
         """
         try:
             request = Request.from_message(message, self.max_model_len)
-            if message.params.structured is not None:  # (the scheduler takes it once its grammar compiles)
-                if request.request_id in self.scheduler.requests:
+            if request.lora is not None and self.loras is None:
+                raise RequestRejected(f"the LoRA adapter {request.lora.name!r} cannot run: [lora] max_loras = 0")
+            if self.loras is not None and self.loras.needs_load(request):
+                if any(r.request_id == request.request_id for r in self.loras.waiting):
                     raise RequestRejected(f"request id {request.request_id!r} is already in use")
-                self.grammars.add(request)
+                limit = getattr(self.scheduler.options, "max_waiting", None)  # (a scheduler plugin's option)
+                if limit is not None and len(self.loras.waiting) >= limit:
+                    raise RequestRejected(f"the queue for LoRA adapters is full (max_waiting={limit})", 429)
+                self.loras.waiting.append(request)  # (the next step loads its adapter)
             else:
-                self.scheduler.add(request)
+                self._admit(request)
         except RequestRejected as e:
-            return RequestOutput(message.request_id, finish_reason=FinishReason.ERROR.value, error=str(e),
-                                 error_status=e.status)
+            return self._rejected(message.request_id, e)
         self._collecting = False
         return None
+
+    def _admit(self, request: Request) -> None:
+        """To the scheduler, or first to the grammar compiler (structured output).
+
+        Raises:
+            RequestRejected: the scheduler cannot take it.
+        """
+        if request.params.structured is not None:  # (the scheduler takes it once its grammar compiles)
+            if request.request_id in self.scheduler.requests:
+                raise RequestRejected(f"request id {request.request_id!r} is already in use")
+            self.grammars.add(request)
+        else:
+            self.scheduler.add(request)
+
+    @staticmethod
+    def _rejected(request_id: str, e: RequestRejected) -> RequestOutput:
+        return RequestOutput(request_id, finish_reason=FinishReason.ERROR.value, error=str(e), error_status=e.status)
 
     def abort(self, request_ids: Iterable[str]) -> list[RequestOutput]:
         """End requests wherever they are; returns a final ``abort`` output for each unfinished one."""
         request_ids = list(request_ids)
-        compiling = [RequestOutput(r.request_id, finish_reason=FinishReason.ABORT.value,
-                                   num_prompt_tokens=r.num_prompt_tokens) for r in self.grammars.abort(request_ids)]
-        return compiling + self.scheduler.abort(request_ids)
+        held = self.grammars.abort(request_ids)
+        if self.loras is not None:
+            ids = set(request_ids)
+            held += [r for r in self.loras.waiting if r.request_id in ids]
+            self.loras.waiting = [r for r in self.loras.waiting if r.request_id not in ids]
+        outputs = [RequestOutput(r.request_id, finish_reason=FinishReason.ABORT.value,
+                                 num_prompt_tokens=r.num_prompt_tokens) for r in held]
+        return outputs + self.scheduler.abort(request_ids)
 
     def apply(self, messages: Iterable[tuple[MessageType, object]]) -> EngineOutputs | None:
         """Take ADD and ABORT messages (``EngineRequest``, a list of request ids) in the order they came.
@@ -140,7 +168,8 @@ class EngineCore:
         return EngineOutputs(outputs, self.stats() if aborted else None)
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished() or bool(self.grammars.compiling)
+        return (self.scheduler.has_unfinished() or bool(self.grammars.compiling)
+                or (self.loras is not None and bool(self.loras.waiting)))
 
     def poll_timeout(self) -> float | None:
         """How long a loop around ``step`` may wait for new requests before stepping again:
@@ -161,8 +190,8 @@ class EngineCore:
         Raises:
             ExecutorError: the workers cannot go on (the engine must restart).
         """
-        compiled = self._take_compiled()
-        while len(self._in_flight) < self.max_in_flight:
+        compiled = self._take_loras() + self._take_compiled()
+        while len(self._in_flight) < self.max_in_flight and not self._hold_for_loras():
             start = time.perf_counter()
             batch = self.scheduler.schedule()
             if not batch.requests:
@@ -218,6 +247,31 @@ class EngineCore:
             stats.bubble_fraction = sum(r.wait for r in result.ranks) / busy if busy else 0.0
         return outputs, stats
 
+    def _adapters_in_use(self) -> set[int]:
+        requests = [*self.scheduler.requests.values(), *(r for r, _ in self.grammars.compiling.values())]
+        return {r.lora.id for r in requests if r.lora is not None}
+
+    def _hold_for_loras(self) -> bool:
+        """Submit no more steps while one is in flight and a waiting request could load its adapter (under
+        pipeline parallelism: the workers load only between steps)."""
+        return (self.loras is not None and bool(self._in_flight) and bool(self.loras.waiting)
+                and self.loras.loadable(self._adapters_in_use()))
+
+    def _take_loras(self) -> list[RequestOutput]:
+        """Load the adapters that waiting requests need, where slots allow; admit those requests."""
+        if self.loras is None or not self.loras.waiting or self._in_flight:
+            return []
+        ready, failed = self.loras.take(self._adapters_in_use())
+        outputs = [self._rejected(request.request_id, RequestRejected(error)) for request, error in failed]
+        for request in ready:
+            try:
+                self._admit(request)
+            except RequestRejected as e:
+                outputs.append(self._rejected(request.request_id, e))
+        if ready or failed:
+            self._collecting = False
+        return outputs
+
     def _take_compiled(self) -> list[RequestOutput]:
         """Hand the scheduler the requests whose grammar compiled; the error outputs of those that failed."""
         outputs = []
@@ -228,8 +282,7 @@ class EngineCore:
                 self.scheduler.add(request)
             except RequestRejected as e:
                 self.grammars.forget([request.request_id])
-                outputs.append(RequestOutput(request.request_id, finish_reason=FinishReason.ERROR.value, error=str(e),
-                                             error_status=e.status))
+                outputs.append(self._rejected(request.request_id, e))
         if outputs or self.grammars.compiling:
             self._collecting = False
         return outputs
@@ -261,7 +314,7 @@ class EngineCore:
             entry = ScheduledRequest(
                 request.request_id, start, request.token_ids(start, start + known) + drafts,
                 self.kvcache.block_ids(request), params, sample=start + known == request.num_tokens,
-                draft_token_ids=drafts,
+                draft_token_ids=drafts, lora_slot=-1 if self.loras is None else self.loras.slot(request),
             )
             if entry.sample and params.has_penalties:
                 entry.prompt_token_ids, entry.output_token_ids = request.prompt_token_ids, request.output_token_ids

@@ -21,6 +21,7 @@ METHODS: dict[str, tuple[tuple[type, ...], Any]] = {
     "free_memory": ((), int | None),
     "init_kv_cache": ((KVCacheLayout,), None),
     "execute": ((StepInput,), RunnerOutput),
+    "add_lora": ((int, str), str),
     "shutdown": ((), None),
 }
 # the sequence number of a worker's first message, which says it started (or why it could not)

@@ -27,6 +27,7 @@ from conveyor import native
 from conveyor.model.checkpoint import Checkpoint
 from conveyor.model.formats import one_token_kernel, one_token_linear, packed_linear, prepack, prepacks
 from conveyor.model.graph_ops import linear_op, register_linear
+from conveyor.model.lora import LoraLinear, LoraPart, LoraTarget
 from conveyor.model.moe import MoE
 from conveyor.model.spec import LayerAttention, ModelSpec
 from conveyor.quant import Params, QuantMethod
@@ -78,6 +79,8 @@ class Linear:
         else:
             self.params = method.prepare_input_shard(weight, inputs)
         self.number = register_linear(self)
+        # LoRA adapters' slots for this projection ([lora] max_loras > 0)
+        self.lora: LoraLinear | None = None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if torch.compiler.is_compiling():  # one opaque op in a compiled graph, whatever the weights' format
@@ -85,7 +88,10 @@ class Linear:
         return self.apply(x)
 
     def apply(self, x: torch.Tensor) -> torch.Tensor:
-        return self.method.linear(x, self.params)
+        y = self.method.linear(x, self.params)
+        if self.lora is not None and self.lora.batch.active:
+            return self.lora.add(x, y)
+        return y
 
     def num_bytes(self) -> int:
         return self.method.num_bytes(self.params)
@@ -207,6 +213,7 @@ class DecoderLayer:
             self.down = Linear(quant, get(mlp + "down_proj.weight"), inputs=_part(columns, 1, placement))
         self.intermediate_size = len(columns)
         self.fused = fused
+        self._shares = (heads, kv_heads, columns, spec.hidden_size, placement)
 
     def __call__(
         self,
@@ -253,6 +260,29 @@ class DecoderLayer:
                 gate = F.gelu(gate, approximate="tanh" if self.activation == "gelu_tanh" else "none")
             mlp = self.group.all_reduce(self.down(gate * up))
         return h, mlp if self.mlp_out_norm is None else self.mlp_out_norm(mlp)
+
+    def lora_targets(self) -> list[LoraTarget]:
+        """The projections LoRA adapters may change, with where each Hugging Face module's rows sit in them."""
+        heads, kv_heads, columns, hidden, placement = self._shares
+        q, kv, hd = self.q_size, self.kv_size, self.head_dim
+
+        def part(block: int, share: range, unit: int, offset: int) -> LoraPart:
+            return LoraPart(block, slice(share.start * unit, share.stop * unit), offset)
+
+        whole = LoraPart(0, slice(None), 0)
+        targets = [
+            LoraTarget(self.qkv, {"q_proj": part(0, heads, hd, 0), "k_proj": part(1, kv_heads, hd, q),
+                                  "v_proj": part(2, kv_heads, hd, q + kv)}, hidden, None),
+            LoraTarget(self.o_proj, {"o_proj": whole}, q, _part(heads, hd, placement)),
+        ]
+        if self.moe is None:
+            width = self.intermediate_size
+            targets += [
+                LoraTarget(self.gate_up, {"gate_proj": part(0, columns, 1, 0), "up_proj": part(1, columns, 1, width)},
+                           hidden, None),
+                LoraTarget(self.down, {"down_proj": whole}, width, _part(columns, 1, placement)),
+            ]
+        return targets
 
     def linears(self) -> list[Linear]:
         if self.moe is not None:

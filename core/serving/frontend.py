@@ -20,8 +20,9 @@ from typing import Any
 import anyio
 import msgspec
 
+from conveyor.config import LoraConfig
 from conveyor.engine.client import EngineClient, EngineUnavailable
-from conveyor.messages import EngineRequest
+from conveyor.messages import EngineRequest, LoraAdapter
 from conveyor.model.detokenizer import TextStream
 from conveyor.model.tokenizer import ChatTemplateError, Tokenizer
 from conveyor.request import RequestRejected
@@ -36,7 +37,15 @@ if sys.version_info < (3, 11):
 class EngineFrontend:
     """Tokenizes, submits, detokenizes; shared by all transports of a server."""
 
-    def __init__(self, engine: EngineClient, tokenizer: Tokenizer, model_name: str, metrics: ServerMetrics):
+    def __init__(self, engine: EngineClient, tokenizer: Tokenizer, model_name: str, metrics: ServerMetrics,
+                 lora: LoraConfig | None = None):
+        """
+        Args:
+            lora: the ``[lora]`` table: its adapters are served from the start.
+
+        Raises:
+            ValueError: an adapter of ``lora`` cannot be served (the message names it and says why).
+        """
         self.engine = engine
         self.tokenizer = tokenizer
         self.model_name = model_name
@@ -45,6 +54,15 @@ class EngineFrontend:
         self.draining = False
         self._ids = itertools.count()
         self._eos_token_ids = sorted(tokenizer.eos_token_ids)
+        self.lora = lora or LoraConfig()
+        # LoRA adapters clients may name, by name
+        self.adapters: dict[str, LoraAdapter] = {}
+        self._adapter_ids = itertools.count(1)
+        for name, path in self.lora.adapters.items():
+            try:
+                self.add_adapter(name, path)
+            except RequestError as e:
+                raise ValueError(f"[lora] adapters.{name}: {e}") from None
 
     @property
     def max_model_len(self) -> int:
@@ -61,6 +79,52 @@ class EngineFrontend:
     @property
     def num_in_flight(self) -> int:
         return self.engine.num_in_flight
+
+    def adapter(self, model: str | None) -> LoraAdapter | None:
+        """The LoRA adapter a request's ``model`` names: ``NAME`` or ``BASE:NAME`` (None: the base model).
+
+        Raises:
+            RequestError: 404, no such model.
+        """
+        if model is None or model == self.model_name:
+            return None
+        name = model.removeprefix(f"{self.model_name}:")
+        adapter = self.adapters.get(name)
+        if adapter is None:
+            names = ", ".join(repr(n) for n in [self.model_name, *self.adapters])
+            raise RequestError(f"the model {model!r} does not exist; this server has {names}", 404, "model")
+        return adapter
+
+    def add_adapter(self, name: str, path: str) -> LoraAdapter:
+        """Serve the LoRA adapter at ``path`` as ``name`` (the workers load it when a request first needs it).
+
+        Raises:
+            RequestError: 400, LoRA is off, the name is taken or not allowed, or the directory is not an adapter.
+        """
+        from conveyor.model.lora import read_adapter_config
+
+        if not self.lora.max_loras:
+            raise RequestError("LoRA is off on this server ([lora] max_loras = 0)", 400, "lora_name")
+        if not name or ":" in name or name == self.model_name:
+            raise RequestError(f"lora_name {name!r} is not allowed (non-empty, no ':', not the base model's name)",
+                               400, "lora_name")
+        if name in self.adapters:
+            raise RequestError(f"an adapter named {name!r} is already loaded (unload it first)", 400, "lora_name")
+        try:
+            read_adapter_config(path, self.lora.max_lora_rank)
+        except ValueError as e:
+            raise RequestError(str(e), 400, "lora_path") from None
+        adapter = self.adapters[name] = LoraAdapter(name, str(path), next(self._adapter_ids))
+        return adapter
+
+    def remove_adapter(self, name: str) -> None:
+        """Stop serving an adapter (requests already running under it finish).
+
+        Raises:
+            RequestError: 404, no adapter of that name.
+        """
+        if self.adapters.pop(name, None) is None:
+            raise RequestError(f"no adapter named {name!r} is loaded", 404, "lora_name")
 
     def new_request_id(self, prefix: str = "req") -> str:
         return f"{prefix}-{next(self._ids)}-{time.monotonic_ns() % 10**9:09d}"
@@ -119,9 +183,11 @@ class EngineFrontend:
             )
 
     async def generate(
-        self, prompt_ids: list[int], params: SamplingParams, *, request_id: str, priority: int = 0
+        self, prompt_ids: list[int], params: SamplingParams, *, request_id: str, priority: int = 0,
+        lora: LoraAdapter | None = None,
     ) -> AsyncIterator[Chunk]:
-        """Run one sequence; yield its chunks until the one with a finish_reason.
+        """Run one sequence (under ``lora``, an adapter from ``adapter()``); yield its chunks until the one with
+        a finish_reason.
 
         Iterate inside ``contextlib.aclosing``: leaving early aborts the request.
 
@@ -130,7 +196,7 @@ class EngineFrontend:
         """
         self.check(prompt_ids, params)
         start = time.perf_counter()
-        request = EngineRequest(request_id, prompt_ids, params, priority, time.time(), self._eos_token_ids)
+        request = EngineRequest(request_id, prompt_ids, params, priority, time.time(), self._eos_token_ids, lora)
         text = TextStream(self.tokenizer, params)
         num_output = 0
         last_token: float | None = None
@@ -186,6 +252,7 @@ class EngineFrontend:
         request_id: str,
         priority: int = 0,
         on_chunk: Callable[[int, Chunk], Awaitable[None]],
+        lora: LoraAdapter | None = None,
     ) -> None:
         """Run ``n`` sequences of one prompt at once, calling ``on_chunk(index, chunk)`` as they come.
 
@@ -197,7 +264,7 @@ class EngineFrontend:
             if index and params.seed is not None:
                 p = msgspec.structs.replace(params, seed=params.seed + index)
             rid = request_id if n == 1 else f"{request_id}-{index}"
-            async with aclosing(self.generate(prompt_ids, p, request_id=rid, priority=priority)) as chunks:
+            async with aclosing(self.generate(prompt_ids, p, request_id=rid, priority=priority, lora=lora)) as chunks:
                 async for chunk in chunks:
                     await on_chunk(index, chunk)
 

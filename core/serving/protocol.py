@@ -27,6 +27,8 @@ class GenerateRequest(msgspec.Struct, omit_defaults=True):
     stream: bool = True
     # lower runs first under the priority policy
     priority: int = 0
+    # a LoRA adapter's name (or BASE:NAME); None or the served model's name: the base model
+    model: str | None = None
 
 
 class AbortRequest(msgspec.Struct):

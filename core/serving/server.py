@@ -53,9 +53,12 @@ async def serve(config_path: str | Path | None, overrides: Mapping[str, Any] | N
     engine = _engine_client(config, log_level)
     metrics = _metrics(engine, model_name)
     try:
+        frontend = EngineFrontend(engine, tokenizer, model_name, metrics, config.lora)
+    except ValueError as e:
+        raise ConfigError(f"{config.source}: {e}") from None
+    try:
         async with anyio.create_task_group() as tg:
             # Transports first: a busy port fails at once, and /health answers 503 while the model loads.
-            frontend = EngineFrontend(engine, tokenizer, model_name, metrics)
             urls = [await tg.start(transport.serve, frontend) for transport in transports]
             logger.info("starting the engine process")
             ready = await tg.start(engine.run)

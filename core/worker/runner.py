@@ -9,6 +9,7 @@ import torch
 from conveyor.attention.backend import AttentionBackend, StepAttention
 from conveyor.messages import RunnerOutput, ScheduledRequest, StepInput, TokenLogprob
 from conveyor.model.llama import LlamaModel
+from conveyor.model.lora import Adapters
 from conveyor.worker.compiled import CompiledDecode
 from conveyor.worker.sampler import Sampler, token_logprobs
 
@@ -17,15 +18,17 @@ class ModelRunner:
     """Runs one forward pass over a step's requests and samples."""
 
     def __init__(self, model: LlamaModel, attention: AttentionBackend, sampler: Sampler,
-                 compiled: CompiledDecode | None = None):
+                 compiled: CompiledDecode | None = None, adapters: Adapters | None = None):
         """
         Args:
             compiled: graphs for steps of decodes only (the others run eagerly); None: every step eagerly.
+            adapters: the model's LoRA slots ([lora] max_loras > 0).
         """
         self.model = model
         self.attention = attention
         self.sampler = sampler
         self.compiled = compiled
+        self.adapters = adapters
         self.device = model.device
 
     @torch.inference_mode()
@@ -41,6 +44,8 @@ class ModelRunner:
         """
         began = time.perf_counter()
         self.sampler.forget(step.finished_request_ids)
+        if self.adapters is not None:
+            self.adapters.prepare([(r.lora_slot, len(r.token_ids)) for r in step.requests])
         if self.compiled is not None and self.compiled.accepts(step):
             logits = self.compiled.run(step)
             rows = [i for i, r in enumerate(step.requests) if r.sample]  # (a one-token prompt chunk may not)

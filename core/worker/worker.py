@@ -21,6 +21,7 @@ from conveyor.executor import ModelInfo
 from conveyor.kvcache import KVCacheLayout, KVCacheSpec
 from conveyor.messages import RunnerOutput, StepInput
 from conveyor.model.loader import DTYPES, load_model, model_len, open_model, resolve_device
+from conveyor.model.lora import Adapters
 from conveyor.registry import PluginRegistry
 from conveyor.worker.compiled import CompiledDecode, use_inductor_cache
 from conveyor.worker.parallel import ParallelGroup, Placement, check_divisible
@@ -67,6 +68,7 @@ class Worker:
         self.compile = self._compile_choice()
         self.group = ParallelGroup.init(self.placement, init_method, self.device)
         self.runner: ModelRunner | None = None
+        self.adapters: Adapters | None = None
 
     def _compile_choice(self) -> bool:
         """Whether decode steps run compiled (``[engine] compile``)."""
@@ -100,6 +102,11 @@ class Worker:
         quant = self.registry.build("quant", config.quant, self.dtype, self.device)
         self.model = load_model(ckpt, quant, self.dtype, self.device, max_model_len, self.backend_class.fused_layers,
                                 self.group)
+        lora = config.lora
+        if lora.max_loras:  # (before the KV cache is sized: the slots take their memory now)
+            self.adapters = Adapters(self.model, lora.max_loras, lora.max_lora_rank)
+            logger.info("LoRA: %d slots of rank %d, %.1f MiB", lora.max_loras, lora.max_lora_rank,
+                        self.adapters.num_bytes() / 2**20)
         # this worker's layers and KV heads; every worker's pool has the same number of blocks
         first = self.model.layers[0]
         windows = {spec.window(layer.index) for layer in self.model.layers}
@@ -133,13 +140,23 @@ class Worker:
             compiled = CompiledDecode(self.model, backend, self._compile_batch_sizes(),
                                       layout.spec.max_model_len)
             compiled.compile_all()
-        self.runner = ModelRunner(self.model, backend, Sampler(self.config.engine.seed), compiled)
+        self.runner = ModelRunner(self.model, backend, Sampler(self.config.engine.seed), compiled, self.adapters)
         logger.debug("worker %d: KV cache of %.2f GiB, attention %r", self.rank, storage.num_bytes / 2**30,
                      backend.name)
 
     def execute(self, step: StepInput) -> RunnerOutput:
         assert self.runner is not None, "init_kv_cache comes before execute"
         return self.runner.execute(step)
+
+    def add_lora(self, slot: int, path: str) -> str:
+        """Load the LoRA adapter at ``path`` into ``slot``; returns why it cannot be ("" when loaded)."""
+        if self.adapters is None:
+            return "LoRA is off ([lora] max_loras = 0)"
+        try:
+            self.adapters.load(slot, path)
+        except Exception as e:  # noqa: BLE001 - a bad adapter fails the requests for it, not the worker
+            return str(e) if isinstance(e, ValueError) else f"{path}: {type(e).__name__}: {e}"
+        return ""
 
     def shutdown(self) -> None:
         """Free the KV cache and the model, and leave the process group."""

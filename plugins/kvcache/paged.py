@@ -27,7 +27,8 @@ class PagedOptions(KVCacheOptions, forbid_unknown_fields=True):
 
 
 def block_digest(parent: bytes, tokens: Sequence[int]) -> bytes:
-    """Identity of a full block: its tokens and, through the parent, every token before it."""
+    """Identity of a full block: its tokens and, through the parent, every token before it (and the first
+    block's parent: the request's ``cache_salt``, e.g. its LoRA adapter)."""
     return hashlib.blake2b(parent + array("q", tokens).tobytes(), digest_size=16).digest()
 
 
@@ -39,7 +40,7 @@ class _Table:
     def __init__(self, blocks: list[int], digest: bytes):
         self.blocks = blocks
         self.num_hashed = len(blocks)
-        # digest of the last registered block (b"" before the first)
+        # digest of the last registered block (before the first: the request's cache salt)
         self.digest = digest
         # tokens stored (after this step's allocation)
         self.num_tokens = 0
@@ -98,7 +99,7 @@ class PagedKVCache(KVCacheManager):
         size = self.block_size
         # The last token is always computed: its logits pick the next token.
         blocks: list[int] = []
-        digest = b""
+        digest = request.cache_salt
         for start in range(0, len(tokens) - size, size):
             digest = block_digest(digest, tokens[start : start + size])
             block = self.cached.get(digest)
@@ -119,7 +120,7 @@ class PagedKVCache(KVCacheManager):
                 if self.ref_counts[block] == 0:
                     del self.free_blocks[block]
                 self.ref_counts[block] += 1
-            digest = self.block_digests[claimed[-1]] if claimed else b""
+            digest = self.block_digests[claimed[-1]] if claimed else request.cache_salt
             table = self.tables[request.request_id] = _Table(list(claimed), digest)
             if self.options.enable_prefix_caching:
                 self.num_prefix_queries += request.num_tokens

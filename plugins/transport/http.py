@@ -1,8 +1,10 @@
 """The ``http`` transport: an OpenAI-compatible API (Starlette on uvicorn) with SSE streaming.
 
 Routes: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET
-/v1/models``, ``GET /health`` (503 while the engine is down or the server
-drains), ``GET /metrics`` (Prometheus text). Errors use OpenAI's error JSON
+/v1/models`` (the base model and its LoRA adapters), ``POST
+/v1/load_lora_adapter`` and ``/v1/unload_lora_adapter`` (only with an API
+key), ``GET /health`` (503 while the engine is down or the server drains),
+``GET /metrics`` (Prometheus text). Errors use OpenAI's error JSON
 with the status that says why. A client that disconnects, streaming or not,
 aborts its request in the engine at once.
 """
@@ -28,6 +30,7 @@ from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
 from conveyor.hookspecs import hookimpl
+from conveyor.messages import LoraAdapter
 from conveyor.plugins.transport import openai_api as api
 from conveyor.plugins.transport.tool_calls import Tools
 from conveyor.sampling import StructuredOutput
@@ -180,6 +183,8 @@ class HTTPTransport(Transport):
                 Route("/v1/completions", routes.completions, methods=["POST"]),
                 Route("/v1/chat/completions", routes.chat_completions, methods=["POST"]),
                 Route("/v1/models", routes.models, methods=["GET"]),
+                Route("/v1/load_lora_adapter", routes.load_lora_adapter, methods=["POST"]),
+                Route("/v1/unload_lora_adapter", routes.unload_lora_adapter, methods=["POST"]),
                 Route("/health", routes.health, methods=["GET"]),
                 Route("/metrics", routes.metrics, methods=["GET"]),
             ],
@@ -217,17 +222,52 @@ class _Routes:
     async def models(self, request: Request) -> Response:
         if (denied := self._check_key(request)) is not None:
             return denied
-        model = {"id": self.frontend.model_name, "object": "model", "created": 0, "owned_by": "conveyor",
-                 "max_model_len": self.frontend.max_model_len}
-        return json_response({"object": "list", "data": [model]})
+        base = self.frontend.model_name
+        models = [{"id": base, "object": "model", "created": 0, "owned_by": "conveyor",
+                   "max_model_len": self.frontend.max_model_len}]
+        models += [{"id": name, "object": "model", "created": 0, "owned_by": "conveyor", "parent": base,
+                    "max_model_len": self.frontend.max_model_len} for name in self.frontend.adapters]
+        return json_response({"object": "list", "data": models})
+
+    async def load_lora_adapter(self, request: Request) -> Response:
+        """``{"lora_name", "lora_path"}``: serve a PEFT adapter directory of the server's machine under a name."""
+        try:
+            body = await self._adapter_body(request, api.LoadLoraRequest)
+            self.frontend.add_adapter(body.lora_name, body.lora_path)
+        except RequestError as e:
+            return error_response(e)
+        return json_response({"lora_name": body.lora_name, "status": "loaded"})
+
+    async def unload_lora_adapter(self, request: Request) -> Response:
+        """``{"lora_name"}``: stop serving an adapter."""
+        try:
+            body = await self._adapter_body(request, api.UnloadLoraRequest)
+            self.frontend.remove_adapter(body.lora_name)
+        except RequestError as e:
+            return error_response(e)
+        return json_response({"lora_name": body.lora_name, "status": "unloaded"})
+
+    async def _adapter_body(self, request: Request, kind: type[msgspec.Struct]) -> Any:
+        """The body of an adapter call, which needs the API key (a server without one refuses them: they name
+        files on the server's machine)."""
+        if self.api_key is None:
+            raise RequestError("loading and unloading LoRA adapters needs an API key on this server "
+                               "([[transport]] api_key_env)", 403)
+        if (denied := self._key_error(request)) is not None:
+            raise denied
+        return api.decode_body(await self._read_body(request), kind)
 
     def _check_key(self, request: Request) -> Response | None:
+        error = self._key_error(request)
+        return None if error is None else error_response(error)
+
+    def _key_error(self, request: Request) -> RequestError | None:
         if self.api_key is None:
             return None
         scheme, _, key = request.headers.get("authorization", "").partition(" ")
         if scheme.lower() == "bearer" and hmac.compare_digest(key.strip().encode(), self.api_key.encode()):
             return None
-        return error_response(RequestError("invalid or missing API key (send Authorization: Bearer KEY)", 401))
+        return RequestError("invalid or missing API key (send Authorization: Bearer KEY)", 401)
 
     async def _read_body(self, request: Request) -> bytes:
         declared = request.headers.get("content-length")
@@ -242,11 +282,7 @@ class _Routes:
         return b"".join(chunks)
 
     async def _parse(self, request: Request, kind: type[msgspec.Struct]) -> Any:
-        body = api.decode_body(await self._read_body(request), kind)
-        if body.model not in (None, self.frontend.model_name):
-            raise RequestError(f"the model {body.model!r} does not exist; this server has {self.frontend.model_name!r}",
-                               404, "model")
-        return body
+        return api.decode_body(await self._read_body(request), kind)
 
     async def completions(self, request: Request) -> Response | EventStream:
         return await self._handle(request, chat=False)
@@ -282,9 +318,10 @@ class _Routes:
                                        "tool_choice")
                 params.structured = StructuredOutput(json=schema)
             self.frontend.check(prompt_ids, params)
+            lora = self.frontend.adapter(body.model)
         except RequestError as e:
             return error_response(e)
-        call = _Call(self.frontend, body, prompt_ids, params, chat, tools)
+        call = _Call(self.frontend, body, prompt_ids, params, chat, tools, lora)
         if body.stream:
             return EventStream(call.stream)
         try:
@@ -299,12 +336,16 @@ class _Call:
     """One completions or chat completions call, with its n choices."""
 
     def __init__(self, frontend: Frontend, body: Any, prompt_ids: list[int], params: Any, chat: bool,
-                 tools: Tools | None = None):
+                 tools: Tools | None = None, lora: LoraAdapter | None = None):
         """
         Args:
             tools: a chat call's tools; where they are active, replies are read for calls (and streamed whole).
+            lora: the LoRA adapter the call's ``model`` names (None: the base model).
         """
         self.frontend = frontend
+        self.lora = lora
+        # the name replies carry: the one the client asked for
+        self.model = body.model or frontend.model_name
         self.tools = tools if tools is not None and tools.active else None
         self.body = body
         self.prompt_ids = prompt_ids
@@ -330,7 +371,7 @@ class _Call:
             self.num_cached_tokens = max(self.num_cached_tokens, chunk.num_cached_tokens)
 
         await self.frontend.run_choices(self.prompt_ids, self.params, self.body.n, request_id=self.id,
-                                        priority=self.body.priority, on_chunk=collect)
+                                        priority=self.body.priority, on_chunk=collect, lora=self.lora)
 
     def usage(self) -> dict[str, Any]:
         return api.usage(len(self.prompt_ids), sum(map(len, self.token_ids)), self.num_cached_tokens)
@@ -355,7 +396,7 @@ class _Call:
             choice["logprobs"] = self._logprobs(i, self.token_ids[i], self.logprobs[i], 0)
             choice["finish_reason"] = finish_reason
             choices.append(choice)
-        return api.envelope(self.id, self.object, self.frontend.model_name, choices, usage=self.usage())
+        return api.envelope(self.id, self.object, self.model, choices, usage=self.usage())
 
     def _message(self, index: int) -> tuple[dict[str, Any], str | None]:
         """A chat choice's message (its tool calls read from the text where tools are active), and its
@@ -369,7 +410,7 @@ class _Call:
 
     async def _stream_whole(self, emit: Emit, extra: dict[str, Any]) -> None:
         """Tools active: each choice's reply, read for calls, in one delta once it is complete."""
-        chunk_object, model = "chat.completion.chunk", self.frontend.model_name
+        chunk_object, model = "chat.completion.chunk", self.model
         await self.run()
         for i in range(self.body.n):
             message, finish_reason = self._message(i)
@@ -383,7 +424,7 @@ class _Call:
     async def stream(self, emit: Emit) -> None:
         include_usage = self.body.stream_options is not None and self.body.stream_options.include_usage
         chunk_object = "chat.completion.chunk" if self.chat else "text_completion"
-        model = self.frontend.model_name
+        model = self.model
         extra = {"usage": None} if include_usage else {}
         if self.chat:  # the role comes first, as OpenAI sends it
             for i in range(self.body.n):

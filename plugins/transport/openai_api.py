@@ -28,6 +28,16 @@ MAX_N = 16
 Int = Annotated[int, msgspec.Meta(ge=-(2**63), le=2**63 - 1)]
 
 
+class LoadLoraRequest(msgspec.Struct, forbid_unknown_fields=True):
+    lora_name: str
+    # a PEFT adapter directory on the server's machine
+    lora_path: str
+
+
+class UnloadLoraRequest(msgspec.Struct, forbid_unknown_fields=True):
+    lora_name: str
+
+
 class StreamOptions(msgspec.Struct):
     include_usage: bool = False
 

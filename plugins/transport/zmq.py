@@ -133,9 +133,10 @@ class ZMQTransport(Transport):
                         prompt_ids = frontend.encode_chat(request.messages)
                     else:
                         prompt_ids = frontend.encode(request.prompt)
+                    lora = frontend.adapter(request.model)
                     internal_id = f"zmq-{reply.identity.hex()}-{rid}"
                     chunks = frontend.generate(prompt_ids, request.params, request_id=internal_id,
-                                               priority=request.priority)
+                                               priority=request.priority, lora=lora)
                     async with aclosing(chunks):
                         async for chunk in chunks:
                             last = chunk
