@@ -87,14 +87,22 @@ class EngineConfig(msgspec.Struct, forbid_unknown_fields=True):
     # batch sizes compiled at start-up (capped at [scheduler] max_num_seqs, which is added when missing)
     compile_batch_sizes: Annotated[list[Annotated[int, msgspec.Meta(ge=1)]], msgspec.Meta(min_length=1)] = msgspec.field(
         default_factory=lambda: [1, 2, 4, 8, 16, 32, 64])
-    # speculative decoding: "off", or "ngram" (prompt lookup: the tokens that followed the latest earlier
-    # occurrence of a request's last few tokens are proposed, and one step checks them all)
-    speculative: Literal["off", "ngram"] = "off"
+    # speculative decoding: "off"; "ngram" (prompt lookup: the tokens that followed the latest earlier
+    # occurrence of a request's last few tokens are proposed); "draft" (a smaller model, draft_model, proposes
+    # them greedily). One step checks them all.
+    speculative: Literal["off", "ngram", "draft"] = "off"
     # tokens proposed per request and step
     num_speculative_tokens: Annotated[int, msgspec.Meta(ge=1, le=16)] = 4
     # lengths of the n-gram looked up, longest first
     ngram_max: Annotated[int, msgspec.Meta(ge=1)] = 4
     ngram_min: Annotated[int, msgspec.Meta(ge=1)] = 2
+    # speculative = "draft": the draft model (a path as [model] path takes), with the same vocabulary
+    draft_model: str = ""
+
+    def __post_init__(self) -> None:
+        if (self.speculative == "draft") != bool(self.draft_model):
+            raise ValueError("speculative = 'draft' and draft_model go together: set both, or neither "
+                             f"(speculative = {self.speculative!r}, draft_model = {self.draft_model!r})")
 
 
 class ParallelConfig(msgspec.Struct, forbid_unknown_fields=True):

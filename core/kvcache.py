@@ -44,6 +44,8 @@ class KVCacheSpec(msgspec.Struct, frozen=True):
     # every layer attends to the last this-many keys only (a sliding window): what lies behind a request's
     # window may be freed; 0: every key stays
     sliding_window: int = 0
+    # bytes per token that another cache with the same blocks takes beside this one (a draft model's)
+    extra_bytes_per_token: int = 0
 
     @property
     def storage_dtype(self) -> str:
@@ -60,8 +62,8 @@ class KVCacheSpec(msgspec.Struct, frozen=True):
 
     @property
     def bytes_per_token(self) -> int:
-        """2 (K and V) x layers x kv_heads x bytes per head."""
-        return 2 * self.num_layers * self.num_kv_heads * self.bytes_per_head
+        """2 (K and V) x layers x kv_heads x bytes per head (+ the extra bytes)."""
+        return 2 * self.num_layers * self.num_kv_heads * self.bytes_per_head + self.extra_bytes_per_token
 
 
 class KVCacheLayout(msgspec.Struct, array_like=True, frozen=True):

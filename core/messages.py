@@ -210,6 +210,8 @@ class RunnerOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=False
     # token), with their logprobs where asked
     accepted: list[list[int]] = []
     accepted_logprobs: list[list[TokenLogprob] | None] = []
+    # speculative decoding with a draft model: per entry, the tokens it proposes to follow this step's
+    draft_token_ids: list[list[int]] = []
     # seconds: building inputs + the forward pass, and sampling
     forward_time: float = 0.0
     sample_time: float = 0.0

@@ -1,5 +1,6 @@
-"""Speculative decoding with n-gram drafts: the proposer, the check (greedy: the model's own tokens; sampled:
-the model's distribution, tested with chi-square on a small vocabulary), and SmolLM2 end to end."""
+"""Speculative decoding with n-gram drafts and with a draft model: the proposer, the check (greedy: the model's
+own tokens; sampled: the model's distribution, tested with chi-square on a small vocabulary), and SmolLM2 end
+to end."""
 
 from __future__ import annotations
 
@@ -104,6 +105,54 @@ def test_stop_conditions_hold_inside_accepted_drafts(llm_spec):
     [stopped] = llm_spec.generate(REPEAT, SamplingParams(max_tokens=40, temperature=0, stop="lazy"))
     assert stopped.text == long.text[: long.text.index("lazy")] and stopped.finish_reason == "stop"
 
+
+@pytest.mark.parametrize("draft", ["random", "itself"])
+def test_a_draft_model_proposes_and_the_tokens_stay_the_models(draft, llm_fp32, tmp_path):
+    """SmolLM2 at float32 with a draft model: a tiny random one with its vocabulary (few proposals accepted) and
+    SmolLM2 itself (nearly all accepted, so the draft's own cache followed every step). Five prompts at once
+    in chunks of at most 24 tokens, in a KV cache too small for all (preemption): the tokens without drafts,
+    or a near tie at the first difference; every KV block free after."""
+    import transformers
+
+    path = "smollm2-135m-instruct"
+    if draft == "random":
+        torch.manual_seed(0)
+        config = transformers.LlamaConfig(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                          num_attention_heads=4, num_key_value_heads=2, head_dim=16)
+        transformers.LlamaForCausalLM(config).save_pretrained(tmp_path)
+        path = str(tmp_path)
+    params = SamplingParams(max_tokens=32, temperature=0, ignore_eos=True, logprobs=5)
+    prompts = [[{"role": "user", "content": p}] for p in CHAT_PROMPTS[:4]] + [REPEAT]
+    reference = llm_fp32.generate(prompts, params)
+    overrides = {"model.dtype": "float32", "engine.speculative": "draft", "engine.draft_model": path,
+                 "scheduler.max_num_batched_tokens": 24,
+                 # room for about 230 tokens of SmolLM2's (the draft's share comes out of it)
+                 "kvcache.memory_gb": 0.02 if draft == "itself" else 0.01}
+    with LLM(overrides=overrides) as llm:
+        outputs = llm.generate(prompts, params)
+        counters = llm.engine.scheduler.counters
+        kv = llm.engine.kvcache
+        assert kv.num_free_blocks == kv.num_blocks
+    for i, (ref, ours) in enumerate(zip(reference, outputs)):
+        assert_same_or_near_tie(ours, ref, f"prompt {i}")
+    assert counters.num_preemptions > 0
+    assert counters.num_draft_tokens > 100
+    if draft == "itself":
+        assert counters.num_accepted_tokens > 0.9 * counters.num_draft_tokens, counters
+
+
+def test_a_draft_model_that_cannot_draft_is_a_config_error(tmp_path):
+    import transformers
+
+    from conveyor.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match="speculative = 'draft' and draft_model go together"):
+        load_config(None, {"engine.speculative": "draft"})
+    config = transformers.LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                      num_attention_heads=2, num_key_value_heads=1)
+    transformers.LlamaForCausalLM(config).save_pretrained(tmp_path)
+    with pytest.raises(ConfigError, match=r"draft_model = .*: its vocabulary has 96 tokens, the model's 49152"):
+        LLM(overrides={"engine.speculative": "draft", "engine.draft_model": str(tmp_path)})
 
 
 @pytest.mark.slow

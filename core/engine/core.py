@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from conveyor.config import Config
 from conveyor.engine.grammars import GrammarRequests
 from conveyor.engine.loras import LoraSlots
-from conveyor.engine.speculative import NgramProposer
+from conveyor.engine.speculative import DraftModelProposer, NgramProposer
 from conveyor.executor import ExecutorError, build_executor
 from conveyor.kvcache import KVCacheManager
 from conveyor.messages import (
@@ -74,7 +74,8 @@ class EngineCore:
         self.max_model_len = info.max_model_len
         # structured-output requests: compiling, and the matchers of those the scheduler holds
         self.grammars = GrammarRequests(config, info.vocab_size)
-        self.proposer = NgramProposer(config.engine) if config.engine.speculative == "ngram" else None
+        proposer = {"ngram": NgramProposer, "draft": DraftModelProposer}.get(config.engine.speculative)
+        self.proposer = proposer(config.engine) if proposer is not None else None
         self.loras = LoraSlots(self.executor, config.lora.max_loras) if config.lora.max_loras else None
         self.num_steps = 0
         # the last step scheduled nothing although requests are pending (a batching scheduler collecting)
@@ -228,7 +229,7 @@ class EngineCore:
         if self.grammars.matchers:
             self._end_grammars(batch, result.sampled, outputs)
         if self.proposer is not None:
-            self.proposer.propose(batch.requests)
+            self.proposer.propose(batch.requests, result)
         if result.prompt_logprobs:
             outputs = self._add_prompt_logprobs(batch, flight.step, result, outputs)
         self.num_steps += 1

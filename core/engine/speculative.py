@@ -1,4 +1,4 @@
-"""Speculative decoding's proposer: n-gram prompt lookup.
+"""Speculative decoding's proposers: n-gram prompt lookup, and a draft model's proposals.
 
 After each step, a request about to decode looks for the latest earlier
 place where its last ``n`` tokens occurred (``ngram_max`` down to
@@ -9,7 +9,8 @@ proposals while they are what the model would have drawn (greedy: the
 argmax; sampled: rejection sampling, which keeps the model's distribution)
 and adds one token of its own after them. Repetitive work (summaries, edits
 of a given text, code) accepts many; the rest costs a little more compute
-per step.
+per step. With a draft model (``conveyor.worker.drafter``) the worker
+proposes instead, and the engine core hands its proposals on the same way.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
 from conveyor.config import EngineConfig
+from conveyor.messages import RunnerOutput
 from conveyor.request import Request, RequestStatus
 
 
@@ -35,20 +37,35 @@ def propose_ngram(tokens: list[int], n_max: int, n_min: int, k: int) -> list[int
     return []
 
 
+def room_for_drafts(request: Request, k: int) -> int:
+    """Proposals a request may take for its next step: up to ``k`` where it decodes next, 0 for a request under a
+    penalty or a grammar (its next token depends on the ones before in ways the check does not follow)."""
+    params = request.params
+    if (request.status != RequestStatus.RUNNING or request.num_uncomputed_tokens != 1
+            or params.has_penalties or params.structured is not None):
+        return 0
+    return max(0, min(k, request.max_total_tokens - request.num_tokens - 1))
+
+
 class NgramProposer:
     def __init__(self, config: EngineConfig):
         self.k = config.num_speculative_tokens
         self.n_max = config.ngram_max
         self.n_min = min(config.ngram_min, config.ngram_max)
 
-    def propose(self, requests: list[Request]) -> None:
-        """Set ``draft_token_ids`` of each request that decodes next (none for requests under a penalty or a
-        grammar, whose next token depends on the ones before in ways the check does not follow)."""
+    def propose(self, requests: list[Request], result: RunnerOutput) -> None:
+        """Set ``draft_token_ids`` of each request that decodes next."""
         for request in requests:
-            params = request.params
-            if (request.status != RequestStatus.RUNNING or request.num_uncomputed_tokens != 1
-                    or params.has_penalties or params.structured is not None):
-                continue
-            room = min(self.k, request.max_total_tokens - request.num_tokens - 1)
-            if room > 0:
+            if room := room_for_drafts(request, self.k):
                 request.draft_token_ids = propose_ngram(request.all_token_ids(), self.n_max, self.n_min, room)
+
+
+class DraftModelProposer:
+    def __init__(self, config: EngineConfig):
+        self.k = config.num_speculative_tokens
+
+    def propose(self, requests: list[Request], result: RunnerOutput) -> None:
+        """Set ``draft_token_ids`` of each request that decodes next from the draft model's proposals."""
+        for request, drafts in zip(requests, result.draft_token_ids):
+            if room := room_for_drafts(request, self.k):
+                request.draft_token_ids = drafts[:room]

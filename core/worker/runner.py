@@ -11,6 +11,7 @@ from conveyor.messages import RunnerOutput, ScheduledRequest, StepInput, TokenLo
 from conveyor.model.llama import LlamaModel
 from conveyor.model.lora import Adapters
 from conveyor.worker.compiled import CompiledDecode
+from conveyor.worker.drafter import Drafter
 from conveyor.worker.sampler import Sampler, token_logprobs
 
 
@@ -18,17 +19,20 @@ class ModelRunner:
     """Runs one forward pass over a step's requests and samples."""
 
     def __init__(self, model: LlamaModel, attention: AttentionBackend, sampler: Sampler,
-                 compiled: CompiledDecode | None = None, adapters: Adapters | None = None):
+                 compiled: CompiledDecode | None = None, adapters: Adapters | None = None,
+                 drafter: Drafter | None = None):
         """
         Args:
             compiled: graphs for steps of decodes only (the others run eagerly); None: every step eagerly.
             adapters: the model's LoRA slots ([lora] max_loras > 0).
+            drafter: the draft model ([engine] speculative = "draft"), which follows every step (eagerly).
         """
         self.model = model
         self.attention = attention
         self.sampler = sampler
         self.compiled = compiled
         self.adapters = adapters
+        self.drafter = drafter
         self.device = model.device
 
     @torch.inference_mode()
@@ -73,12 +77,9 @@ class ModelRunner:
         carried = None
         if not model.first_stage:
             carried = group.recv_prev((2, len(input_ids), model.spec.hidden_size), model.dtype, self.device)
-        hidden = model.forward(
-            torch.tensor(input_ids, dtype=torch.long, device=self.device),
-            torch.tensor(positions, dtype=torch.long, device=self.device),
-            StepAttention(self.attention, step),
-            carried,
-        )
+        ids = torch.tensor(input_ids, dtype=torch.long, device=self.device)
+        places = torch.tensor(positions, dtype=torch.long, device=self.device)
+        hidden = model.forward(ids, places, StepAttention(self.attention, step), carried)
         if not model.last_stage:
             group.send_next(hidden)
             return self._timed(RunnerOutput([], []), began)
@@ -91,7 +92,12 @@ class ModelRunner:
             logits = model.compute_logits(hidden[torch.tensor(sample_rows, device=self.device)])
         if not group.placement.driver:
             return self._timed(RunnerOutput([], []), began)
-        return self._sample(step, logits, sampled_entries, output, began)
+        output = self._sample(step, logits, sampled_entries, output, began)
+        if self.drafter is not None:
+            drafting = time.perf_counter()
+            output.draft_token_ids = self.drafter.propose(step, ids, places, output)
+            output.forward_time += time.perf_counter() - drafting
+        return output
 
     def _sample(self, step: StepInput, logits: torch.Tensor | None, sampled_entries: list[int],
                 output: RunnerOutput, began: float) -> RunnerOutput:

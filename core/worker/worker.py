@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import os
 
+import msgspec
 import torch
 
 from conveyor import native
@@ -20,10 +21,13 @@ from conveyor.config import Config, ConfigError
 from conveyor.executor import ModelInfo
 from conveyor.kvcache import KVCacheLayout, KVCacheSpec
 from conveyor.messages import RunnerOutput, StepInput
+from conveyor.model.llama import LlamaModel
 from conveyor.model.loader import DTYPES, load_model, model_len, open_model, resolve_device
 from conveyor.model.lora import Adapters
+from conveyor.quant import QuantMethod
 from conveyor.registry import PluginRegistry
 from conveyor.worker.compiled import CompiledDecode, use_inductor_cache
+from conveyor.worker.drafter import Drafter, scratch_blocks_per_row
 from conveyor.worker.parallel import ParallelGroup, Placement, check_divisible
 from conveyor.worker.runner import ModelRunner
 from conveyor.worker.sampler import Sampler
@@ -69,6 +73,9 @@ class Worker:
         self.group = ParallelGroup.init(self.placement, init_method, self.device)
         self.runner: ModelRunner | None = None
         self.adapters: Adapters | None = None
+        # speculative = "draft": the draft model and what its KV cache stores per token
+        self.draft_model: LlamaModel | None = None
+        self.draft_kv_spec: KVCacheSpec | None = None
 
     def _compile_choice(self) -> bool:
         """Whether decode steps run compiled (``[engine] compile``)."""
@@ -81,6 +88,8 @@ class Worker:
             reasons.append(f"the {self.backend_class.name!r} attention backend gathers blocks in Python")
         if self.placement.world_size > 1:
             reasons.append("tensor and pipeline parallelism run eagerly for now")
+        if config.engine.speculative == "draft":
+            reasons.append("a draft model follows every step eagerly")
         if not reasons:
             return True
         if choice == "on":
@@ -112,8 +121,48 @@ class Worker:
         windows = {spec.window(layer.index) for layer in self.model.layers}
         kv_spec = KVCacheSpec(len(self.model.layers), first.num_kv_heads, spec.head_dim, config.model.dtype,
                               max_model_len, sliding_window=windows.pop() if len(windows) == 1 else 0)
+        if config.engine.speculative == "draft":
+            self._load_draft_model(quant, max_model_len)
+            kv_spec = msgspec.structs.replace(kv_spec, extra_bytes_per_token=self.draft_kv_spec.bytes_per_token)
         return ModelInfo(max_model_len, kv_spec, str(self.device), self.backend_class.name,
                          self.model.num_weight_bytes(), spec.vocab_size)
+
+    def _load_draft_model(self, quant: QuantMethod, max_model_len: int) -> None:
+        """The draft model of ``[engine] draft_model`` (its KV cache shares the target's blocks).
+
+        Raises:
+            ConfigError: it cannot draft for this model here (the message says why).
+        """
+        config = self.config
+        where = f"{config.source}: [engine] draft_model = {config.engine.draft_model!r}"
+        if self.placement.world_size > 1:
+            raise ConfigError(f"{where}: a draft model runs on one worker for now (tensor_parallel_size = "
+                              "pipeline_parallel_size = 1); allowed here: speculative = 'ngram' or 'off'")
+        ckpt = open_model(msgspec.structs.replace(config.model, path=config.engine.draft_model), config.source)
+        target_vocab = self.model.spec.vocab_size
+        if ckpt.spec.vocab_size != target_vocab:
+            raise ConfigError(f"{where}: its vocabulary has {ckpt.spec.vocab_size} tokens, the model's "
+                              f"{target_vocab}; a draft model shares the model's tokenizer")
+        self.draft_model = load_model(ckpt, quant, self.dtype, self.device, max_model_len,
+                                      self.backend_class.fused_layers, self.group)
+        layers = self.draft_model.layers
+        self.draft_kv_spec = KVCacheSpec(len(layers), layers[0].num_kv_heads, ckpt.spec.head_dim,
+                                         config.model.dtype, max_model_len)
+        logger.info("draft model %s: %d layers, %.1f MB of weights, %d KV bytes per token",
+                    config.engine.draft_model, len(layers), self.draft_model.num_weight_bytes() / 1e6,
+                    self.draft_kv_spec.bytes_per_token)
+
+    def _drafter(self, layout: KVCacheLayout) -> Drafter:
+        """The draft model over a KV storage of its own: the target's blocks (and its spare one), then scratch
+        blocks for the proposals of up to ``max_num_seqs`` requests."""
+        k = self.config.engine.num_speculative_tokens
+        rows = getattr(self.config.scheduler.options, "max_num_seqs", None) or 256  # (a scheduler plugin's option)
+        first_scratch = layout.num_blocks + 1
+        spec = msgspec.structs.replace(self.draft_kv_spec, cache_dtype=layout.spec.cache_dtype)
+        storage = KVStorage(KVCacheLayout(spec, first_scratch + rows * scratch_blocks_per_row(k, layout.block_size),
+                                          layout.block_size), self.device)
+        backend = self.backend_class(storage, self.draft_model.attention_layers())
+        return Drafter(self.draft_model, backend, k, first_scratch, rows)
 
     def _compile_batch_sizes(self) -> list[int]:
         """``compile_batch_sizes`` up to ``max_num_seqs``, and ``max_num_seqs`` itself where it falls short of the
@@ -140,7 +189,9 @@ class Worker:
             compiled = CompiledDecode(self.model, backend, self._compile_batch_sizes(),
                                       layout.spec.max_model_len)
             compiled.compile_all()
-        self.runner = ModelRunner(self.model, backend, Sampler(self.config.engine.seed), compiled, self.adapters)
+        drafter = self._drafter(layout) if self.draft_model is not None else None
+        self.runner = ModelRunner(self.model, backend, Sampler(self.config.engine.seed), compiled, self.adapters,
+                                  drafter)
         logger.debug("worker %d: KV cache of %.2f GiB, attention %r", self.rank, storage.num_bytes / 2**30,
                      backend.name)
 
