@@ -147,6 +147,9 @@ class ServerConfig(msgspec.Struct, forbid_unknown_fields=True):
     status_interval: Annotated[float, msgspec.Meta(ge=0)] = 10.0
     # engine process deaths tolerated within ten minutes before the server exits non-zero
     max_engine_restarts: Annotated[int, msgspec.Meta(ge=0)] = 3
+    # seconds the engine may send nothing while requests are in flight (it reports after every step) before
+    # the frontend declares it stalled: in-flight requests get 503 and the engine is killed and restarted; 0: never
+    engine_timeout: Annotated[float, msgspec.Meta(ge=0)] = 120.0
 
     def __post_init__(self) -> None:
         if self.engine_address != "ipc" and not self.engine_address.startswith("tcp://"):

@@ -5,6 +5,11 @@ from __future__ import annotations
 import msgspec
 
 MAX_LOGPROBS = 20
+# what one request may ask the detokenizer and the sampler to watch for (each costs work per token)
+MAX_STOP_STRINGS = 16
+MAX_STOP_STRING_CHARS = 256
+MAX_STOP_TOKEN_IDS = 64
+MAX_CHOICES = 256
 
 
 class StructuredOutput(msgspec.Struct, omit_defaults=True, forbid_unknown_fields=True, frozen=True):
@@ -29,6 +34,8 @@ class StructuredOutput(msgspec.Struct, omit_defaults=True, forbid_unknown_fields
                                 f" got {', '.join(kinds) or 'none'}")
         _check(self.choice is None or (self.choice and all(isinstance(c, str) and c for c in self.choice)),
                "choice must be a non-empty list of non-empty strings")
+        _check(self.choice is None or len(self.choice) <= MAX_CHOICES,
+               f"choice has {len(self.choice or [])} strings; at most {MAX_CHOICES} are allowed")
 
 
 class SamplingParams(msgspec.Struct, omit_defaults=True, forbid_unknown_fields=True):
@@ -90,7 +97,13 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, forbid_unknown_fields=T
             f"prompt_logprobs={self.prompt_logprobs} must be in [0, {MAX_LOGPROBS}]",
         )
         _check(all(isinstance(s, str) and s for s in self.stop), "stop strings must be non-empty")
+        _check(len(self.stop) <= MAX_STOP_STRINGS,
+               f"stop has {len(self.stop)} strings; at most {MAX_STOP_STRINGS} are allowed")
+        _check(all(len(s) <= MAX_STOP_STRING_CHARS for s in self.stop),
+               f"stop strings may have at most {MAX_STOP_STRING_CHARS} characters each")
         _check(all(t >= 0 for t in self.stop_token_ids), "stop_token_ids must be >= 0")
+        _check(len(self.stop_token_ids) <= MAX_STOP_TOKEN_IDS,
+               f"stop_token_ids has {len(self.stop_token_ids)} ids; at most {MAX_STOP_TOKEN_IDS} are allowed")
 
     @property
     def greedy(self) -> bool:

@@ -22,12 +22,22 @@ from conveyor.sampling import SamplingParams
         ("frequency_penalty", -2.5, "frequency_penalty=-2.5 must be in [-2, 2]"),
         ("logprobs", 21, "logprobs=21 must be in [0, 20]"),
         ("stop", [""], "stop strings must be non-empty"),
+        ("stop", [f"s{i}" for i in range(17)], "stop has 17 strings; at most 16 are allowed"),
+        ("stop", ["x" * 257], "stop strings may have at most 256 characters each"),
+        ("stop_token_ids", list(range(65)), "stop_token_ids has 65 ids; at most 64 are allowed"),
         ("min_tokens", -1, "min_tokens=-1 must be >= 0"),
     ],
 )
 def test_out_of_range_values_are_refused(field, value, message):
     with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)").replace("[", r"\[")):
         SamplingParams(**{field: value})
+
+
+def test_a_choice_list_is_bounded():
+    from conveyor.sampling import StructuredOutput
+
+    with pytest.raises(ValueError, match="choice has 257 strings; at most 256 are allowed"):
+        StructuredOutput(choice=[str(i) for i in range(257)])
 
 
 def test_decoding_from_json_validates_too():

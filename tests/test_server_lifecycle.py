@@ -105,6 +105,30 @@ def test_engine_death_fails_in_flight_requests_and_the_engine_restarts(server):
         os.kill(pid, 0)
 
 
+def test_a_stalled_engine_is_noticed_its_requests_get_503_and_it_restarts(tmp_path):
+    """The engine stopped (SIGSTOP) with a stream in flight for longer than engine_timeout: the stream ends with
+    a 503 naming the stall, the engine is killed and a new one serves."""
+    server = Server(http_config(engine_timeout=2.0), tmp_path).start()
+    try:
+        stalled = server.engine_pid
+        body = {"messages": MESSAGES, "max_tokens": 400, "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", f"{server.http}/v1/chat/completions", json=body, timeout=60) as response:
+            received = events(response)
+            next(received)
+            os.kill(stalled, signal.SIGSTOP)
+            rest = list(received)  # ends once the stall is noticed, or the client timeout fails the test
+        errors = [e for e in rest[:-1] if "error" in e]
+        assert len(errors) == 1 and errors[0]["error"]["code"] == 503, rest[-3:]
+        assert "sent nothing for" in server.output
+        server.wait_for(lambda: health(server) == 200 and server.engine_pid != stalled, timeout=180,
+                        what="a new engine")
+        assert chat(server, max_tokens=4, ignore_eos=True).json()["usage"]["completion_tokens"] == 4
+        with pytest.raises(ProcessLookupError):
+            os.kill(stalled, 0)
+    finally:
+        server.stop()
+
+
 def test_sigterm_lets_the_request_in_flight_finish(tmp_path):
     server = Server(http_config(drain_timeout=60.0), tmp_path).start()
     try:

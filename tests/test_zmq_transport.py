@@ -119,6 +119,20 @@ def test_raw_client_from_the_protocol_document(server, keys, tokenizer):
 
 
 
+def test_a_client_sending_an_oversized_message_is_dropped_and_others_are_served(server, keys):
+    """max_message_bytes (4 MiB): the sender is disconnected before anything is decoded; the server goes on."""
+    hostile = raw_socket(server, keys)
+    hostile.send_multipart([b"generate", b"\x00" * (5 * 1024 * 1024)])
+    assert not hostile.poll(2_000)  # no reply: the connection was dropped
+    hostile.close()
+    socket = raw_socket(server, keys)
+    request = {"request_id": "after", "prompt": "Hi", "params": {"max_tokens": 2}, "stream": False}
+    socket.send_multipart([b"generate", msgspec.msgpack.encode(request)])
+    assert socket.poll(60_000)
+    assert msgspec.msgpack.decode(socket.recv_multipart()[1])["finish_reason"] == "length"
+    socket.close()
+
+
 def test_raw_client_abort(server, keys):
     socket = raw_socket(server, keys)
     engine_aborted = server.engine_aborts()

@@ -104,7 +104,7 @@ class EngineCore:
             request = Request.from_message(message, self.max_model_len)
             if request.lora is not None and self.loras is None:
                 raise RequestRejected(f"the LoRA adapter {request.lora.name!r} cannot run: [lora] max_loras = 0")
-            if self.loras is not None and self.loras.needs_load(request):
+            if self.loras is not None and not self.loras.ready(request):
                 if any(r.request_id == request.request_id for r in self.loras.waiting):
                     raise RequestRejected(f"request id {request.request_id!r} is already in use")
                 limit = getattr(self.scheduler.options, "max_waiting", None)  # (a scheduler plugin's option)

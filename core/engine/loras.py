@@ -29,8 +29,14 @@ class LoraSlots:
         """The workers' slot of the request's adapter (-1: none)."""
         return -1 if request.lora is None else self.held[request.lora.id]
 
-    def needs_load(self, request: Request) -> bool:
-        return request.lora is not None and request.lora.id not in self.held
+    def ready(self, request: Request) -> bool:
+        """Whether the request can go on now: no adapter, or one the workers hold (now the most recently used)."""
+        if request.lora is None:
+            return True
+        if request.lora.id not in self.held:
+            return False
+        self.held.move_to_end(request.lora.id)
+        return True
 
     def loadable(self, in_use: set[int]) -> bool:
         """Whether a waiting request can go on now (its adapter is held, or a slot can take it)."""

@@ -48,6 +48,7 @@ class MPClient(EngineClient):
         startup_timeout: float = 600.0,
         log_level: str = "INFO",
         replica: int | None = None,
+        engine_timeout: float = 0.0,
     ):
         super().__init__()
         self.config = config
@@ -55,6 +56,9 @@ class MPClient(EngineClient):
         self.max_restarts = max_restarts
         self.restart_window = restart_window
         self.startup_timeout = startup_timeout
+        self.engine_timeout = engine_timeout
+        # time.monotonic() when the engine last sent something, or started owing a reply (a request sent to it idle)
+        self._heard = 0.0
         self.log_level = log_level
         # appended to log lines: which replica this engine is
         self._tag = "" if replica is None else f" (replica {replica})"
@@ -135,6 +139,9 @@ class MPClient(EngineClient):
                     self._ready(ready)
                     if task_status is not None:
                         task_status.started(ready)
+                    self._heard = time.monotonic()
+                    if self.engine_timeout:
+                        tg.start_soon(self._watch_stall, process)
                     await self._receive(pull)
             finally:
                 self.alive = False
@@ -151,9 +158,22 @@ class MPClient(EngineClient):
                 pull.close(linger=0)
             return code
 
+    async def _watch_stall(self, process: anyio.abc.Process) -> None:
+        """Kill the engine process when it has sent nothing for ``engine_timeout`` seconds while requests are in
+        flight (the process's death then fails them with 503 and restarts it)."""
+        while True:
+            await anyio.sleep(min(1.0, self.engine_timeout / 4))
+            silent = time.monotonic() - self._heard
+            if len(self._streams) and silent > self.engine_timeout:
+                logger.error("the engine process sent nothing for %.0f s with %d requests in flight (engine_timeout"
+                             " = %.0f s): killing it%s", silent, len(self._streams), self.engine_timeout, self._tag)
+                process.kill()
+                return
+
     async def _receive(self, pull: zmq.asyncio.Socket) -> None:
         while True:
             frames = await pull.recv_multipart()
+            self._heard = time.monotonic()
             try:
                 kind, body = decode(frames)
             except ValueError as e:
@@ -172,6 +192,8 @@ class MPClient(EngineClient):
             raise EngineUnavailable("the engine is not connected yet") from None
 
     def _submit(self, request: EngineRequest) -> None:
+        if len(self._streams) <= 1:  # (an idle engine owes nothing until now)
+            self._heard = time.monotonic()
         self._send(MessageType.ADD, request)
 
     def _abort(self, request_ids: list[str]) -> None:

@@ -186,16 +186,17 @@ class LoraLinear:
         if a.shape[1] != self.a.shape[2] or b.shape[0] + part.offset > self.b.shape[0]:
             raise ValueError(f"{module}: A {tuple(a.shape)} / B {tuple(b.shape)} do not fit this model's layer")
         rows = slice(part.offset, part.offset + b.shape[0])
-        for a_all, b_all in self._copies():
+        for a_all, b_all in self.copies():
             a_all[slot, columns] = a.to(a_all.dtype)
             b_all[rows, slot, columns] = (b.double() * scale).to(b_all.dtype)
 
     def clear(self, slot: int) -> None:
-        for a_all, b_all in self._copies():
+        for a_all, b_all in self.copies():
             a_all[slot].zero_()
             b_all[:, slot].zero_()
 
-    def _copies(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    def copies(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """(A, B) as the model runs them, and their float32 copies where kept."""
         return [(self.a, self.b)] + ([(self.a32, self.b32)] if self.a32 is not None else [])
 
     def add(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -250,7 +251,7 @@ class Adapters:
                     self.modules[layer.index, module] = lora
 
     def num_bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for lora in self.linears for pair in lora._copies() for t in pair)
+        return sum(t.numel() * t.element_size() for lora in self.linears for pair in lora.copies() for t in pair)
 
     def load(self, slot: int, path: str) -> None:
         """Put the adapter at ``path`` in ``slot`` (replacing what was there).

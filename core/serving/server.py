@@ -12,6 +12,7 @@ engine processes behind a router (``DPClient``) instead of one (``MPClient``).
 
 from __future__ import annotations
 
+import importlib
 import logging
 import signal
 import sys
@@ -60,6 +61,9 @@ async def serve(config_path: str | Path | None, overrides: Mapping[str, Any] | N
         async with anyio.create_task_group() as tg:
             # Transports first: a busy port fails at once, and /health answers 503 while the model loads.
             urls = [await tg.start(transport.serve, frontend) for transport in transports]
+            # the grammar engine takes a second or two to import: off the event loop, while the model loads
+            # (the first structured-output request checks its schema with it)
+            tg.start_soon(anyio.to_thread.run_sync, importlib.import_module, "xgrammar")
             logger.info("starting the engine process")
             ready = await tg.start(engine.run)
             _print_banner(model_name, config.kvcache.plugin, ready, urls)
@@ -97,6 +101,7 @@ def _engine_client(config: Config, log_level: str) -> EngineClient:
     options = {
         "address": config.server.engine_address,
         "max_restarts": config.server.max_engine_restarts,
+        "engine_timeout": config.server.engine_timeout,
         "log_level": log_level,
     }
     if config.parallel.data_parallel_size > 1:

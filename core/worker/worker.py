@@ -143,7 +143,9 @@ class Worker:
         if ckpt.spec.vocab_size != target_vocab:
             raise ConfigError(f"{where}: its vocabulary has {ckpt.spec.vocab_size} tokens, the model's "
                               f"{target_vocab}; a draft model shares the model's tokenizer")
-        self.draft_model = load_model(ckpt, quant, self.dtype, self.device, max_model_len,
+        # (its proposals run up to num_speculative_tokens positions past the last one the model computes)
+        self.draft_model = load_model(ckpt, quant, self.dtype, self.device,
+                                      max_model_len + config.engine.num_speculative_tokens,
                                       self.backend_class.fused_layers, self.group)
         layers = self.draft_model.layers
         self.draft_kv_spec = KVCacheSpec(len(layers), layers[0].num_kv_heads, ckpt.spec.head_dim,

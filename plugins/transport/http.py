@@ -4,7 +4,8 @@ Routes: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET
 /v1/models`` (the base model and its LoRA adapters), ``POST
 /v1/load_lora_adapter`` and ``/v1/unload_lora_adapter`` (only with an API
 key), ``GET /health`` (503 while the engine is down or the server drains),
-``GET /metrics`` (Prometheus text). Errors use OpenAI's error JSON
+``GET /metrics`` (Prometheus text), ``GET /openapi.json`` (this API as an
+OpenAPI document). Errors use OpenAI's error JSON
 with the status that says why. A client that disconnects, streaming or not,
 aborts its request in the engine at once.
 """
@@ -32,6 +33,7 @@ from starlette.types import Receive, Scope, Send
 from conveyor.hookspecs import hookimpl
 from conveyor.messages import LoraAdapter
 from conveyor.plugins.transport import openai_api as api
+from conveyor.plugins.transport.openapi import openapi_document
 from conveyor.plugins.transport.tool_calls import Tools
 from conveyor.sampling import StructuredOutput
 from conveyor.transport import Chunk, Frontend, RequestError, Transport
@@ -187,6 +189,7 @@ class HTTPTransport(Transport):
                 Route("/v1/unload_lora_adapter", routes.unload_lora_adapter, methods=["POST"]),
                 Route("/health", routes.health, methods=["GET"]),
                 Route("/metrics", routes.metrics, methods=["GET"]),
+                Route("/openapi.json", routes.openapi, methods=["GET"]),
             ],
             exception_handlers={404: routes.not_found, 405: routes.not_allowed, Exception: routes.internal_error},
         )
@@ -214,6 +217,11 @@ class _Routes:
         if not self.frontend.engine_alive:
             return error_response(RequestError("the engine is not running (starting or restarting)", 503))
         return json_response({"status": "ok"})
+
+    async def openapi(self, request: Request) -> Response:
+        frontend = self.frontend
+        return json_response(openapi_document(self.api_key is not None, [frontend.model_name, *frontend.adapters],
+                                              frontend.max_model_len, frontend.tokenizer.vocab_size))
 
     async def metrics(self, request: Request) -> Response:
         body = self.frontend.metrics.render(self.frontend.engine_alive, self.frontend.num_in_flight)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 from contextlib import aclosing
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Annotated, Any, ClassVar
 
 import anyio
 import anyio.abc
@@ -34,6 +34,8 @@ class ZMQOptions(msgspec.Struct, forbid_unknown_fields=True):
     curve_secret_key_file: str = ""
     # ... and a directory of the public key files (*.key) of the clients allowed in
     curve_authorized_keys_dir: str = ""
+    # largest message a client may send, in bytes; a client that sends a larger one is disconnected
+    max_message_bytes: Annotated[int, msgspec.Meta(ge=1024)] = 4 * 1024 * 1024
 
     def __post_init__(self) -> None:
         if bool(self.curve_secret_key_file) != bool(self.curve_authorized_keys_dir):
@@ -75,6 +77,7 @@ class ZMQTransport(Transport):
                 socket.curve_server = True
                 socket.curve_publickey, socket.curve_secretkey = self._keys
             socket.setsockopt(zmq.SNDHWM, 0)  # never drop a chunk for a slow client
+            socket.setsockopt(zmq.MAXMSGSIZE, self.options.max_message_bytes)
             socket.bind(self.options.address)
             task_status.started(socket.getsockopt_string(zmq.LAST_ENDPOINT))
             async with anyio.create_task_group() as tg:

@@ -1,0 +1,139 @@
+"""The HTTP API as an OpenAPI 3.1 document, served at ``GET /openapi.json``.
+
+The request bodies' schemas come from the msgspec Structs the routes decode
+them with (``openai_api``), narrowed by the ranges the server enforces (from
+the same constants its checks use) and by what it serves now (model names,
+``max_model_len``, the vocabulary); responses are described by status, with
+OpenAI's error object for every refusal.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+from conveyor.plugins.transport import openai_api as api
+from conveyor.sampling import MAX_LOGPROBS, MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS
+
+ERROR = {
+    "type": "object",
+    "required": ["error"],
+    "properties": {"error": {
+        "type": "object",
+        "required": ["message", "type", "code"],
+        "properties": {"message": {"type": "string"}, "type": {"type": "string"},
+                       "param": {"type": ["string", "null"]}, "code": {"type": "integer"}},
+    }},
+}
+# status -> when a route answers it
+REFUSALS = {
+    "400": "a field out of range or malformed (param names it)",
+    "401": "the API key is missing or wrong (servers with a key)",
+    "404": "no such model",
+    "413": "the body is over the size limit",
+    "429": "the waiting queue is full",
+    "503": "the engine is starting, restarting or the server is draining",
+}
+
+
+def _json(schema: dict[str, Any], description: str) -> dict[str, Any]:
+    return {"description": description, "content": {"application/json": {"schema": schema}}}
+
+
+def _errors(*statuses: str) -> dict[str, Any]:
+    return {status: _json({"$ref": "#/components/schemas/Error"}, REFUSALS[status]) for status in statuses}
+
+
+def _limits(models: list[str], max_model_len: int, vocab_size: int) -> dict[str, dict[str, Any]]:
+    """The ranges the server enforces on request fields (from the same constants its checks use), and the model
+    names it serves: what the structs' types alone do not say."""
+    tokens = {"type": "integer", "minimum": 1, "maximum": max(1, max_model_len - 1)}
+    token_ids = {"type": "array", "minItems": 1, "items": {"type": "integer", "minimum": 0, "maximum": vocab_size - 1}}
+    message = {"type": "object", "required": ["role"],
+               "properties": {"role": {"enum": ["system", "user", "assistant", "tool"]},
+                              "content": {"anyOf": [{"type": "string"}, {"type": "array", "items": {"type": "object"}},
+                                                    {"type": "null"}]}}}
+    logprobs = {"type": "integer", "minimum": 0, "maximum": MAX_LOGPROBS}
+    stop = {"type": "string", "minLength": 1, "maxLength": MAX_STOP_STRING_CHARS}
+    return {
+        "model": {"enum": models},
+        "prompt": {"anyOf": [{"type": "string", "minLength": 1}, token_ids,
+                             {"type": "array", "items": {"type": "string"}, "minItems": 1, "maxItems": 1}]},
+        "messages": {"type": "array", "minItems": 1, "items": message},
+        "max_tokens": tokens,
+        "max_completion_tokens": tokens,
+        "n": {"type": "integer", "minimum": 1, "maximum": api.MAX_N},
+        "logprobs": logprobs,
+        "top_logprobs": logprobs,
+        "stop": {"anyOf": [stop, {"type": "array", "items": stop, "maxItems": MAX_STOP_STRINGS}]},
+        "stop_token_ids": {"type": "array", "items": {"type": "integer", "minimum": 0},
+                           "maxItems": MAX_STOP_TOKEN_IDS},
+        "temperature": {"type": "number", "minimum": 0},
+        "top_p": {"type": "number", "exclusiveMinimum": 0, "maximum": 1},
+    }
+
+
+def openapi_document(api_key: bool, models: list[str], max_model_len: int, vocab_size: int) -> dict[str, Any]:
+    """The document.
+
+    Args:
+        api_key: the routes need a bearer token (all but /health, /metrics and this one).
+        models: the names ``model`` may take (the base model's and its adapters').
+        max_model_len: the longest prompt + output (0 while the engine starts).
+        vocab_size: token ids in a prompt are below it.
+    """
+    structs = [api.CompletionRequest, api.ChatCompletionRequest, api.LoadLoraRequest, api.UnloadLoraRequest]
+    refs, components = msgspec.json.schema_components(structs, ref_template="#/components/schemas/{name}")
+    completion, chat, load, unload = refs
+    limits = _limits(models, max_model_len, vocab_size)
+    chat_only, completion_only = {"top_logprobs", "max_completion_tokens", "messages"}, {"logprobs", "prompt"}
+    for name, fields in (("CompletionRequest", set(limits) - chat_only),
+                         ("ChatCompletionRequest", set(limits) - completion_only)):  # (chat's logprobs: a bool)
+        properties = components[name]["properties"]
+        for field in fields:
+            original = properties[field]
+            nullable = {"type": "null"} in original.get("anyOf", [])
+            properties[field] = {"anyOf": [limits[field], {"type": "null"}]} if nullable else dict(limits[field])
+            properties[field]["default"] = original.get("default")
+    components["Error"] = ERROR
+    secured = {"security": [{"bearer": []}]} if api_key else {}
+    generated = {"description": "the completion (JSON), or with stream=true server-sent events of chunks",
+                 "content": {"application/json": {"schema": {"type": "object"}},
+                             "text/event-stream": {"schema": {"type": "string"}}}}
+
+    def post(operation: str, body: dict[str, Any], ok: dict[str, Any], *refusals: str) -> dict[str, Any]:
+        return {"post": {"operationId": operation, **secured,
+                         "requestBody": {"required": True, "content": {"application/json": {"schema": body}}},
+                         "responses": {"200": ok, **_errors(*refusals)}}}
+
+    def get(operation: str, ok: dict[str, Any], *refusals: str, open_route: bool = False) -> dict[str, Any]:
+        return {"get": {"operationId": operation, **({} if open_route else secured),
+                        "responses": {"200": ok, **_errors(*refusals)}}}
+
+    inference = ("400", "404", "413", "429", "503") + (("401",) if api_key else ())
+    lora_status = {"type": "object", "properties": {"lora_name": {"type": "string"}, "status": {"type": "string"}}}
+    paths = {
+        "/v1/completions": post("createCompletion", completion, generated, *inference),
+        "/v1/chat/completions": post("createChatCompletion", chat, generated, *inference),
+        "/v1/models": get("listModels", _json({"type": "object"}, "the base model and its LoRA adapters"),
+                          *(("401",) if api_key else ())),
+        "/health": get("health", _json({"type": "object"}, "the engine is up"), "503", open_route=True),
+        "/metrics": get("metrics", {"description": "Prometheus text",
+                                    "content": {"text/plain": {"schema": {"type": "string"}}}}, open_route=True),
+        "/openapi.json": get("openapi", _json({"type": "object"}, "this document"), open_route=True),
+    }
+    if api_key:  # (without a key the adapter routes answer 403)
+        adapters = ("400", "401", "404", "413")
+        paths["/v1/load_lora_adapter"] = post("loadLoraAdapter", load, _json(lora_status, "loaded"), *adapters)
+        paths["/v1/unload_lora_adapter"] = post("unloadLoraAdapter", unload, _json(lora_status, "unloaded"),
+                                                *adapters)
+    document: dict[str, Any] = {
+        "openapi": "3.1.0",
+        "info": {"title": "Conveyor", "version": "1", "description": "An OpenAI-compatible inference server."},
+        "paths": paths,
+        "components": {"schemas": components},
+    }
+    if api_key:
+        document["components"]["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer"}}
+    return document
