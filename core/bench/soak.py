@@ -199,8 +199,9 @@ def soak(tmp: Path, seconds: float = 600.0, clients: int = 12, burst_every: floa
     try:
         engine_pid = int(re.findall(r"engine process (\d+) ready", server.output)[-1])
         outcomes = Outcomes()
+        # the warm-up has a burst too, so that the memory measured after it has seen full batches
         warm = min(15.0, seconds / 4)
-        asyncio.run(_drive(server.http, warm, clients, burst_every, 0, seed + 1, outcomes, progress))
+        asyncio.run(_drive(server.http, warm, clients, warm / 2, 4 * max_waiting, seed + 1, outcomes, progress))
         rss_start = {"frontend": rss_mb(server.process.pid), "engine": rss_mb(engine_pid)}
         progress(f"warmed up ({sum(outcomes.counts.values())} requests); soaking for {seconds - warm:.0f} s")
         asyncio.run(_drive(server.http, seconds - warm, clients, burst_every, 4 * max_waiting, seed, outcomes,

@@ -1,0 +1,122 @@
+"""Faults under load against a real ``conveyor serve``: a client that stops reading its stream, the engine
+killed under 32 streams, and SIGTERM in the middle of a burst past max_waiting."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+
+import anyio
+import httpx
+import pytest
+
+from tests.server import Server, http_config
+
+pytestmark = pytest.mark.slow
+
+MESSAGES = [{"role": "user", "content": "Tell me a long story about a dragon."}]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    server = Server(http_config(), tmp_path_factory.mktemp("faults")).start()
+    yield server
+    assert server.stop() == 0, server.output
+
+
+async def stream_events(client: httpx.AsyncClient, body: dict, started: anyio.Event | None = None) -> list:
+    """Every SSE payload of one streamed chat ("[DONE]" as the string); ``started`` is set on the first."""
+    events = []
+    async with client.stream("POST", "/v1/chat/completions", json={**body, "stream": True}) as response:
+        assert response.status_code == 200, await response.aread()
+        async for line in response.aiter_lines():
+            if line.startswith("data: "):
+                data = line.removeprefix("data: ")
+                events.append(data if data == "[DONE]" else json.loads(data))
+                if started is not None:
+                    started.set()
+    return events
+
+
+def test_a_client_that_stops_reading_holds_up_nobody(server):
+    """A stream whose client reads one chunk and then nothing: other requests run and finish meanwhile, and the
+    engine finishes it too (the frontend holds its output, at most max_tokens of it); when the client reads
+    again it gets every token."""
+    body = {"messages": MESSAGES, "max_tokens": 300, "ignore_eos": True, "stream": True,
+            "stream_options": {"include_usage": True}}
+    with httpx.stream("POST", f"{server.http}/v1/chat/completions", json=body, timeout=300) as slow:
+        lines = slow.iter_lines()
+        next(line for line in lines if line.startswith("data: "))
+        # (the slow client reads nothing while these run)
+        for _ in range(3):
+            reply = httpx.post(f"{server.http}/v1/chat/completions", timeout=120,
+                               json={"messages": MESSAGES, "max_tokens": 32, "ignore_eos": True})
+            assert reply.status_code == 200 and reply.json()["usage"]["completion_tokens"] == 32
+        server.wait_for(lambda: server.metric("conveyor_num_requests_running") == 0, timeout=300,
+                        what="the slow client's request to finish in the engine")
+        rest = [json.loads(line[6:]) for line in lines if line.startswith("data: {")]
+    assert rest[-1]["usage"]["completion_tokens"] == 300  # (every token arrived)
+    assert [c["finish_reason"] for e in rest for c in e["choices"] if c["finish_reason"]] == ["length"]
+
+
+def test_the_engine_killed_under_32_streams_ends_each_with_one_503_then_serves_again(server):
+    results: list[list] = []
+
+    async def run() -> None:
+        async with httpx.AsyncClient(base_url=server.http, timeout=120) as client:
+            started = [anyio.Event() for _ in range(32)]
+
+            async def one(i: int) -> None:
+                results.append(await stream_events(
+                    client, {"messages": MESSAGES, "max_tokens": 1000, "ignore_eos": True}, started[i]))
+
+            async with anyio.create_task_group() as tg:
+                for i in range(32):
+                    tg.start_soon(one, i)
+                for event in started:
+                    await event.wait()
+                os.kill(server.engine_pid, signal.SIGKILL)
+
+    anyio.run(run)
+    assert len(results) == 32
+    for events in results:
+        errors = [e for e in events if isinstance(e, dict) and "error" in e]
+        assert events[-1] == "[DONE]" and len(errors) == 1 and events[-2] is errors[0]
+        assert errors[0]["error"]["code"] == 503
+    server.wait_for(lambda: httpx.get(f"{server.http}/health").status_code == 200, timeout=180,
+                    what="the engine to restart")
+    reply = httpx.post(f"{server.http}/v1/chat/completions", timeout=60,
+                       json={"messages": MESSAGES, "max_tokens": 4, "ignore_eos": True})
+    assert reply.json()["usage"]["completion_tokens"] == 4
+    assert server.metric("conveyor_num_requests_in_flight") == 0
+
+
+def test_sigterm_during_a_burst_drains_and_exits_0(tmp_path):
+    """40 requests at once on max_waiting = 8, then SIGTERM: every request ends (done, 429 or 503: none hangs
+    or gets a 500) and the server exits 0."""
+    server = Server(http_config(drain_timeout=60.0) + "\n[scheduler]\nmax_num_seqs = 8\nmax_waiting = 8\n",
+                    tmp_path).start()
+    statuses: list[int] = []
+
+    def one() -> None:
+        try:
+            reply = httpx.post(f"{server.http}/v1/chat/completions", timeout=120,
+                               json={"messages": MESSAGES, "max_tokens": 48, "ignore_eos": True})
+            statuses.append(reply.status_code)
+        except httpx.TransportError:  # (the server closed the connection while stopping)
+            statuses.append(0)
+
+    threads = [threading.Thread(target=one) for _ in range(40)]
+    for thread in threads:
+        thread.start()
+    # every request answered (429) or in flight before the signal
+    server.wait_for(lambda: server.metric("conveyor_num_requests_in_flight") + len(statuses) >= 40,
+                    what="the whole burst to arrive")
+    server.process.send_signal(signal.SIGTERM)
+    for thread in threads:
+        thread.join(120)
+    assert server.process.wait(120) == 0
+    assert len(statuses) == 40 and set(statuses) <= {200, 429, 503}, statuses
+    assert 200 in statuses and 429 in statuses
