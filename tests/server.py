@@ -17,11 +17,6 @@ class Server(BenchServer):
     """The benchmark's server harness, plus control over its engine process."""
 
     @property
-    def engine_pid(self) -> int:
-        """The engine process now (the latest to report ready)."""
-        return int(re.findall(r"engine process (\d+) ready", self.output)[-1])
-
-    @property
     def worker_pids(self) -> list[int]:
         """The engine's worker processes now (tensor/pipeline parallelism), by rank."""
         line = re.findall(r"workers ready: (.*)", self.output)[-1]

@@ -125,9 +125,8 @@ def test_a_draft_model_proposes_and_the_tokens_stay_the_models(draft, llm_fp32, 
     prompts = [[{"role": "user", "content": p}] for p in CHAT_PROMPTS[:4]] + [REPEAT]
     reference = llm_fp32.generate(prompts, params)
     overrides = {"model.dtype": "float32", "engine.speculative": "draft", "engine.draft_model": path,
-                 "scheduler.max_num_batched_tokens": 24,
-                 # room for about 230 tokens of SmolLM2's (the draft's share comes out of it)
-                 "kvcache.memory_gb": 0.02 if draft == "itself" else 0.01}
+                 # 14 blocks of 16 tokens: every request fits alone, the five together do not
+                 "scheduler.max_num_batched_tokens": 24, "kvcache.num_blocks": 14}
     with LLM(overrides=overrides) as llm:
         outputs = llm.generate(prompts, params)
         counters = llm.engine.scheduler.counters

@@ -96,6 +96,11 @@ class Server:
     def http(self) -> str:
         return self.url("http")
 
+    @property
+    def engine_pid(self) -> int:
+        """The engine process now (the latest to report ready)."""
+        return int(re.findall(r"engine process (\d+) ready", self.output)[-1])
+
     def metric(self, name: str, **labels: str) -> float:
         """One sample of /metrics: the sum over the label sets that have ``labels``."""
         samples = metric_samples(httpx.get(f"{self.http}/metrics").text)

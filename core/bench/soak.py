@@ -108,10 +108,10 @@ async def _request(client: httpx.AsyncClient, kind: str, rng: random.Random, out
             outcomes.failures.append(f"bad request {content[:80]!r}: {response.status_code} {response.text[:200]}")
         outcomes.record(kind, outcome)
         return
-    if kind == "timeout":
-        body.update(max_tokens=200, ignore_eos=True)
+    if kind == "timeout":  # (400 tokens take longer than 0.25 s on any device: one step each)
+        body.update(max_tokens=400, ignore_eos=True)
         try:
-            response = await client.post("/v1/chat/completions", json=body, timeout=0.5)
+            response = await client.post("/v1/chat/completions", json=body, timeout=0.25)
         except httpx.TimeoutException:
             outcomes.record(kind, "client timed out")
             return
@@ -197,7 +197,7 @@ def soak(tmp: Path, seconds: float = 600.0, clients: int = 12, burst_every: floa
     """Run the soak against a new ``conveyor serve``; returns the report (``report["ok"]``: every check held)."""
     server = Server(soak_config(max_waiting, 512), tmp, overrides=overrides).start()
     try:
-        engine_pid = int(re.findall(r"engine process (\d+) ready", server.output)[-1])
+        engine_pid = server.engine_pid
         outcomes = Outcomes()
         # the warm-up has a burst too, so that the memory measured after it has seen full batches
         warm = min(15.0, seconds / 4)
@@ -225,14 +225,17 @@ def soak(tmp: Path, seconds: float = 600.0, clients: int = 12, burst_every: floa
 
 
 def _wait_idle(server: Server, timeout: float = 60.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if (server.metric("conveyor_num_requests_in_flight") == 0 and server.metric("conveyor_num_requests_running") == 0
+    def idle() -> bool:
+        return (server.metric("conveyor_num_requests_in_flight") == 0
+                and server.metric("conveyor_num_requests_running") == 0
                 and server.metric("conveyor_num_requests_waiting") == 0
-                and server.metric("conveyor_kv_cache_free_blocks") == server.metric("conveyor_kv_cache_blocks")):
-            return True
-        time.sleep(0.2)
-    return False
+                and server.metric("conveyor_kv_cache_free_blocks") == server.metric("conveyor_kv_cache_blocks"))
+
+    try:
+        server.wait_for(idle, timeout, "the server to be idle")
+    except AssertionError:
+        return False
+    return True
 
 
 def format_report(report: dict) -> str:

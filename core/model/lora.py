@@ -215,7 +215,7 @@ class LoraLinear:
         # one pass over every slot present: each token's rank columns of the others are masked to zero
         a, b = a_all[batch.slots], b_all[:, batch.slots]
         v = x @ a.flatten(0, 1).T
-        v.view(x.shape[0], batch.mask.shape[1], -1).mul_(batch.mask[:, :, None].to(v.dtype))
+        v.view(x.shape[0], batch.mask.shape[1], -1).mul_(batch.mask[:, :, None])
         return y.add_(v @ b.flatten(1, 2).T)
 
 
@@ -301,6 +301,6 @@ class Adapters:
                            else torch.tensor(present, device=device))
             column = {slot: i for i, slot in enumerate(present)}
             rows = [column.get(slot, -1) for slot, n in token_slots for _ in range(n)]
-            batch.mask = torch.zeros(len(rows), len(present) + 1, dtype=self.model.dtype, device=device)
+            batch.mask = torch.zeros(len(rows), len(present) + 1, device=device)  # (float32: exact 0/1 for any v)
             batch.mask[torch.arange(len(rows)), torch.tensor(rows)] = 1  # (-1: the spare last column)
             batch.mask = batch.mask[:, :-1]
