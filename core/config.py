@@ -98,6 +98,11 @@ class EngineConfig(msgspec.Struct, forbid_unknown_fields=True):
     ngram_min: Annotated[int, msgspec.Meta(ge=1)] = 2
     # speculative = "draft": the draft model (a path as [model] path takes), with the same vocabulary
     draft_model: str = ""
+    # batch-invariant mode: a request's tokens and logprobs are bit-identical whatever else is in its steps
+    # (alone or among many, its prompt in any chunks, preempted or not): every matmul runs in blocks of a fixed
+    # number of rows, and every token attends as a decode does. Costs throughput (README, "Batch-invariant
+    # mode"); one worker, no speculative decoding, no LoRA, decode steps not compiled.
+    batch_invariant: bool = False
 
     def __post_init__(self) -> None:
         if (self.speculative == "draft") != bool(self.draft_model):
@@ -381,9 +386,30 @@ def _build(raw: dict[str, Any], origin: _Origin, registry: PluginRegistry | None
             ]
         else:
             specs[kind] = _plugin_spec(value or {}, kind, default, kind, origin, registry)
+    _check_batch_invariant(tables, origin)
     config = Config(**tables, **specs, plugins=list(plugins), source=origin.source)
     config._registry = registry
     return config
+
+
+def _check_batch_invariant(tables: dict[str, Any], origin: _Origin) -> None:
+    """``[engine] batch_invariant`` runs one worker per engine, without the features that change a step's
+    arithmetic by what else is in it."""
+    engine, lora, parallel = tables["engine"], tables["lora"], tables["parallel"]
+    if not engine.batch_invariant:
+        return
+    conflicts = [
+        (engine.speculative != "off", "engine", "speculative", repr(engine.speculative), "'off'"),
+        (engine.compile == "on", "engine", "compile", "'on'", "'auto' or 'off'"),
+        (lora.max_loras > 0, "lora", "max_loras", lora.max_loras, "0"),
+        (parallel.tensor_parallel_size > 1, "parallel", "tensor_parallel_size", parallel.tensor_parallel_size, "1"),
+        (parallel.pipeline_parallel_size > 1, "parallel", "pipeline_parallel_size", parallel.pipeline_parallel_size,
+         "1"),
+    ]
+    for conflict, table, key, value, allowed in conflicts:
+        if conflict:
+            raise ConfigError(f"{origin.of(table, key)}: [{table}] {key} = {value} cannot run with [engine] "
+                              f"batch_invariant = true; allowed with it: {allowed}")
 
 
 def _plugin_spec(

@@ -1,5 +1,6 @@
 """Faults under load against a real ``conveyor serve``: a client that stops reading its stream, the engine
-killed under 32 streams, and SIGTERM in the middle of a burst past max_waiting."""
+killed under 32 streams, a KV cache too small for the requests, a burst of 10x max_waiting, and SIGTERM in the
+middle of a burst."""
 
 from __future__ import annotations
 
@@ -95,24 +96,65 @@ def test_the_engine_killed_under_32_streams_ends_each_with_one_503_then_serves_a
     assert server.metric("conveyor_num_requests_in_flight") == 0
 
 
-def test_sigterm_during_a_burst_drains_and_exits_0(tmp_path):
-    """40 requests at once on max_waiting = 8, then SIGTERM: every request ends (done, 429 or 503: none hangs
-    or gets a 500) and the server exits 0."""
-    server = Server(http_config(drain_timeout=60.0) + "\n[scheduler]\nmax_num_seqs = 8\nmax_waiting = 8\n",
-                    tmp_path).start()
+def test_a_full_kv_cache_then_a_burst_of_10x_max_waiting_then_sigterm_in_a_burst(tmp_path):
+    """One server, max_num_seqs = max_waiting = 4, a KV cache of 20 blocks of 16 tokens. Four streams of 150
+    tokens at once need 48 blocks: requests are preempted and resumed, and each gets all its tokens. Then 40
+    requests at once (10x max_waiting) get 200 or 429 (a JSON error naming max_waiting), never a 5xx, and
+    service is normal after (a request gets 200, nothing left in flight, every KV block free). Then 40 more at
+    once and SIGTERM among them: every request ends (done, 429 or 503: none hangs or gets a 500) and the
+    server exits 0."""
+    server = Server(http_config(drain_timeout=60.0) + "\n[scheduler]\nmax_num_seqs = 4\nmax_waiting = 4\n"
+                    "\n[kvcache]\nnum_blocks = 20\nblock_size = 16\n", tmp_path).start()
+    body = {"messages": MESSAGES, "max_tokens": 24, "ignore_eos": True}
+
+    streams: list[list] = []
+
+    async def long_streams() -> None:
+        async with httpx.AsyncClient(base_url=server.http, timeout=300) as client:
+            long = {"messages": MESSAGES, "max_tokens": 150, "ignore_eos": True,
+                    "stream_options": {"include_usage": True}}
+
+            async def one() -> None:
+                streams.append(await stream_events(client, long))
+
+            async with anyio.create_task_group() as tg:
+                for _ in range(4):
+                    tg.start_soon(one)
+
+    anyio.run(long_streams)
+    assert len(streams) == 4
+    for events in streams:
+        assert events[-1] == "[DONE]" and events[-2]["usage"]["completion_tokens"] == 150
+    assert server.metric("conveyor_preemptions_total") > 0
+    assert server.metric("conveyor_kv_cache_free_blocks") == server.metric("conveyor_kv_cache_blocks") == 20
+
+    def burst(statuses: list[int], errors: list[str]) -> list[threading.Thread]:
+        def one() -> None:
+            try:
+                reply = httpx.post(f"{server.http}/v1/chat/completions", timeout=120, json=body)
+                statuses.append(reply.status_code)
+                if reply.status_code == 429:
+                    errors.append(reply.json()["error"]["message"])
+            except httpx.TransportError:  # (the server closed the connection while stopping)
+                statuses.append(0)
+
+        threads = [threading.Thread(target=one) for _ in range(40)]
+        for thread in threads:
+            thread.start()
+        return threads
+
     statuses: list[int] = []
+    errors: list[str] = []
+    for thread in burst(statuses, errors):
+        thread.join(120)
+    assert len(statuses) == 40 and set(statuses) == {200, 429}, statuses
+    assert all("max_waiting=4" in message for message in errors), errors[:3]
+    assert httpx.post(f"{server.http}/v1/chat/completions", timeout=120, json=body).status_code == 200
+    assert server.metric("conveyor_num_requests_in_flight") == 0
+    assert server.metric("conveyor_kv_cache_free_blocks") == server.metric("conveyor_kv_cache_blocks")
 
-    def one() -> None:
-        try:
-            reply = httpx.post(f"{server.http}/v1/chat/completions", timeout=120,
-                               json={"messages": MESSAGES, "max_tokens": 48, "ignore_eos": True})
-            statuses.append(reply.status_code)
-        except httpx.TransportError:  # (the server closed the connection while stopping)
-            statuses.append(0)
-
-    threads = [threading.Thread(target=one) for _ in range(40)]
-    for thread in threads:
-        thread.start()
+    statuses.clear()
+    threads = burst(statuses, errors)
     # every request answered (429) or in flight before the signal
     server.wait_for(lambda: server.metric("conveyor_num_requests_in_flight") + len(statuses) >= 40,
                     what="the whole burst to arrive")

@@ -69,17 +69,35 @@ def test_sliding_window_and_soft_cap_match_dense_attention(backend, params, dtyp
                      params=params)
 
 
+@pytest.mark.parametrize("kv_dtype, params", [
+    ("auto", None), ("fp8", None), ("auto", LayerAttention(0.3, window=12, softcap=2.0)),
+], ids=["plain", "fp8", "window-softcap"])
+@pytest.mark.parametrize("backend", ["torch", "cpu", "triton"])
+def test_batch_invariant_steps_match_dense_attention(backend, kv_dtype, params):
+    """[engine] batch_invariant: every token of the step, prompt chunks' too, attends in the decode path (the torch
+    backend's in fixed blocks of queries and keys); the results are still attention."""
+    # (torch: the longest span several of its steps of keys; the kernels' key loops are the decodes' own)
+    plan = [*PLAN, (150, 120, 30), (140, 139, 1)] if backend == "torch" else PLAN
+    check_mixed_step(backend, kv_dtype, torch.float32, dim=16, tolerance={"rtol": 1e-4, "atol": 1e-5}, params=params,
+                     batch_invariant=True, plan=plan)
+
+
+# (total length, tokens already cached, tokens this step)
+PLAN = [(9, 8, 1), (30, 29, 1), (1, 0, 1), (17, 0, 17), (40, 25, 15), (13, 12, 1)]
+
+
 def check_mixed_step(backend: str, kv_dtype: str, dtype: torch.dtype, dim: int, tolerance: dict,
-                     params: LayerAttention | None = None) -> None:
+                     params: LayerAttention | None = None, batch_invariant: bool = False,
+                     plan: list[tuple[int, int, int]] | None = None) -> None:
     heads, kv_heads = 6, 2
     spec = KVCacheSpec(1, kv_heads, dim, str(dtype).removeprefix("torch."), 512)
     cache = PagedKVCache(PagedOptions(block_size=4, num_blocks=200, dtype=kv_dtype), spec)
-    attention_backend = select_backend(backend, CPU)(KVStorage(cache.layout, CPU), [params] if params else None)
+    attention_backend = select_backend(backend, CPU)(KVStorage(cache.layout, CPU), [params] if params else None,
+                                                     batch_invariant)
     attend = {"scale": params.scale, "window": params.window, "softcap": params.softcap} if params else {}
     # hand out blocks in random order so no block table is contiguous
     cache.free_blocks = OrderedDict.fromkeys(torch.randperm(200).tolist())
-    # (total length, tokens already cached, tokens this step)
-    plan = [(9, 8, 1), (30, 29, 1), (1, 0, 1), (17, 0, 17), (40, 25, 15), (13, 12, 1)]
+    plan = plan or PLAN
     params = SamplingParams()
     sequences = []
     for i, (length, cached, _) in enumerate(plan):
@@ -107,7 +125,7 @@ def check_mixed_step(backend: str, kv_dtype: str, dtype: torch.dtype, dim: int, 
     for i, (r, q, k, v, n) in enumerate(batch):
         start = r.num_computed_tokens
         # the torch path attends a fresh prompt chunk's own K and V; everything else comes from the cache
-        if kv_dtype == "fp8" and (backend == "triton" or start > 0 or i < len(decodes)):
+        if kv_dtype == "fp8" and (batch_invariant or backend == "triton" or start > 0 or i < len(decodes)):
             k, v = fp8_round_trip(k), fp8_round_trip(v)
         expected = reference_attention(q[start : start + n], k[: start + n], v[: start + n], start, **attend)
         torch.testing.assert_close(out[row : row + n].double(), expected, **tolerance)

@@ -130,8 +130,8 @@ def test_quantized_weights_split_three_ways_give_the_same_tokens(method):
     """Each worker keeps its rows with their scales (QKV, gate/up) or its columns with the whole row's
     scale (o_proj, down): the same numbers as one worker."""
     overrides = {"model.dtype": "float32", "quant.plugin": method}
-    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, logprobs=5)
-    conversations = [[{"role": "user", "content": p}] for p in CHAT_PROMPTS[:4]]
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=5)
+    conversations = [[{"role": "user", "content": p}] for p in CHAT_PROMPTS[:2]]
     with LLM(overrides=overrides) as llm:
         single = llm.generate(conversations, params)
     with LLM(overrides={**overrides, "parallel.tensor_parallel_size": 3}) as llm:

@@ -43,13 +43,17 @@ class AttentionBackend(ABC):
     def unavailable(cls, device: torch.device) -> str | None:
         """Why this backend cannot run on ``device`` here, or None when it can."""
 
-    def __init__(self, storage: KVStorage, layers: Sequence[LayerAttention] | None = None):
+    def __init__(self, storage: KVStorage, layers: Sequence[LayerAttention] | None = None,
+                 batch_invariant: bool = False):
         """
         Args:
             layers: how each layer of the storage attends, from the first (the rest, or all by default: at
                 ``head_dim ** -0.5``, no window, no cap).
+            batch_invariant: every token of a step attends as a decode does, and a query's arithmetic does not
+                depend on the other queries of its step (``[engine] batch_invariant``).
         """
         self.storage = storage
+        self.batch_invariant = batch_invariant
         spec = storage.layout.spec
         layers = list(layers or [])
         if len(layers) > spec.num_layers:
@@ -79,7 +83,9 @@ class AttentionBackend(ABC):
 
     @abstractmethod
     def decode(self, layer: int, q: torch.Tensor, plan: Any, out: torch.Tensor) -> None:
-        """One query per decode over its cached keys: ``q``, ``out`` are ``[decodes, Hq, D]``."""
+        """One query per decode over its cached keys: ``q``, ``out`` are ``[decodes, Hq, D]``. With
+        ``batch_invariant``, each query's result must not depend on the others (no split of its keys chosen by
+        the batch size, no padding to another query's length)."""
 
     @abstractmethod
     def prefill(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: Any,
@@ -93,7 +99,12 @@ class AttentionBackend(ABC):
 
 
 class StepAttention:
-    """The attention function of one forward pass: ``attention(layer, q, k, v) -> out``."""
+    """The attention function of one forward pass: ``attention(layer, q, k, v) -> out``.
+
+    A batch-invariant backend gets every token as a decode (a prompt chunk's token at position p attends over
+    the p + 1 keys cached by then, its own stored first): a token's attention is then the same arithmetic
+    whether it decodes alone, in a batch, or sits anywhere in a prompt chunk of any length.
+    """
 
     def __init__(self, backend: AttentionBackend, step: StepInput):
         self.backend = backend
@@ -104,6 +115,14 @@ class StepAttention:
             table = r.block_ids
             slots.extend(table[p // size] * size + p % size for p in range(r.start, r.start + len(r.token_ids)))
         self.slot_mapping = torch.tensor(slots, dtype=torch.long, device=self.storage.device)
+        if backend.batch_invariant:
+            self.num_decodes = len(slots)
+            self.decode_plan = backend.plan_decodes(
+                [r.block_ids for r in step.requests for _ in r.token_ids],
+                [p + 1 for r in step.requests for p in range(r.start, r.start + len(r.token_ids))],
+            ) if slots else None
+            self.prefill_plan = None
+            return
         self.num_decodes = step.num_decodes
         decodes, chunks = step.requests[: step.num_decodes], step.requests[step.num_decodes :]
         self.decode_plan = None

@@ -58,12 +58,14 @@ class CpuAttention(TorchAttention):
             return "the C++ kernels could not be built on this machine (see the warning above)"
         return None
 
-    def __init__(self, storage: KVStorage, layers: Sequence[LayerAttention] | None = None):
-        super().__init__(storage, layers)
+    def __init__(self, storage: KVStorage, layers: Sequence[LayerAttention] | None = None,
+                 batch_invariant: bool = False):
+        super().__init__(storage, layers, batch_invariant)
         spec = storage.layout.spec
-        # (the prefill kernel has no sliding window or soft cap: models with either prefill in torch ops)
+        # (the prefill kernel has no sliding window or soft cap: models with either prefill in torch ops; in
+        # batch-invariant mode every token runs in the decode kernel)
         plain = not any(params.window or params.softcap for params in self.layers)
-        self.prefill_kernel = plain and native.prefill_supported(
+        self.prefill_kernel = plain and not batch_invariant and native.prefill_supported(
             torch.empty(0, 1, spec.head_dim, dtype=storage.dtype), storage.k[0]
         ) and self._kernel_beats_sdpa(spec.num_kv_heads, spec.head_dim)
         logger.debug("cpu attention: prompt chunks in %s", "the C++ kernel" if self.prefill_kernel else "torch SDPA")

@@ -4,19 +4,29 @@ Decodes are gathered block by block into padded copies, in a few groups of
 similar context length, and attend in one grouped matmul per group; each
 prompt chunk attends with ``scaled_dot_product_attention`` over its own new
 keys (a fresh prompt) or over what its sequence has cached.
+
+In batch-invariant mode, queries go in blocks of ``INVARIANT_ROWS`` (the last
+padded), each over its keys in steps of ``INVARIANT_KEYS`` at fixed
+positions with an online softmax in float32: every op a query meets has the
+same shape, whatever else is in its step (a padded copy would not: its
+length, and so the reductions' order, would be the longest query's).
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
-from conveyor.attention.backend import AttentionBackend
+from conveyor.attention.backend import AttentionBackend, DecodeTables
 from conveyor.attention.ops import causal_attention, decode_attention
 from conveyor.attention.storage import dequantize
+from conveyor.model.invariant import INVARIANT_ROWS
 
 # decodes per step are split into at most this many length groups, of at least this many each
 MAX_DECODE_GROUPS = 4
 MIN_DECODE_GROUP = 8
+# batch-invariant mode: keys per step of the online softmax (steps start at multiples of it)
+INVARIANT_KEYS = 64
 
 
 class TorchAttention(AttentionBackend):
@@ -28,7 +38,9 @@ class TorchAttention(AttentionBackend):
     def unavailable(cls, device: torch.device) -> str | None:
         return None
 
-    def plan_decodes(self, tables: list[list[int]], context_lens: list[int]) -> list:
+    def plan_decodes(self, tables: list[list[int]], context_lens: list[int]) -> list | DecodeTables:
+        if self.batch_invariant:
+            return DecodeTables.build(tables, context_lens, self.storage.device)
         device, size = self.storage.device, self.storage.block_size
         order = sorted(range(len(tables)), key=lambda i: len(tables[i]))
         num_groups = min(MAX_DECODE_GROUPS, -(-len(tables) // MIN_DECODE_GROUP))
@@ -44,7 +56,12 @@ class TorchAttention(AttentionBackend):
             groups.append((torch.tensor(rows, device=device), blocks, positions, context.unsqueeze(1)))
         return groups
 
-    def decode(self, layer: int, q: torch.Tensor, plan: list, out: torch.Tensor) -> None:
+    def decode(self, layer: int, q: torch.Tensor, plan: list | DecodeTables, out: torch.Tensor) -> None:
+        if isinstance(plan, DecodeTables):  # (batch-invariant mode)
+            for first in range(0, q.shape[0], INVARIANT_ROWS):
+                rows = slice(first, first + INVARIANT_ROWS)
+                out[rows] = self._invariant_block(layer, q[rows], plan.tables[rows], plan.context_lens[rows])
+            return
         k_cache, v_cache, k_scale, v_scale = self.storage.layer(layer)
         params = self.layers[layer]
         for rows, blocks, positions, context in plan:
@@ -54,6 +71,45 @@ class TorchAttention(AttentionBackend):
             keys = self._gather_blocks(k_cache, k_scale, blocks, rows.shape[0], q.dtype)
             values = self._gather_blocks(v_cache, v_scale, blocks, rows.shape[0], q.dtype)
             out[rows] = decode_attention(q[rows], keys, values, mask, params.scale, params.softcap)
+
+    def _invariant_block(self, layer: int, q: torch.Tensor, tables: torch.Tensor,
+                         context_lens: torch.Tensor) -> torch.Tensor:
+        """Up to ``INVARIANT_ROWS`` decodes (``q [n, Hq, D]``), padded to that many, in the batch-invariant way."""
+        k_cache, v_cache, k_scale, v_scale = self.storage.layer(layer)
+        params = self.layers[layer]
+        size, rows, width = self.storage.block_size, INVARIANT_ROWS, INVARIANT_KEYS
+        n, num_heads, head_dim = q.shape
+        num_kv_heads = k_cache.shape[0]
+        pad = rows - n  # (padding rows see the first key of block 0)
+        queries = F.pad(q.float(), (0, 0, 0, 0, 0, pad)).view(rows, num_kv_heads, -1, 1, head_dim)
+        context = F.pad(context_lens.long(), (0, pad), value=1).unsqueeze(1)
+        tables = F.pad(tables.long(), (0, 0, 0, pad))
+        first = (context - params.window).clamp(min=0) if params.window else torch.zeros_like(context)
+        # running max, sum and weighted values of each query head: [R, Hkv, G, 1], [R, Hkv, G, D]
+        top = torch.full((*queries.shape[:3], 1), float("-inf"), device=q.device)
+        total = torch.zeros_like(top)
+        acc = torch.zeros(queries.shape[:3] + (head_dim,), device=q.device)
+
+        def gather(cache: torch.Tensor, scales: torch.Tensor | None, slots: torch.Tensor) -> torch.Tensor:
+            rows_of_keys = gather_slots(cache, scales, slots, torch.float32).float()  # [Hkv, R * W, D]
+            return rows_of_keys.view(num_kv_heads, rows, 1, width, head_dim).transpose(0, 1)  # [R, Hkv, 1, W, D]
+
+        for start in range(int(first.min()) // width * width, int(context.max()), width):
+            positions = torch.arange(start, start + width, device=q.device)
+            seen = (positions < context) & (positions >= first)  # [R, W]
+            blocks = tables[:, (positions // size).clamp(max=tables.shape[1] - 1)]
+            slots = torch.where(seen, blocks * size + positions % size, 0).flatten()
+            scores = (queries * gather(k_cache, k_scale, slots)).sum(-1) * params.scale  # [R, Hkv, G, W]
+            if params.softcap:
+                scores = torch.tanh(scores / params.softcap) * params.softcap
+            scores = scores.masked_fill(~seen[:, None, None, :], float("-inf"))
+            new_top = torch.maximum(top, scores.amax(-1, keepdim=True))
+            shift = new_top.masked_fill(new_top == float("-inf"), 0.0)  # (queries that have seen no key yet)
+            probs, kept = torch.exp(scores - shift), torch.exp(top - shift)
+            total = total * kept + probs.sum(-1, keepdim=True)
+            acc = acc * kept + (probs.unsqueeze(-1) * gather(v_cache, v_scale, slots)).sum(-2)
+            top = new_top
+        return (acc / total).view(rows, num_heads, head_dim)[:n].to(q.dtype)
 
     def _gather_blocks(self, cache: torch.Tensor, scales: torch.Tensor | None, blocks: torch.Tensor, rows: int,
                        dtype: torch.dtype) -> torch.Tensor:

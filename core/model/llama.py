@@ -27,6 +27,7 @@ from conveyor import native
 from conveyor.model.checkpoint import Checkpoint
 from conveyor.model.formats import one_token_kernel, one_token_linear, packed_linear, prepack, prepacks
 from conveyor.model.graph_ops import linear_op, register_linear
+from conveyor.model.invariant import in_row_blocks
 from conveyor.model.lora import LoraLinear, LoraPart, LoraTarget
 from conveyor.model.moe import MoE
 from conveyor.model.spec import LayerAttention, ModelSpec
@@ -81,6 +82,8 @@ class Linear:
         self.number = register_linear(self)
         # LoRA adapters' slots for this projection ([lora] max_loras > 0)
         self.lora: LoraLinear | None = None
+        # batch-invariant mode: rows of every matmul (0: as many as come)
+        self.row_block = 0
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if torch.compiler.is_compiling():  # one opaque op in a compiled graph, whatever the weights' format
@@ -88,6 +91,11 @@ class Linear:
         return self.apply(x)
 
     def apply(self, x: torch.Tensor) -> torch.Tensor:
+        if self.row_block:
+            return in_row_blocks(self._apply, x, self.row_block)
+        return self._apply(x)
+
+    def _apply(self, x: torch.Tensor) -> torch.Tensor:
         y = self.method.linear(x, self.params)
         if self.lora is not None and self.lora.batch.active:
             return self.lora.add(x, y)
@@ -321,8 +329,15 @@ class OutputHead:
         self.one_token = self.weight is not None and one_token_kernel(weight.device, weight.dtype)
         self.out_features = weight.shape[0]
         self.number = register_linear(self)
+        # batch-invariant mode: rows of every matmul (0: as many as come)
+        self.row_block = 0
 
     def apply(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self.row_block:
+            return in_row_blocks(self._apply, hidden, self.row_block)
+        return self._apply(hidden)
+
+    def _apply(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.one_token and hidden.shape[0] == 1:
             return one_token_linear(hidden, self.weight)
         if self.packed is not None:
@@ -450,6 +465,14 @@ class LlamaModel:
             return None
         cap = self.spec.final_softcap
         return gathered.float() if not cap else torch.tanh(gathered.float() / cap) * cap
+
+    def fix_matmul_rows(self, rows: int) -> None:
+        """Batch-invariant mode: every linear layer and the head multiply blocks of exactly ``rows`` rows."""
+        for layer in self.layers:
+            for linear in layer.linears():
+                linear.row_block = rows
+        if self.head is not None:
+            self.head.row_block = rows
 
     def attention_layers(self) -> list[LayerAttention]:
         """How each of this worker's layers attends (scale, sliding window, soft cap), by cache layer."""

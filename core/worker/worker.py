@@ -21,6 +21,7 @@ from conveyor.config import Config, ConfigError
 from conveyor.executor import ModelInfo
 from conveyor.kvcache import KVCacheLayout, KVCacheSpec
 from conveyor.messages import RunnerOutput, StepInput
+from conveyor.model.invariant import INVARIANT_ROWS
 from conveyor.model.llama import LlamaModel
 from conveyor.model.loader import DTYPES, load_model, model_len, open_model, resolve_device
 from conveyor.model.lora import Adapters
@@ -81,7 +82,7 @@ class Worker:
         """Whether decode steps run compiled (``[engine] compile``)."""
         config = self.config
         choice = config.engine.compile
-        if choice == "off" or (choice == "auto" and self.device.type != "cuda"):
+        if choice == "off" or (choice == "auto" and self.device.type != "cuda") or config.engine.batch_invariant:
             return False
         reasons = []
         if not self.backend_class.decode_tables:
@@ -111,6 +112,12 @@ class Worker:
         quant = self.registry.build("quant", config.quant, self.dtype, self.device)
         self.model = load_model(ckpt, quant, self.dtype, self.device, max_model_len, self.backend_class.fused_layers,
                                 self.group)
+        if config.engine.batch_invariant:
+            if any(layer.moe is not None for layer in self.model.layers):
+                raise ConfigError(f"{config.source}: [engine] batch_invariant = true: {config.model.path} has "
+                                  "mixture-of-experts layers, whose routing is not batch-invariant yet; allowed "
+                                  "with this model: batch_invariant = false")
+            self.model.fix_matmul_rows(INVARIANT_ROWS)
         lora = config.lora
         if lora.max_loras:  # (before the KV cache is sized: the slots take their memory now)
             self.adapters = Adapters(self.model, lora.max_loras, lora.max_lora_rank)
@@ -184,7 +191,7 @@ class Worker:
     def init_kv_cache(self, layout: KVCacheLayout) -> None:
         """Allocate the KV cache pool and set up the backend and the runner over it."""
         storage = KVStorage(layout, self.device)
-        backend = self.backend_class(storage, self.model.attention_layers())
+        backend = self.backend_class(storage, self.model.attention_layers(), self.config.engine.batch_invariant)
         compiled = None
         if self.compile:
             use_inductor_cache(native.cache_root())

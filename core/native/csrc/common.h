@@ -36,15 +36,26 @@ inline uint16_t float_to_bf16(float x) {
   return static_cast<uint16_t>(nan ? 0x7fc0u : (bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
 }
 
+// Floats in a 64-byte line.
+constexpr int64_t kLineFloats = 16;
+
+// n rounded up to whole 64-byte lines of floats. Scratch buffers whose size depends on the batch (the longest
+// context) are rounded so, so that every buffer after them sits at the same alignment whatever the batch: a
+// vectorized reduction may peel its first iterations by alignment, which would change the order of a sum
+// (-ffast-math lets the compiler reorder), and so its last bits, with the batch ([engine] batch_invariant).
+inline int64_t whole_lines(int64_t n) { return (n + kLineFloats - 1) / kLineFloats * kLineFloats; }
+
 // Runs visit(item, scratch) for items 0 .. num_items - 1 on ATen's threads, each thread pulling the next
 // item from a shared counter (items of uneven cost balance themselves; order them costliest first).
-// Each thread has its own scratch of scratch_floats floats.
+// Each thread has its own scratch of scratch_floats floats, starting on a 64-byte line.
 template <typename Visit>
 void run_work_queue(int64_t num_items, int64_t scratch_floats, Visit&& visit) {
   std::atomic<int64_t> next{0};
   at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
-    std::vector<float> scratch(scratch_floats);
-    for (int64_t item; (item = next.fetch_add(1)) < num_items;) visit(item, scratch.data());
+    std::vector<float> storage(scratch_floats + kLineFloats);
+    const uintptr_t address = reinterpret_cast<uintptr_t>(storage.data());
+    float* scratch = reinterpret_cast<float*>((address + 63) & ~uintptr_t(63));
+    for (int64_t item; (item = next.fetch_add(1)) < num_items;) visit(item, scratch);
   });
 }
 

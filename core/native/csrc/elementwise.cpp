@@ -37,26 +37,42 @@ inline float round_as(float x) { return to_float(from_float<T>(x)); }
 
 constexpr int64_t kGrain = 16;  // rows per task
 
+// NOTE: each op's work on one row is a function of its own, never inlined: at::parallel_for calls its body
+// inline for a few rows and in an OpenMP region for more, and with -ffast-math the two inlined copies were
+// vectorized differently (a row's norm changed in its last bits with the number of rows in the step, which
+// [engine] batch_invariant must not allow).
+template <typename T>
+__attribute__((noinline)) void rms_norm_row(T* x, const T* d, const T* weight, T* y, int64_t hidden, float eps) {
+  if (d != nullptr) {
+#pragma omp simd
+    for (int64_t i = 0; i < hidden; ++i) x[i] = from_float<T>(to_float(x[i]) + to_float(d[i]));
+  }
+  float squares = 0.0f;
+#pragma omp simd reduction(+ : squares)
+  for (int64_t i = 0; i < hidden; ++i) squares += to_float(x[i]) * to_float(x[i]);
+  const float inv = 1.0f / std::sqrt(squares / hidden + eps);
+#pragma omp simd
+  for (int64_t i = 0; i < hidden; ++i) y[i] = from_float<T>(to_float(weight[i]) * round_as<T>(to_float(x[i]) * inv));
+}
+
 template <typename T>
 void rms_norm_rows(T* h, const T* delta, const T* weight, T* out, int64_t rows, int64_t hidden, int64_t h_stride,
                    int64_t delta_stride, int64_t out_stride, float eps) {
   at::parallel_for(0, rows, kGrain, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
-      T* x = h + r * h_stride;
-      if (delta != nullptr) {
-        const T* d = delta + r * delta_stride;
-#pragma omp simd
-        for (int64_t i = 0; i < hidden; ++i) x[i] = from_float<T>(to_float(x[i]) + to_float(d[i]));
-      }
-      float squares = 0.0f;
-#pragma omp simd reduction(+ : squares)
-      for (int64_t i = 0; i < hidden; ++i) squares += to_float(x[i]) * to_float(x[i]);
-      const float inv = 1.0f / std::sqrt(squares / hidden + eps);
-      T* y = out + r * out_stride;
-#pragma omp simd
-      for (int64_t i = 0; i < hidden; ++i) y[i] = from_float<T>(to_float(weight[i]) * round_as<T>(to_float(x[i]) * inv));
+      rms_norm_row<T>(h + r * h_stride, delta != nullptr ? delta + r * delta_stride : nullptr, weight,
+                      out + r * out_stride, hidden, eps);
     }
   });
+}
+
+template <typename T>
+__attribute__((noinline)) void silu_mul_row(const T* gate, const T* up, T* y, int64_t width) {
+#pragma omp simd
+  for (int64_t i = 0; i < width; ++i) {
+    const float g = to_float(gate[i]);
+    y[i] = from_float<T>(round_as<T>(g / (1.0f + std::exp(-g))) * to_float(up[i]));
+  }
 }
 
 template <typename T>
@@ -64,15 +80,25 @@ void silu_mul_rows(const T* gate_up, T* out, int64_t rows, int64_t width, int64_
   at::parallel_for(0, rows, kGrain, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       const T* gate = gate_up + r * in_stride;
-      const T* up = gate + width;
-      T* y = out + r * out_stride;
-#pragma omp simd
-      for (int64_t i = 0; i < width; ++i) {
-        const float g = to_float(gate[i]);
-        y[i] = from_float<T>(round_as<T>(g / (1.0f + std::exp(-g))) * to_float(up[i]));
-      }
+      silu_mul_row<T>(gate, gate + width, out + r * out_stride, width);
     }
   });
+}
+
+template <typename T>
+__attribute__((noinline)) void rotary_row(T* x, const T* c, const T* s, int64_t heads, int64_t half,
+                                          int64_t head_stride) {
+  for (int64_t head = 0; head < heads; ++head) {
+    T* first = x + head * head_stride;
+    T* second = first + half;
+#pragma omp simd
+    for (int64_t i = 0; i < half; ++i) {
+      const float x1 = to_float(first[i]), x2 = to_float(second[i]);
+      const float ci = to_float(c[i]), si = to_float(s[i]);
+      first[i] = from_float<T>(round_as<T>(x1 * ci) - round_as<T>(x2 * si));
+      second[i] = from_float<T>(round_as<T>(x2 * ci) + round_as<T>(x1 * si));
+    }
+  }
 }
 
 template <typename T>
@@ -81,19 +107,7 @@ void rotary_rows(T* x, const T* cos, const T* sin, int64_t rows, int64_t heads, 
   const int64_t half = head_dim / 2;
   at::parallel_for(0, rows, kGrain, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
-      const T* c = cos + r * table_stride;
-      const T* s = sin + r * table_stride;
-      for (int64_t head = 0; head < heads; ++head) {
-        T* first = x + r * row_stride + head * head_stride;
-        T* second = first + half;
-#pragma omp simd
-        for (int64_t i = 0; i < half; ++i) {
-          const float x1 = to_float(first[i]), x2 = to_float(second[i]);
-          const float ci = to_float(c[i]), si = to_float(s[i]);
-          first[i] = from_float<T>(round_as<T>(x1 * ci) - round_as<T>(x2 * si));
-          second[i] = from_float<T>(round_as<T>(x2 * ci) + round_as<T>(x1 * si));
-        }
-      }
+      rotary_row<T>(x + r * row_stride, cos + r * table_stride, sin + r * table_stride, heads, half, head_stride);
     }
   });
 }

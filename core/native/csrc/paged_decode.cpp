@@ -253,7 +253,7 @@ void decode_bf16(const at::Tensor& q, const at::Tensor& k_cache, const at::Tenso
   const int32_t* tables = block_tables.data_ptr<int32_t>();
   const int32_t* lens = context_lens.data_ptr<int32_t>();
   const int64_t q_stride = q.stride(0), out_stride = out.stride(0);
-  const int64_t scores_floats = group * max_context(lens, batch);
+  const int64_t scores_floats = conveyor::whole_lines(group * max_context(lens, batch));
   for_each_item(lens, batch, num_kv_heads, scores_floats + group * kHeadDim, [&](int64_t b, int64_t h, float* scratch) {
     float* result = scratch + scores_floats;
     attend_bf16<kHeadDim>(q_ptr + b * q_stride + h * group * kHeadDim, group, k_ptr + h * num_slots * kHeadDim,
@@ -287,7 +287,7 @@ void decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
   const int32_t* lens = context_lens.data_ptr<int32_t>();
   const float scale = static_cast<float>(softmax_scale);
   // scratch: scores [group, len], then acc [group, D], row [D], scaled q [group, D], sums [group]
-  const int64_t scores_floats = group * max_context(lens, batch);
+  const int64_t scores_floats = conveyor::whole_lines(group * max_context(lens, batch));
   const int64_t scratch_floats = scores_floats + 2 * group * head_dim + head_dim + group;
 
   for_each_item(lens, batch, num_kv_heads, scratch_floats, [&](int64_t b, int64_t h, float* scratch) {
