@@ -102,6 +102,25 @@ def cmd_plugins(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_profile(args: argparse.Namespace) -> int:
+    from conveyor import native
+    from conveyor.engine.peaks import GPUS, profile_cpu
+
+    if args.gpus:
+        print("| GPU | bf16 TFLOP/s | fp8 TFLOP/s | int8 TOP/s | HBM TB/s | source |\n|---|---|---|---|---|---|")
+        for _, peaks in GPUS:
+            flops = {k: f"{v / 1e12:g}" for k, v in peaks.flops.items()}
+            print(f"| {peaks.name} | {flops['bfloat16']} | {flops.get('fp8', '-')} | {flops['int8']} | "
+                  f"{peaks.bytes_per_second / 1e12:g} | {peaks.source} |")
+        return 0
+    print("measuring matmuls (bfloat16, float32) and the read bandwidth on all threads ...", file=sys.stderr)
+    peaks, path = profile_cpu(native.cache_root())
+    print(f"{peaks.name}\n  bfloat16 matmul {peaks.flops['bfloat16'] / 1e9:.0f} GFLOP/s, float32 matmul "
+          f"{peaks.flops['float32'] / 1e9:.0f} GFLOP/s, read bandwidth {peaks.bytes_per_second / 1e9:.1f} GB/s\n"
+          f"  cached in {path} (servers on this machine measure their MFU and MBU against it)")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="conveyor", description="Conveyor LLM inference server")
     parser.add_argument("--version", action="version", version=f"conveyor {__version__}")
@@ -134,6 +153,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_arguments(bench)
     bench.set_defaults(func=cmd_bench)
+
+    profile = sub.add_parser("profile", help="measure this CPU's matmul rate and memory bandwidth (the peaks MFU "
+                             "and MBU are taken against), or list the GPU table")
+    profile.add_argument("--gpus", action="store_true", help="print the GPU peaks table instead (datasheets)")
+    profile.set_defaults(func=cmd_profile)
 
     plugins = sub.add_parser("plugins", help="list installed plugins by kind, with their options")
     plugins.add_argument("--config", "-c", help="also load the plugin modules this config lists")

@@ -131,6 +131,12 @@ class StepStats(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     rank_times: list[float] = []
     comm_time: float = 0.0
     bubble_fraction: float = 0.0
+    # what the step computed and moved (conveyor.engine.roofline), and the share of the device's peaks its
+    # forward pass reached (0 where a peak is unknown)
+    flops: float = 0.0
+    bytes_moved: float = 0.0
+    mfu: float = 0.0
+    mbu: float = 0.0
 
 
 class EngineOutputs(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
@@ -156,6 +162,9 @@ class EngineReady(msgspec.Struct, array_like=True, gc=False):
     attention: str = ""
     # bytes of the weights as stored (quantized layers at their packed size)
     weight_bytes: int = 0
+    # the devices' peaks together (conveyor.engine.peaks; 0: unknown): dense FLOP/s in the model dtype, bytes/s
+    peak_flops: float = 0.0
+    peak_bytes_per_second: float = 0.0
 
 
 class ScheduledRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):

@@ -46,6 +46,7 @@ def stats(step: int, tokens: int, preemptions: int = 0, aborted: int = 0, hits: 
                                   num_draft_tokens=drafted, num_accepted_tokens=accepted),
         KVCacheStats(usage=1 - free / 50, num_blocks=50, num_free_blocks=free, num_prefix_hit_tokens=hits),
         num_prefill_tokens=tokens, schedule_time=0.001, forward_time=0.02, sample_time=0.003, update_time=0.001,
+        flops=1e9 * tokens, bytes_moved=5e8, mfu=0.25, mbu=0.5,
     )
 
 
@@ -54,8 +55,9 @@ def test_every_metric_moves_with_its_traffic():
     value = Exposition(metrics)
 
     metrics.engine_ready(EngineReady(pid=1, max_model_len=256, num_kv_blocks=50, block_size=16,
-                                     max_concurrency=3.125, load_time=1.0))
+                                     max_concurrency=3.125, load_time=1.0, peak_flops=2e12, peak_bytes_per_second=2.5e10))
     assert value("conveyor_kv_cache_blocks") == 50 and value("conveyor_kv_cache_free_blocks") == 50
+    assert value("conveyor_device_peak_flops") == 2e12 and value("conveyor_device_peak_bytes_per_second") == 2.5e10
     assert value("conveyor_kv_cache_max_concurrency") == 3.125
     assert value("conveyor_engine_restarts_total") == 0
 
@@ -69,10 +71,16 @@ def test_every_metric_moves_with_its_traffic():
     assert value("conveyor_engine_aborted_requests_total") == 1
     assert value("conveyor_prefix_cache_hit_tokens_total") == 32
     assert value("conveyor_spec_draft_tokens_total") == 10 and value("conveyor_spec_accepted_tokens_total") == 7
+    assert value("conveyor_model_flops_total") == 4e10 and value("conveyor_bytes_moved_total") == 5e8
+    assert value("conveyor_forward_seconds_total") == 0.02
+    assert value("conveyor_step_mfu_count") == 1 and value("conveyor_step_mfu_sum") == 0.25
+    assert value("conveyor_step_mfu_bucket", le="0.2") == 0 and value("conveyor_step_mfu_bucket", le="0.3") == 1
+    assert value("conveyor_step_mbu_sum") == 0.5
     # a snapshot between steps (after an abort): gauges move, no step is counted, counters add only what is new
     metrics.engine_step(stats(1, tokens=0, preemptions=3, aborted=2, hits=32, free=50))
     assert value("conveyor_kv_cache_free_blocks") == 50
-    assert value("conveyor_engine_step_seconds_count") == 1
+    assert value("conveyor_engine_step_seconds_count") == 1 and value("conveyor_step_mfu_count") == 1
+    assert value("conveyor_model_flops_total") == 4e10
     assert value("conveyor_preemptions_total") == 3 and value("conveyor_engine_aborted_requests_total") == 2
     assert value("conveyor_prefix_cache_hit_tokens_total") == 32
     # a restarted engine counts from zero again; the server's totals keep going

@@ -10,19 +10,24 @@ executor carries each step to the workers.
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+from conveyor import native
 from conveyor.config import Config
 from conveyor.engine.grammars import GrammarRequests
 from conveyor.engine.loras import LoraSlots
+from conveyor.engine.peaks import device_peaks
+from conveyor.engine.roofline import ModelCosts, step_work, utilization
 from conveyor.engine.speculative import DraftModelProposer, NgramProposer
 from conveyor.executor import ExecutorError, build_executor
-from conveyor.kvcache import KVCacheManager
+from conveyor.kvcache import DTYPE_BYTES, KVCacheManager
 from conveyor.messages import (
     EngineOutputs,
+    EngineReady,
     EngineRequest,
     MessageType,
     RequestOutput,
@@ -78,6 +83,13 @@ class EngineCore:
         self.proposer = proposer(config.engine) if proposer is not None else None
         self.loras = LoraSlots(self.executor, config.lora.max_loras) if config.lora.max_loras else None
         self.num_steps = 0
+        # what a step computes and moves, and the peaks it is measured against (all devices together)
+        self.costs = None if info.spec is None else ModelCosts.of(
+            info.spec, info.weight_bytes, self.kvcache.layout.spec.bytes_per_head, DTYPE_BYTES[config.model.dtype])
+        peaks = device_peaks(info.device, native.cache_root())
+        devices = config.parallel.world_size if info.device.startswith("cuda") else 1
+        self.peak_flops = peaks.flops_for(config.model.dtype) * devices if peaks else 0.0
+        self.peak_bytes_per_second = peaks.bytes_per_second * devices if peaks else 0.0
         # the last step scheduled nothing although requests are pending (a batching scheduler collecting)
         self._collecting = False
         # steps on the workers, oldest first: up to one per pipeline stage where the scheduler allows
@@ -241,6 +253,11 @@ class EngineCore:
         stats.forward_time = result.forward_time
         stats.sample_time = result.sample_time
         stats.update_time = time.perf_counter() - executed
+        if self.costs is not None:
+            work = step_work(self.costs, [(r.start, len(r.token_ids)) for r in flight.step.requests],
+                             sum(1 + len(r.draft_token_ids) for r in flight.step.requests if r.sample))
+            stats.flops, stats.bytes_moved = work.flops, work.bytes
+            stats.mfu, stats.mbu = utilization(work, result.forward_time, self.peak_flops, self.peak_bytes_per_second)
         if result.ranks:
             stats.rank_times = [r.busy for r in result.ranks]
             stats.comm_time = sum(r.comm for r in result.ranks) / len(result.ranks)
@@ -297,6 +314,13 @@ class EngineCore:
             output = by_id.get(request.request_id)
             if output is not None:
                 output.finish_reason = FinishReason.STOP.value
+
+    def ready(self, load_time: float) -> EngineReady:
+        """What the engine tells its client once it can serve (``load_time``: seconds it took)."""
+        kv = self.kvcache
+        return EngineReady(os.getpid(), self.max_model_len, kv.num_blocks, kv.block_size,
+                           kv.capacity_tokens / self.max_model_len, load_time, self.info.device, self.info.attention,
+                           self.info.weight_bytes, self.peak_flops, self.peak_bytes_per_second)
 
     def stats(self) -> StepStats:
         """The queues and the KV cache now (a step fills in its tokens and timings)."""

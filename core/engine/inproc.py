@@ -2,15 +2,13 @@
 
 from __future__ import annotations
 
-import os
-
 import anyio
 import anyio.abc
 import anyio.lowlevel
 
 from conveyor.engine.client import EngineClient, EngineUnavailable
 from conveyor.engine.core import EngineCore
-from conveyor.messages import EngineReady, EngineRequest, MessageType
+from conveyor.messages import EngineRequest, MessageType
 
 
 class InprocClient(EngineClient):
@@ -37,13 +35,10 @@ class InprocClient(EngineClient):
         self._stopping = False
 
     async def run(self, *, task_status: anyio.abc.TaskStatus = anyio.TASK_STATUS_IGNORED) -> None:
-        core, kv = self.core, self.core.kvcache
         self._stopping = False
         self._wakeup = anyio.Event()
-        # load_time 0: the engine core was ready before the client ran
-        ready = EngineReady(os.getpid(), core.max_model_len, kv.num_blocks, kv.block_size,
-                            kv.capacity_tokens / core.max_model_len, 0.0, core.info.device, core.info.attention,
-                            core.info.weight_bytes)
+        core = self.core
+        ready = core.ready(0.0)  # (0 s: the engine core was ready before the client ran)
         self._ready(ready)
         task_status.started(ready)
         try:

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import signal
 import sys
 import time
@@ -24,7 +23,7 @@ import zmq
 from conveyor.config import ConfigError, decode_config
 from conveyor.engine.core import EngineCore
 from conveyor.executor import ExecutorError
-from conveyor.messages import EngineOutputs, EngineReady, MessageType, RequestOutput, StepStats, decode, encode
+from conveyor.messages import EngineOutputs, MessageType, RequestOutput, StepStats, decode, encode
 from conveyor.registry import PluginError
 
 logger = logging.getLogger("conveyor.engine")
@@ -47,18 +46,7 @@ class EngineProcess:
         self.stopping = False
 
     def send_ready(self, load_time: float) -> None:
-        core, kv = self.core, self.core.kvcache
-        ready = EngineReady(
-            pid=os.getpid(),
-            max_model_len=core.max_model_len,
-            num_kv_blocks=kv.num_blocks,
-            block_size=kv.block_size,
-            max_concurrency=kv.capacity_tokens / core.max_model_len,
-            load_time=load_time,
-            device=core.info.device,
-            attention=core.info.attention,
-            weight_bytes=core.info.weight_bytes,
-        )
+        ready = self.core.ready(load_time)
         self.output.send_multipart(encode(MessageType.READY, ready))
 
     def run(self) -> None:

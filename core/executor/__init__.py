@@ -23,6 +23,7 @@ import msgspec
 from conveyor.config import Config
 from conveyor.kvcache import KVCacheLayout, KVCacheSpec
 from conveyor.messages import RankTimes, RunnerOutput, StepInput
+from conveyor.model.spec import ModelSpec
 from conveyor.registry import PluginRegistry
 
 logger = logging.getLogger("conveyor")
@@ -46,6 +47,8 @@ class ModelInfo(msgspec.Struct, array_like=True, frozen=True):
     weight_bytes: int
     # the width of the logits (the tokenizer's vocabulary, padded by some models)
     vocab_size: int = 0
+    # the model's shape (what a step's FLOPs and bytes are counted from)
+    spec: ModelSpec | None = None
 
 
 class Executor(ABC):

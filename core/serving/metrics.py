@@ -107,6 +107,20 @@ class ServerMetrics:
             "conveyor_spec_accepted_tokens",
             "Speculative decoding: proposed tokens the model accepted (acceptance rate: this over draft tokens).",
         )
+        # what steps computed and moved, against the devices' peaks (conveyor.engine.roofline, .peaks)
+        self.mfu = Histogram("conveyor_step_mfu", "Model FLOPs utilization of a step's forward pass (0..1).",
+                             ["model_name"], registry=r, buckets=FRACTION_BUCKETS).labels(**labels)
+        self.mbu = Histogram("conveyor_step_mbu", "Memory-bandwidth utilization of a step's forward pass (0..1).",
+                             ["model_name"], registry=r, buckets=FRACTION_BUCKETS).labels(**labels)
+        self.flops = counter("conveyor_model_flops", "FLOPs of the steps' forward passes (matmuls and attention).")
+        self.bytes_moved = counter("conveyor_bytes_moved", "Bytes the steps' forward passes read and wrote.")
+        self.forward_seconds = counter("conveyor_forward_seconds", "Seconds in the steps' forward passes.")
+        self.peak_flops = per_engine(
+            Gauge, "conveyor_device_peak_flops", "Dense FLOP/s the engine's devices reach at most in the model dtype."
+        )
+        self.peak_bandwidth = per_engine(
+            Gauge, "conveyor_device_peak_bytes_per_second", "Memory bandwidth of the engine's devices, bytes/s."
+        )
         self.requests = Counter(
             "conveyor_requests", "Finished requests by finish reason.", ["model_name", "finish_reason"], registry=r
         )
@@ -168,6 +182,8 @@ class ServerMetrics:
         self.kv_blocks[replica].set(ready.num_kv_blocks)
         self.kv_free_blocks[replica].set(ready.num_kv_blocks)
         self.max_concurrency[replica].set(ready.max_concurrency)
+        self.peak_flops[replica].set(ready.peak_flops)
+        self.peak_bandwidth[replica].set(ready.peak_bytes_per_second)
 
     def engine_step(self, stats: StepStats, replica: int = 0) -> None:
         """A step's stats (or a snapshot between steps) from engine replica ``replica``."""
@@ -179,6 +195,12 @@ class ServerMetrics:
         self.kv_free_blocks[replica].set(stats.kv.num_free_blocks)
         if stats.num_prefill_tokens or stats.num_decode_tokens:  # a step, not a snapshot after an abort
             self.step_time.observe(stats.schedule_time + stats.forward_time + stats.sample_time + stats.update_time)
+            self.flops.inc(stats.flops)
+            self.bytes_moved.inc(stats.bytes_moved)
+            self.forward_seconds.inc(stats.forward_time)
+            if stats.mfu or stats.mbu:
+                self.mfu.observe(stats.mfu)
+                self.mbu.observe(stats.mbu)
             if stats.rank_times:
                 self._parallel_step(stats, replica)
         scheduler = stats.scheduler

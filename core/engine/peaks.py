@@ -1,0 +1,139 @@
+"""What a device can do at most: dense matmul FLOP/s by dtype and memory bandwidth.
+
+GPUs come from NVIDIA's datasheets (dense figures: the datasheets' tensor
+core numbers marked "with sparsity" halved). A CPU is measured: a 2048-cubed
+matmul per dtype on all threads and the read bandwidth of summing a 512 MiB
+tensor, once per CPU model, feature flags and thread count
+(``conveyor profile``), then cached under the cache directory.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import platform
+import time
+from pathlib import Path
+
+import msgspec
+import torch
+
+logger = logging.getLogger("conveyor")
+
+TERA = 1e12
+
+
+class DevicePeaks(msgspec.Struct, frozen=True):
+    """One device's peaks."""
+
+    name: str
+    # dtype ("bfloat16", "float16", "float32", "fp8", "int8") -> dense FLOP/s (int8: OP/s)
+    flops: dict[str, float]
+    # memory read bandwidth, bytes/s
+    bytes_per_second: float
+    # where the numbers come from (a datasheet, or "measured on ...")
+    source: str
+
+    def flops_for(self, dtype: str) -> float:
+        """FLOP/s for matmuls in ``dtype`` (float16 as bfloat16 where only that is known; 0 when unknown)."""
+        return self.flops.get(dtype) or self.flops.get("bfloat16" if dtype == "float16" else dtype, 0.0)
+
+
+def _gpu(name: str, bf16: float, fp8: float, int8: float, gb_per_s: float, source: str) -> DevicePeaks:
+    flops = {"bfloat16": bf16 * TERA, "float16": bf16 * TERA, "int8": int8 * TERA}
+    if fp8:
+        flops["fp8"] = fp8 * TERA
+    return DevicePeaks(name, flops, gb_per_s * 1e9, source)
+
+
+# (what torch.cuda.get_device_name contains, lower case) -> peaks (TFLOP/s dense, GB/s); the first match wins,
+# so longer names first
+GPUS: list[tuple[str, DevicePeaks]] = [
+    ("h200", _gpu("H200 SXM", 989.4, 1978.9, 1978.9, 4800, "NVIDIA H200 Tensor Core GPU datasheet (SXM)")),
+    ("h100 pcie", _gpu("H100 PCIe", 756.0, 1513.0, 1513.0, 2000, "NVIDIA H100 Tensor Core GPU datasheet (PCIe)")),
+    ("h100 nvl", _gpu("H100 NVL", 835.0, 1670.0, 1670.0, 3900, "NVIDIA H100 Tensor Core GPU datasheet (NVL)")),
+    ("h100", _gpu("H100 SXM", 989.4, 1978.9, 1978.9, 3350, "NVIDIA H100 Tensor Core GPU datasheet (SXM)")),
+    ("a100-sxm4-40gb", _gpu("A100 SXM 40GB", 312.0, 0.0, 624.0, 1555, "NVIDIA A100 Tensor Core GPU datasheet")),
+    ("a100-pcie-40gb", _gpu("A100 PCIe 40GB", 312.0, 0.0, 624.0, 1555, "NVIDIA A100 Tensor Core GPU datasheet")),
+    ("a100 80gb pcie", _gpu("A100 PCIe 80GB", 312.0, 0.0, 624.0, 1935, "NVIDIA A100 Tensor Core GPU datasheet")),
+    ("a100", _gpu("A100 SXM 80GB", 312.0, 0.0, 624.0, 2039, "NVIDIA A100 Tensor Core GPU datasheet")),
+    ("l40s", _gpu("L40S", 362.05, 733.0, 733.0, 864, "NVIDIA L40S GPU datasheet")),
+    ("l4", _gpu("L4", 121.0, 242.5, 242.5, 300, "NVIDIA L4 Tensor Core GPU datasheet")),
+]
+
+
+def gpu_peaks(device_name: str) -> DevicePeaks | None:
+    """The table's entry for a GPU named ``device_name`` (as ``torch.cuda.get_device_name`` gives it), or a
+    name from the table ("H100 SXM", "l4"); None for a GPU the table lacks."""
+    name = device_name.lower()
+    for pattern, peaks in GPUS:
+        if pattern in name or name == peaks.name.lower():
+            return peaks
+    return None
+
+
+def _cpu_key() -> str:
+    """The CPU model, its feature flags and torch's threads: what a measured profile holds for."""
+    digest = hashlib.sha1(platform.processor().encode())
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("model name", "flags", "Features")):
+                digest.update(line.encode())
+    except OSError:
+        pass
+    return f"{digest.hexdigest()[:12]}-{torch.get_num_threads()}t"
+
+
+def measure_cpu() -> DevicePeaks:
+    """Measure this CPU now (a few seconds; 512 MiB for the bandwidth)."""
+    from conveyor.bench.floors import matmul_flops, median_seconds
+
+    x = torch.ones(2**27, dtype=torch.float32)
+    bandwidth = x.nbytes / min(median_seconds(x.sum, 3) for _ in range(3))
+    del x
+    flops = {dtype: matmul_flops(getattr(torch, dtype)) for dtype in ("bfloat16", "float32")}
+    flops["float16"] = flops["bfloat16"]
+    name = platform.processor() or platform.machine()
+    try:
+        name = next(line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                    if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    return DevicePeaks(f"{name} ({torch.get_num_threads()} threads)", flops, bandwidth,
+                       f"measured {time.strftime('%Y-%m-%d')} by conveyor profile")
+
+
+def cpu_profile_path(cache_root: Path) -> Path:
+    return cache_root / "profiles" / f"cpu-{_cpu_key()}.json"
+
+
+def profile_cpu(cache_root: Path) -> tuple[DevicePeaks, Path]:
+    """Measure this CPU and cache the profile (replacing one there was); returns it and where it went."""
+    path = cpu_profile_path(cache_root)
+    peaks = measure_cpu()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(msgspec.json.encode(peaks))
+    return peaks, path
+
+
+def cpu_peaks(cache_root: Path, measure: bool = True) -> DevicePeaks | None:
+    """This CPU's cached profile; measured and cached first where there is none and ``measure``."""
+    path = cpu_profile_path(cache_root)
+    try:
+        return msgspec.json.decode(path.read_bytes(), type=DevicePeaks)
+    except (OSError, msgspec.DecodeError):
+        if not measure:
+            return None
+    logger.info("measuring this CPU's matmul rate and memory bandwidth (once; cached in %s)", path)
+    return profile_cpu(cache_root)[0]
+
+
+def device_peaks(device: str, cache_root: Path) -> DevicePeaks | None:
+    """The peaks of ``device`` ("cpu", "cuda:0"); None for a GPU the table lacks."""
+    if device.startswith("cuda"):
+        name = torch.cuda.get_device_name(torch.device(device))
+        peaks = gpu_peaks(name)
+        if peaks is None:
+            logger.info("%s is not in the table of GPU peaks: no MFU or MBU on /metrics", name)
+        return peaks
+    return cpu_peaks(cache_root)
