@@ -121,6 +121,24 @@ def cmd_profile(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_doctor(args: argparse.Namespace) -> int:
+    import httpx
+
+    from conveyor.bench.doctor import diagnose, format_diagnosis, sample, to_json
+
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+    if not args.json:
+        print(f"reading {args.url}/metrics for {args.interval:g} s ...", file=sys.stderr)
+    try:
+        readings = sample(args.url, args.interval)
+    except httpx.HTTPError as e:
+        print(f"error: cannot read {args.url}/metrics: {e}", file=sys.stderr)
+        return 2
+    diagnosis = diagnose(readings, args.interval)
+    print(to_json(diagnosis) if args.json else format_diagnosis(diagnosis))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="conveyor", description="Conveyor LLM inference server")
     parser.add_argument("--version", action="version", version=f"conveyor {__version__}")
@@ -158,6 +176,13 @@ def build_parser() -> argparse.ArgumentParser:
                              "and MBU are taken against), or list the GPU table")
     profile.add_argument("--gpus", action="store_true", help="print the GPU peaks table instead (datasheets)")
     profile.set_defaults(func=cmd_profile)
+
+    doctor = sub.add_parser("doctor", help="what limits a running server now (KV, queue, batch, prefill, compute, "
+                            "bandwidth), with the evidence and the config key to change first")
+    doctor.add_argument("url", nargs="?", default="http://127.0.0.1:8000", help="the server (default: %(default)s)")
+    doctor.add_argument("--interval", type=float, default=10.0, help="seconds of /metrics to read (default: 10)")
+    doctor.add_argument("--json", action="store_true", help="the diagnosis as JSON")
+    doctor.set_defaults(func=cmd_doctor)
 
     plugins = sub.add_parser("plugins", help="list installed plugins by kind, with their options")
     plugins.add_argument("--config", "-c", help="also load the plugin modules this config lists")

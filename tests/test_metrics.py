@@ -40,10 +40,10 @@ class Exposition:
 
 
 def stats(step: int, tokens: int, preemptions: int = 0, aborted: int = 0, hits: int = 0, free: int = 30,
-          drafted: int = 0, accepted: int = 0) -> StepStats:
+          drafted: int = 0, accepted: int = 0, rejected: int = 0) -> StepStats:
     return StepStats(
         step, 0.0, SchedulerStats(num_running=3, num_waiting=2, num_preemptions=preemptions, num_aborted=aborted,
-                                  num_draft_tokens=drafted, num_accepted_tokens=accepted),
+                                  num_draft_tokens=drafted, num_accepted_tokens=accepted, num_rejected=rejected),
         KVCacheStats(usage=1 - free / 50, num_blocks=50, num_free_blocks=free, num_prefix_hit_tokens=hits),
         num_prefill_tokens=tokens, schedule_time=0.001, forward_time=0.02, sample_time=0.003, update_time=0.001,
         flops=1e9 * tokens, bytes_moved=5e8, mfu=0.25, mbu=0.5,
@@ -62,12 +62,13 @@ def test_every_metric_moves_with_its_traffic():
     assert value("conveyor_engine_restarts_total") == 0
 
     # a step: the engine's gauges follow it, its cumulative counts become increments
-    metrics.engine_step(stats(1, tokens=40, preemptions=1, aborted=1, hits=32, free=30, drafted=10, accepted=7))
+    metrics.engine_step(stats(1, tokens=40, preemptions=1, aborted=1, hits=32, free=30, drafted=10, accepted=7,
+                              rejected=2))
     assert value("conveyor_num_requests_running") == 3 and value("conveyor_num_requests_waiting") == 2
     assert value("conveyor_kv_cache_usage_ratio") == 0.4 and value("conveyor_kv_cache_free_blocks") == 30
     assert value("conveyor_engine_step_seconds_count") == 1
     assert abs(value("conveyor_engine_step_seconds_sum") - 0.025) < 1e-9
-    assert value("conveyor_preemptions_total") == 1
+    assert value("conveyor_preemptions_total") == 1 and value("conveyor_rejected_requests_total") == 2
     assert value("conveyor_engine_aborted_requests_total") == 1
     assert value("conveyor_prefix_cache_hit_tokens_total") == 32
     assert value("conveyor_spec_draft_tokens_total") == 10 and value("conveyor_spec_accepted_tokens_total") == 7
@@ -77,8 +78,8 @@ def test_every_metric_moves_with_its_traffic():
     assert value("conveyor_step_mfu_bucket", le="0.2") == 0 and value("conveyor_step_mfu_bucket", le="0.3") == 1
     assert value("conveyor_step_mbu_sum") == 0.5
     # a snapshot between steps (after an abort): gauges move, no step is counted, counters add only what is new
-    metrics.engine_step(stats(1, tokens=0, preemptions=3, aborted=2, hits=32, free=50))
-    assert value("conveyor_kv_cache_free_blocks") == 50
+    metrics.engine_step(stats(1, tokens=0, preemptions=3, aborted=2, hits=32, free=50, rejected=5))
+    assert value("conveyor_kv_cache_free_blocks") == 50 and value("conveyor_rejected_requests_total") == 5
     assert value("conveyor_engine_step_seconds_count") == 1 and value("conveyor_step_mfu_count") == 1
     assert value("conveyor_model_flops_total") == 4e10
     assert value("conveyor_preemptions_total") == 3 and value("conveyor_engine_aborted_requests_total") == 2

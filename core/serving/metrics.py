@@ -102,6 +102,9 @@ class ServerMetrics:
             "conveyor_engine_aborted_requests", "Requests the engine ended before their end: aborted or failed."
         )
         self.prefix_hit_tokens = counter("conveyor_prefix_cache_hit_tokens", "Prompt tokens served from the cache.")
+        self.rejected = counter(
+            "conveyor_rejected_requests", "Requests the engine refused on arrival (429: its waiting queue was full)."
+        )
         self.draft_tokens = counter("conveyor_spec_draft_tokens", "Speculative decoding: tokens proposed and checked.")
         self.accepted_tokens = counter(
             "conveyor_spec_accepted_tokens",
@@ -163,7 +166,7 @@ class ServerMetrics:
         self._model_name = model_name
         # per replica: cumulative engine counters last seen (preemptions, prefix hits, aborts, finished),
         # to turn them into increments
-        self._engine_counts = [(0,) * 6] * num_replicas
+        self._engine_counts = [(0,) * 7] * num_replicas
         self._num_ready = [0] * num_replicas
         # for the status line: token totals, and their values at the last report
         self._num_prompt_tokens = 0
@@ -177,7 +180,7 @@ class ServerMetrics:
         self._num_ready[replica] += 1
         if self._num_ready[replica] > 1:
             self.engine_restarts[replica].inc()
-        self._engine_counts[replica] = (0,) * 6  # a new engine counts from zero
+        self._engine_counts[replica] = (0,) * 7  # a new engine counts from zero
         self._bubble_state[replica] = None
         self.kv_blocks[replica].set(ready.num_kv_blocks)
         self.kv_free_blocks[replica].set(ready.num_kv_blocks)
@@ -205,8 +208,10 @@ class ServerMetrics:
                 self._parallel_step(stats, replica)
         scheduler = stats.scheduler
         counts = (scheduler.num_preemptions, stats.kv.num_prefix_hit_tokens, scheduler.num_aborted,
-                  scheduler.num_draft_tokens, scheduler.num_accepted_tokens, scheduler.num_finished + scheduler.num_aborted)
-        counters = [self.preemptions, self.prefix_hit_tokens, self.engine_aborts, self.draft_tokens, self.accepted_tokens]
+                  scheduler.num_draft_tokens, scheduler.num_accepted_tokens, scheduler.num_rejected,
+                  scheduler.num_finished + scheduler.num_aborted)
+        counters = [self.preemptions, self.prefix_hit_tokens, self.engine_aborts, self.draft_tokens, self.accepted_tokens,
+                    self.rejected]
         if self.replica_requests:
             counters.append(self.replica_requests[replica])
         for counter, now, before in zip(counters, counts, self._engine_counts[replica]):
