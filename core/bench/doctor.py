@@ -109,11 +109,14 @@ def summarize(readings: list[Reading], seconds: float) -> dict[str, float]:
     def gauge(name: str) -> list[float]:
         return [_total(r, name) for r in readings]
 
+    def fullest(name: str) -> list[float]:  # (a ratio per replica: the fullest one's)
+        return [max((v for (n, _), v in r.items() if n == name), default=0.0) for r in readings]
+
     steps = delta("conveyor_engine_step_seconds_count")
     forward = delta("conveyor_forward_seconds_total")
     peak_flops, peak_bandwidth = _total(last, "conveyor_device_peak_flops"), _total(last, "conveyor_device_peak_bytes_per_second")
-    running, waiting, kv = gauge("conveyor_num_requests_running"), gauge("conveyor_num_requests_waiting"), gauge(
-        "conveyor_kv_cache_usage_ratio")
+    running, waiting = gauge("conveyor_num_requests_running"), gauge("conveyor_num_requests_waiting")
+    kv = fullest("conveyor_kv_cache_usage_ratio")
     prompt, generated = delta("conveyor_prompt_tokens_total"), delta("conveyor_generation_tokens_total")
     queued = delta("conveyor_request_queue_time_seconds_count")
     first_tokens = delta("conveyor_time_to_first_token_seconds_count")
