@@ -139,6 +139,12 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_simulate(args: argparse.Namespace) -> int:
+    from conveyor.bench.simulator import main
+
+    return main(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="conveyor", description="Conveyor LLM inference server")
     parser.add_argument("--version", action="version", version=f"conveyor {__version__}")
@@ -183,6 +189,13 @@ def build_parser() -> argparse.ArgumentParser:
     doctor.add_argument("--interval", type=float, default=10.0, help="seconds of /metrics to read (default: 10)")
     doctor.add_argument("--json", action="store_true", help="the diagnosis as JSON")
     doctor.set_defaults(func=cmd_doctor)
+
+    simulate = sub.add_parser("simulate", help="what a config would do with a model on hardware you may not have: "
+                              "the real scheduler and KV cache on a virtual clock, with bench's report")
+    from conveyor.bench.simulator import add_arguments as add_simulate_arguments
+
+    add_simulate_arguments(simulate)
+    simulate.set_defaults(func=cmd_simulate)
 
     plugins = sub.add_parser("plugins", help="list installed plugins by kind, with their options")
     plugins.add_argument("--config", "-c", help="also load the plugin modules this config lists")

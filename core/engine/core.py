@@ -20,10 +20,10 @@ from conveyor import native
 from conveyor.config import Config
 from conveyor.engine.grammars import GrammarRequests
 from conveyor.engine.loras import LoraSlots
-from conveyor.engine.peaks import device_peaks
+from conveyor.engine.peaks import DevicePeaks, device_peaks
 from conveyor.engine.roofline import ModelCosts, step_work, utilization
 from conveyor.engine.speculative import DraftModelProposer, NgramProposer
-from conveyor.executor import ExecutorError, build_executor
+from conveyor.executor import Executor, ExecutorError, build_executor
 from conveyor.kvcache import DTYPE_BYTES, KVCacheManager
 from conveyor.messages import (
     EngineOutputs,
@@ -61,10 +61,16 @@ class InFlight:
 class EngineCore:
     """Owns the requests and the batch; knows nothing of HTTP or sockets."""
 
-    def __init__(self, config: Config, registry: PluginRegistry | None = None):
+    def __init__(self, config: Config, registry: PluginRegistry | None = None, executor: Executor | None = None,
+                 peaks: DevicePeaks | None = None):
+        """
+        Args:
+            executor: runs the steps (default: the one ``[parallel]`` chooses; the simulator passes its own).
+            peaks: the devices' peaks (default: looked up or measured for the device the model is on).
+        """
         registry = registry or PluginRegistry.of(config)
         self.config = config
-        self.executor = build_executor(config, registry)
+        self.executor = executor or build_executor(config, registry)
         try:
             info = self.executor.load_model()
             self.kvcache: KVCacheManager = registry.build("kvcache", config.kvcache, info.kv_spec,
@@ -86,7 +92,7 @@ class EngineCore:
         # what a step computes and moves, and the peaks it is measured against (all devices together)
         self.costs = None if info.spec is None else ModelCosts.of(
             info.spec, info.weight_bytes, self.kvcache.layout.spec.bytes_per_head, DTYPE_BYTES[config.model.dtype])
-        peaks = device_peaks(info.device, native.cache_root())
+        peaks = peaks or device_peaks(info.device, native.cache_root())
         devices = config.parallel.world_size if info.device.startswith("cuda") else 1
         self.peak_flops = peaks.flops_for(config.model.dtype) * devices if peaks else 0.0
         self.peak_bytes_per_second = peaks.bytes_per_second * devices if peaks else 0.0

@@ -33,32 +33,35 @@ class DevicePeaks(msgspec.Struct, frozen=True):
     bytes_per_second: float
     # where the numbers come from (a datasheet, or "measured on ...")
     source: str
+    # the device's memory, bytes (0: not known; a CPU's KV budget is [kvcache] memory_gb)
+    memory_bytes: int = 0
 
     def flops_for(self, dtype: str) -> float:
         """FLOP/s for matmuls in ``dtype`` (float16 as bfloat16 where only that is known; 0 when unknown)."""
         return self.flops.get(dtype) or self.flops.get("bfloat16" if dtype == "float16" else dtype, 0.0)
 
 
-def _gpu(name: str, bf16: float, fp8: float, int8: float, gb_per_s: float, source: str) -> DevicePeaks:
+def _gpu(name: str, bf16: float, fp8: float, int8: float, gb_per_s: float, memory_gb: int,
+         source: str) -> DevicePeaks:
     flops = {"bfloat16": bf16 * TERA, "float16": bf16 * TERA, "int8": int8 * TERA}
     if fp8:
         flops["fp8"] = fp8 * TERA
-    return DevicePeaks(name, flops, gb_per_s * 1e9, source)
+    return DevicePeaks(name, flops, gb_per_s * 1e9, source, memory_gb * 10**9)
 
 
-# (what torch.cuda.get_device_name contains, lower case) -> peaks (TFLOP/s dense, GB/s); the first match wins,
-# so longer names first
+# (what torch.cuda.get_device_name contains, lower case) -> peaks (TFLOP/s dense, GB/s, GB of memory); the first
+# match wins, so longer names first
 GPUS: list[tuple[str, DevicePeaks]] = [
-    ("h200", _gpu("H200 SXM", 989.4, 1978.9, 1978.9, 4800, "NVIDIA H200 Tensor Core GPU datasheet (SXM)")),
-    ("h100 pcie", _gpu("H100 PCIe", 756.0, 1513.0, 1513.0, 2000, "NVIDIA H100 Tensor Core GPU datasheet (PCIe)")),
-    ("h100 nvl", _gpu("H100 NVL", 835.0, 1670.0, 1670.0, 3900, "NVIDIA H100 Tensor Core GPU datasheet (NVL)")),
-    ("h100", _gpu("H100 SXM", 989.4, 1978.9, 1978.9, 3350, "NVIDIA H100 Tensor Core GPU datasheet (SXM)")),
-    ("a100-sxm4-40gb", _gpu("A100 SXM 40GB", 312.0, 0.0, 624.0, 1555, "NVIDIA A100 Tensor Core GPU datasheet")),
-    ("a100-pcie-40gb", _gpu("A100 PCIe 40GB", 312.0, 0.0, 624.0, 1555, "NVIDIA A100 Tensor Core GPU datasheet")),
-    ("a100 80gb pcie", _gpu("A100 PCIe 80GB", 312.0, 0.0, 624.0, 1935, "NVIDIA A100 Tensor Core GPU datasheet")),
-    ("a100", _gpu("A100 SXM 80GB", 312.0, 0.0, 624.0, 2039, "NVIDIA A100 Tensor Core GPU datasheet")),
-    ("l40s", _gpu("L40S", 362.05, 733.0, 733.0, 864, "NVIDIA L40S GPU datasheet")),
-    ("l4", _gpu("L4", 121.0, 242.5, 242.5, 300, "NVIDIA L4 Tensor Core GPU datasheet")),
+    ("h200", _gpu("H200 SXM", 989.4, 1978.9, 1978.9, 4800, 141, "NVIDIA H200 Tensor Core GPU datasheet (SXM)")),
+    ("h100 pcie", _gpu("H100 PCIe", 756.0, 1513.0, 1513.0, 2000, 80, "NVIDIA H100 Tensor Core GPU datasheet (PCIe)")),
+    ("h100 nvl", _gpu("H100 NVL", 835.0, 1670.0, 1670.0, 3900, 94, "NVIDIA H100 Tensor Core GPU datasheet (NVL)")),
+    ("h100", _gpu("H100 SXM", 989.4, 1978.9, 1978.9, 3350, 80, "NVIDIA H100 Tensor Core GPU datasheet (SXM)")),
+    ("a100-sxm4-40gb", _gpu("A100 SXM 40GB", 312.0, 0.0, 624.0, 1555, 40, "NVIDIA A100 Tensor Core GPU datasheet")),
+    ("a100-pcie-40gb", _gpu("A100 PCIe 40GB", 312.0, 0.0, 624.0, 1555, 40, "NVIDIA A100 Tensor Core GPU datasheet")),
+    ("a100 80gb pcie", _gpu("A100 PCIe 80GB", 312.0, 0.0, 624.0, 1935, 80, "NVIDIA A100 Tensor Core GPU datasheet")),
+    ("a100", _gpu("A100 SXM 80GB", 312.0, 0.0, 624.0, 2039, 80, "NVIDIA A100 Tensor Core GPU datasheet")),
+    ("l40s", _gpu("L40S", 362.05, 733.0, 733.0, 864, 48, "NVIDIA L40S GPU datasheet")),
+    ("l4", _gpu("L4", 121.0, 242.5, 242.5, 300, 24, "NVIDIA L4 Tensor Core GPU datasheet")),
 ]
 
 

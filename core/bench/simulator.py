@@ -1,0 +1,357 @@
+"""``conveyor simulate``: what a config would do with a model on hardware you may not have.
+
+The real engine core runs, with the real scheduler and KV cache plugins of
+the config (chunked prefill, preemption, prefix caching, admission), on a
+virtual clock: the executor computes nothing and answers each step after the
+seconds a cost model gives for the step's FLOPs and bytes
+(``conveyor.engine.roofline``). Requests arrive as ``conveyor bench`` sends
+them (its datasets and arrival processes), and the report is bench's.
+
+Cost models:
+
+- **Calibrated** (this machine): ``seconds = a + b x FLOPs + c x bytes + d x
+  sequences``, fitted by least squares to the steps of a short real run
+  (``calibrate``). On a CPU compute and memory traffic do not overlap much,
+  so their times add.
+- **Datasheet** (a GPU from the table): ``seconds = overhead + max(FLOPs /
+  (60% of peak), bytes / (80% of bandwidth))`` per device, the work split
+  over ``tensor_parallel_size`` devices, plus two all-reduces of the hidden
+  states per layer at 300 GB/s. The efficiencies and the 2 ms overhead are
+  assumptions, not measurements: calibrate them on the GPU where there is one.
+
+Only schedulers that run on the engine's own steps can be simulated
+(``continuous``); ``static`` and ``dynamic`` wait on the wall clock.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import msgspec
+import numpy as np
+
+from conveyor.config import Config
+from conveyor.engine.core import EngineCore
+from conveyor.engine.peaks import DevicePeaks
+from conveyor.engine.roofline import ModelCosts, step_work
+from conveyor.executor import Executor, ModelInfo
+from conveyor.kvcache import DTYPE_BYTES, KVCacheSpec
+from conveyor.messages import EngineRequest, RunnerOutput, StepInput, StepStats
+from conveyor.model.spec import ModelSpec
+from conveyor.registry import PluginRegistry
+from conveyor.sampling import SamplingParams
+
+# the models the simulator knows by name (their config.json's shapes)
+MODELS: dict[str, ModelSpec] = {
+    "llama-3-8b": ModelSpec("LlamaForCausalLM", 128256, 4096, 14336, 32, 32, 8, 128, 500000.0, 1e-5, 8192, False),
+    "llama-3-70b": ModelSpec("LlamaForCausalLM", 128256, 8192, 28672, 80, 64, 8, 128, 500000.0, 1e-5, 8192, False),
+    "qwen2.5-7b": ModelSpec("Qwen2ForCausalLM", 152064, 3584, 18944, 28, 28, 4, 128, 1e6, 1e-6, 32768, False,
+                            attention_bias=True),
+    "mixtral-8x7b": ModelSpec("MixtralForCausalLM", 32000, 4096, 14336, 32, 32, 8, 128, 1e6, 1e-5, 32768, False,
+                              num_experts=8, num_experts_per_tok=2, moe_intermediate_size=14336),
+    "smollm2-135m": ModelSpec("LlamaForCausalLM", 49152, 576, 1536, 30, 9, 3, 64, 100000.0, 1e-5, 8192, True),
+}
+# bytes per weight of the linear layers by [quant] plugin (scales aside); embeddings stay in the model dtype
+QUANT_BYTES = {"int8": 1, "fp8": 1}
+# the datasheet cost model's assumptions
+GPU_FLOP_EFFICIENCY = 0.6
+GPU_BYTE_EFFICIENCY = 0.8
+GPU_STEP_OVERHEAD_S = 0.002
+TP_LINK_BYTES_PER_S = 300e9
+# a GPU's memory kept from the KV cache for activations and the CUDA context
+ACTIVATION_RESERVE_BYTES = 2 * 10**9
+
+
+def weight_bytes(spec: ModelSpec, dtype_bytes: int, quant: str = "none") -> int:
+    """Bytes of the model's weights: linear layers at the quant method's size, embeddings in the model dtype."""
+    hidden, head_dim = spec.hidden_size, spec.head_dim
+    attention = hidden * (spec.num_heads + 2 * spec.num_kv_heads) * head_dim + spec.num_heads * head_dim * hidden
+    linear = 0
+    for index in range(spec.num_layers):
+        moe = spec.num_experts and (not spec.moe_layers or spec.moe_layers[index])
+        mlp = (spec.num_experts * 3 * hidden * spec.moe_intermediate_size
+               + 3 * hidden * spec.shared_expert_intermediate_size) if moe else 3 * hidden * spec.intermediate_size
+        linear += attention + mlp
+    embeddings = spec.vocab_size * hidden * (1 if spec.tie_word_embeddings else 2)
+    return linear * QUANT_BYTES.get(quant, dtype_bytes) + embeddings * dtype_bytes
+
+
+@dataclass
+class CostModel:
+    """Seconds of one step (its scheduling and sampling too) from what it computes and moves."""
+
+    overhead_s: float
+    # seconds per FLOP, per byte, per sequence in the step (calibrated); or rates for the roofline (datasheet)
+    per_flop: float
+    per_byte: float
+    per_sequence: float = 0.0
+    # the datasheet model: the larger of the compute and the memory time (they overlap), plus the collectives
+    overlap: bool = False
+    tp: int = 1
+    hidden_size: int = 0
+    num_layers: int = 0
+    dtype_bytes: int = 2
+
+    def seconds(self, flops: float, moved: float, sequences: int, tokens: int) -> float:
+        if not self.overlap:
+            return self.overhead_s + self.per_flop * flops + self.per_byte * moved + self.per_sequence * sequences
+        work = max(self.per_flop * flops, self.per_byte * moved) / self.tp
+        comm = 0.0
+        if self.tp > 1:  # two all-reduces of [tokens, hidden] per layer, ring: 2 (tp - 1) / tp of the bytes each
+            comm = 2 * self.num_layers * tokens * self.hidden_size * self.dtype_bytes * 2 * (self.tp - 1) / self.tp
+            comm /= TP_LINK_BYTES_PER_S
+        return self.overhead_s + work + comm
+
+    @classmethod
+    def datasheet(cls, peaks: DevicePeaks, dtype: str, spec: ModelSpec, tp: int = 1) -> CostModel:
+        return cls(GPU_STEP_OVERHEAD_S, 1 / (GPU_FLOP_EFFICIENCY * peaks.flops_for(dtype)),
+                   1 / (GPU_BYTE_EFFICIENCY * peaks.bytes_per_second), overlap=True, tp=tp,
+                   hidden_size=spec.hidden_size, num_layers=spec.num_layers, dtype_bytes=DTYPE_BYTES[dtype])
+
+
+def calibrate(steps: Sequence[StepStats]) -> CostModel:
+    """The least-squares fit of the steps' whole times (schedule, forward, sample, update) to overhead + FLOPs +
+    bytes + sequences (each coefficient at least 0)."""
+    rows = np.array([[1.0, s.flops, s.bytes_moved, s.scheduler.num_running] for s in steps])
+    times = np.array([s.schedule_time + s.forward_time + s.sample_time + s.update_time for s in steps])
+    scale = np.maximum(np.abs(rows).max(axis=0), 1e-30)
+    active = list(range(4))
+    while True:  # (drop a coefficient that comes out negative, fit again)
+        fit, *_ = np.linalg.lstsq(rows[:, active] / scale[active], times, rcond=None)
+        if (fit >= 0).all():
+            break
+        del active[int(np.argmin(fit))]
+    coefficients = np.zeros(4)
+    coefficients[active] = fit / scale[active]
+    return CostModel(*(float(c) for c in coefficients))
+
+
+class SimulatedExecutor(Executor):
+    """Computes nothing: each step's tokens come at once (a token that ends nothing), with the cost model's
+    seconds as its forward time."""
+
+    name = "simulated"
+
+    def __init__(self, config: Config, registry: PluginRegistry, spec: ModelSpec, cost: CostModel,
+                 weights: int, free_memory: int | None):
+        super().__init__(config, registry)
+        self.spec, self.cost, self.weights, self._free = spec, cost, weights, free_memory
+        self.costs: ModelCosts | None = None
+
+    def collective_rpc(self, method: str, *args: Any) -> list[Any]:
+        return []
+
+    def shutdown(self) -> None:
+        pass
+
+    def load_model(self) -> ModelInfo:
+        spec, config = self.spec, self.config
+        max_model_len = config.model.max_model_len or spec.max_position_embeddings
+        tp = config.parallel.tensor_parallel_size
+        kv_spec = KVCacheSpec(spec.num_layers, max(1, spec.num_kv_heads // tp), spec.head_dim, config.model.dtype,
+                              max_model_len)
+        return ModelInfo(max_model_len, kv_spec, "simulated", "simulated", self.weights, spec.vocab_size, spec)
+
+    def free_memory(self) -> int | None:
+        return self._free
+
+    def init_kv_cache(self, layout) -> None:
+        self.costs = ModelCosts.of(self.spec, self.weights, layout.spec.bytes_per_head,
+                                   DTYPE_BYTES[self.config.model.dtype])
+
+    def execute(self, step: StepInput) -> RunnerOutput:
+        work = step_work(self.costs, [(r.start, len(r.token_ids)) for r in step.requests],
+                         sum(1 for r in step.requests if r.sample))
+        tokens = sum(len(r.token_ids) for r in step.requests)
+        seconds = self.cost.seconds(work.flops, work.bytes, len(step.requests), tokens)
+        sampled = [1 if r.sample else None for r in step.requests]
+        return RunnerOutput(sampled, [None] * len(step.requests), forward_time=seconds)
+
+
+class SimRequest(msgspec.Struct):
+    """One request of the workload: its prompt's token ids and how many tokens it asks for."""
+
+    prompt_token_ids: list[int]
+    max_tokens: int
+
+
+def simulate(config: Config, spec: ModelSpec, requests: Sequence[SimRequest], arrivals: Sequence[float],
+             cost: CostModel, peaks: DevicePeaks, latency_s: float = 0.0):
+    """Run the workload through the engine core on a virtual clock.
+
+    Args:
+        config: the engine's config (scheduler, KV cache, ``model.dtype``, ``quant.plugin``,
+            ``parallel.tensor_parallel_size``); its model is ``spec``.
+        arrivals: each request's arrival, seconds from the start.
+        latency_s: from a request's arrival to the engine's taking it (the frontend: HTTP, tokenizing, IPC).
+        peaks: the device's; on a GPU its memory less the weights' share is the KV cache's before
+            ``memory_fraction`` (a CPU's budget is ``[kvcache] memory_gb``).
+
+    Returns:
+        The requests' records (``conveyor.bench.stats.RequestRecord``), the run's virtual duration, and the
+        engine's step stats.
+
+    Raises:
+        ValueError: the weights do not fit the device's memory.
+    """
+    from conveyor.bench.stats import RequestRecord
+
+    registry = PluginRegistry.of(config)
+    weights = weight_bytes(spec, DTYPE_BYTES[config.model.dtype], config.quant.plugin)
+    free_memory = None
+    if peaks.memory_bytes:
+        tp = config.parallel.tensor_parallel_size
+        free_memory = int(peaks.memory_bytes - weights / tp - ACTIVATION_RESERVE_BYTES)
+        if free_memory <= 0:
+            raise ValueError(f"{weights / tp / 1e9:.1f} GB of weights per device do not fit in the "
+                             f"{peaks.memory_bytes / 1e9:.0f} GB of {peaks.name}: raise tensor_parallel_size or quantize")
+    executor = SimulatedExecutor(config, registry, spec, cost, weights, free_memory)
+    core = EngineCore(config, registry, executor=executor, peaks=peaks)
+    arrivals = [float(t) + latency_s for t in arrivals]  # (when each reaches the engine)
+    order = sorted(range(len(requests)), key=lambda i: arrivals[i])
+    records = [RequestRecord(i, len(r.prompt_token_ids), start=arrivals[i] - latency_s) for i, r in enumerate(requests)]
+    last_token = [0.0] * len(requests)
+    now, next_arrival, idle = 0.0, 0, 0
+    steps: list[StepStats] = []
+    try:
+        while next_arrival < len(order) or core.has_unfinished():
+            if not core.has_unfinished():
+                now = max(now, float(arrivals[order[next_arrival]]))
+            while next_arrival < len(order) and arrivals[order[next_arrival]] <= now:
+                i = order[next_arrival]
+                params = SamplingParams(max_tokens=requests[i].max_tokens, ignore_eos=True, temperature=0)
+                rejection = core.add_request(EngineRequest(str(i), requests[i].prompt_token_ids, params))
+                if rejection is not None:
+                    records[i].error = rejection.error or "rejected"
+                next_arrival += 1
+            outputs, stats = core.step()
+            if stats is None:  # nothing ran (a rejection, or nothing schedulable until more requests come)
+                idle += 1
+                if idle > 2:
+                    if next_arrival == len(order):
+                        raise RuntimeError(f"scheduler {config.scheduler.plugin!r} makes no progress on the virtual "
+                                           "clock (static and dynamic batching wait on the wall clock)")
+                    now = max(now, float(arrivals[order[next_arrival]]))
+                continue
+            idle = 0
+            now += stats.forward_time
+            steps.append(stats)
+            for output in outputs:
+                i = int(output.request_id)
+                record = records[i]
+                if output.new_token_ids:
+                    if record.ttft is None:
+                        record.ttft = now - record.start
+                    else:
+                        record.itl.extend([now - last_token[i]] + [0.0] * (len(output.new_token_ids) - 1))
+                    record.output_tokens += len(output.new_token_ids)
+                    last_token[i] = now
+                if output.finish_reason is not None and record.error is None:
+                    if output.finish_reason == "error":
+                        record.error = output.error
+                    else:
+                        record.e2e = now - record.start
+    finally:
+        core.shutdown()
+    return records, now, steps
+
+
+
+
+def measure_steps(config: Config, num_requests: int = 32, seed: int = 1) -> list[StepStats]:
+    """Steps of a short real run of ``config``'s model here: a mixed workload all at once, then a few requests one
+    at a time (so that small batches are seen too)."""
+    from conveyor import LLM
+    from conveyor.bench.datasets import mixed
+
+    steps: list[StepStats] = []
+    with LLM(config) as llm:
+        core, step = llm.engine, llm.engine.step
+
+        def step_and_keep():
+            outputs, stats = step()
+            if stats is not None and stats.flops:
+                steps.append(stats)
+            return outputs, stats
+
+        core.step = step_and_keep
+        chats = mixed(num_requests, seed, lambda m: len(llm.tokenizer.encode_chat(m)), output_len=(16, 96))
+        llm.generate([c.messages for c in chats],
+                     [SamplingParams(max_tokens=c.max_tokens, ignore_eos=True, temperature=0) for c in chats])
+        for chat in chats[:3]:
+            llm.generate([chat.messages], SamplingParams(max_tokens=32, ignore_eos=True, temperature=0))
+    return steps
+
+
+def main(args) -> int:
+    """``conveyor simulate``: the report ``conveyor bench`` would print, for each request rate."""
+    from conveyor import native
+    from conveyor.bench.arrivals import arrival_times
+    from conveyor.bench.command import _slos, _tokenizer, build_workload
+    from conveyor.bench.report import rate_label, run_table, sweep_table
+    from conveyor.bench.stats import summarize
+    from conveyor.config import load_config, parse_override
+    from conveyor.engine.peaks import cpu_peaks, gpu_peaks
+    from conveyor.model.families import spec_from_hf_config
+
+    overrides = dict(parse_override(o) for o in args.set)
+    config = load_config(args.config_file, overrides)
+    if args.model in MODELS:
+        spec = MODELS[args.model]
+    else:
+        from pathlib import Path
+
+        path = Path(args.model)
+        spec = spec_from_hf_config(json.loads((path / "config.json" if path.is_dir() else path).read_text()))
+    if args.hardware == "cpu":
+        peaks = cpu_peaks(native.cache_root())
+        print("calibrating on this machine: a short real run of the config's model ...", flush=True)
+        cost = calibrate(measure_steps(config))
+    else:
+        peaks = gpu_peaks(args.hardware)
+        if peaks is None:
+            raise ValueError(f"--hardware {args.hardware!r}: not in the GPU table (conveyor profile --gpus), "
+                             "nor 'cpu'")
+        cost = CostModel.datasheet(peaks, config.model.dtype, spec, config.parallel.tensor_parallel_size)
+    tokenizer = _tokenizer(args.tokenizer)
+    runs = []
+    for rate in args.request_rate:
+        workload = build_workload(args, args.num_requests, args.seed)
+        requests = [SimRequest(tokenizer.encode_chat(r.messages) if r.messages is not None else list(r.prompt),
+                               r.max_tokens) for r in workload]
+        arrivals = [float(t) for t in arrival_times(len(requests), rate, args.burstiness, args.seed)]
+        records, duration, _ = simulate(config, spec, requests, arrivals, cost, peaks)
+        run = {"label": f"{args.model} on {peaks.name} (simulated)", "config": {"rate": rate},
+               "summary": summarize(records, duration, _slos(args.goodput))}
+        runs.append(run)
+        print(f"\n{run['label']}, {rate_label(rate)} requests/s\n{run_table(run)}", flush=True)
+    if len(runs) > 1:
+        print("\n" + sweep_table(runs))
+    if args.json_path:
+        with open(args.json_path, "w") as f:
+            json.dump({"cost_model": asdict(cost), "runs": runs}, f, indent=2)
+    return 0
+
+
+def add_arguments(parser) -> None:
+    parser.add_argument("config_file", nargs="?", help="TOML config (scheduler, KV cache, quant, parallel)")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config key")
+    parser.add_argument("--model", default="smollm2-135m",
+                        help=f"one of {', '.join(MODELS)}, or a config.json (or its directory)")
+    parser.add_argument("--hardware", default="cpu", help="a GPU of the table (conveyor profile --gpus), or cpu: this "
+                        "machine, calibrated by a short real run of the config's model")
+    parser.add_argument("--dataset", default="mixed", help="mixed | random | sharegpt:FILE (default: mixed)")
+    parser.add_argument("--tokenizer", help="sizes the prompts (default: the default model's)")
+    parser.add_argument("--num-requests", type=int, default=64)
+    parser.add_argument("--request-rate", type=lambda s: [float(r) for r in s.split(",")], default=[float("inf")],
+                        metavar="RATES", help="requests/s, comma-separated for several runs (default: inf)")
+    parser.add_argument("--burstiness", type=float, default=1.0)
+    parser.add_argument("--input-len", type=int, default=256)
+    parser.add_argument("--output-len", type=int, default=None)
+    parser.add_argument("--range-ratio", type=float, default=0.0)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--goodput", nargs="+", metavar="METRIC:MS", default=[])
+    parser.add_argument("--json", dest="json_path", metavar="OUT", help="the runs and the cost model, as JSON")

@@ -1,0 +1,95 @@
+"""``conveyor simulate``: the real engine core, scheduler and KV cache on a virtual clock, with a cost model; its
+numbers respect the hardware's physical limits, and a calibration recovers a known cost."""
+
+from __future__ import annotations
+
+import json
+import random
+import subprocess
+import sys
+
+import pytest
+
+from conveyor.bench.simulator import MODELS, CostModel, SimRequest, calibrate, simulate, weight_bytes
+from conveyor.config import load_config
+from conveyor.engine.peaks import gpu_peaks
+from conveyor.messages import KVCacheStats, SchedulerStats, StepStats
+
+H100 = gpu_peaks("H100 SXM")
+LLAMA = MODELS["llama-3-8b"]
+
+
+def prompts(count: int, length: int, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(1000, 100000) for _ in range(length)] for _ in range(count)]
+
+
+def run(spec, requests, arrivals, peaks=H100, **overrides):
+    config = load_config(None, {"model.max_model_len": 4096, **overrides})
+    cost = CostModel.datasheet(peaks, "bfloat16", spec, config.parallel.tensor_parallel_size)
+    return simulate(config, spec, requests, arrivals, cost, peaks)
+
+
+def test_llama_3_8b_on_an_h100_stays_within_its_physical_limits():
+    """One request alone: every decode step reads the 16 GB of weights, so no token comes faster than weights /
+    HBM bandwidth (4.8 ms), and a 2,000-token prompt takes at least its FLOPs at the peak rate. 64 requests at
+    once: output tokens never outpace the peak FLOP/s over 2 x parameters per token."""
+    weights = weight_bytes(LLAMA, 2)
+    assert weights == pytest.approx(16.06e9, rel=0.01)  # (8.03 B parameters in bfloat16)
+    [alone], _, _ = run(LLAMA, [SimRequest(prompts(1, 2000)[0], 64)], [0.0])
+    assert min(alone.itl) >= weights / H100.bytes_per_second
+    assert alone.ttft >= 2 * 2000 * (weights / 2) / H100.flops_for("bfloat16")
+    many = [SimRequest(p, 256) for p in prompts(64, 500, seed=1)]
+    records, duration, _ = run(LLAMA, many, [0.0] * 64)
+    assert all(r.output_tokens == 256 and r.error is None for r in records)
+    assert sum(r.output_tokens for r in records) / duration <= H100.flops_for("bfloat16") / weights
+
+
+def test_the_simulator_runs_the_real_scheduler_and_kv_cache():
+    """A KV cache of 40 blocks and max_num_seqs = 4 on SmolLM2: no step runs more than 4 requests, requests are
+    preempted, and every one still gets exactly its tokens, at the times its steps ended."""
+    spec = MODELS["smollm2-135m"]
+    requests = [SimRequest(p, 100) for p in prompts(12, 120, seed=2)]
+    records, _, steps = run(spec, requests, [0.001 * i for i in range(12)], **{
+        "kvcache.num_blocks": 40, "scheduler.max_num_seqs": 4, "scheduler.max_num_batched_tokens": 64})
+    assert max(s.scheduler.num_running for s in steps) <= 4
+    assert steps[-1].scheduler.num_preemptions > 0
+    for record in records:
+        assert record.error is None and record.output_tokens == 100 and len(record.itl) == 99
+        assert record.ttft > 0 and all(gap > 0 for gap in record.itl)
+        assert record.e2e == pytest.approx(record.ttft + sum(record.itl))
+
+
+def test_weights_that_do_not_fit_are_refused_and_tensor_parallelism_splits_them():
+    llama_70b = MODELS["llama-3-70b"]
+    requests = [SimRequest(prompts(1, 100)[0], 8)]
+    with pytest.raises(ValueError, match=r"141\.\d GB of weights per device do not fit in the 80 GB of H100 SXM"):
+        run(llama_70b, requests, [0.0])
+    [two], _, _ = run(llama_70b, requests, [0.0], **{"parallel.tensor_parallel_size": 2})
+    [four], _, _ = run(llama_70b, requests, [0.0], **{"parallel.tensor_parallel_size": 4})
+    assert min(four.itl) < min(two.itl)  # (each device reads a quarter of the weights instead of a half)
+
+
+def test_calibration_recovers_a_known_cost():
+    """Steps whose times are exactly 3 ms + 1 ns per MFLOP + 40 ps per byte + 20 us per sequence."""
+    rng = random.Random(3)
+    steps = []
+    for i in range(50):
+        flops, moved, seqs = rng.uniform(1e8, 1e12), rng.uniform(2e8, 5e8), rng.randint(1, 64)
+        seconds = 0.003 + 1e-15 * flops + 4e-11 * moved + 2e-5 * seqs
+        steps.append(StepStats(i, 0.0, SchedulerStats(num_running=seqs), KVCacheStats(), forward_time=seconds,
+                               flops=flops, bytes_moved=moved))
+    cost = calibrate(steps)
+    assert (cost.overhead_s, cost.per_flop, cost.per_byte, cost.per_sequence) == pytest.approx(
+        (0.003, 1e-15, 4e-11, 2e-5), rel=1e-6)
+
+
+def test_the_command_prints_bench_reports_and_writes_json(tmp_path):
+    out = tmp_path / "sim.json"
+    done = subprocess.run([sys.executable, "-m", "conveyor", "--log-level", "WARNING", "simulate", "--model",
+                           "qwen2.5-7b", "--hardware", "L40S", "--num-requests", "16", "--request-rate", "2,inf",
+                           "--json", str(out)], capture_output=True, text=True, timeout=120, check=True)
+    assert "qwen2.5-7b on L40S (simulated), inf requests/s" in done.stdout and "Output token throughput" in done.stdout
+    runs = json.loads(out.read_text())["runs"]
+    assert [r["config"]["rate"] for r in runs] == [2.0, float("inf")]
+    assert all(r["summary"]["completed"] == 16 for r in runs)
