@@ -2,6 +2,12 @@
 tokens/s, TTFT P50 and ITL P50 against those `conveyor bench` measures on `conveyor serve`, at three request rates.
 
     python benchmarks/simulator.py [--num-requests 32] [--rates 1,2,4] [--set KEY=VALUE ...]
+    python benchmarks/simulator.py --published
+
+``--published`` instead simulates a published run and prints both: Llama-3-8B-Instruct in bfloat16 on one H100
+SXM under vLLM 0.6.0, ten prompts at once (LambdaLabsML/vllm-benchmark on GitHub,
+results/prompt_10/1xH100-80GB-SXM/Meta-Llama-3-8B-Instruct_tp1_len2048.json, 2024-09-07), with its prompt and
+output lengths (random token ids: no prefix is shared).
 
 Calibration, on workloads of their own (other seeds): the step cost model is fitted to the steps of an offline
 run (``measure_steps``); then, through the server, four one-token requests one at a time give the frontend's
@@ -35,12 +41,43 @@ METRICS = [("output tok/s", lambda s: s["output_throughput"]), ("TTFT P50 (ms)",
            ("ITL P50 (ms)", lambda s: s["itl_ms"]["p50"])]
 
 
+# that run's prompt and output lengths, and what it measured
+PUBLISHED_INPUTS = [13, 25, 27, 10, 329, 29, 399, 328, 4, 205]
+PUBLISHED_OUTPUTS = [120, 429, 233, 194, 101, 741, 9, 3, 6, 31]
+PUBLISHED = {"duration (s)": 5.367, "output tok/s": 347.9, "TPOT P50 (ms)": 7.558, "TTFT mean (ms)": 62.4}
+
+
+def published() -> None:
+    import random
+
+    from conveyor.bench.simulator import CostModel
+    from conveyor.engine.peaks import gpu_peaks
+
+    rng = random.Random(0)
+    requests = [SimRequest([rng.randrange(1000, 100000) for _ in range(n)], m)
+                for n, m in zip(PUBLISHED_INPUTS, PUBLISHED_OUTPUTS)]
+    peaks, spec = gpu_peaks("H100 SXM"), MODELS["llama-3-8b"]
+    config = load_config(None, {"model.max_model_len": 2048})
+    records, duration, _ = simulate(config, spec, requests, [0.0] * len(requests),
+                                    CostModel.datasheet(peaks, "bfloat16", spec), peaks)
+    s = summarize(records, duration)
+    ours = {"duration (s)": duration, "output tok/s": s["output_throughput"], "TPOT P50 (ms)": s["tpot_ms"]["p50"],
+            "TTFT mean (ms)": s["ttft_ms"]["mean"]}
+    print("| Llama-3-8B bf16, 1x H100 SXM, 10 prompts at once | simulated | published (vLLM 0.6.0) | error |")
+    print("|---|---|---|---|")
+    for name, value in PUBLISHED.items():
+        print(f"| {name} | {ours[name]:.2f} | {value:.2f} | {(ours[name] - value) / value:+.1%} |")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--published", action="store_true", help="compare with a published H100 run instead")
     parser.add_argument("--num-requests", type=int, default=32)
     parser.add_argument("--rates", type=lambda s: [float(r) for r in s.split(",")], default=[1.0, 2.0, 4.0])
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
     args = parser.parse_args()
+    if args.published:
+        return published()
     overrides = dict(parse_override(o) for o in args.set)
     config = load_config(None, overrides)
     print("calibrating: a short real run through the offline engine ...", flush=True)

@@ -19,8 +19,9 @@ Cost models:
   states per layer at 300 GB/s. The efficiencies and the 2 ms overhead are
   assumptions, not measurements: calibrate them on the GPU where there is one.
 
-Only schedulers that run on the engine's own steps can be simulated
-(``continuous``); ``static`` and ``dynamic`` wait on the wall clock.
+Schedulers that wait on the wall clock for a batch to fill (``static``,
+``dynamic``) stop the simulation with an error when they do; ``continuous``
+steps on its own.
 """
 
 from __future__ import annotations
@@ -232,8 +233,8 @@ def simulate(config: Config, spec: ModelSpec, requests: Sequence[SimRequest], ar
                 idle += 1
                 if idle > 2:
                     if next_arrival == len(order):
-                        raise RuntimeError(f"scheduler {config.scheduler.plugin!r} makes no progress on the virtual "
-                                           "clock (static and dynamic batching wait on the wall clock)")
+                        raise ValueError(f"scheduler {config.scheduler.plugin!r} makes no progress on the virtual "
+                                         "clock (static and dynamic batching wait on the wall clock)")
                     now = max(now, float(arrivals[order[next_arrival]]))
                 continue
             idle = 0
