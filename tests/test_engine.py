@@ -19,7 +19,7 @@ TOPICS = ["rivers", "volcanoes", "bread", "bicycles", "owls", "glass", "tides", 
 SENTENCE = "Here is some background about {t}: people have studied {t} for a long time, and there is much to say. "
 
 
-def mixed_workload(count: int = 48, seed: int = 0):
+def mixed_workload(count: int = 32, seed: int = 0):
     """Chat prompts of 30 to ~260 tokens, outputs of 4 to 16 tokens, greedy with top-5 logprobs."""
     rng = random.Random(seed)
     prompts, params = [], []

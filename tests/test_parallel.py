@@ -126,15 +126,8 @@ def test_smollm2_tp3_matches_one_worker_and_transformers(smollm2_tp3, llm_fp32, 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("method", ["int8", "fp8"])
-def test_quantized_weights_split_three_ways_give_the_same_tokens(method):
+def test_quantized_weights_split_over_workers_compute_what_one_worker_does(tiny_llama, method):
     """Each worker keeps its rows with their scales (QKV, gate/up) or its columns with the whole row's
-    scale (o_proj, down): the same numbers as one worker."""
-    overrides = {"model.dtype": "float32", "quant.plugin": method}
-    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=5)
-    conversations = [[{"role": "user", "content": p}] for p in CHAT_PROMPTS[:2]]
-    with LLM(overrides=overrides) as llm:
-        single = llm.generate(conversations, params)
-    with LLM(overrides={**overrides, "parallel.tensor_parallel_size": 3}) as llm:
-        split = llm.generate(conversations, params)
-    for prompt, ours, one in zip(CHAT_PROMPTS, split, single):
-        assert_same_or_near_tie(ours, one, f"{method} TP=3 vs TP=1: {prompt}")
+    scale (o_proj, down): the same numbers as one worker (tiny Llama, TP=2)."""
+    extra = {"quant.plugin": method}
+    assert_same_logits(tiny_run(tiny_llama, 2, 1, extra), tiny_run(tiny_llama, 1, 1, extra), f"{method} TP=2")
