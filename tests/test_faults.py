@@ -143,9 +143,15 @@ def test_a_full_kv_cache_then_a_burst_of_10x_max_waiting_then_sigterm_in_a_burst
             thread.start()
         return threads
 
+    def arrived(statuses: list[int]) -> bool:  # every request answered (429) or in flight
+        return server.metric("conveyor_num_requests_in_flight") + len(statuses) >= 40
+
     statuses: list[int] = []
     errors: list[str] = []
-    for thread in burst(statuses, errors):
+    with server.paused_engine():  # (the whole burst reaches the engine at once, however fast the device)
+        threads = burst(statuses, errors)
+        server.wait_for(lambda: arrived(statuses), what="the whole burst to arrive")
+    for thread in threads:
         thread.join(120)
     assert len(statuses) == 40 and set(statuses) == {200, 429}, statuses
     assert all("max_waiting=4" in message for message in errors), errors[:3]
@@ -154,10 +160,9 @@ def test_a_full_kv_cache_then_a_burst_of_10x_max_waiting_then_sigterm_in_a_burst
     assert server.metric("conveyor_kv_cache_free_blocks") == server.metric("conveyor_kv_cache_blocks")
 
     statuses.clear()
-    threads = burst(statuses, errors)
-    # every request answered (429) or in flight before the signal
-    server.wait_for(lambda: server.metric("conveyor_num_requests_in_flight") + len(statuses) >= 40,
-                    what="the whole burst to arrive")
+    with server.paused_engine():
+        threads = burst(statuses, errors)
+        server.wait_for(lambda: arrived(statuses), what="the whole burst to arrive")
     server.process.send_signal(signal.SIGTERM)
     for thread in threads:
         thread.join(120)

@@ -111,8 +111,15 @@ def test_every_step_of_the_engine_counts_its_work():
         core.executor.submit, core.step = submit_and_keep, step_and_keep
         llm.generate([[{"role": "user", "content": "Name three colours."}]], SamplingParams(max_tokens=4))
     assert len(seen) == len(submitted) >= 5  # (a prompt of 30-odd tokens in chunks of 16, then decodes)
+    costs = core.costs
     for stats, step_input in zip(seen, submitted):
-        work = step_work(core.costs, [(r.start, len(r.token_ids)) for r in step_input.requests],
-                         sum(1 for r in step_input.requests if r.sample))
-        assert (stats.flops, stats.bytes_moved) == (work.flops, work.bytes)
+        # counted here from the batch the workers got: each token's keys one by one, each sequence's cache
+        tokens = sum(len(r.token_ids) for r in step_input.requests)
+        pairs = sum(p + 1 for r in step_input.requests for p in range(r.start, r.start + len(r.token_ids)))
+        rows = sum(1 for r in step_input.requests if r.sample)
+        cached = sum(r.start for r in step_input.requests)
+        assert stats.flops == (tokens * costs.layer_flops_per_token + rows * costs.head_flops_per_row
+                               + pairs * costs.attention_flops_per_pair)
+        assert stats.bytes_moved == (costs.weight_bytes + (cached + tokens) * costs.kv_bytes_per_token
+                                     + tokens * costs.activation_bytes_per_token)
         assert stats.mfu > 0 and stats.mbu > 0

@@ -129,7 +129,6 @@ def summarize(readings: list[Reading], seconds: float) -> dict[str, float]:
         # (the steps' own timings, published a step late, can sum to a little over the wall time)
         "busy_fraction": min(1.0, forward / seconds) if seconds else 0.0,
         "running_mean": sum(running) / len(running),
-        "running_min": min(running),
         "running_max": max(running),
         "waiting_mean": sum(waiting) / len(waiting),
         "waiting_max": max(waiting),

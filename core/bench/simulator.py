@@ -37,7 +37,7 @@ import numpy as np
 from conveyor.config import Config
 from conveyor.engine.core import EngineCore
 from conveyor.engine.peaks import DevicePeaks
-from conveyor.engine.roofline import ModelCosts, step_work
+from conveyor.engine.roofline import ModelCosts, step_work, weight_counts
 from conveyor.executor import Executor, ModelInfo
 from conveyor.kvcache import DTYPE_BYTES, KVCacheSpec
 from conveyor.messages import EngineRequest, RunnerOutput, StepInput, StepStats
@@ -68,16 +68,8 @@ ACTIVATION_RESERVE_BYTES = 2 * 10**9
 
 def weight_bytes(spec: ModelSpec, dtype_bytes: int, quant: str = "none") -> int:
     """Bytes of the model's weights: linear layers at the quant method's size, embeddings in the model dtype."""
-    hidden, head_dim = spec.hidden_size, spec.head_dim
-    attention = hidden * (spec.num_heads + 2 * spec.num_kv_heads) * head_dim + spec.num_heads * head_dim * hidden
-    linear = 0
-    for index in range(spec.num_layers):
-        moe = spec.num_experts and (not spec.moe_layers or spec.moe_layers[index])
-        mlp = (spec.num_experts * 3 * hidden * spec.moe_intermediate_size
-               + 3 * hidden * spec.shared_expert_intermediate_size) if moe else 3 * hidden * spec.intermediate_size
-        linear += attention + mlp
-    embeddings = spec.vocab_size * hidden * (1 if spec.tie_word_embeddings else 2)
-    return linear * QUANT_BYTES.get(quant, dtype_bytes) + embeddings * dtype_bytes
+    dense, experts, embeddings = weight_counts(spec)
+    return (dense + experts) * QUANT_BYTES.get(quant, dtype_bytes) + embeddings * dtype_bytes
 
 
 @dataclass

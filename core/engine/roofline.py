@@ -58,24 +58,21 @@ class ModelCosts(msgspec.Struct, frozen=True):
         q, kv = heads * head_dim, spec.num_kv_heads * head_dim
         attention = hidden * (q + 2 * kv) + q * hidden
         attention_io = (hidden + q + 2 * kv) + (q + hidden)
-        layer_weights = expert_weights = 0
-        io = 0
+        layer_weights = io = 0
         for index in range(spec.num_layers):
             moe = spec.num_experts and (not spec.moe_layers or spec.moe_layers[index])
             width = spec.moe_intermediate_size if moe else spec.intermediate_size
             per_token_mlps = spec.num_experts_per_tok if moe else 1
-            mlp = 3 * hidden * width
-            layer_weights += attention + per_token_mlps * mlp
+            layer_weights += attention + per_token_mlps * 3 * hidden * width
             io += attention_io + per_token_mlps * (hidden + 2 * width + width + hidden)
-            if moe:
-                expert_weights += spec.num_experts * mlp
-                if spec.shared_expert_intermediate_size:
-                    shared = spec.shared_expert_intermediate_size
-                    layer_weights += 3 * hidden * shared
-                    io += hidden + 3 * shared + hidden
+            if moe and spec.shared_expert_intermediate_size:
+                shared = spec.shared_expert_intermediate_size
+                layer_weights += 3 * hidden * shared
+                io += hidden + 3 * shared + hidden
         windows = set(spec.layer_windows) or {0}
+        dense, experts, embeddings = weight_counts(spec)
         # (the routed experts' share of the stored bytes, by their share of the weights)
-        expert_bytes = int(weight_bytes * expert_weights / (expert_weights + _dense_weights(spec)))
+        expert_bytes = int(weight_bytes * experts / (dense + experts + embeddings))
         return cls(
             weight_bytes=weight_bytes,
             layer_flops_per_token=2 * layer_weights,
@@ -90,16 +87,20 @@ class ModelCosts(msgspec.Struct, frozen=True):
         )
 
 
-def _dense_weights(spec: ModelSpec) -> int:
-    """Weights outside the routed experts: attention, dense and shared MLPs, the embedding and the head."""
+def weight_counts(spec: ModelSpec) -> tuple[int, int, int]:
+    """The model's weights: (the layers' linear weights outside the routed experts, the routed experts',
+    the embedding's and the head's)."""
     hidden, head_dim = spec.hidden_size, spec.head_dim
     attention = hidden * (spec.num_heads + 2 * spec.num_kv_heads) * head_dim + spec.num_heads * head_dim * hidden
-    total = spec.vocab_size * hidden * (1 if spec.tie_word_embeddings else 2)
+    dense = experts = 0
     for index in range(spec.num_layers):
         moe = spec.num_experts and (not spec.moe_layers or spec.moe_layers[index])
-        total += attention + (3 * hidden * spec.shared_expert_intermediate_size if moe else
-                              3 * hidden * spec.intermediate_size)
-    return total
+        if moe:
+            dense += attention + 3 * hidden * spec.shared_expert_intermediate_size
+            experts += spec.num_experts * 3 * hidden * spec.moe_intermediate_size
+        else:
+            dense += attention + 3 * hidden * spec.intermediate_size
+    return dense, experts, spec.vocab_size * hidden * (1 if spec.tie_word_embeddings else 2)
 
 
 class StepWork(msgspec.Struct, array_like=True, frozen=True):
