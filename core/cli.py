@@ -145,6 +145,12 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     return main(args)
 
 
+def cmd_plan(args: argparse.Namespace) -> int:
+    from conveyor.bench.planner import main
+
+    return main(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="conveyor", description="Conveyor LLM inference server")
     parser.add_argument("--version", action="version", version=f"conveyor {__version__}")
@@ -196,6 +202,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_simulate_arguments(simulate)
     simulate.set_defaults(func=cmd_simulate)
+
+    plan = sub.add_parser("plan", help="search scheduler, KV cache, quantization and parallelism for the configs "
+                          "that carry the most requests within latency SLOs (simulated); prints them as TOML")
+    from conveyor.bench.planner import add_arguments as add_plan_arguments
+
+    add_plan_arguments(plan)
+    plan.set_defaults(func=cmd_plan)
 
     plugins = sub.add_parser("plugins", help="list installed plugins by kind, with their options")
     plugins.add_argument("--config", "-c", help="also load the plugin modules this config lists")

@@ -110,6 +110,14 @@ class KVCacheStats(msgspec.Struct, array_like=True, omit_defaults=True, gc=False
     largest_hole_tokens: int = 0
 
 
+class KVOwners(msgspec.Struct, array_like=True, gc=False):
+    """Which running request holds which KV blocks (a block in two lists is a shared prefix block)."""
+
+    request_ids: list[str]
+    # per request, its blocks in order
+    block_ids: list[list[int]]
+
+
 class StepStats(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     """What one engine step did and how long its parts took (or a snapshot between steps: no tokens)."""
 
@@ -120,6 +128,9 @@ class StepStats(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     kv: KVCacheStats
     num_prefill_tokens: int = 0
     num_decode_tokens: int = 0
+    # requests in the step with prompt tokens (a whole prompt or a chunk), and with one decode token
+    num_prefill_seqs: int = 0
+    num_decode_seqs: int = 0
     # seconds: choosing the batch; building inputs + the forward pass; sampling; recording the results
     schedule_time: float = 0.0
     forward_time: float = 0.0
@@ -137,6 +148,8 @@ class StepStats(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     bytes_moved: float = 0.0
     mfu: float = 0.0
     mbu: float = 0.0
+    # the KV cache's owners, on a step at most every KV_OWNERS_EVERY_S seconds and when none runs any more
+    kv_owners: KVOwners | None = None
 
 
 class EngineOutputs(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):

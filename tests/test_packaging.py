@@ -23,7 +23,8 @@ def test_wheel_holds_both_packages_and_imports_outside_the_repo(tmp_path):
     [wheel] = tmp_path.glob("conveyor_serve-*.whl")
     names = zipfile.ZipFile(wheel).namelist()
     for expected in ("conveyor/__init__.py", "conveyor/model/llama.py", "conveyor/plugins/__init__.py",
-                     "conveyor/plugins/quant/none.py", "conveyor/plugins/schedulers/continuous.py"):
+                     "conveyor/plugins/quant/none.py", "conveyor/plugins/schedulers/continuous.py",
+                     "conveyor/serving/static/dashboard.html", "conveyor/serving/static/uPlot.iife.min.js"):
         assert expected in names
     assert not any(n.startswith(("core/", "plugins/")) for n in names)
     site = tmp_path / "site"

@@ -64,6 +64,21 @@ def mixed(
     return requests
 
 
+def shared_system_prompt(num_requests: int, seed: int, output_len: tuple[int, int] = (48, 112)) -> list[ChatRequest]:
+    """Chat requests that open with one long system prompt and ask short questions: their prompts share their
+    first KV blocks (prefix caching), the way an assistant's traffic does."""
+    rng = random.Random(seed)
+    system = " ".join(" ".join([rng.choice(SUBJECTS), rng.choice(VERBS), rng.choice(OBJECTS), rng.choice(ENDINGS)])
+                      for _ in range(12))
+    system = f"You are a patient assistant. Answer briefly and plainly. Some background: {system}"
+    requests = []
+    for i in range(num_requests):
+        question = rng.choice(QUESTIONS).format(topic=TOPICS[i % len(TOPICS)], other=rng.choice(TOPICS))
+        messages = [{"role": "system", "content": system}, {"role": "user", "content": question}]
+        requests.append(ChatRequest(messages, rng.randint(*output_len)))
+    return requests
+
+
 def random_prompts(
     num_requests: int,
     seed: int,

@@ -279,42 +279,57 @@ def measure_steps(config: Config, num_requests: int = 32, seed: int = 1) -> list
     return steps
 
 
+def resolve_model(name: str) -> ModelSpec:
+    """A model the simulator knows by name, or the shape in a config.json (the file or its directory)."""
+    if name in MODELS:
+        return MODELS[name]
+    from pathlib import Path
+
+    from conveyor.model.families import spec_from_hf_config
+
+    path = Path(name)
+    return spec_from_hf_config(json.loads((path / "config.json" if path.is_dir() else path).read_text()))
+
+
+def hardware_costs(hardware: str, config: Config, spec: ModelSpec) -> tuple[DevicePeaks, CostModel]:
+    """The device's peaks and the cost model of ``config``'s steps on it: a GPU of the table (datasheet), or
+    ``cpu`` (this machine, calibrated by a short real run of the config's model)."""
+    from conveyor import native
+    from conveyor.engine.peaks import cpu_peaks, gpu_peaks
+
+    if hardware == "cpu":
+        peaks = cpu_peaks(native.cache_root())
+        print("calibrating on this machine: a short real run of the config's model ...", flush=True)
+        return peaks, calibrate(measure_steps(config))
+    peaks = gpu_peaks(hardware)
+    if peaks is None:
+        raise ValueError(f"--hardware {hardware!r}: not in the GPU table (conveyor profile --gpus), nor 'cpu'")
+    return peaks, CostModel.datasheet(peaks, config.model.dtype, spec, config.parallel.tensor_parallel_size)
+
+
+def workload(args) -> list[SimRequest]:
+    """The requests ``conveyor bench`` would send with these arguments (dataset, lengths, seed), as token ids."""
+    from conveyor.bench.command import _tokenizer, build_workload
+
+    tokenizer = _tokenizer(args.tokenizer)
+    return [SimRequest(tokenizer.encode_chat(r.messages) if r.messages is not None else list(r.prompt), r.max_tokens)
+            for r in build_workload(args, args.num_requests, args.seed)]
+
+
 def main(args) -> int:
     """``conveyor simulate``: the report ``conveyor bench`` would print, for each request rate."""
-    from conveyor import native
     from conveyor.bench.arrivals import arrival_times
-    from conveyor.bench.command import _slos, _tokenizer, build_workload
+    from conveyor.bench.command import _slos
     from conveyor.bench.report import rate_label, run_table, sweep_table
     from conveyor.bench.stats import summarize
     from conveyor.config import load_config, parse_override
-    from conveyor.engine.peaks import cpu_peaks, gpu_peaks
-    from conveyor.model.families import spec_from_hf_config
 
-    overrides = dict(parse_override(o) for o in args.set)
-    config = load_config(args.config_file, overrides)
-    if args.model in MODELS:
-        spec = MODELS[args.model]
-    else:
-        from pathlib import Path
-
-        path = Path(args.model)
-        spec = spec_from_hf_config(json.loads((path / "config.json" if path.is_dir() else path).read_text()))
-    if args.hardware == "cpu":
-        peaks = cpu_peaks(native.cache_root())
-        print("calibrating on this machine: a short real run of the config's model ...", flush=True)
-        cost = calibrate(measure_steps(config))
-    else:
-        peaks = gpu_peaks(args.hardware)
-        if peaks is None:
-            raise ValueError(f"--hardware {args.hardware!r}: not in the GPU table (conveyor profile --gpus), "
-                             "nor 'cpu'")
-        cost = CostModel.datasheet(peaks, config.model.dtype, spec, config.parallel.tensor_parallel_size)
-    tokenizer = _tokenizer(args.tokenizer)
+    config = load_config(args.config_file, dict(parse_override(o) for o in args.set))
+    spec = resolve_model(args.model)
+    peaks, cost = hardware_costs(args.hardware, config, spec)
+    requests = workload(args)
     runs = []
     for rate in args.request_rate:
-        workload = build_workload(args, args.num_requests, args.seed)
-        requests = [SimRequest(tokenizer.encode_chat(r.messages) if r.messages is not None else list(r.prompt),
-                               r.max_tokens) for r in workload]
         arrivals = [float(t) for t in arrival_times(len(requests), rate, args.burstiness, args.seed)]
         records, duration, _ = simulate(config, spec, requests, arrivals, cost, peaks)
         run = {"label": f"{args.model} on {peaks.name} (simulated)", "config": {"rate": rate},
@@ -329,7 +344,8 @@ def main(args) -> int:
     return 0
 
 
-def add_arguments(parser) -> None:
+def add_workload_arguments(parser) -> None:
+    """The arguments ``conveyor simulate`` and ``conveyor plan`` share: config, model, hardware, workload."""
     parser.add_argument("config_file", nargs="?", help="TOML config (scheduler, KV cache, quant, parallel)")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config key")
     parser.add_argument("--model", default="smollm2-135m",
@@ -339,12 +355,16 @@ def add_arguments(parser) -> None:
     parser.add_argument("--dataset", default="mixed", help="mixed | random | sharegpt:FILE (default: mixed)")
     parser.add_argument("--tokenizer", help="sizes the prompts (default: the default model's)")
     parser.add_argument("--num-requests", type=int, default=64)
-    parser.add_argument("--request-rate", type=lambda s: [float(r) for r in s.split(",")], default=[float("inf")],
-                        metavar="RATES", help="requests/s, comma-separated for several runs (default: inf)")
     parser.add_argument("--burstiness", type=float, default=1.0)
     parser.add_argument("--input-len", type=int, default=256)
     parser.add_argument("--output-len", type=int, default=None)
     parser.add_argument("--range-ratio", type=float, default=0.0)
     parser.add_argument("--seed", type=int, default=0)
+
+
+def add_arguments(parser) -> None:
+    add_workload_arguments(parser)
+    parser.add_argument("--request-rate", type=lambda s: [float(r) for r in s.split(",")], default=[float("inf")],
+                        metavar="RATES", help="requests/s, comma-separated for several runs (default: inf)")
     parser.add_argument("--goodput", nargs="+", metavar="METRIC:MS", default=[])
     parser.add_argument("--json", dest="json_path", metavar="OUT", help="the runs and the cost model, as JSON")

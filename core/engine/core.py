@@ -29,6 +29,7 @@ from conveyor.messages import (
     EngineOutputs,
     EngineReady,
     EngineRequest,
+    KVOwners,
     MessageType,
     RequestOutput,
     RunnerOutput,
@@ -44,6 +45,8 @@ logger = logging.getLogger("conveyor")
 
 # seconds to wait before stepping again while a batching scheduler collects requests (it ran nothing)
 COLLECT_WAIT = 0.002
+# seconds between the KV cache owner maps the steps carry (for the dashboard)
+KV_OWNERS_EVERY_S = 1.0
 
 
 @dataclass
@@ -89,6 +92,7 @@ class EngineCore:
         self.proposer = proposer(config.engine) if proposer is not None else None
         self.loras = LoraSlots(self.executor, config.lora.max_loras) if config.lora.max_loras else None
         self.num_steps = 0
+        self._kv_owners_time = 0.0
         # what a step computes and moves, and the peaks it is measured against (all devices together)
         self.costs = None if info.spec is None else ModelCosts.of(
             info.spec, info.weight_bytes, self.kvcache.layout.spec.bytes_per_head, DTYPE_BYTES[config.model.dtype])
@@ -255,6 +259,8 @@ class EngineCore:
         stats = self.stats()
         stats.num_prefill_tokens = batch.total_tokens - flight.num_decode
         stats.num_decode_tokens = flight.num_decode
+        stats.num_decode_seqs = flight.num_decode
+        stats.num_prefill_seqs = len(batch.requests) - flight.num_decode
         stats.schedule_time = flight.schedule_time
         stats.forward_time = result.forward_time
         stats.sample_time = result.sample_time
@@ -270,6 +276,15 @@ class EngineCore:
             busy = sum(r.busy for r in result.ranks)
             stats.bubble_fraction = sum(r.wait for r in result.ranks) / busy if busy else 0.0
         return outputs, stats
+
+    def _kv_owners(self) -> KVOwners | None:
+        """The running requests' blocks, every KV_OWNERS_EVERY_S seconds and once none runs."""
+        now = time.monotonic()
+        running = self.scheduler.running
+        if running and now - self._kv_owners_time < KV_OWNERS_EVERY_S:
+            return None
+        self._kv_owners_time = now
+        return KVOwners([r.request_id for r in running], [list(self.kvcache.block_ids(r)) for r in running])
 
     def _adapters_in_use(self) -> set[int]:
         requests = [*self.scheduler.requests.values(), *(r for r, _ in self.grammars.compiling.values())]
@@ -329,8 +344,10 @@ class EngineCore:
                            self.info.weight_bytes, self.peak_flops, self.peak_bytes_per_second)
 
     def stats(self) -> StepStats:
-        """The queues and the KV cache now (a step fills in its tokens and timings)."""
-        return StepStats(self.num_steps, time.time(), self.scheduler.stats(), self.kvcache.stats())
+        """The queues and the KV cache now, and who holds its blocks when that is due (a step fills in its tokens
+        and timings)."""
+        return StepStats(self.num_steps, time.time(), self.scheduler.stats(), self.kvcache.stats(),
+                         kv_owners=self._kv_owners())
 
     def _step_input(self, batch: ScheduledBatch) -> StepInput:
         now = time.time()

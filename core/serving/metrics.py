@@ -29,6 +29,7 @@ from collections.abc import Callable
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from conveyor.messages import EngineReady, StepStats
+from conveyor.serving.dashboard import DashboardFeed
 
 # seconds; fine at the low end where CPU decode steps live, up to minutes for long requests
 LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5,
@@ -174,6 +175,8 @@ class ServerMetrics:
         self._last_report = (time.monotonic(), 0, 0)
         # per replica: its latest step stats
         self.replica_stats: list[StepStats | None] = [None] * num_replicas
+        # what /dashboard shows
+        self.dashboard = DashboardFeed(num_replicas)
 
     def engine_ready(self, ready: EngineReady, replica: int = 0) -> None:
         """An engine (replica ``replica``) is ready: the first time, or after a restart."""
@@ -191,6 +194,7 @@ class ServerMetrics:
     def engine_step(self, stats: StepStats, replica: int = 0) -> None:
         """A step's stats (or a snapshot between steps) from engine replica ``replica``."""
         self.replica_stats[replica] = stats
+        self.dashboard.step(stats, replica)
         self.running[replica].set(stats.scheduler.num_running)
         self.waiting[replica].set(stats.scheduler.num_waiting)
         self.kv_usage[replica].set(stats.kv.usage)
@@ -242,6 +246,7 @@ class ServerMetrics:
 
     def first_token(self, ttft: float, queue_time: float, num_prompt_tokens: int) -> None:
         self.ttft.observe(ttft)
+        self.dashboard.first_token(ttft)
         self.queue_time.observe(queue_time)
         self.prompt_tokens.inc(num_prompt_tokens)
         self.generation_tokens.inc()
@@ -250,6 +255,7 @@ class ServerMetrics:
 
     def next_token(self, itl: float) -> None:
         self.itl.observe(itl)
+        self.dashboard.next_token(itl)
         self.generation_tokens.inc()
         self._num_generation_tokens += 1
 

@@ -5,7 +5,9 @@ Routes: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET
 /v1/load_lora_adapter`` and ``/v1/unload_lora_adapter`` (only with an API
 key), ``GET /health`` (503 while the engine is down or the server drains),
 ``GET /metrics`` (Prometheus text), ``GET /openapi.json`` (this API as an
-OpenAPI document). Errors use OpenAI's error JSON
+OpenAPI document), ``GET /dashboard`` (a live page of the engine's steps, KV
+blocks, queues, latencies and the doctor's verdict; its data, ``GET
+/dashboard/data``, needs the API key like the API). Errors use OpenAI's error JSON
 with the status that says why. A client that disconnects, streaming or not,
 aborts its request in the engine at once.
 """
@@ -13,6 +15,7 @@ aborts its request in the engine at once.
 from __future__ import annotations
 
 import hmac
+import importlib.resources
 import logging
 import os
 import socket
@@ -26,8 +29,9 @@ import uvicorn
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.applications import Starlette
 from starlette.requests import Request
-from starlette.responses import Response
-from starlette.routing import Route
+from starlette.responses import FileResponse, Response
+from starlette.routing import Mount, Route
+from starlette.staticfiles import StaticFiles
 from starlette.types import Receive, Scope, Send
 
 from conveyor.hookspecs import hookimpl
@@ -39,6 +43,9 @@ from conveyor.sampling import StructuredOutput
 from conveyor.transport import Chunk, Frontend, RequestError, Transport
 
 logger = logging.getLogger("conveyor")
+
+# the dashboard's page, script and its chart library (uPlot, MIT), served from the package
+STATIC = importlib.resources.files("conveyor.serving") / "static"
 
 Emit = Callable[[dict[str, Any]], Awaitable[None]]
 
@@ -190,6 +197,9 @@ class HTTPTransport(Transport):
                 Route("/health", routes.health, methods=["GET"]),
                 Route("/metrics", routes.metrics, methods=["GET"]),
                 Route("/openapi.json", routes.openapi, methods=["GET"]),
+                Route("/dashboard", routes.dashboard, methods=["GET"]),
+                Route("/dashboard/data", routes.dashboard_data, methods=["GET"]),
+                Mount("/dashboard/static", StaticFiles(packages=[("conveyor.serving", "static")])),
             ],
             exception_handlers={404: routes.not_found, 405: routes.not_allowed, Exception: routes.internal_error},
         )
@@ -226,6 +236,18 @@ class _Routes:
     async def metrics(self, request: Request) -> Response:
         body = self.frontend.metrics.render(self.frontend.engine_alive, self.frontend.num_in_flight)
         return Response(body, media_type=CONTENT_TYPE_LATEST)
+
+    async def dashboard(self, request: Request) -> Response:
+        """The page (no data in it: it asks ``/dashboard/data``, with the key where the server has one)."""
+        return FileResponse(str(STATIC / "dashboard.html"))
+
+    async def dashboard_data(self, request: Request) -> Response:
+        if (denied := self._check_key(request)) is not None:
+            return denied
+        frontend = self.frontend
+        feed = frontend.metrics.dashboard
+        feed.read_metrics(lambda: frontend.metrics.render(frontend.engine_alive, frontend.num_in_flight))
+        return json_response({"model": frontend.model_name, "in_flight": frontend.num_in_flight, **feed.snapshot()})
 
     async def models(self, request: Request) -> Response:
         if (denied := self._check_key(request)) is not None:

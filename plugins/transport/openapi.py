@@ -78,7 +78,7 @@ def openapi_document(api_key: bool, models: list[str], max_model_len: int, vocab
     """The document.
 
     Args:
-        api_key: the routes need a bearer token (all but /health, /metrics and this one).
+        api_key: the routes need a bearer token (all but /health, /metrics, /dashboard's page and this one).
         models: the names ``model`` may take (the base model's and its adapters').
         max_model_len: the longest prompt + output (0 while the engine starts).
         vocab_size: token ids in a prompt are below it.
@@ -122,6 +122,10 @@ def openapi_document(api_key: bool, models: list[str], max_model_len: int, vocab
         "/metrics": get("metrics", {"description": "Prometheus text",
                                     "content": {"text/plain": {"schema": {"type": "string"}}}}, open_route=True),
         "/openapi.json": get("openapi", _json({"type": "object"}, "this document"), open_route=True),
+        "/dashboard": get("dashboard", {"description": "the live dashboard's page (it holds no data)",
+                                        "content": {"text/html": {"schema": {"type": "string"}}}}, open_route=True),
+        "/dashboard/data": get("dashboardData", _json({"type": "object"}, "what the dashboard draws"),
+                               *(("401",) if api_key else ())),
     }
     if api_key:  # (without a key the adapter routes answer 403)
         adapters = ("400", "401", "404", "413")

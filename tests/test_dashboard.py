@@ -1,0 +1,168 @@
+"""The live dashboard: its feed's arithmetic against references computed here, and the page itself in headless
+Chromium (the system's, driven by playwright) on a real server under load."""
+
+from __future__ import annotations
+
+import shutil
+import threading
+import time
+
+import anyio
+import httpx
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from conveyor.bench.datasets import shared_system_prompt
+from conveyor.bench.load import BenchRequest, LoadOptions, run_load
+from conveyor.messages import KVCacheStats, KVOwners, SchedulerStats, StepStats
+from conveyor.serving.dashboard import SERIES, DashboardFeed, block_runs
+from tests.server import Server
+
+
+@given(st.lists(st.integers(-2, 40), max_size=30))
+def test_block_runs_expand_back_to_the_blocks_in_the_pool(blocks):
+    runs = block_runs(blocks, 32)
+    assert [b for first, count in runs for b in range(first, first + count)] == [b for b in blocks if 0 <= b < 32]
+    assert all(count >= 1 for _, count in runs)
+
+
+class Clock:
+    def __init__(self, now: float):
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def step(num: int, prefill: int, decode: int, forward: float, mfu: float, running: int = 3, owners=None):
+    kv = KVCacheStats(usage=0.25, num_blocks=16, num_free_blocks=12, block_size=16)
+    return StepStats(num, 0.0, SchedulerStats(num_running=running, num_waiting=2), kv, num_prefill_tokens=prefill,
+                     num_decode_tokens=decode, num_prefill_seqs=1 if prefill else 0, num_decode_seqs=decode,
+                     forward_time=forward, mfu=mfu, mbu=2 * mfu, kv_owners=owners)
+
+
+def test_the_feed_bins_tokens_by_second_and_weights_utilization_by_forward_time():
+    clock = Clock(1000.2)
+    feed = DashboardFeed(clock=clock)
+    rng = np.random.default_rng(0)
+    itls = rng.exponential(0.03, 200)
+    ttfts = rng.exponential(0.3, 7)
+    for x in ttfts:
+        feed.first_token(float(x))
+    for x in itls:
+        feed.next_token(float(x))
+    feed.step(step(1, 40, 3, 0.02, 0.5))
+    feed.step(step(2, 0, 4, 0.06, 0.1, owners=KVOwners(["a", "b"], [[0, 1, 2], [0, 1, 5]])))
+    clock.now = 1003.7  # one busy second, two idle ones, and the open one
+    data = feed.snapshot()
+    rows = [dict(zip(SERIES, r)) for r in zip(*data["series"].values())]
+    assert [r["t"] for r in rows] == [1000, 1001, 1002]
+    busy = rows[0]
+    assert busy["ttft_p50_ms"] == pytest.approx(np.quantile(ttfts, 0.5, method="inverted_cdf") * 1e3, abs=1e-3)
+    assert busy["ttft_p99_ms"] == pytest.approx(np.quantile(ttfts, 0.99, method="inverted_cdf") * 1e3, abs=1e-3)
+    assert busy["itl_p50_ms"] == pytest.approx(np.quantile(itls, 0.5, method="inverted_cdf") * 1e3, abs=1e-3)
+    assert busy["itl_p99_ms"] == pytest.approx(np.quantile(itls, 0.99, method="inverted_cdf") * 1e3, abs=1e-3)
+    assert busy["output_tokens_per_s"] == 207
+    assert busy["mfu"] == pytest.approx((0.5 * 0.02 + 0.1 * 0.06) / 0.08)
+    assert busy["mbu"] == pytest.approx(2 * busy["mfu"])
+    assert (busy["running"], busy["waiting"], busy["kv_usage"]) == (3, 2, 0.25)
+    for idle in rows[1:]:
+        assert idle["output_tokens_per_s"] == 0 and idle["itl_p50_ms"] is None and idle["mfu"] is None
+    assert data["steps"]["prefill_tokens"] == [40, 0] and data["steps"]["decode_seqs"] == [3, 4]
+    owners = data["replicas"][0]["owners"]
+    assert owners == [{"request_id": "a", "blocks": [[0, 3]]}, {"request_id": "b", "blocks": [[0, 2], [5, 1]]}]
+    # a step with no owners keeps the last map; seconds past the kept history are dropped
+    feed.step(step(3, 0, 4, 0.01, 0.1))
+    clock.now += 10_000
+    data = feed.snapshot()
+    assert data["replicas"][0]["owners"] == owners
+    assert len(data["series"]["t"]) == 300 and data["series"]["t"][-1] == int(clock.now) - 1
+
+
+# --- the page in Chromium, on a real server ---
+
+KEY = "dashboard-key-5678"
+CONFIG = """
+[scheduler]
+max_num_seqs = 8
+
+[server]
+status_interval = 5.0
+
+[[transport]]
+plugin = "http"
+port = 0
+api_key_env = "CONVEYOR_TEST_KEY"
+"""
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(CHROMIUM is None, reason="no system Chromium (apt-get install chromium; .ci/run installs it)")
+def test_the_dashboard_in_chromium_follows_a_server_under_load(tmp_path):
+    from playwright.sync_api import sync_playwright
+
+    server = Server(CONFIG, tmp_path, env={"CONVEYOR_TEST_KEY": KEY}).start()
+    try:
+        # the data needs the API key like the API; the page itself holds no data
+        denied = httpx.get(f"{server.http}/dashboard/data")
+        assert denied.status_code == 401 and "API key" in denied.json()["error"]["message"]
+        assert httpx.get(f"{server.http}/dashboard").headers["content-type"].startswith("text/html")
+        auth = {"Authorization": f"Bearer {KEY}"}
+        model = httpx.get(f"{server.http}/v1/models", headers=auth).json()["data"][0]["id"]
+        requests = [BenchRequest(c.messages, None, 0, c.max_tokens) for c in shared_system_prompt(32, seed=3)]
+        load = threading.Thread(target=anyio.run, daemon=True, args=(
+            run_load, server.http, model, requests, LoadOptions(rate=8.0, api_key=KEY, ignore_eos=True, seed=2)))
+        with sync_playwright() as p:
+            browser = p.chromium.launch(executable_path=CHROMIUM)
+            page = browser.new_page(viewport={"width": 1100, "height": 1300})
+            errors, elsewhere = [], []
+            page.on("pageerror", lambda e: errors.append(str(e)))
+            # offline: nothing but this server is asked for anything
+            page.route("**/*", lambda route: route.continue_() if route.request.url.startswith(server.http)
+                       else (elsewhere.append(route.request.url), route.abort()))
+            page.goto(f"{server.http}/dashboard")
+            page.wait_for_selector("#key-form", state="visible")  # no key yet: the page asks for it
+            page.fill("#key", KEY)
+            page.click("#key-form button")
+            page.wait_for_function("window.conveyor.polls >= 1")
+            load.start()
+            seen = []  # (the last step drawn, the output tok/s points drawn, shared blocks, data)
+            while load.is_alive():
+                time.sleep(1.0)
+                seen.append(page.evaluate("""() => {
+                    const c = window.conveyor, steps = c.charts.batch.data[0];
+                    return [steps[steps.length - 1] ?? 0, c.charts.throughput.data[1].filter(v => v > 0).length,
+                            c.kvSharedBlocks ?? 0, c.last]}"""))
+            load.join()
+            time.sleep(2.5)  # the last tokens' second closes; the engine has sent its empty map
+            page.wait_for_function("window.conveyor.last.in_flight === 0 && window.conveyor.polls > 0")
+            polls = page.evaluate("window.conveyor.polls")
+            page.wait_for_function(f"window.conveyor.polls > {polls}")
+            final = page.evaluate("window.conveyor.last")
+            verdict = page.inner_text("#verdict-name")
+            page.screenshot(path=str(tmp_path / "dashboard.png"), full_page=True)
+            browser.close()
+        generated = server.metric("conveyor_generation_tokens_total")
+    finally:
+        assert server.stop() == 0, server.output
+    assert not errors and not elsewhere, (errors, elsewhere)
+    # the charts moved while the load ran: new steps, new seconds of tokens
+    last_steps = [s[0] for s in seen]
+    assert len(set(last_steps)) >= 3 and last_steps == sorted(last_steps), last_steps
+    assert seen[-1][1] > seen[0][1], [s[1] for s in seen]
+    # the KV map: what the requests hold is what the cache counts as not free, at the same step; the shared
+    # system prompt shows as blocks several requests hold
+    for *_, data in seen:
+        kv = data["replicas"][0]
+        if kv is None:  # no step yet
+            continue
+        held = {b for owner in kv["owners"] for first, count in owner["blocks"] for b in range(first, first + count)}
+        assert len(held) == kv["num_blocks"] - kv["num_free_blocks"], kv
+    assert max(s[2] for s in seen) > 0
+    assert final["replicas"][0]["owners"] == []
+    # every token the server counted is in the per-second chart
+    assert sum(final["series"]["output_tokens_per_s"]) == generated
+    assert verdict not in ("-", "collecting /metrics...") and final["verdict"]["window"]["steps"] > 0

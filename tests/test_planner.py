@@ -1,0 +1,113 @@
+"""``conveyor plan``: SLO parsing, and the configs it prints checked by simulating them again, apart from the
+planner."""
+
+from __future__ import annotations
+
+import logging
+import random
+import subprocess
+import sys
+
+import pytest
+
+from conveyor.bench.arrivals import arrival_times
+from conveyor.bench.planner import Candidate, Planner, Slo, format_plan, parse_slos
+from conveyor.bench.simulator import MODELS, CostModel, SimRequest, simulate
+from conveyor.bench.stats import summarize
+from conveyor.config import load_config
+from conveyor.engine.peaks import gpu_peaks
+
+SLOS = "ttft_p99=400ms,itl_p99=40ms"
+# a small search: two budgets and two batch sizes, block sizes 16 and 32
+GRID = {"seqs": (32, 128), "tokens": (512, 4096)}
+
+
+def test_slos_parse_with_units_and_refuse_unknown_names():
+    assert parse_slos("ttft_p99=0.5s, itl_p50=40") == [Slo("ttft", "p99", 500.0), Slo("itl", "p50", 40.0)]
+    for bad in ("ttft=500ms", "ttfb_p99=5ms", "itl_p99=fast", ""):
+        with pytest.raises(ValueError, match="--slo"):
+            parse_slos(bad)
+
+
+def workload(n: int = 32, seed: int = 0) -> tuple[list[SimRequest], list[float]]:
+    rng = random.Random(seed)
+    requests = [SimRequest([rng.randrange(100, 30000) for _ in range(rng.randint(200, 1800))], rng.randint(32, 160))
+                for _ in range(n)]
+    return requests, [float(t) for t in arrival_times(n, 1.0, 1.0, seed)]
+
+
+@pytest.fixture(scope="module")
+def plan(tmp_path_factory):
+    logging.getLogger("conveyor").setLevel(logging.WARNING)
+    requests, arrivals = workload()
+    planner = Planner(None, {"model.max_model_len": 4096}, MODELS["llama-3-8b"], "h100", requests, arrivals,
+                      parse_slos(SLOS), gpus=2)
+    return planner, planner.rounds(grid=GRID)
+
+
+def test_the_best_config_printed_meets_the_slos_when_simulated_again(plan, tmp_path):
+    planner, candidates = plan
+    best = candidates[0]
+    assert best.capacity > 0
+    # the TOML as printed, loaded as a config file
+    text = format_plan(planner, candidates, 1, "plan")
+    path = tmp_path / "best.toml"
+    path.write_text(text.split("\n", 3)[3])
+    config = load_config(path)
+    assert config.parallel.tensor_parallel_size * config.parallel.data_parallel_size == 2
+    assert config.scheduler.options.max_num_batched_tokens == best.keys.get("scheduler.max_num_batched_tokens",
+                                                                            config.scheduler.options.max_num_batched_tokens)
+    # each replica takes every other request at half the rate, simulated here on its own
+    replicas = config.parallel.data_parallel_size
+    requests, arrivals = workload()
+    mine = requests[::replicas]
+    share = best.capacity / replicas
+    peaks = gpu_peaks("h100")
+    cost = CostModel.datasheet(peaks, config.model.dtype, MODELS["llama-3-8b"], config.parallel.tensor_parallel_size)
+    records, duration, _ = simulate(config, MODELS["llama-3-8b"], mine, [t / share for t in arrivals[::replicas]],
+                                    cost, peaks)
+    summary = summarize(records, duration)
+    assert summary["failed"] == 0
+    assert summary["ttft_ms"]["p99"] <= 400 and summary["itl_ms"]["p99"] <= 40, summary
+
+
+def test_the_search_covers_the_grid_and_ranks_by_capacity(plan):
+    _, candidates = plan
+    capacities = [c.capacity for c in candidates]
+    assert capacities == sorted(capacities, reverse=True)
+    keys = [c.keys for c in candidates]
+    # round 1: TP 1 and 2 x three weight formats x two KV dtypes (an H100 has fp8 matmuls)
+    assert {(k["parallel.tensor_parallel_size"], k["quant.plugin"], k["kvcache.dtype"]) for k in keys} == {
+        (tp, q, kv) for tp in (1, 2) for q in ("none", "int8", "fp8") for kv in ("auto", "fp8")}
+    assert {k.get("scheduler.max_num_batched_tokens") for k in keys} == {None, 512, 4096}
+    assert {k.get("kvcache.block_size") for k in keys} == {None, 16, 32}
+
+
+def test_a_tighter_slo_carries_no_more_and_an_impossible_one_nothing():
+    requests, arrivals = workload(32, seed=1)
+    spec = MODELS["llama-3-8b"]
+    grid = {"tp": (1,), "quant": ("none",), "kv": ("auto",), "seqs": (64,), "tokens": (512,), "block": (16,)}
+    capacity = {}
+    for slo in ("ttft_p99=2s,itl_p99=200ms", "ttft_p99=300ms,itl_p99=30ms", "ttft_p99=1ms"):
+        planner = Planner(None, {"model.max_model_len": 4096}, spec, "h100", requests, arrivals, parse_slos(slo))
+        capacity[slo] = planner.rounds(grid=grid)[0].capacity
+    loose, tight, impossible = capacity.values()
+    assert loose >= tight > 0
+    assert impossible == 0  # a 1 ms TTFT is below one step's overhead
+
+
+def test_a_model_too_large_for_the_gpus_is_refused_with_the_reason():
+    requests, arrivals = workload(8)
+    planner = Planner(None, {}, MODELS["llama-3-70b"], "h100", requests, arrivals, parse_slos("ttft_p99=5s"))
+    grid = {"quant": ("none",), "kv": ("auto",), "seqs": (64,), "tokens": (512,), "block": (16,)}
+    assert planner.rounds(grid=grid) == []
+    candidate = planner.evaluate(Candidate({}))
+    assert candidate.capacity is None and "do not fit" in candidate.error
+
+
+def test_the_command_line_exits_1_when_no_config_meets_the_slos():
+    result = subprocess.run([sys.executable, "-m", "conveyor", "plan", "--model", "llama-3-8b", "--hardware", "h100",
+                             "--slo", "ttft_p99=1ms", "--num-requests", "4", "--set", "scheduler.max_num_seqs=8"],
+                            capture_output=True, text=True, timeout=300, check=False)
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert "meets the SLOs at no rate tried" in result.stdout
