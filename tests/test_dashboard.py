@@ -112,7 +112,7 @@ def test_the_dashboard_in_chromium_follows_a_server_under_load(tmp_path):
         assert httpx.get(f"{server.http}/dashboard").headers["content-type"].startswith("text/html")
         auth = {"Authorization": f"Bearer {KEY}"}
         model = httpx.get(f"{server.http}/v1/models", headers=auth).json()["data"][0]["id"]
-        requests = [BenchRequest(c.messages, None, 0, c.max_tokens) for c in shared_system_prompt(32, seed=3)]
+        requests = [BenchRequest(c.messages, None, 0, c.max_tokens) for c in shared_system_prompt(24, seed=3)]
         load = threading.Thread(target=anyio.run, daemon=True, args=(
             run_load, server.http, model, requests, LoadOptions(rate=8.0, api_key=KEY, ignore_eos=True, seed=2)))
         with sync_playwright() as p:

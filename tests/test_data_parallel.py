@@ -333,7 +333,7 @@ def test_one_engine_has_no_replica_label():
 
 # ---------------------------------------------------------------- a real server with two engine replicas
 
-NUM_REQUESTS = 40
+NUM_REQUESTS = 24
 SYSTEM = ("You are a patient teacher. Answer in one short sentence, use simple words, and never use lists. "
           "If the question is about numbers, show the result first.")
 

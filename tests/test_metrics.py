@@ -212,3 +212,69 @@ def test_parallel_metrics_carry_the_replica_label_with_several_replicas():
         assert label_sets(name) == {(("model_name", MODEL),)}
     comm = families["conveyor_step_comm_seconds"].samples
     assert next(s.value for s in comm if s.name == "conveyor_step_comm_seconds_count") == 2  # both replicas' steps
+
+
+class FakeNvml:
+    """NVML (its names) for two GPUs whose readings the test sets (no GPU or driver here)."""
+
+    NVMLError = RuntimeError
+
+    def __init__(self):
+        from types import SimpleNamespace
+
+        self.readings = {0: (37, 30e9, 80e9), 1: (100, 79e9, 80e9)}
+        self.namespace = SimpleNamespace
+        self.inits = 0
+
+    def nvmlInit(self):
+        self.inits += 1
+
+    def nvmlDeviceGetCount(self):
+        return len(self.readings)
+
+    def nvmlDeviceGetHandleByIndex(self, i):
+        return i
+
+    def nvmlDeviceGetUtilizationRates(self, handle):
+        return self.namespace(gpu=self.readings[handle][0], memory=0)
+
+    def nvmlDeviceGetMemoryInfo(self, handle):
+        _, used, total = self.readings[handle]
+        return self.namespace(used=used, total=total, free=total - used)
+
+
+def ready(device: str) -> EngineReady:
+    return EngineReady(1, 256, 50, 16, 3.0, 1.0, device)
+
+
+def test_gpu_utilization_and_memory_come_from_nvml_at_each_scrape(monkeypatch):
+    nvml = FakeNvml()
+    monkeypatch.setitem(__import__("sys").modules, "pynvml", nvml)
+    metrics = ServerMetrics(MODEL)
+    metric = Exposition(metrics)
+    metrics.engine_ready(ready("cuda:0"))
+    metrics.engine_ready(ready("cuda:0"))  # a restart starts NVML no second time
+    assert nvml.inits == 1
+    assert metric("conveyor_gpu_utilization_ratio", gpu="0") == 0.37
+    assert metric("conveyor_gpu_memory_used_bytes", gpu="1") == 79e9
+    assert metric("conveyor_gpu_memory_total_bytes", gpu="1") == 80e9
+    nvml.readings[0] = (5, 31e9, 80e9)  # read again at the next scrape
+    assert metric("conveyor_gpu_utilization_ratio", gpu="0") == 0.05
+    assert metric("conveyor_gpu_memory_used_bytes", gpu="0") == 31e9
+
+
+def test_without_a_gpu_or_its_driver_there_are_no_gpu_metrics():
+    cpu = ServerMetrics(MODEL)
+    cpu.engine_ready(ready("cpu"))
+    assert cpu.gpus is None
+    # the real NVML package, on a machine without the driver (or with no GPU): it cannot start, nothing breaks
+    cuda = ServerMetrics(MODEL)
+    cuda.engine_ready(ready("cuda:0"))
+    pynvml = pytest.importorskip("pynvml")
+    try:
+        pynvml.nvmlInit()
+        pytest.skip("this machine has NVML")
+    except pynvml.NVMLError:
+        pass
+    assert cuda.gpus is None
+    assert not any(name.startswith("conveyor_gpu_") for name in Exposition(cuda).families(with_samples=False))

@@ -107,7 +107,8 @@ def test_a_model_too_large_for_the_gpus_is_refused_with_the_reason():
 
 def test_the_command_line_exits_1_when_no_config_meets_the_slos():
     result = subprocess.run([sys.executable, "-m", "conveyor", "plan", "--model", "llama-3-8b", "--hardware", "h100",
-                             "--slo", "ttft_p99=1ms", "--num-requests", "4", "--set", "scheduler.max_num_seqs=8"],
+                             "--slo", "ttft_p99=1ms", "--num-requests", "2", "--dataset", "random", "--input-len", "16",
+                             "--output-len", "2"],
                             capture_output=True, text=True, timeout=300, check=False)
     assert result.returncode == 1, result.stdout + result.stderr
     assert "meets the SLOs at no rate tried" in result.stdout

@@ -18,6 +18,9 @@ only: per-step histograms of the time in collectives and transfers vs compute an
 of the pipeline's bubble fraction (global, like the engine step time), each
 worker's step time labelled by ``rank`` (and ``replica``), and a smoothed bubble
 gauge per engine. A single-worker server exports these families without samples.
+
+Engines on CUDA add NVML's utilization and memory per GPU where nvidia-ml-py and the
+driver are there (``conveyor.serving.nvml``).
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 
 from conveyor.messages import EngineReady, StepStats
 from conveyor.serving.dashboard import DashboardFeed
+from conveyor.serving.nvml import GpuGauges
 
 # seconds; fine at the low end where CPU decode steps live, up to minutes for long requests
 LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5,
@@ -177,6 +181,9 @@ class ServerMetrics:
         self.replica_stats: list[StepStats | None] = [None] * num_replicas
         # what /dashboard shows
         self.dashboard = DashboardFeed(num_replicas)
+        # NVML's GPU utilization and memory, once an engine runs on CUDA (None: not started or not available)
+        self.gpus: GpuGauges | None = None
+        self._nvml_tried = False
 
     def engine_ready(self, ready: EngineReady, replica: int = 0) -> None:
         """An engine (replica ``replica``) is ready: the first time, or after a restart."""
@@ -190,6 +197,9 @@ class ServerMetrics:
         self.max_concurrency[replica].set(ready.max_concurrency)
         self.peak_flops[replica].set(ready.peak_flops)
         self.peak_bandwidth[replica].set(ready.peak_bytes_per_second)
+        if ready.device.startswith("cuda") and not self._nvml_tried:
+            self._nvml_tried = True
+            self.gpus = GpuGauges.start(self.registry, self._model_name)
 
     def engine_step(self, stats: StepStats, replica: int = 0) -> None:
         """A step's stats (or a snapshot between steps) from engine replica ``replica``."""
@@ -270,6 +280,8 @@ class ServerMetrics:
             alive = self._replica_alive(replica) if self._replica_alive is not None else engine_alive
             gauge.set(1 if alive else 0)
         self.in_flight.set(num_in_flight)
+        if self.gpus is not None:
+            self.gpus.update()
         return generate_latest(self.registry)
 
     @property
