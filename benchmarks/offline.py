@@ -31,7 +31,7 @@ import torch
 
 from conveyor import LLM
 from conveyor.bench.datasets import mixed
-from conveyor.bench.floors import linear_flops_per_token, linear_seconds, matmul_flops
+from conveyor.bench.floors import linear_flops_per_token, linear_seconds, matmul_flops, read_bandwidth
 from conveyor.config import load_config
 from conveyor.messages import StepStats
 from conveyor.model.checkpoint import resolve_model_path
@@ -65,6 +65,9 @@ class Result:
     wasted_slots: int = 0
     # output tokens/s this machine allows for the steps this system ran (Conveyor only; 0: not measured)
     ceiling: float = 0.0
+    # the same, with the steps' other memory traffic (K and V read and written, activations) at the measured
+    # read bandwidth: attention's part that no kernel can skip
+    ceiling_with_kv: float = 0.0
 
     @property
     def tokens_per_s(self) -> float:
@@ -87,7 +90,7 @@ def progress(name: str, done: int, total: int, tokens: int, start: float, last: 
 
 
 def run_conveyor(name: str, prompts: list[list[int]], max_tokens: list[int], dtype: str, kv_gb: float,
-                 matmul_rate: float) -> Result:
+                 matmul_rate: float, bandwidth: float) -> Result:
     """The workload through ``LLM.generate``: the engine path the server takes, in this process."""
     config_file, overrides = SYSTEMS[name]
     llm = LLM(CONFIGS / config_file, {"model.dtype": dtype, "kvcache.memory_gb": kv_gb, **overrides})
@@ -97,12 +100,15 @@ def run_conveyor(name: str, prompts: list[list[int]], max_tokens: list[int], dty
     finished_before = llm.engine.scheduler.stats().num_finished
     peaks = {"reserved": 0, "used": 0, "tokens": 0}
     steps: list[tuple[int, int]] = []  # (prompt tokens, decode tokens) of each step
+    other_bytes = [0.0]  # the steps' memory traffic besides the weights (conveyor.engine.roofline)
+    weight_bytes = llm.engine.info.weight_bytes
     start = time.perf_counter()
     last = [start]
 
     def observe(stats: StepStats) -> None:
         if stats.num_prefill_tokens or stats.num_decode_tokens:
             steps.append((stats.num_prefill_tokens, stats.num_decode_tokens))
+            other_bytes[0] += max(0.0, stats.bytes_moved - weight_bytes)
         peaks["reserved"] = max(peaks["reserved"], stats.kv.reserved_tokens)
         peaks["used"] = max(peaks["used"], stats.kv.used_tokens)
         peaks["tokens"] += stats.num_decode_tokens
@@ -122,7 +128,7 @@ def run_conveyor(name: str, prompts: list[list[int]], max_tokens: list[int], dty
         name, output_tokens, seconds, sum(latencies) / len(latencies),
         percentile(latencies, 99), peaks["reserved"] * bytes_per_token / 2**20,
         peaks["used"] * bytes_per_token / 2**20, scheduler.num_preemptions, scheduler.num_wasted_slots,
-        output_tokens / ceiling_s,
+        output_tokens / ceiling_s, output_tokens / (ceiling_s + other_bytes[0] / bandwidth),
     )
 
 
@@ -184,7 +190,8 @@ def run_transformers(prompts: list[list[int]], max_tokens: list[int], dtype: str
 
 def table(results: list[Result]) -> str:
     header = (
-        f"| {'system':<38} | tokens/s | ceiling tokens/s | of ceiling | mean latency s | P99 latency s |"
+        f"| {'system':<38} | tokens/s | ceiling tokens/s | of ceiling | with KV reads | of it |"
+        " mean latency s | P99 latency s |"
         " KV reserved MiB | KV used MiB | preemptions | wasted slots |"
     )
     lines = [header, "|" + "|".join("-" * (len(c)) for c in header.split("|")[1:-1]) + "|"]
@@ -192,6 +199,7 @@ def table(results: list[Result]) -> str:
         lines.append(
             f"| {r.system:<38} | {r.tokens_per_s:>8.1f} | {r.ceiling:>16.0f} |"
             f" {f'{r.tokens_per_s / r.ceiling:.0%}' if r.ceiling else '-':>10} |"
+            f" {r.ceiling_with_kv:>13.0f} | {f'{r.tokens_per_s / r.ceiling_with_kv:.0%}' if r.ceiling else '-':>5} |"
             f" {r.mean_latency:>14.1f} | {r.p99_latency:>13.1f} |"
             f" {r.kv_reserved_mib:>15.0f} | {r.kv_used_mib:>11.0f} | {r.preemptions:>11} | {r.wasted_slots:>12} |"
         )
@@ -221,7 +229,9 @@ def main() -> None:
         flush=True,
     )
     matmul_rate = matmul_flops(getattr(torch, args.dtype))
-    print(f"matmul: {matmul_rate / 1e9:.0f} GFLOP/s ({args.dtype}, 2048^3)", flush=True)
+    bandwidth = read_bandwidth()
+    print(f"matmul: {matmul_rate / 1e9:.0f} GFLOP/s ({args.dtype}, 2048^3); read bandwidth {bandwidth / 1e9:.1f} GB/s",
+          flush=True)
     names = args.only or [*SYSTEMS, "transformers"]
     results = []
     for name in names:
@@ -229,7 +239,7 @@ def main() -> None:
         if name == "transformers":
             results.append(run_transformers(prompts, max_tokens, args.dtype, args.hf_batch_size))
         else:
-            results.append(run_conveyor(name, prompts, max_tokens, args.dtype, args.kv_gb, matmul_rate))
+            results.append(run_conveyor(name, prompts, max_tokens, args.dtype, args.kv_gb, matmul_rate, bandwidth))
         gc.collect()
     print()
     print(table(results))
