@@ -277,6 +277,8 @@ def main(args) -> int:
     from conveyor.config import parse_override
 
     slos = parse_slos(args.slo)
+    if args.gpus < 1 or (args.hardware == "cpu" and args.gpus != 1):
+        raise ValueError(f"--gpus {args.gpus}: give 1 or more GPUs of --hardware (this CPU counts as one device)")
     spec = resolve_model(args.model)
     requests = workload(args)
     arrivals = [float(t) for t in arrival_times(len(requests), 1.0, args.burstiness, args.seed)]
