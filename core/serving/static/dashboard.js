@@ -164,9 +164,14 @@ async function poll() {
     document.getElementById("status").textContent = "waiting for the API key";
     return;
   }
-  const data = await response.json();
+  let data;
+  try {
+    data = await response.json();
+  } catch (e) {
+    data = { error: { message: `not JSON (${e})` } };
+  }
   if (!response.ok) {
-    document.getElementById("status").textContent = `error ${response.status}: ${data.error.message}`;
+    document.getElementById("status").textContent = `error ${response.status}: ${data.error?.message}`;
     return;
   }
   document.getElementById("key-form").style.display = "none";
