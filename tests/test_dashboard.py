@@ -73,6 +73,18 @@ def test_the_feed_bins_tokens_by_second_and_weights_utilization_by_forward_time(
     assert data["steps"]["prefill_tokens"] == [40, 0] and data["steps"]["decode_seqs"] == [3, 4]
     owners = data["replicas"][0]["owners"]
     assert owners == [{"request_id": "a", "blocks": [[0, 3]]}, {"request_id": "b", "blocks": [[0, 2], [5, 1]]}]
+    # the queue: requests without a token yet, oldest first, with their ages
+    feed.pending("x", 12)
+    clock.now += 0.5
+    feed.pending("y", 30)
+    feed.pending("z", 5)
+    feed.answered("y")
+    clock.now += 0.25
+    assert feed.snapshot()["queue"] == {"count": 2, "oldest": [["x", 0.75, 12], ["z", 0.25, 5]]}
+    feed.answered("x")
+    feed.answered("z")
+    feed.answered("z")  # (a request ends after its first token: answered twice)
+    assert feed.snapshot()["queue"] == {"count": 0, "oldest": []}
     # a step with no owners keeps the last map; seconds past the kept history are dropped
     feed.step(step(3, 0, 4, 0.01, 0.1))
     clock.now += 10_000
@@ -128,7 +140,11 @@ def test_the_dashboard_in_chromium_follows_a_server_under_load(tmp_path):
             page.fill("#key", KEY)
             page.click("#key-form button")
             page.wait_for_function("window.conveyor.polls >= 1")
-            load.start()
+            with server.paused_engine():  # the first requests queue: no token can come
+                load.start()
+                page.wait_for_function("window.conveyor.last.queue.count >= 3")
+                queue, rows = page.evaluate("""() => [window.conveyor.last.queue,
+                    [...document.querySelectorAll('#queue tr')].map(row => row.innerText)]""")
             seen = []  # (the last step drawn, the output tok/s points drawn, shared blocks, data)
             while load.is_alive():
                 time.sleep(1.0)
@@ -149,6 +165,10 @@ def test_the_dashboard_in_chromium_follows_a_server_under_load(tmp_path):
     finally:
         assert server.stop() == 0, server.output
     assert not errors and not elsewhere, (errors, elsewhere)
+    # the queue, oldest first, as the page lists it
+    ages = [age for _, age, _ in queue["oldest"]]
+    assert ages == sorted(ages, reverse=True) and len(rows) == len(queue["oldest"]) == min(queue["count"], 10)
+    assert all(tokens > 0 for *_, tokens in queue["oldest"]) and queue["oldest"][0][0] in rows[0]
     # the charts moved while the load ran: new steps, new seconds of tokens
     last_steps = [s[0] for s in seen]
     assert len(set(last_steps)) >= 3 and last_steps == sorted(last_steps), last_steps

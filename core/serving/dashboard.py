@@ -10,11 +10,14 @@ The page polls ``GET /dashboard/data`` (JSON, the shape of ``DashboardFeed.snaps
 - ``replicas``: each engine's queues now, and its KV block map: which running request holds which blocks,
   as runs ``[first block, count]`` (a block two requests hold is a shared prefix block), with the free
   blocks counted at the same step;
+- ``queue``: the requests the frontend has sent that have no token yet (waiting or in their prefill), how
+  many, and the oldest ``QUEUE_SHOWN`` with their seconds since arrival and prompt tokens;
 - ``verdict``: ``conveyor doctor``'s diagnosis of the last ``VERDICT_WINDOW_S`` seconds of /metrics.
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 import time
 from collections import deque
@@ -33,6 +36,8 @@ SECONDS_KEPT = 300
 VERDICT_WINDOW_S = 10.0
 # seconds between two readings of /metrics for the verdict (more polls reuse the last one)
 READ_EVERY_S = 0.5
+# requests listed in the queue, oldest first
+QUEUE_SHOWN = 10
 
 
 def block_runs(block_ids: list[int], num_blocks: int) -> list[list[int]]:
@@ -93,6 +98,8 @@ class DashboardFeed:
         # per replica, the latest step that carried the KV cache's owners
         self._owners: list[StepStats | None] = [None] * num_replicas
         self._readings: deque[tuple[float, Reading]] = deque()
+        # requests with no token yet: id -> (arrival, prompt tokens), oldest first
+        self._pending: dict[str, tuple[float, int]] = {}
         self._verdict: dict[str, Any] | None = None
 
     def _now_second(self) -> _Second:
@@ -125,6 +132,14 @@ class DashboardFeed:
         second.mfu_work += stats.mfu * stats.forward_time
         second.mbu_work += stats.mbu * stats.forward_time
 
+    def pending(self, request_id: str, prompt_tokens: int) -> None:
+        """A request was sent to the engine."""
+        self._pending[request_id] = (self._clock(), prompt_tokens)
+
+    def answered(self, request_id: str) -> None:
+        """A request got its first token, or ended."""
+        self._pending.pop(request_id, None)
+
     def first_token(self, ttft: float) -> None:
         self._now_second().ttft.append(ttft)
 
@@ -147,6 +162,7 @@ class DashboardFeed:
     def snapshot(self) -> dict[str, Any]:
         """Everything the page draws (see the module's docstring)."""
         self._now_second()
+        now = self._clock()
         replicas = []
         for latest, mapped in zip(self._latest, self._owners):
             if latest is None:
@@ -162,9 +178,12 @@ class DashboardFeed:
                              "running": latest.scheduler.num_running, "waiting": latest.scheduler.num_waiting,
                              "preemptions": latest.scheduler.num_preemptions, "owners": holders})
         return {
-            "time": self._clock(),
+            "time": now,
             "steps": {name: [step[i] for step in self._steps] for i, name in enumerate(STEP_FIELDS)},
             "series": {name: [row[i] for row in self._rows] for i, name in enumerate(SERIES)},
             "replicas": replicas,
+            "queue": {"count": len(self._pending), "oldest": [
+                [request_id, round(now - arrival, 3), tokens]
+                for request_id, (arrival, tokens) in itertools.islice(self._pending.items(), QUEUE_SHOWN)]},
             "verdict": self._verdict,
         }

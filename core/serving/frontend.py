@@ -202,6 +202,7 @@ class EngineFrontend:
         last_token: float | None = None
         reason: str | None = None
         began = False
+        self.metrics.dashboard.pending(request_id, len(prompt_ids))
         try:
             async with aclosing(self.engine.generate(request)) as outputs:
                 began = True
@@ -213,6 +214,7 @@ class EngineFrontend:
                     if output.new_token_ids:
                         if last_token is None:
                             self.metrics.first_token(now - start, output.queue_time, len(prompt_ids))
+                            self.metrics.dashboard.answered(request_id)
                         else:
                             self.metrics.next_token(now - last_token)
                         last_token = now
@@ -239,6 +241,7 @@ class EngineFrontend:
         except RequestRejected as e:
             raise RequestError(str(e), e.status) from None
         finally:
+            self.metrics.dashboard.answered(request_id)
             if began:
                 outcome = reason or "abort"
                 self.metrics.request_done(outcome, time.perf_counter() - start, num_output)

@@ -68,6 +68,19 @@ function drawSeries(s) {
   state.charts.throughput.setData([s.t, s.output_tokens_per_s]);
 }
 
+function drawQueue(queue) {
+  document.getElementById("queue-note").textContent = queue.count === 0 ? "every request has its first token" :
+    `${queue.count} without a first token yet (waiting or in prefill); the oldest:`;
+  document.getElementById("queue").replaceChildren(...queue.oldest.map(([id, age, tokens]) => {
+    const row = document.createElement("tr");
+    row.innerHTML = "<td></td><td></td><td></td>";
+    row.cells[0].textContent = id;
+    row.cells[1].textContent = `${age.toFixed(1)} s`;
+    row.cells[2].textContent = `${tokens} prompt tokens`;
+    return row;
+  }));
+}
+
 function hue(text) {
   let h = 0;
   for (const c of text) h = (h * 31 + c.charCodeAt(0)) >>> 0;
@@ -181,6 +194,7 @@ async function poll() {
   drawSteps(data.steps);
   drawSeries(data.series);
   drawReplicas(data.replicas);
+  drawQueue(data.queue);
   drawVerdict(data.verdict);
   state.last = data;
   state.polls++;
