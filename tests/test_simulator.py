@@ -70,6 +70,27 @@ def test_weights_that_do_not_fit_are_refused_and_tensor_parallelism_splits_them(
     assert min(four.itl) < min(two.itl)  # (each device reads a quarter of the weights instead of a half)
 
 
+def test_pipeline_stages_hold_more_kv_and_raise_throughput_but_not_one_token_latency():
+    """Llama-3-70B on H100s at TP=2, then with two pipeline stages of TP=2: each device holds half the layers,
+    so the cache has room for more blocks; a token alone still passes every stage in turn (no faster than all
+    the weights read by two devices at once), and a flood runs faster with two batches in flight, but at most
+    twice as fast."""
+    llama_70b = MODELS["llama-3-70b"]
+    alone_request = [SimRequest(prompts(1, 200)[0], 16)]
+    flood = [SimRequest(p, 64) for p in prompts(32, 400, seed=4)]
+    result = {}
+    for pp in (1, 2):
+        parallel = {"parallel.tensor_parallel_size": 2, "parallel.pipeline_parallel_size": pp}
+        [alone], _, _ = run(llama_70b, alone_request, [0.0], **parallel)
+        records, duration, steps = run(llama_70b, flood, [0.0] * len(flood), **parallel)
+        assert all(r.error is None and r.output_tokens == 64 for r in records)
+        result[pp] = (min(alone.itl), sum(r.output_tokens for r in records) / duration, steps[-1].kv.num_blocks)
+    (itl_1, rate_1, blocks_1), (itl_2, rate_2, blocks_2) = result[1], result[2]
+    assert blocks_2 > 2 * blocks_1
+    assert itl_2 >= itl_1 >= weight_bytes(llama_70b, 2) / 2 / H100.bytes_per_second
+    assert rate_1 < rate_2 <= 2 * rate_1
+
+
 def test_calibration_recovers_a_known_cost():
     """Steps whose times are exactly 3 ms + 1 ns per MFLOP + 40 ps per byte + 20 us per sequence."""
     rng = random.Random(3)

@@ -16,8 +16,11 @@ Cost models:
 - **Datasheet** (a GPU from the table): ``seconds = overhead + max(FLOPs /
   (60% of peak), bytes / (80% of bandwidth))`` per device, the work split
   over ``tensor_parallel_size`` devices, plus two all-reduces of the hidden
-  states per layer at 300 GB/s. The efficiencies and the 2 ms overhead are
-  assumptions, not measurements: calibrate them on the GPU where there is one.
+  states per layer at 300 GB/s. ``pipeline_parallel_size`` P splits the
+  layers over P stages that a step passes in turn (hidden states sent
+  between them at the same rate), with up to P steps in flight. The
+  efficiencies and the 2 ms overhead are assumptions, not measurements:
+  calibrate them on the GPU where there is one.
 
 Schedulers that wait on the wall clock for a batch to fill (``static``,
 ``dynamic``) stop the simulation with an error when they do; ``continuous``
@@ -27,6 +30,7 @@ steps on its own.
 from __future__ import annotations
 
 import json
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -124,7 +128,13 @@ def calibrate(steps: Sequence[StepStats]) -> CostModel:
 
 class SimulatedExecutor(Executor):
     """Computes nothing: each step's tokens come at once (a token that ends nothing), with the cost model's
-    seconds as its forward time."""
+    seconds as its forward time.
+
+    With ``pipeline_parallel_size`` P the layers are split over P stages: a step occupies each stage for 1/P of
+    its seconds in turn, with its hidden states sent between stages, and up to P steps are in flight (one per
+    stage), as the real executor runs them. ``clock`` is the virtual time at which the engine submits;
+    ``collected_at`` the time the step ``collect`` returned left the last stage.
+    """
 
     name = "simulated"
 
@@ -133,6 +143,16 @@ class SimulatedExecutor(Executor):
         super().__init__(config, registry)
         self.spec, self.cost, self.weights, self._free = spec, cost, weights, free_memory
         self.costs: ModelCosts | None = None
+        self.stages = config.parallel.pipeline_parallel_size
+        self.clock = 0.0
+        self.collected_at = 0.0
+        # when each stage is free again; when each submitted step leaves the last stage
+        self._stage_free = [0.0] * self.stages
+        self._leaves: deque[float] = deque()
+
+    @property
+    def max_in_flight(self) -> int:
+        return self.stages
 
     def collective_rpc(self, method: str, *args: Any) -> list[Any]:
         return []
@@ -144,8 +164,9 @@ class SimulatedExecutor(Executor):
         spec, config = self.spec, self.config
         max_model_len = config.model.max_model_len or spec.max_position_embeddings
         tp = config.parallel.tensor_parallel_size
-        kv_spec = KVCacheSpec(spec.num_layers, max(1, spec.num_kv_heads // tp), spec.head_dim, config.model.dtype,
-                              max_model_len)
+        # (one device's share: its KV heads, and its stage's layers)
+        kv_spec = KVCacheSpec(-(-spec.num_layers // self.stages), max(1, spec.num_kv_heads // tp), spec.head_dim,
+                              config.model.dtype, max_model_len)
         return ModelInfo(max_model_len, kv_spec, "simulated", "simulated", self.weights, spec.vocab_size, spec)
 
     def free_memory(self) -> int | None:
@@ -160,8 +181,21 @@ class SimulatedExecutor(Executor):
                          sum(1 for r in step.requests if r.sample))
         tokens = sum(len(r.token_ids) for r in step.requests)
         seconds = self.cost.seconds(work.flops, work.bytes, len(step.requests), tokens)
+        # through the stages in turn, each free once the step before has left it
+        hop = tokens * self.spec.hidden_size * DTYPE_BYTES[self.config.model.dtype] / TP_LINK_BYTES_PER_S
+        at = self.clock
+        for stage in range(self.stages):
+            at = max(at, self._stage_free[stage]) + seconds / self.stages
+            self._stage_free[stage] = at
+            if stage < self.stages - 1:
+                at += hop
+        self._leaves.append(at)
         sampled = [1 if r.sample else None for r in step.requests]
         return RunnerOutput(sampled, [None] * len(step.requests), forward_time=seconds)
+
+    def collect(self) -> RunnerOutput:
+        self.collected_at = self._leaves.popleft()
+        return super().collect()
 
 
 class SimRequest(msgspec.Struct):
@@ -196,11 +230,12 @@ def simulate(config: Config, spec: ModelSpec, requests: Sequence[SimRequest], ar
     weights = weight_bytes(spec, DTYPE_BYTES[config.model.dtype], config.quant.plugin)
     free_memory = None
     if peaks.memory_bytes:
-        tp = config.parallel.tensor_parallel_size
-        free_memory = int(peaks.memory_bytes - weights / tp - ACTIVATION_RESERVE_BYTES)
+        devices = config.parallel.tensor_parallel_size * config.parallel.pipeline_parallel_size
+        free_memory = int(peaks.memory_bytes - weights / devices - ACTIVATION_RESERVE_BYTES)
         if free_memory <= 0:
-            raise ValueError(f"{weights / tp / 1e9:.1f} GB of weights per device do not fit in the "
-                             f"{peaks.memory_bytes / 1e9:.0f} GB of {peaks.name}: raise tensor_parallel_size or quantize")
+            raise ValueError(f"{weights / devices / 1e9:.1f} GB of weights per device do not fit in the "
+                             f"{peaks.memory_bytes / 1e9:.0f} GB of {peaks.name}: raise tensor_parallel_size "
+                             "(or pipeline_parallel_size) or quantize")
     executor = SimulatedExecutor(config, registry, spec, cost, weights, free_memory)
     core = EngineCore(config, registry, executor=executor, peaks=peaks)
     arrivals = [float(t) + latency_s for t in arrivals]  # (when each reaches the engine)
@@ -220,6 +255,7 @@ def simulate(config: Config, spec: ModelSpec, requests: Sequence[SimRequest], ar
                 if rejection is not None:
                     records[i].error = rejection.error or "rejected"
                 next_arrival += 1
+            executor.clock = now
             outputs, stats = core.step()
             if stats is None:  # nothing ran (a rejection, or nothing schedulable until more requests come)
                 idle += 1
@@ -230,7 +266,7 @@ def simulate(config: Config, spec: ModelSpec, requests: Sequence[SimRequest], ar
                     now = max(now, float(arrivals[order[next_arrival]]))
                 continue
             idle = 0
-            now += stats.forward_time
+            now = max(now, executor.collected_at)
             steps.append(stats)
             for output in outputs:
                 i = int(output.request_id)
