@@ -84,6 +84,31 @@ def run_engine(engine, requests: list[EngineRequest]):
     return tokens, stats
 
 
+def test_steps_report_which_request_holds_which_kv_blocks(llm_fp32, monkeypatch):
+    """The owner map the dashboard draws: the step after the last request ends carries an empty one; with the
+    interval at 0 every step carries one, naming the running requests, whose blocks are exactly those the cache
+    counts as taken, and in which a prefix computed before is the same blocks for all of them."""
+    from conveyor.engine import core as engine_core
+
+    engine = llm_fp32.engine
+    prefix = [1000 + i for i in range(48)]  # three full blocks of 16
+    params = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
+    _, warm = run_engine(engine, [EngineRequest("owner-warm", [*prefix, 7], params)])
+    assert warm[-1].kv_owners is not None and warm[-1].kv_owners.request_ids == []
+    monkeypatch.setattr(engine_core, "KV_OWNERS_EVERY_S", 0.0)
+    _, steps = run_engine(engine, [EngineRequest(f"owner-{i}", [*prefix, 50 + i, 60 + i], params) for i in range(3)])
+    for step in steps:
+        owners = step.kv_owners
+        held = {b for blocks in owners.block_ids for b in blocks if b < step.kv.num_blocks}
+        assert len(held) == step.kv.num_blocks - step.kv.num_free_blocks
+        assert len(owners.request_ids) == step.scheduler.num_running
+    first = steps[0].kv_owners
+    assert sorted(first.request_ids) == ["owner-0", "owner-1", "owner-2"]
+    shared = first.block_ids[0][:3]
+    assert len(set(shared)) == 3 and all(blocks[:3] == shared for blocks in first.block_ids)
+    assert steps[-1].kv_owners.request_ids == []
+
+
 def test_shared_system_prompt_hits_the_prefix_cache(llm_fp32, tokenizer):
     system = "You are a meticulous assistant for a museum of natural history. " * 12
     conversations = [

@@ -94,7 +94,8 @@ class DashboardFeed:
         self._num_steps = 0
         self._rows: deque[list[Any]] = deque(maxlen=SECONDS_KEPT)
         self._second = _Second(int(clock()))
-        self._latest: list[StepStats | None] = [None] * num_replicas
+        # per replica, its latest step stats (or snapshot between steps)
+        self.latest: list[StepStats | None] = [None] * num_replicas
         # per replica, the latest step that carried the KV cache's owners
         self._owners: list[StepStats | None] = [None] * num_replicas
         self._readings: deque[tuple[float, Reading]] = deque()
@@ -112,14 +113,14 @@ class DashboardFeed:
         return self._second
 
     def _gauges(self) -> tuple[int, int, float]:
-        seen = [s for s in self._latest if s is not None]
+        seen = [s for s in self.latest if s is not None]
         return (sum(s.scheduler.num_running for s in seen), sum(s.scheduler.num_waiting for s in seen),
                 max((s.kv.usage for s in seen), default=0.0))
 
     def step(self, stats: StepStats, replica: int = 0) -> None:
         """A step's stats (or a snapshot between steps) from engine replica ``replica``."""
         second = self._now_second()
-        self._latest[replica] = stats
+        self.latest[replica] = stats
         if stats.kv_owners is not None:
             self._owners[replica] = stats
         if not (stats.num_prefill_tokens or stats.num_decode_tokens):
@@ -164,7 +165,7 @@ class DashboardFeed:
         self._now_second()
         now = self._clock()
         replicas = []
-        for latest, mapped in zip(self._latest, self._owners):
+        for latest, mapped in zip(self.latest, self._owners):
             if latest is None:
                 replicas.append(None)
                 continue

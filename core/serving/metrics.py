@@ -177,9 +177,7 @@ class ServerMetrics:
         self._num_prompt_tokens = 0
         self._num_generation_tokens = 0
         self._last_report = (time.monotonic(), 0, 0)
-        # per replica: its latest step stats
-        self.replica_stats: list[StepStats | None] = [None] * num_replicas
-        # what /dashboard shows
+        # what /dashboard shows (and each replica's latest step stats)
         self.dashboard = DashboardFeed(num_replicas)
         # NVML's GPU utilization and memory, once an engine runs on CUDA (None: not started or not available)
         self.gpus: GpuGauges | None = None
@@ -203,7 +201,6 @@ class ServerMetrics:
 
     def engine_step(self, stats: StepStats, replica: int = 0) -> None:
         """A step's stats (or a snapshot between steps) from engine replica ``replica``."""
-        self.replica_stats[replica] = stats
         self.dashboard.step(stats, replica)
         self.running[replica].set(stats.scheduler.num_running)
         self.waiting[replica].set(stats.scheduler.num_waiting)
@@ -298,7 +295,7 @@ class ServerMetrics:
         then, last_prompt, last_generation = self._last_report
         self._last_report = (now, prompt, generation)
         elapsed = max(now - then, 1e-9)
-        seen = [stats for stats in self.replica_stats if stats is not None]
+        seen = [stats for stats in self.dashboard.latest if stats is not None]
         running = sum(stats.scheduler.num_running for stats in seen)
         waiting = sum(stats.scheduler.num_waiting for stats in seen)
         usage = sum(stats.kv.usage for stats in seen) / len(seen) if seen else 0.0
