@@ -1,4 +1,4 @@
-"""Fast steps: compiled decode graphs against the eager path, and the one-token C++ linear kernel."""
+"""Fast steps: compiled decode graphs against the eager path, and the C++ linear kernels of decode steps."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ from conveyor.sampling import SamplingParams
 from tests.conftest import CHAT_PROMPTS, NUM_TOKENS
 
 needs_gemv = pytest.mark.skipif(not native.gemv_supported(), reason="the one-token kernel needs AVX-512 BF16")
+needs_amx = pytest.mark.skipif(not native.tile_linear_supported(), reason="the tile kernel needs AMX-BF16")
 
 BATCH_SIZES = [1, 64]
 
@@ -35,23 +36,53 @@ def test_one_token_kernel_matches_a_float32_matmul(shape):
                                atol=1e-3)
 
 
-@needs_gemv
-def test_row_major_copies_stay_within_their_budget():
+@needs_amx
+@pytest.mark.parametrize("shape", [(960, 576), (576, 1536), (16, 32)])
+def test_tile_kernel_matches_a_float32_matmul(shape):
+    from conveyor.model.formats import TILE_ROWS, decode_copy
+
+    n, k = shape
+    generator = torch.Generator().manual_seed(n * 1000 + k)
+    weight = torch.randn(n, k, generator=generator).bfloat16()
+    bias = torch.randn(n, generator=generator).bfloat16()
+    tiles = decode_copy("tiles", weight)
+    for rows in (1, 5, 16, 17, 33, 48, 63, TILE_ROWS):  # one to four row tiles, full and partial
+        x = torch.randn(rows, k, generator=generator).bfloat16()
+        out = native.tile_linear(x, tiles, bias)
+        # float32 sums rounded once to bfloat16 (8 bits of mantissa)
+        torch.testing.assert_close(out.float(), x.float() @ weight.float().T + bias.float(), rtol=2**-7, atol=1e-3)
+        plain = native.tile_linear(x, tiles)
+        torch.testing.assert_close(plain.float(), x.float() @ weight.float().T, rtol=2**-7, atol=1e-3)
+        # a row's result does not depend on the rows beside it
+        assert torch.equal(native.tile_linear(x[-1:].contiguous(), tiles), plain[-1:])
+    with pytest.raises(RuntimeError, match="1 <= M <= 64"):
+        native.tile_linear(torch.zeros(TILE_ROWS + 1, k).bfloat16(), tiles)
+
+
+@pytest.mark.skipif(not native.gemv_supported(), reason="decode copies need AVX-512 BF16")
+def test_decode_copies_stay_within_their_budget_and_serve_the_steps_they_fit():
+    from conveyor.model.formats import decode_rows
     from conveyor.plugins.quant.none import NoQuant, NoQuantOptions
 
-    weights = [torch.randn(64, 128) for _ in range(3)]
+    weights = [torch.randn(64, 128) for _ in range(3)] + [torch.randn(24, 40)]
     each = 64 * 128 * 2  # bytes of one bfloat16 copy
-    method = NoQuant(NoQuantOptions(cpu_one_token_copy_mb=2.5 * each / 2**20), torch.bfloat16, torch.device("cpu"))
+    method = NoQuant(NoQuantOptions(cpu_decode_copy_mb=2.5 * each / 2**20), torch.bfloat16, torch.device("cpu"))
     params = [method.prepare(w) for w in weights]
-    assert ["rows" in p for p in params] == [True, True, False]
-    without = NoQuant(NoQuantOptions(cpu_one_token_copy_mb=0), torch.bfloat16, torch.device("cpu"))
-    x = torch.randn(1, 128).bfloat16()
+    copied = ["decode" in p for p in params]
+    tiles = native.tile_linear_supported()
+    # copies in order until the budget is spent; a shape the tiles cannot hold gets none (a row-major one fits)
+    assert copied == [True, True, False, not tiles]
+    without = NoQuant(NoQuantOptions(cpu_decode_copy_mb=0), torch.bfloat16, torch.device("cpu"))
     for w, p in zip(weights, params):
         # a step reads one copy: the bytes counted are those of the same weight kept without a copy
-        assert method.num_bytes(p) == without.num_bytes(without.prepare(w))
-        # both paths give the same product
-        torch.testing.assert_close(method.linear(x, p).float(), F.linear(x, w.bfloat16()).float(), rtol=2**-7,
-                                   atol=1e-2)
+        plain = without.prepare(w)
+        assert "decode" not in plain
+        assert method.num_bytes(p) == without.num_bytes(plain)
+        most = decode_rows(p["decode"]) if "decode" in p else 1
+        for rows in {1, most, most + 1}:  # the copy's kernel, and oneDNN past its rows
+            x = torch.randn(rows, w.shape[1]).bfloat16()
+            torch.testing.assert_close(method.linear(x, p).float(), F.linear(x, w.bfloat16()).float(), rtol=2**-7,
+                                       atol=1e-2)
 
 
 def test_compile_on_refuses_an_attention_backend_it_cannot_hold():

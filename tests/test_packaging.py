@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import zipfile
+
+import pytest
 
 from tests.conftest import REPO
 
@@ -64,3 +67,11 @@ assert {{"static", "dynamic", "continuous"}} <= set(registry.names("scheduler"))
 assert "torch" not in sys.modules, "the server's frontend loaded torch"
 """
     subprocess.run([sys.executable, "-c", probe], check=True, timeout=120)
+
+
+@pytest.mark.skipif(shutil.which(os.environ.get("CXX", "c++")) is None, reason="no C++ compiler here")
+def test_the_cpu_kernels_build_where_a_compiler_is_found():
+    # the kernels' tests skip where the kernels do not load: one that no longer compiles must fail here
+    from conveyor import native
+
+    assert native.load(), "the CPU kernels did not build: see the warning above"

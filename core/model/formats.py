@@ -49,6 +49,49 @@ def one_token_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     return native.gemv_bf16(x.contiguous(), weight, bias)
 
 
+# The most tokens a step may have for the AMX kernel (tile_linear); the one-token kernel takes one.
+TILE_ROWS = 64
+
+
+def decode_layout(device: torch.device, dtype: torch.dtype) -> str | None:
+    """The layout of a second copy of a dense weight that decode steps read faster here: "tiles" (AMX B tiles
+    for ``tile_linear``, steps of up to TILE_ROWS tokens), "rows" (row-major for ``one_token_linear``, steps of
+    one token: AVX-512 BF16 without AMX), or None (neither kernel runs: no copy)."""
+    from conveyor import native
+
+    if device.type != "cpu" or dtype != torch.bfloat16:
+        return None
+    if native.tile_linear_supported():
+        return "tiles"
+    return "rows" if native.gemv_supported() else None
+
+
+def decode_copy(layout: str, weight: torch.Tensor) -> torch.Tensor | None:
+    """``weight [out, in]`` in ``layout``; None where its shape does not tile (out % 16 or in % 32)."""
+    if layout == "rows":
+        return weight.contiguous()
+    n, k = weight.shape
+    if n % 16 or k % 32:
+        return None
+    # [n / 16, 16 (column), k / 32, 16 (pair), 2] -> tile (n / 16, k / 32): row = pair, then column, then its two
+    return weight.reshape(n // 16, 16, k // 32, 16, 2).permute(0, 2, 3, 1, 4).reshape(n // 16, k // 32, 16, 32).contiguous()
+
+
+def decode_rows(copy: torch.Tensor) -> int:
+    """The most tokens ``decode_linear`` takes with this copy."""
+    return TILE_ROWS if copy.dim() == 4 else 1
+
+
+def decode_linear(x: torch.Tensor, copy: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x @ weight.T (+ bias)`` from ``decode_copy(layout, weight)``, ``x [tokens, in]`` with at most
+    ``decode_rows(copy)`` tokens."""
+    from conveyor import native
+
+    if copy.dim() == 4:
+        return native.tile_linear(x.contiguous(), copy, bias)
+    return native.gemv_bf16(x.contiguous(), copy, bias)
+
+
 def quantize_fp8(x: torch.Tensor, scale_dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
     """e4m3 with one scale per row (the last dimension): ``x ~= q * scale[..., None]``, each row's largest
     magnitude at FP8_MAX. Weights use it per output channel, activations per token, the KV cache per token

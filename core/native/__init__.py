@@ -230,6 +230,19 @@ def gemv_bf16(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None =
     return out
 
 
+def tile_linear_supported() -> bool:
+    """Whether ``tile_linear`` runs on this CPU (AMX-BF16, granted by the operating system)."""
+    return load() and bool(torch.ops.conveyor_cpu.tile_linear_supported())
+
+
+def tile_linear(x: torch.Tensor, tiles: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x @ weight.T (+ bias)`` for ``x [M, K]``, 1 <= M <= 64, against ``tiles``, the weight as
+    ``conveyor.model.formats.decode_copy("tiles", weight)`` lays it out; bfloat16."""
+    out = x.new_empty(x.shape[0], tiles.shape[0] * 16)
+    _ops().tile_linear(x, tiles, bias, out)
+    return out
+
+
 def store_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor, k: torch.Tensor,
              v: torch.Tensor) -> None:
     """``k_cache[:, slot_mapping] = k.transpose(0, 1)`` and the same for v: caches ``[Hkv, slots, D]``,
