@@ -59,6 +59,21 @@ def test_tile_kernel_matches_a_float32_matmul(shape):
         native.tile_linear(torch.zeros(TILE_ROWS + 1, k).bfloat16(), tiles)
 
 
+@needs_amx
+def test_the_output_head_takes_the_tile_kernel_up_to_its_rows_and_onednn_past_them(monkeypatch):
+    from conveyor.model import llama
+
+    generator = torch.Generator().manual_seed(3)
+    table = torch.randn(4096, 576, generator=generator).bfloat16()
+    head = llama.OutputHead(table, tied=True)
+    calls = []
+    monkeypatch.setattr(llama, "decode_linear", lambda x, copy: calls.append(len(x)) or native.tile_linear(x, copy))
+    for rows in (1, head.TILE_ROWS, head.TILE_ROWS + 1):
+        x = torch.randn(rows, 576, generator=generator).bfloat16()
+        torch.testing.assert_close(head.apply(x).float(), x.float() @ table.float().T, rtol=2**-7, atol=1e-3)
+    assert calls == [1, head.TILE_ROWS]
+
+
 @pytest.mark.skipif(not native.gemv_supported(), reason="decode copies need AVX-512 BF16")
 def test_decode_copies_stay_within_their_budget_and_serve_the_steps_they_fit():
     from conveyor.model.formats import decode_rows
