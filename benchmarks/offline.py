@@ -33,6 +33,7 @@ from conveyor import LLM
 from conveyor.bench.datasets import mixed
 from conveyor.bench.floors import linear_flops_per_token, linear_seconds, matmul_flops, read_bandwidth
 from conveyor.config import load_config
+from conveyor.llm import OFFLINE_DEFAULTS
 from conveyor.messages import StepStats
 from conveyor.model.checkpoint import resolve_model_path
 from conveyor.model.tokenizer import load_tokenizer
@@ -40,14 +41,15 @@ from conveyor.sampling import SamplingParams
 
 CONFIGS = Path(__file__).resolve().parent.parent / "configs"
 
-# name -> (config file, overrides)
+# name -> (config file, overrides); continuous batching with the offline LLM's step budget (the server's
+# default is smaller, for inter-token latency)
 SYSTEMS = {
     "static + contiguous": ("static.toml", {"kvcache.plugin": "contiguous"}),
     "static + paged": ("static.toml", {}),
     "dynamic + contiguous": ("dynamic.toml", {"kvcache.plugin": "contiguous"}),
     "dynamic + paged": ("dynamic.toml", {}),
-    "continuous + contiguous": ("contiguous.toml", {}),
-    "continuous + paged": ("default.toml", {}),
+    "continuous + contiguous": ("contiguous.toml", OFFLINE_DEFAULTS),
+    "continuous + paged": ("default.toml", OFFLINE_DEFAULTS),
 }
 HF = "transformers generate (batches of 16)"
 

@@ -34,7 +34,7 @@ class SchedulerOptions(msgspec.Struct, forbid_unknown_fields=True):
     """Options every scheduler has; a scheduler's own Options may subclass it."""
 
     # token budget of one step (prefill chunks + decodes)
-    max_num_batched_tokens: Annotated[int, msgspec.Meta(ge=1)] = 512
+    max_num_batched_tokens: Annotated[int, msgspec.Meta(ge=1)] = 256
     # most requests waiting; more are rejected (HTTP 429)
     max_waiting: Annotated[int, msgspec.Meta(ge=1)] = 1024
 

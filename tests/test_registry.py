@@ -110,7 +110,7 @@ def test_blocked_builtin_is_not_loaded():
 
 def test_describe_lists_options_with_defaults_and_types():
     text = PluginRegistry(load_entry_points=False).describe()
-    assert "max_num_batched_tokens = 512  (int >= 1)" in text
+    assert "max_num_batched_tokens = 256  (int >= 1)" in text
     assert "policy = 'fcfs'  ('fcfs' | 'priority')" in text
     assert "  http  [conveyor.plugins.transport.http]" in text
     assert "port = 8000  (int >= 0 and <= 65535)" in text
