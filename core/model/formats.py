@@ -85,11 +85,11 @@ def decode_rows(copy: torch.Tensor) -> int:
 def decode_linear(x: torch.Tensor, copy: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``x @ weight.T (+ bias)`` from ``decode_copy(layout, weight)``, ``x [tokens, in]`` with at most
     ``decode_rows(copy)`` tokens."""
-    from conveyor import native
-
     if copy.dim() == 4:
+        from conveyor import native
+
         return native.tile_linear(x.contiguous(), copy, bias)
-    return native.gemv_bf16(x.contiguous(), copy, bias)
+    return one_token_linear(x, copy, bias)
 
 
 def quantize_fp8(x: torch.Tensor, scale_dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
