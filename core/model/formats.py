@@ -10,12 +10,14 @@ FP8_MAX = 448.0
 
 
 def prepacks(device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether dense weights of this dtype go to oneDNN's prepacked layout here (CPU, float32 or bfloat16)."""
+    """Whether dense weights of this dtype go to oneDNN's prepacked layout here (CPU, float32 or bfloat16;
+    bfloat16 only where oneDNN has a bfloat16 path on this CPU: AVX-512 or AVX-NE-CONVERT, not AVX2 alone)."""
     return (
         device.type == "cpu"
         and dtype in (torch.float32, torch.bfloat16)
         and torch.backends.mkldnn.is_available()
         and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+        and (dtype != torch.bfloat16 or torch.ops.mkldnn._is_mkldnn_bf16_supported())
     )
 
 
