@@ -4,6 +4,13 @@ A quant method turns each full-precision linear weight into the tensors it
 stores (``prepare``) and multiplies activations by them (``linear``). The
 model keeps embeddings, norms and the output head in the model dtype; every
 other linear layer goes through the selected method.
+
+A method that lists stored formats in ``packed_formats`` also takes weights
+the checkpoint holds already quantized, as they are stored
+(``prepare_packed``: GGUF's blocks, e.g. ``"Q4_1"``), and then the loader
+never expands them. Where it takes the embedding table's format, the model
+keeps that table packed as well (rows are dequantized as they are looked
+up) and its tied output head goes through ``prepare_packed`` too.
 """
 
 from __future__ import annotations
@@ -15,6 +22,8 @@ import msgspec
 
 if TYPE_CHECKING:
     import torch
+
+    from conveyor.model.ggml import PackedWeight
 
 # NOTE: this module and the quant plugins import torch only inside their functions: the server's frontend
 # process loads every plugin module to validate the config, and stays without torch.
@@ -31,6 +40,8 @@ class QuantMethod(ABC):
 
     name: ClassVar[str]
     Options: ClassVar[type[msgspec.Struct]] = NoOptions
+    # stored formats ``prepare_packed`` takes (GGUF block types by name); empty: float32 weights only
+    packed_formats: ClassVar[frozenset[str]] = frozenset()
 
     def __init__(self, options: msgspec.Struct | None, dtype: torch.dtype, device: torch.device):
         """
@@ -69,6 +80,20 @@ class QuantMethod(ABC):
             columns: the input features this worker multiplies.
         """
         return self.prepare(weight[:, columns].contiguous())
+
+    def prepare_packed(self, parts: list[PackedWeight], bias: torch.Tensor | None = None) -> Params:
+        """Take a weight as the checkpoint stores it, without expanding it (only formats in ``packed_formats``).
+
+        Args:
+            parts: pieces of the weight stacked along the output features, each in one stored format (the
+                loader fuses Q, K, V and gate, up, whose formats may differ); under tensor parallelism each
+                is already this worker's share, cut along whole blocks.
+            bias: ``[out_features]`` float32 or None.
+
+        Returns:
+            The tensors to store, on ``self.device``.
+        """
+        raise NotImplementedError(f"quant method {self.name!r} takes no packed weights")
 
     @abstractmethod
     def linear(self, x: torch.Tensor, params: Params) -> torch.Tensor:

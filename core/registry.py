@@ -26,6 +26,7 @@ DEFAULT_PLUGINS: tuple[str, ...] = (
     "conveyor.plugins.quant.none",
     "conveyor.plugins.quant.int8",
     "conveyor.plugins.quant.fp8",
+    "conveyor.plugins.quant.gguf",
     "conveyor.plugins.kvcache.paged",
     "conveyor.plugins.kvcache.contiguous",
     "conveyor.plugins.schedulers.continuous",

@@ -21,6 +21,8 @@ from conveyor.model.spec import ModelSpec
 if TYPE_CHECKING:
     import torch
 
+    from conveyor.model.ggml import PackedWeight
+
 
 class ModelNotFoundError(FileNotFoundError):
     """The weights are not where the config says; the message says how to get them."""
@@ -69,6 +71,12 @@ class Checkpoint(ABC):
             sizes = {"qkv": [spec.num_heads * spec.head_dim] + [spec.num_kv_heads * spec.head_dim] * 2,
                      "gate_up": [spec.intermediate_size] * 2}[parts]
             return tensor.split(sizes)[index]
+
+    def packed(self, name: str) -> PackedWeight | None:
+        """The 2-D tensor of a Hugging Face name as the checkpoint stores it, where that is a quantized block
+        format (GGUF's); None where it is stored as floats, not on its own (a part of a fused tensor, one
+        expert of a stacked one) or not at all: read it with ``get``."""
+        return None
 
     def rope_freq_factors(self) -> torch.Tensor | None:
         """Per-frequency RoPE divisors stored beside the weights, if any."""

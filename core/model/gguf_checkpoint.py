@@ -16,6 +16,7 @@ import gguf
 import numpy as np
 import torch
 
+from conveyor.model import ggml
 from conveyor.model.checkpoint import Checkpoint
 from conveyor.model.spec import ModelSpec
 
@@ -227,6 +228,21 @@ class GGUFCheckpoint(Checkpoint):
         elif self.spec.sandwich_norms and name.endswith("norm.weight"):
             weight = weight - 1.0  # (the decoder adds Gemma's +1 back, as for a Hugging Face checkpoint)
         return weight
+
+    def packed(self, name: str) -> ggml.PackedWeight | None:
+        if name == "lm_head.weight" and self.spec.tie_word_embeddings:
+            name = "model.embed_tokens.weight"
+        tensor = self._tensors.get(name)
+        if tensor is None or tensor.tensor_type.name not in ggml.BLOCKS or len(tensor.shape) != 2:
+            return None  # (floats, one expert of a stacked tensor, a part of a fused one: read with get)
+        rows, columns = int(tensor.shape[1]), int(tensor.shape[0])
+        # (the reader's array maps the file: copied, so the weights do not keep the file open)
+        data = torch.from_numpy(np.array(tensor.data, dtype=np.uint8).reshape(rows, -1))
+        if self.arch == "llama" and name.endswith("q_proj.weight"):
+            data = unpermute_rows(data, self.spec.num_heads)
+        elif self.arch == "llama" and name.endswith("k_proj.weight"):
+            data = unpermute_rows(data, self.spec.num_kv_heads)
+        return ggml.PackedWeight(tensor.tensor_type.name, data.contiguous(), columns)
 
     def rope_freq_factors(self) -> torch.Tensor | None:
         tensor = self._extra.get("rope_freqs.weight")

@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from conveyor import native
+from conveyor.model import ggml
 from conveyor.model.checkpoint import Checkpoint
 from conveyor.model.formats import (
     decode_copy,
@@ -76,17 +77,24 @@ class Linear:
     """A linear layer stored and applied by the selected quant method."""
 
     def __init__(
-        self, method: QuantMethod, weight: torch.Tensor, bias: torch.Tensor | None = None, inputs: slice | None = None
+        self, method: QuantMethod, weight: torch.Tensor | list[ggml.PackedWeight], bias: torch.Tensor | None = None,
+        inputs: slice | None = None,
     ):
         """
         Args:
+            weight: float32 ``[out, in]``, or the stored blocks of its parts stacked along the outputs (for a
+                method whose ``packed_formats`` holds theirs; already this worker's share: see ``load_linear``).
             inputs: a row-parallel layer's share of the input columns (its sum is all-reduced after).
         """
         self.method = method
-        self.out_features = weight.shape[0]
-        if inputs is None:
-            self.params: Params = method.prepare(weight, bias)
+        if isinstance(weight, list):
+            self.out_features = sum(part.out_features for part in weight)
+            self.params: Params = method.prepare_packed(weight, bias)
+        elif inputs is None:
+            self.out_features = weight.shape[0]
+            self.params = method.prepare(weight, bias)
         else:
+            self.out_features = weight.shape[0]
             self.params = method.prepare_input_shard(weight, inputs)
         self.number = register_linear(self)
         # LoRA adapters' slots for this projection ([lora] max_loras > 0)
@@ -112,6 +120,40 @@ class Linear:
 
     def num_bytes(self) -> int:
         return self.method.num_bytes(self.params)
+
+
+# a part of a fused linear layer: (the checkpoint's name, the rows kept (None: all), rows per unit of the range)
+WeightPart = tuple[str, "range | None", int]
+
+
+def load_linear(
+    ckpt: Checkpoint, method: QuantMethod, parts: list[WeightPart], bias: torch.Tensor | None = None,
+    inputs: slice | None = None,
+) -> Linear:
+    """A linear layer of the named weights' rows stacked (Q, K, V; gate, up), each kept as the checkpoint
+    stores it where the method takes its format and the shard falls on whole blocks, else read as float32.
+
+    Args:
+        inputs: a row-parallel layer's share of the input columns (then ``parts`` holds one whole weight).
+    """
+    packed = []
+    for name, part, unit in parts:
+        stored = ckpt.packed(name)
+        if stored is None or stored.format not in method.packed_formats:
+            break
+        if part is not None:
+            stored = stored.rows(part.start * unit, part.stop * unit)
+        if inputs is not None and (stored := stored.columns(inputs)) is None:
+            logger.warning("%s: its columns %d-%d do not fall on whole blocks; it is expanded to %s",
+                           name, inputs.start, inputs.stop, method.dtype)
+            break
+        packed.append(stored)
+    else:
+        return Linear(method, packed, bias)
+    weights = [ckpt.get(name) for name, _, _ in parts]
+    weight = torch.cat([w if part is None else w[part.start * unit : part.stop * unit]
+                        for w, (_, part, unit) in zip(weights, parts)])
+    return Linear(method, weight, bias, inputs)
 
 
 class Rotary:
@@ -207,10 +249,10 @@ class DecoderLayer:
         self.k_norm = norm("self_attn.k_norm.weight", False) if spec.qk_norm else None
         self.local_rope = bool(spec.local_rope_theta and spec.window(index))
         # Q, K, V in one matmul and gate, up in another: fewer, larger GEMMs.
-        self.qkv = Linear(
-            quant, torch.cat([rows(get(attn + p + ".weight"), part, head_dim) for p, part in qkv_parts]), qkv_bias
-        )
-        self.o_proj = Linear(quant, get(attn + "o_proj.weight"), inputs=_part(heads, head_dim, placement))
+        self.qkv = load_linear(ckpt, quant, [(attn + p + ".weight", part, head_dim) for p, part in qkv_parts],
+                               qkv_bias)
+        self.o_proj = load_linear(ckpt, quant, [(attn + "o_proj.weight", None, 1)],
+                                  inputs=_part(heads, head_dim, placement))
         # Gemma: attention output -> post_attention_layernorm; the MLP: pre_ and post_feedforward_layernorm
         self.attn_out_norm = norm("post_attention_layernorm.weight") if spec.sandwich_norms else None
         self.post_norm = norm("pre_feedforward_layernorm.weight" if spec.sandwich_norms else
@@ -225,9 +267,10 @@ class DecoderLayer:
             self.moe = MoE(spec, mlp, get, lambda w, inputs: Linear(quant, w, inputs=inputs), placement, dtype,
                            device, stacked)
         else:
-            self.gate_up = Linear(quant, torch.cat([rows(get(mlp + "gate_proj.weight"), columns),
-                                                    rows(get(mlp + "up_proj.weight"), columns)]))
-            self.down = Linear(quant, get(mlp + "down_proj.weight"), inputs=_part(columns, 1, placement))
+            self.gate_up = load_linear(ckpt, quant, [(mlp + "gate_proj.weight", columns, 1),
+                                                     (mlp + "up_proj.weight", columns, 1)])
+            self.down = load_linear(ckpt, quant, [(mlp + "down_proj.weight", None, 1)],
+                                    inputs=_part(columns, 1, placement))
         self.intermediate_size = len(columns)
         self.fused = fused
         self._shares = (heads, kv_heads, columns, spec.hidden_size, placement)
@@ -399,8 +442,15 @@ class LlamaModel:
         start = time.perf_counter()
         self.vocab_rows, self.vocab_per_rank = placement.vocab(spec.vocab_size)
         self.embed: torch.Tensor | None = None
+        # the table as the checkpoint stores it, where the quant method takes its format (rows dequantized
+        # as they are looked up; a tied head multiplies by it through the method)
+        self.packed_embed: ggml.PackedWeight | None = None
         if self.first_stage or (self.last_stage and spec.tie_word_embeddings):
-            self.embed = self._vocab_shard(ckpt.get("model.embed_tokens.weight"))
+            table = self._packed_vocab_shard(ckpt, quant, "model.embed_tokens.weight")
+            if table is not None:
+                self.packed_embed = table
+            else:
+                self.embed = self._vocab_shard(ckpt.get("model.embed_tokens.weight"))
         layers = placement.layers(spec.num_layers)
         self.layers: list[DecoderLayer] = []
         for local, i in enumerate(layers):
@@ -408,12 +458,16 @@ class LlamaModel:
             if progress and (local + 1) % max(1, len(layers) // 5) == 0:
                 progress(f"loaded layer {local + 1}/{len(layers)} ({time.perf_counter() - start:.1f} s)")
         self.norm: RMSNorm | None = None
-        self.head: OutputHead | None = None
+        self.head: OutputHead | Linear | None = None
         if self.last_stage:
             weight = ckpt.get("model.norm.weight") + spec.norm_weight_offset
             self.norm = RMSNorm(weight.to(device=device, dtype=dtype), spec.rms_norm_eps, fused)
             tied = spec.tie_word_embeddings
-            self.head = OutputHead(self.embed if tied else self._vocab_shard(ckpt.get("lm_head.weight")), tied)
+            head = self.packed_embed if tied else self._packed_vocab_shard(ckpt, quant, "lm_head.weight")
+            if head is not None:
+                self.head = Linear(quant, [head])
+            else:
+                self.head = OutputHead(self.embed if tied else self._vocab_shard(ckpt.get("lm_head.weight")), tied)
         self.rotary = Rotary(spec.head_dim, spec.rope_theta, spec.rope_scaling, max_len, device,
                              ckpt.rope_freq_factors())
         # Gemma 3's sliding-window layers: their own base, no scaling
@@ -428,13 +482,29 @@ class LlamaModel:
             rows = torch.cat([rows, rows.new_zeros(self.vocab_per_rank - len(rows), rows.shape[1])])
         return rows.to(device=self.device, dtype=self.dtype)
 
+    def _packed_vocab_shard(self, ckpt: Checkpoint, quant: QuantMethod, name: str) -> ggml.PackedWeight | None:
+        """``_vocab_shard`` of a table kept as stored (zero bytes are zeros in every block format), or None
+        where it is stored as floats or in a format the quant method does not take."""
+        table = ckpt.packed(name)
+        if table is None or table.format not in quant.packed_formats:
+            return None
+        data = table.data[self.vocab_rows.start : self.vocab_rows.stop]
+        if len(data) < self.vocab_per_rank:
+            data = torch.cat([data, data.new_zeros(self.vocab_per_rank - len(data), data.shape[1])])
+        return ggml.PackedWeight(table.format, data.to(self.device).contiguous(), table.in_features)
+
+    def _lookup(self, token_ids: torch.Tensor) -> torch.Tensor:
+        if self.packed_embed is not None:
+            return ggml.dequantize_rows(self.packed_embed, token_ids, self.dtype)
+        return F.embedding(token_ids, self.embed)
+
     def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
         """``[T]`` -> ``[T, hidden]``; under TP each worker looks up its rows (zeros elsewhere), then all-reduce."""
         if self.group.placement.tp_size == 1:
-            return F.embedding(input_ids, self.embed)
+            return self._lookup(input_ids)
         local = input_ids - self.vocab_rows.start
         outside = (local < 0) | (local >= len(self.vocab_rows))
-        h = F.embedding(local.masked_fill(outside, 0), self.embed)
+        h = self._lookup(local.masked_fill(outside, 0))
         return self.group.all_reduce(h.masked_fill_(outside[:, None], 0))
 
     def forward(
@@ -502,8 +572,14 @@ class LlamaModel:
         """Bytes of every weight this worker holds, as stored (quantized layers at their packed size)."""
         norms = [norm.weight for layer in self.layers for norm in layer.norms()]
         dense = [self.embed, self.norm.weight if self.norm else None, *norms]
-        if self.head is not None and self.head.weight is not self.embed:  # (a tied head reads one copy a step)
+        if self.packed_embed is not None:
+            dense.append(self.packed_embed.data)
+        total = 0
+        if isinstance(self.head, Linear):
+            if not self.spec.tie_word_embeddings:  # (a tied head reads the embedding table)
+                total += self.head.num_bytes()
+        elif self.head is not None and self.head.weight is not self.embed:  # (a tied head reads one copy a step)
             dense.append(self.head.weight if self.head.packed is None else self.head.packed)
-        total = sum(t.numel() * t.element_size() for t in dense if t is not None)
+        total += sum(t.numel() * t.element_size() for t in dense if t is not None)
         moe = sum(layer.moe.dense_bytes() for layer in self.layers if layer.moe is not None)
         return total + moe + sum(linear.num_bytes() for layer in self.layers for linear in layer.linears())

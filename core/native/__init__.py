@@ -1,5 +1,5 @@
-"""C++ kernels for CPUs (``csrc/``): paged attention (decode; prefill where the CPU has AVX-512 BF16)
-and the fused element-wise layers.
+"""C++ kernels for CPUs (``csrc/``): paged attention (decode; prefill where the CPU has AVX-512 BF16),
+the fused element-wise layers, and linear layers over bf16 weights and over GGUF's quantized blocks.
 
 They are built with torch's extension builder for the CPU this runs on, the
 first time they are needed (10-30 s; ``make setup`` does it ahead), and kept
@@ -240,6 +240,27 @@ def tile_linear(x: torch.Tensor, tiles: torch.Tensor, bias: torch.Tensor | None 
     ``conveyor.model.formats.decode_copy("tiles", weight)`` lays it out; bfloat16."""
     out = x.new_empty(x.shape[0], tiles.shape[0] * 16)
     _ops().tile_linear(x, tiles, bias, out)
+    return out
+
+
+_ggml_path: str | None = None
+
+
+def ggml_linear_path() -> str:
+    """The fastest path of ``ggml_linear`` built here: "avx2", or "scalar" (any CPU)."""
+    global _ggml_path
+    if _ggml_path is None:
+        _ggml_path = str(_ops().ggml_linear_path())
+    return _ggml_path
+
+
+def ggml_linear(x: torch.Tensor, weight: torch.Tensor, type_id: int, bias: torch.Tensor | None = None,
+                path: str | None = None) -> torch.Tensor:
+    """``x @ w.T (+ bias)`` for ``x [M, K]`` (float32, bfloat16 or float16) against ``weight``, a
+    ``uint8 [N, row_bytes]`` of GGML blocks of type ``conveyor.model.ggml.TYPE_IDS[...]``; x is quantized per
+    32 values to int8 inside (as llama.cpp does). ``path`` forces "scalar" or the vector path (None: fastest)."""
+    out = x.new_empty(x.shape[0], weight.shape[0])
+    _ops().ggml_linear(x.contiguous(), weight, type_id, bias, out, path or ggml_linear_path())
     return out
 
 

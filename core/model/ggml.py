@@ -1,0 +1,162 @@
+"""llama.cpp's quantized block formats (GGML types), kept as their bytes: sizes, torch dequantizers, and
+slicing along whole blocks.
+
+A quantized GGUF tensor ``[rows, columns]`` is stored row by row, each row a run of blocks of
+``block_values`` columns (32, or 256 for the K-quants) in ``block_bytes`` bytes. Conveyor keeps these
+bytes as a ``uint8 [rows, row_bytes]`` tensor: rows (output features) can be cut and concatenated freely,
+columns only at block edges. The dequantizers here are the torch fallback of the ``gguf`` quant method (one
+layer at a time into a scratch buffer) and spell out each block's layout; the C++ kernels
+(``csrc/ggml_linear.cpp``) read the same bytes. The tests check both against the ``gguf`` package's own
+dequantizer.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+QK = 32
+QK_K = 256
+
+# type name -> (values per block, bytes per block)
+BLOCKS: dict[str, tuple[int, int]] = {
+    "Q4_0": (QK, 18),
+    "Q4_1": (QK, 20),
+    "Q5_0": (QK, 22),
+    "Q5_1": (QK, 24),
+    "Q8_0": (QK, 34),
+    "Q4_K": (QK_K, 144),
+    "Q5_K": (QK_K, 176),
+    "Q6_K": (QK_K, 210),
+}
+# the order the C++ kernels number the types by (csrc/ggml_linear.cpp's Type)
+TYPE_IDS = {name: i for i, name in enumerate(BLOCKS)}
+
+
+class PackedWeight(NamedTuple):
+    """A linear weight ``[out_features, in_features]`` as a checkpoint stores it: ``data`` holds each output
+    row's blocks of ``format`` (``uint8 [out_features, row_bytes]``)."""
+
+    format: str
+    data: torch.Tensor
+    in_features: int
+
+    @property
+    def out_features(self) -> int:
+        return self.data.shape[0]
+
+    def rows(self, start: int, stop: int) -> PackedWeight:
+        return PackedWeight(self.format, self.data[start:stop], self.in_features)
+
+    def columns(self, columns: slice) -> PackedWeight | None:
+        """The input ``columns`` alone (a row-parallel shard); None where they do not start and end on block
+        edges."""
+        values, size = BLOCKS[self.format]
+        start, stop = columns.start or 0, self.in_features if columns.stop is None else columns.stop
+        if start % values or stop % values:
+            return None
+        return PackedWeight(self.format, self.data[:, start // values * size : stop // values * size],
+                            stop - start)
+
+
+def row_bytes(format: str, in_features: int) -> int:
+    values, size = BLOCKS[format]
+    return in_features // values * size
+
+
+def _f16(blocks: torch.Tensor, offset: int) -> torch.Tensor:
+    """The float16 at byte ``offset`` of every block, as float32 ``[..., 1]``."""
+    return blocks[..., offset : offset + 2].contiguous().view(torch.float16).float()
+
+
+def _nibbles(qs: torch.Tensor) -> torch.Tensor:
+    """16 bytes -> 32 values: the low nibbles, then the high ones (ggml's order within a block)."""
+    return torch.cat([qs & 0x0F, qs >> 4], dim=-1).float()
+
+
+def _high_bits(qh: torch.Tensor, count: int) -> torch.Tensor:
+    """Bit j of the little-endian bytes ``qh`` for j < count, as 0/1 values ``[..., count]``."""
+    bits = torch.arange(8, dtype=torch.uint8, device=qh.device)
+    return ((qh[..., :, None] >> bits) & 1).reshape(*qh.shape[:-1], -1)[..., :count].float()
+
+
+def _scales_mins(scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The 12 bytes of a Q4_K/Q5_K block -> its 8 six-bit sub-block scales and mins (``get_scale_min_k4``)."""
+    q = scales.to(torch.int32)
+    low_sc, low_m = q[..., 0:4] & 63, q[..., 4:8] & 63
+    high_sc = (q[..., 8:12] & 0x0F) | ((q[..., 0:4] >> 6) << 4)
+    high_m = (q[..., 8:12] >> 4) | ((q[..., 4:8] >> 6) << 4)
+    return torch.cat([low_sc, high_sc], -1).float(), torch.cat([low_m, high_m], -1).float()
+
+
+def _q4_0(b: torch.Tensor) -> torch.Tensor:
+    return _f16(b, 0) * (_nibbles(b[..., 2:18]) - 8)
+
+
+def _q4_1(b: torch.Tensor) -> torch.Tensor:
+    return _f16(b, 0) * _nibbles(b[..., 4:20]) + _f16(b, 2)
+
+
+def _q5_0(b: torch.Tensor) -> torch.Tensor:
+    return _f16(b, 0) * (_nibbles(b[..., 6:22]) + 16 * _high_bits(b[..., 2:6], QK) - 16)
+
+
+def _q5_1(b: torch.Tensor) -> torch.Tensor:
+    return _f16(b, 0) * (_nibbles(b[..., 8:24]) + 16 * _high_bits(b[..., 4:8], QK)) + _f16(b, 2)
+
+
+def _q8_0(b: torch.Tensor) -> torch.Tensor:
+    return _f16(b, 0) * b[..., 2:34].contiguous().view(torch.int8).float()
+
+
+def _k_sub_blocks(qs: torch.Tensor) -> torch.Tensor:
+    """128 bytes of a Q4_K/Q5_K block -> ``[..., 8, 32]`` low 4-bit values: each 32 bytes hold two
+    sub-blocks, the low nibbles then the high ones."""
+    q = qs.reshape(*qs.shape[:-1], 4, 32)
+    return torch.stack([q & 0x0F, q >> 4], dim=-2).reshape(*qs.shape[:-1], 8, 32).float()
+
+
+def _q4_k(b: torch.Tensor) -> torch.Tensor:
+    sc, m = _scales_mins(b[..., 4:16])
+    q = _k_sub_blocks(b[..., 16:144])
+    return ((_f16(b, 0) * sc)[..., None] * q - (_f16(b, 2) * m)[..., None]).flatten(-2)
+
+
+def _q5_k(b: torch.Tensor) -> torch.Tensor:
+    sc, m = _scales_mins(b[..., 4:16])
+    q = _k_sub_blocks(b[..., 48:176])
+    # bit i of qh byte l is the fifth bit of value l of sub-block i
+    bits = torch.arange(8, dtype=torch.uint8, device=b.device)
+    high = ((b[..., 16:48, None] >> bits) & 1).transpose(-1, -2).float()
+    return ((_f16(b, 0) * sc)[..., None] * (q + 16 * high) - (_f16(b, 2) * m)[..., None]).flatten(-2)
+
+
+def _q6_k(b: torch.Tensor) -> torch.Tensor:
+    ql = b[..., 0:128].reshape(*b.shape[:-1], 2, 2, 32)  # [half, first or second 32 bytes, l]
+    qh = b[..., 128:192].reshape(*b.shape[:-1], 2, 32)  # [half, l]
+    scales = b[..., 192:208].contiguous().view(torch.int8).float().reshape(*b.shape[:-1], 2, 4, 2)
+    # within a half, value l + 32 * j (j = 0..3) takes ql's nibble (j // 2: high) of byte l + 32 * (j % 2)
+    # and bits 2j, 2j + 1 of qh[l]; its scale is scales[j * 2 + l // 16]
+    low = torch.stack([ql[..., 0, :] & 0x0F, ql[..., 1, :] & 0x0F, ql[..., 0, :] >> 4, ql[..., 1, :] >> 4], -2)
+    shifts = torch.tensor([0, 2, 4, 6], dtype=torch.uint8, device=b.device)[:, None]
+    high = (qh[..., None, :] >> shifts) & 3
+    q = (low.to(torch.int32) | (high.to(torch.int32) << 4)).float() - 32  # [..., half, j, l]
+    q = q.reshape(*q.shape[:-1], 2, 16) * scales[..., None]
+    return (_f16(b, 208)[..., None, None, None] * q).flatten(-4)
+
+
+_DEQUANTIZE = {"Q4_0": _q4_0, "Q4_1": _q4_1, "Q5_0": _q5_0, "Q5_1": _q5_1, "Q8_0": _q8_0,
+               "Q4_K": _q4_k, "Q5_K": _q5_k, "Q6_K": _q6_k}
+
+
+def dequantize(weight: PackedWeight, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """``[out_features, in_features]`` in ``dtype``."""
+    values, size = BLOCKS[weight.format]
+    blocks = weight.data.reshape(weight.out_features, -1, size)
+    return _DEQUANTIZE[weight.format](blocks).reshape(weight.out_features, weight.in_features).to(dtype)
+
+
+def dequantize_rows(weight: PackedWeight, rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Rows ``rows`` (int64 ``[T]``) of the weight: an embedding lookup in a packed table."""
+    return dequantize(PackedWeight(weight.format, weight.data[rows], weight.in_features), dtype)

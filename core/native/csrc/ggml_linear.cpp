@@ -1,0 +1,485 @@
+// A linear layer over llama.cpp's quantized blocks, read as the GGUF file stores them:
+// y[M, N] = x[M, K] w[N, K]^T (+ bias), w as N rows of GGML blocks (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K,
+// Q6_K), never expanded in memory.
+//
+// Why integer dot products: a decode step reads each weight once, so its time is the bytes it reads, and a
+// 4-bit block is 5 bits a weight against bf16's 16. Unpacking each block to floats and multiplying in float32
+// costs more instructions per weight than the bytes take to arrive; instead each row of x is quantized per
+// 32 values to int8 with one scale (llama.cpp's Q8 activations: a relative error of at most 1/254 per value),
+// and each 32-value sub-block of the weight, unpacked to bytes once, is multiplied with every row of the step
+// by VPMADDUBSW (unsigned x signed bytes, pairs summed) and VPMADDWD: 32 multiply-adds in two instructions.
+// So batched decodes and prompt chunks reuse each unpacked block for all their rows rather than unpacking it
+// again per row. Formats whose values are unsigned with an offset (Q4_0's -8, Q4_1's min, the K-quants' mins)
+// are kept unsigned and their offset applied once per sub-block through the sum of x's quantized values;
+// signed ones (Q8_0, Q6_K) move their sign onto x (VPSIGNB).
+//
+// Threads take 16 output columns at a time from a shared counter, so a thread on a core that another process
+// also wants does less of the work rather than holding the step back (a static split waits for its slowest
+// share). Paths: AVX2 (any x86-64 CPU of the last decade, AMD Zen 4 and Intel with AVX-512 included), and a
+// portable scalar one with the same arithmetic (other CPUs; the tests force both).
+//
+// NOTE: on a 2-core AMD EPYC (Zen 3, AVX2), SmolLM2's Q4_1 layers at one token: see benchmarks/quant.py.
+#include <torch/library.h>
+
+#include <cmath>
+
+#include "common.h"
+
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#include <immintrin.h>
+#define CONVEYOR_AVX2 1
+#endif
+
+namespace conveyor {
+namespace {
+
+// The order conveyor.model.ggml.TYPE_IDS numbers them by.
+enum Type : int64_t { Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K, kNumTypes };
+
+constexpr int64_t kSub = 32;  // values of a sub-block: one scale (two for Q6_K), one offset
+constexpr int64_t kBlockValues[kNumTypes] = {32, 32, 32, 32, 32, 256, 256, 256};
+constexpr int64_t kBlockBytes[kNumTypes] = {18, 20, 22, 24, 34, 144, 176, 210};
+// whether a type's unpacked values are signed (else unsigned with an offset)
+constexpr bool kSigned[kNumTypes] = {false, false, false, false, true, false, false, true};
+
+float half_to_float(const uint8_t* p) {
+  uint16_t h;
+  std::memcpy(&h, p, 2);
+  const uint32_t sign = uint32_t(h & 0x8000) << 16, exponent = (h >> 10) & 0x1f, mantissa = h & 0x3ff;
+  if (exponent == 0x1f) return bits_to_float(sign | 0x7f800000u | (mantissa << 13));
+  if (exponent != 0) return bits_to_float(sign | ((exponent + 112) << 23) | (mantissa << 13));
+  return (sign ? -1.0f : 1.0f) * std::ldexp(float(mantissa), -24);  // subnormal
+}
+
+// Q4_K and Q5_K: the six-bit scale and offset of sub-block j (ggml's get_scale_min_k4).
+void scale_min_k4(int j, const uint8_t* q, uint8_t* scale, uint8_t* min) {
+  if (j < 4) {
+    *scale = q[j] & 63;
+    *min = q[j + 4] & 63;
+  } else {
+    *scale = (q[j + 4] & 0x0f) | ((q[j - 4] >> 6) << 4);
+    *min = (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
+  }
+}
+
+// One row of the weight, unpacked: per sub-block s its 32 values as bytes (q), the scale of each of its eight
+// groups of four values (scale[8 s + g]: the lanes VPMADDWD leaves) and the offset added per unit of x.
+struct Unpacked {
+  uint8_t* q;
+  float* scale;
+  float* offset;
+};
+
+void set_scale(float* scale, float lo, float hi) {
+  for (int g = 0; g < 4; ++g) scale[g] = lo;
+  for (int g = 4; g < 8; ++g) scale[g] = hi;
+}
+
+// Unpacks one block (sub-blocks first_sub ...) of type t.
+template <Type t>
+inline void unpack_block(const uint8_t* b, int64_t first_sub, const Unpacked& u) {
+  uint8_t* q = u.q + first_sub * kSub;
+  float* scale = u.scale + first_sub * 8;
+  float* offset = u.offset + first_sub;
+  switch (t) {  // (t is a constant: one case is compiled per type)
+    case Q4_0:
+    case Q4_1: {
+      const float d = half_to_float(b);
+      const uint8_t* qs = b + (t == Q4_0 ? 2 : 4);
+      for (int i = 0; i < 16; ++i) q[i] = qs[i] & 0x0f, q[i + 16] = qs[i] >> 4;
+      set_scale(scale, d, d);
+      offset[0] = t == Q4_0 ? -8.0f * d : half_to_float(b + 2);
+      break;
+    }
+    case Q5_0:
+    case Q5_1: {
+      const float d = half_to_float(b);
+      const uint8_t* qh = b + (t == Q5_0 ? 2 : 4);
+      const uint8_t* qs = qh + 4;
+      uint32_t high;
+      std::memcpy(&high, qh, 4);
+      for (int i = 0; i < 16; ++i) {
+        q[i] = (qs[i] & 0x0f) | (((high >> i) & 1) << 4);
+        q[i + 16] = (qs[i] >> 4) | (((high >> (i + 16)) & 1) << 4);
+      }
+      set_scale(scale, d, d);
+      offset[0] = t == Q5_0 ? -16.0f * d : half_to_float(b + 2);
+      break;
+    }
+    case Q8_0: {
+      std::memcpy(q, b + 2, 32);
+      const float d = half_to_float(b);
+      set_scale(scale, d, d);
+      offset[0] = 0.0f;
+      break;
+    }
+    case Q4_K:
+    case Q5_K: {
+      const float d = half_to_float(b), dmin = half_to_float(b + 2);
+      const uint8_t* scales = b + 4;
+      const uint8_t* qh = b + 16;  // Q5_K: bit j of byte l is the fifth bit of value l of sub-block j
+      const uint8_t* qs = b + (t == Q4_K ? 16 : 48);
+      for (int j = 0; j < 8; ++j) {
+        uint8_t sc, m;
+        scale_min_k4(j, scales, &sc, &m);
+        const uint8_t* chunk = qs + 32 * (j / 2);
+        const int shift = 4 * (j & 1);
+        for (int l = 0; l < 32; ++l) {
+          uint8_t value = (chunk[l] >> shift) & 0x0f;
+          if (t == Q5_K) value |= ((qh[l] >> j) & 1) << 4;
+          q[32 * j + l] = value;
+        }
+        set_scale(scale + 8 * j, d * sc, d * sc);
+        offset[j] = -dmin * m;
+      }
+      break;
+    }
+    case Q6_K: {
+      const float d = half_to_float(b + 208);
+      const auto* scales = reinterpret_cast<const int8_t*>(b + 192);
+      for (int half = 0; half < 2; ++half) {
+        const uint8_t* ql = b + 64 * half;
+        const uint8_t* qh = b + 128 + 32 * half;
+        for (int j = 0; j < 4; ++j) {
+          const int s = 4 * half + j;
+          const uint8_t* low = ql + 32 * (j % 2);
+          const int shift = 4 * (j / 2);
+          for (int l = 0; l < 32; ++l) {
+            const int value = (((low[l] >> shift) & 0x0f) | (((qh[l] >> (2 * j)) & 3) << 4)) - 32;
+            q[32 * s + l] = static_cast<uint8_t>(static_cast<int8_t>(value));
+          }
+          const int8_t* sc = scales + 8 * half + 2 * j;
+          set_scale(scale + 8 * s, d * sc[0], d * sc[1]);
+          offset[s] = 0.0f;
+        }
+      }
+      break;
+    }
+    default: break;
+  }
+}
+
+template <Type t>
+void unpack_row(const uint8_t* row, int64_t K, const Unpacked& u) {
+  constexpr int64_t values = kBlockValues[t], size = kBlockBytes[t];
+  for (int64_t blk = 0; blk < K / values; ++blk) unpack_block<t>(row + blk * size, blk * values / kSub, u);
+}
+
+
+// x quantized per sub-block: q = round(x / d), d = max |x| / 127; sum = d * sum(q) (what an offset multiplies).
+struct QuantizedRows {
+  std::vector<int8_t> q;
+  std::vector<float> scale, sum;
+};
+
+template <typename T>
+float to_float(T v) {
+  if constexpr (std::is_same_v<T, float>) {
+    return v;
+  } else if constexpr (std::is_same_v<T, at::BFloat16>) {
+    return bf16_to_float(v.x);
+  } else {
+    return static_cast<float>(v);
+  }
+}
+
+template <typename T>
+void quantize_rows(const T* x, int64_t M, int64_t K, QuantizedRows& out) {
+  const int64_t subs = K / kSub;
+  out.q.resize(M * K);
+  out.scale.resize(M * subs);
+  out.sum.resize(M * subs);
+  at::parallel_for(0, M * subs, 64, [&](int64_t begin, int64_t end) {
+    float values[kSub];
+    for (int64_t i = begin; i < end; ++i) {
+      const T* src = x + (i / subs) * K + (i % subs) * kSub;
+      float amax = 0.0f;
+      for (int k = 0; k < kSub; ++k) values[k] = to_float(src[k]), amax = std::max(amax, std::fabs(values[k]));
+      const float d = amax / 127.0f, inverse = d > 0.0f ? 1.0f / d : 0.0f;
+      int total = 0;
+      int8_t* q = out.q.data() + (i / subs) * K + (i % subs) * kSub;
+      for (int k = 0; k < kSub; ++k) {
+        q[k] = static_cast<int8_t>(std::nearbyint(values[k] * inverse));
+        total += q[k];
+      }
+      out.scale[i] = d;
+      out.sum[i] = d * total;
+    }
+  });
+}
+
+constexpr int64_t kRowTile = 4;  // rows of x multiplied with each unpacked sub-block
+constexpr int64_t kColumns = 4;  // the most output columns unpacked and multiplied together (one row: 4; more: 2)
+
+// Columns a tile of `rows` rows takes: its accumulators (rows x columns) and unpacked weights fit in registers.
+inline int64_t tile_columns(int64_t rows) { return rows == 1 ? 4 : 2; }
+constexpr int64_t kMinChunk = 16;  // the fewest output columns a thread takes at a time
+
+template <typename T>
+void store(T* out, float value) {
+  if constexpr (std::is_same_v<T, float>) {
+    *out = value;
+  } else if constexpr (std::is_same_v<T, at::BFloat16>) {
+    out->x = float_to_bf16(value);
+  } else {
+    *out = static_cast<T>(value);
+  }
+}
+
+// Output columns [n, n + columns) for rows [m0, m0 + rows): sums[r * kColumns + c], offsets included.
+using Tile = void (*)(const uint8_t* weight, int64_t row_bytes, int64_t n, int64_t columns, const QuantizedRows& x,
+                      int64_t m0, int64_t rows, int64_t K, float* sums, float* scratch);
+
+// The portable path: each weight row unpacked into scratch, then plain integer dot products.
+template <Type t>
+void scalar_tile(const uint8_t* weight, int64_t row_bytes, int64_t n, int64_t columns, const QuantizedRows& x,
+                 int64_t m0, int64_t rows, int64_t K, float* sums, float* scratch) {
+  const int64_t subs = K / kSub;
+  const Unpacked w{reinterpret_cast<uint8_t*>(scratch), scratch + K / 4, scratch + K / 4 + 8 * subs};
+  for (int c = 0; c < columns; ++c) {
+    unpack_row<t>(weight + (n + c) * row_bytes, K, w);
+    for (int r = 0; r < rows; ++r) {
+      const int8_t* xq = x.q.data() + (m0 + r) * K;
+      float total = 0.0f;
+      for (int64_t s = 0; s < subs; ++s) {
+        float sub = 0.0f;
+        for (int g = 0; g < 8; ++g) {
+          int32_t dot = 0;
+          for (int k = 32 * s + 4 * g; k < 32 * s + 4 * g + 4; ++k)
+            dot += (kSigned[t] ? int32_t(int8_t(w.q[k])) : int32_t(w.q[k])) * xq[k];
+          sub += w.scale[8 * s + g] * float(dot);
+        }
+        total += x.scale[(m0 + r) * subs + s] * sub + w.offset[s] * x.sum[(m0 + r) * subs + s];
+      }
+      sums[r * kColumns + c] = total;
+    }
+  }
+}
+
+#ifdef CONVEYOR_AVX2
+// Sub-block j of one block of type t, unpacked in registers: its 32 values as bytes (signed for kSigned
+// types), its scale (Q6_K: the scale of each group of four values, the lanes VPMADDWD leaves, as two scales
+// of 16 differ) and its offset per unit of x.
+struct SubBlock {
+  __m256i q;
+  float scale;
+  float offset;
+  __m256 lane_scales;  // (Q6_K only)
+};
+
+inline float half(const uint8_t* p) {
+  uint16_t h;
+  std::memcpy(&h, p, 2);
+  return _cvtsh_ss(h);
+}
+
+// 16 bytes -> their low nibbles (values 0-15), then their high ones (16-31).
+inline __m256i nibbles(const uint8_t* p) {
+  const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  const __m128i mask = _mm_set1_epi8(0x0f);
+  return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(bytes, 4), mask), _mm_and_si128(bytes, mask));
+}
+
+// 32 bits -> 32 bytes, 16 where the bit is set (the fifth bit of Q5_0 / Q5_1 values).
+inline __m256i fifth_bits(const uint8_t* p) {
+  uint32_t bits;
+  std::memcpy(&bits, p, 4);
+  const __m256i spread = _mm256_shuffle_epi8(_mm256_set1_epi32(int(bits)),
+                                             _mm256_set_epi64x(0x0303030303030303, 0x0202020202020202,
+                                                               0x0101010101010101, 0x0000000000000000));
+  const __m256i select = _mm256_set1_epi64x(0x8040201008040201);
+  return _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(spread, select), select), _mm256_set1_epi8(16));
+}
+
+template <Type t>
+inline SubBlock unpack_sub(const uint8_t* b, int j) {
+  const __m256i low4 = _mm256_set1_epi8(0x0f);
+  if constexpr (t == Q4_0 || t == Q4_1) {
+    const float d = half(b);
+    return {nibbles(b + (t == Q4_0 ? 2 : 4)), d, t == Q4_0 ? -8.0f * d : half(b + 2), _mm256_setzero_ps()};
+  } else if constexpr (t == Q5_0 || t == Q5_1) {
+    const float d = half(b);
+    const uint8_t* qh = b + (t == Q5_0 ? 2 : 4);
+    return {_mm256_or_si256(nibbles(qh + 4), fifth_bits(qh)), d, t == Q5_0 ? -16.0f * d : half(b + 2), _mm256_setzero_ps()};
+  } else if constexpr (t == Q8_0) {
+    return {_mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 2)), half(b), 0.0f, _mm256_setzero_ps()};
+  } else if constexpr (t == Q4_K || t == Q5_K) {
+    uint8_t sc, m;
+    scale_min_k4(j, b + 4, &sc, &m);
+    const uint8_t* chunk = b + (t == Q4_K ? 16 : 48) + 32 * (j / 2);
+    __m256i q = _mm256_and_si256(_mm256_srli_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(chunk)),
+                                                   4 * (j & 1)), low4);
+    if constexpr (t == Q5_K) {
+      const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 16));
+      q = _mm256_or_si256(q, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, j), _mm256_set1_epi8(1)), 4));
+    }
+    return {q, half(b) * sc, -half(b + 2) * m, _mm256_setzero_ps()};
+  } else {  // Q6_K: sub-block j = 4 * half + i of 32 values, two scales of 16
+    const int h = j / 4, i = j % 4;
+    const __m256i low = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 64 * h + 32 * (i % 2)));
+    const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 128 + 32 * h));
+    const __m256i q = _mm256_or_si256(
+        _mm256_and_si256(_mm256_srli_epi16(low, 4 * (i / 2)), low4),
+        _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2 * i), _mm256_set1_epi8(3)), 4));
+    const auto* sc = reinterpret_cast<const int8_t*>(b + 192 + 8 * h + 2 * i);
+    const float d = half(b + 208);
+    return {_mm256_sub_epi8(q, _mm256_set1_epi8(32)), 0.0f, 0.0f,
+            _mm256_set_m128(_mm_set1_ps(d * sc[1]), _mm_set1_ps(d * sc[0]))};
+  }
+}
+
+inline float horizontal_sum(__m256 v) {
+  const __m128 half = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  const __m128 quad = _mm_add_ps(half, _mm_movehl_ps(half, half));
+  return _mm_cvtss_f32(_mm_add_ss(quad, _mm_movehdup_ps(quad)));
+}
+
+// R rows x C columns, sizes fixed at compile time so that the accumulators stay in registers.
+template <Type t, int R, int C>
+void avx2_tile_fixed(const uint8_t* weight, int64_t row_bytes, int64_t n, const QuantizedRows& x, int64_t m0,
+                     int64_t K, float* sums) {
+  constexpr int64_t values = kBlockValues[t], size = kBlockBytes[t], per_block = values / kSub;
+  const int64_t subs = K / kSub;
+  const __m256i ones = _mm256_set1_epi16(1);
+  __m256 acc[R][C];
+  float offsets[R][C] = {};
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) acc[r][c] = _mm256_setzero_ps();
+  const int8_t* xq = x.q.data() + m0 * K;
+  const float* xd = x.scale.data() + m0 * subs;
+  const float* xsum = x.sum.data() + m0 * subs;
+  for (int64_t blk = 0; blk < K / values; ++blk) {
+    const uint8_t* block[C];
+    for (int c = 0; c < C; ++c) block[c] = weight + (n + c) * row_bytes + blk * size;
+    for (int j = 0; j < per_block; ++j) {
+      const int64_t s = blk * per_block + j;
+      SubBlock w[C];
+      __m256i wabs[C];
+      for (int c = 0; c < C; ++c) {
+        w[c] = unpack_sub<t>(block[c], j);
+        wabs[c] = kSigned[t] ? _mm256_sign_epi8(w[c].q, w[c].q) : w[c].q;
+      }
+      for (int r = 0; r < R; ++r) {
+        const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + r * K + s * kSub));
+        const float d = xd[r * subs + s];
+        for (int c = 0; c < C; ++c) {
+          const __m256i xs = kSigned[t] ? _mm256_sign_epi8(xv, w[c].q) : xv;
+          const __m256 dot = _mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_maddubs_epi16(wabs[c], xs), ones));
+          if constexpr (t == Q6_K)
+            acc[r][c] = _mm256_fmadd_ps(dot, _mm256_mul_ps(w[c].lane_scales, _mm256_set1_ps(d)), acc[r][c]);
+          else
+            acc[r][c] = _mm256_fmadd_ps(dot, _mm256_set1_ps(w[c].scale * d), acc[r][c]);
+          if constexpr (!kSigned[t]) offsets[r][c] += w[c].offset * xsum[r * subs + s];
+        }
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) sums[r * kColumns + c] = horizontal_sum(acc[r][c]) + offsets[r][c];
+}
+
+template <Type t>
+void avx2_tile(const uint8_t* weight, int64_t row_bytes, int64_t n, int64_t columns, const QuantizedRows& x,
+               int64_t m0, int64_t rows, int64_t K, float* sums, float*) {
+  static_assert(kRowTile == 4 && kColumns == 4, "the table below covers 1-4 rows and tile_columns");
+  using Fixed = void (*)(const uint8_t*, int64_t, int64_t, const QuantizedRows&, int64_t, int64_t, float*);
+  static constexpr Fixed tiles[kRowTile][kColumns] = {
+      {avx2_tile_fixed<t, 1, 1>, avx2_tile_fixed<t, 1, 2>, avx2_tile_fixed<t, 1, 3>, avx2_tile_fixed<t, 1, 4>},
+      {avx2_tile_fixed<t, 2, 1>, avx2_tile_fixed<t, 2, 2>, nullptr, nullptr},
+      {avx2_tile_fixed<t, 3, 1>, avx2_tile_fixed<t, 3, 2>, nullptr, nullptr},
+      {avx2_tile_fixed<t, 4, 1>, avx2_tile_fixed<t, 4, 2>, nullptr, nullptr}};
+  tiles[rows - 1][columns - 1](weight, row_bytes, n, x, m0, K, sums);
+}
+#endif
+
+Tile pick_tile(Type t, bool vector) {
+  static constexpr Tile scalar[kNumTypes] = {scalar_tile<Q4_0>, scalar_tile<Q4_1>, scalar_tile<Q5_0>,
+                                             scalar_tile<Q5_1>, scalar_tile<Q8_0>, scalar_tile<Q4_K>,
+                                             scalar_tile<Q5_K>, scalar_tile<Q6_K>};
+#ifdef CONVEYOR_AVX2
+  static constexpr Tile avx2[kNumTypes] = {avx2_tile<Q4_0>, avx2_tile<Q4_1>, avx2_tile<Q5_0>, avx2_tile<Q5_1>,
+                                           avx2_tile<Q8_0>, avx2_tile<Q4_K>, avx2_tile<Q5_K>, avx2_tile<Q6_K>};
+  if (vector) return avx2[t];
+#endif
+  return scalar[t];
+}
+
+template <typename T>
+void run(const T* x, const uint8_t* weight, Type t, int64_t M, int64_t N, int64_t K, const T* bias, T* out,
+         bool vector) {
+  QuantizedRows xq;
+  quantize_rows(x, M, K, xq);
+  const int64_t row_bytes = K / kBlockValues[t] * kBlockBytes[t], subs = K / kSub;
+  const Tile tile = pick_tile(t, vector);
+  // the scalar path's scratch: one unpacked row (bytes, then 8 scales and an offset per sub-block)
+  const int64_t scratch_floats = vector ? 0 : K / 4 + subs * 9;
+  // About eight chunks a thread: enough to even out a slow thread, long enough runs of memory for the
+  // hardware's prefetcher (16-column chunks of SmolLM2's 49,152-row head read 2.6 ms with one thread and 2.2
+  // with two; whole eighths, 1.4). Each row tile walks its chunk's weights again, so with more rows than one
+  // tile a chunk is also kept small enough (128 KB) to stay in the core's cache from one tile to the next.
+  int64_t chunk_columns = (N / (8 * at::get_num_threads()) + 3) / 4 * 4;
+  if (M > kRowTile) chunk_columns = std::min(chunk_columns, (int64_t(128) << 10) / row_bytes / 4 * 4);
+  chunk_columns = std::max(kMinChunk, chunk_columns);
+  const int64_t chunks = (N + chunk_columns - 1) / chunk_columns;
+  run_work_queue(chunks, scratch_floats, [&](int64_t chunk, float* scratch) {
+    float sums[kRowTile * kColumns];
+    const int64_t n_end = std::min(N, (chunk + 1) * chunk_columns);
+    for (int64_t m0 = 0; m0 < M; m0 += kRowTile) {
+      const int64_t rows = std::min<int64_t>(kRowTile, M - m0);
+      for (int64_t n = chunk * chunk_columns; n < n_end; n += tile_columns(rows)) {
+        const int64_t columns = std::min<int64_t>(tile_columns(rows), n_end - n);
+        tile(weight, row_bytes, n, columns, xq, m0, rows, K, sums, scratch);
+        for (int r = 0; r < rows; ++r)
+          for (int c = 0; c < columns; ++c) {
+            const float b = bias ? to_float(bias[n + c]) : 0.0f;
+            store(out + (m0 + r) * N + n + c, sums[r * kColumns + c] + b);
+          }
+      }
+    }
+  });
+}
+
+// "avx2" where this build has it, else "scalar".
+std::string ggml_linear_path() {
+#ifdef CONVEYOR_AVX2
+  return "avx2";
+#else
+  return "scalar";
+#endif
+}
+
+void ggml_linear(const at::Tensor& x, const at::Tensor& weight, int64_t type, const c10::optional<at::Tensor>& bias,
+                 at::Tensor& out, const std::string& path) {
+  TORCH_CHECK(type >= 0 && type < kNumTypes, "ggml_linear: unknown type ", type);
+  const Type t = static_cast<Type>(type);
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "ggml_linear: x must be a contiguous [M, K]");
+  const int64_t M = x.size(0), K = x.size(1), N = weight.size(0);
+  TORCH_CHECK(K % kBlockValues[t] == 0, "ggml_linear: K = ", K, " is not a multiple of the type's ",
+              kBlockValues[t], " values a block");
+  TORCH_CHECK(weight.scalar_type() == at::kByte && weight.dim() == 2 && weight.is_contiguous() &&
+                  weight.size(1) == K / kBlockValues[t] * kBlockBytes[t],
+              "ggml_linear: weight must be a contiguous uint8 [N, ", K / kBlockValues[t] * kBlockBytes[t], "]");
+  TORCH_CHECK(out.scalar_type() == x.scalar_type() && out.dim() == 2 && out.size(0) == M && out.size(1) == N &&
+                  out.is_contiguous(), "ggml_linear: out must be a contiguous [", M, ", ", N, "] of x's dtype");
+  if (bias.has_value())
+    TORCH_CHECK(bias->scalar_type() == x.scalar_type() && bias->numel() == N && bias->is_contiguous(),
+                "ggml_linear: bias must be a contiguous [", N, "] of x's dtype");
+  TORCH_CHECK(path == "scalar" || path == ggml_linear_path(), "ggml_linear: path ", path,
+              " is not built here; built: scalar, ", ggml_linear_path());
+  const bool vector = path != "scalar";
+  const uint8_t* w = weight.data_ptr<uint8_t>();
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "ggml_linear", [&] {
+    const scalar_t* b = bias.has_value() ? bias->data_ptr<scalar_t>() : nullptr;
+    run<scalar_t>(x.data_ptr<scalar_t>(), w, t, M, N, K, b, out.data_ptr<scalar_t>(), vector);
+  });
+}
+
+}  // namespace
+}  // namespace conveyor
+
+TORCH_LIBRARY_FRAGMENT(conveyor_cpu, m) {
+  m.def("ggml_linear_path() -> str", &conveyor::ggml_linear_path);
+  m.def("ggml_linear(Tensor x, Tensor weight, int type, Tensor? bias, Tensor(a!) out, str path) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(conveyor_cpu, CPU, m) { m.impl("ggml_linear", &conveyor::ggml_linear); }

@@ -1,0 +1,92 @@
+"""``gguf``: llama.cpp's quantized blocks (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K) kept as the GGUF
+file stores them, and ``auto``, the default: the same for a checkpoint with such tensors, the model dtype for
+the rest.
+
+A quantized GGUF is served at its size: its blocks are never expanded to bf16 or fp32 (a Q4_1 weight is 5
+bits, not 16), the embedding table and a tied output head included. On a CPU with the C++ kernels a step
+multiplies the blocks as they are (``conveyor.native.ggml_linear``: each row of x quantized per 32 values to
+int8, as llama.cpp does); elsewhere (no compiler; CUDA, for now) each layer is dequantized into the model
+dtype when it runs and multiplied there, which is correct but gives back the time, not the memory. Tensors
+the file stores as floats (norms; F16/BF16/F32 weights) take the ``none`` method's path.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from conveyor.hookspecs import hookimpl
+from conveyor.plugins.quant.none import NoQuant
+from conveyor.quant import Params
+
+if TYPE_CHECKING:
+    import torch
+
+    from conveyor.model.ggml import PackedWeight
+
+# GGML type names, in conveyor.model.ggml.BLOCKS (kept here to list without importing torch)
+FORMATS = frozenset({"Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K"})
+
+
+class GGUFQuant(NoQuant):
+    """GGUF blocks kept packed; float weights as ``none`` keeps them."""
+
+    name = "gguf"
+    packed_formats = FORMATS
+
+    def prepare_packed(self, parts: list[PackedWeight], bias: torch.Tensor | None = None) -> Params:
+        """Params ``"{i}:{format}"`` hold part i's blocks in order (``uint8 [rows, row bytes]``)."""
+        params = {f"{i}:{part.format}": part.data.to(self.device).contiguous() for i, part in enumerate(parts)}
+        if bias is not None:
+            params["bias"] = bias.to(device=self.device, dtype=self.dtype)
+        return params
+
+    def linear(self, x: torch.Tensor, params: Params) -> torch.Tensor:
+        parts = [(key.partition(":")[2], data) for key, data in params.items() if ":" in key]
+        if not parts:
+            return super().linear(x, params)
+        import torch
+
+        outputs = [_multiply(x, format, data) for format, data in parts]
+        y = outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=-1)
+        bias = params.get("bias")
+        return y if bias is None else y + bias
+
+    def num_bytes(self, params: Params) -> int:
+        if not any(":" in key for key in params):
+            return super().num_bytes(params)
+        return sum(t.numel() * t.element_size() for t in params.values())
+
+
+def _multiply(x: torch.Tensor, format: str, data: torch.Tensor) -> torch.Tensor:
+    """``x @ w.T`` for one part's blocks: the C++ kernels where they run, else dequantized per call."""
+    import torch.nn.functional as F
+
+    from conveyor.model import ggml
+
+    if kernels_run(x):
+        from conveyor import native
+
+        return native.ggml_linear(x, data, ggml.TYPE_IDS[format])
+    values, size = ggml.BLOCKS[format]
+    weight = ggml.PackedWeight(format, data, data.shape[1] // size * values)
+    return F.linear(x, ggml.dequantize(weight, x.dtype))
+
+
+def kernels_run(x: torch.Tensor) -> bool:
+    """Whether the C++ block kernels multiply ``x`` here (a CPU where they build)."""
+    from conveyor import native
+
+    return x.device.type == "cpu" and native.load()
+
+
+class AutoQuant(GGUFQuant):
+    """The default: a checkpoint's quantized GGUF blocks kept packed (``gguf``), float weights in the model
+    dtype (``none``), whatever the checkpoint holds."""
+
+    name = "auto"
+
+
+@hookimpl
+def conveyor_register_quant_methods(register):
+    register(GGUFQuant)
+    register(AutoQuant)

@@ -1,0 +1,168 @@
+"""GGUF's quantized blocks kept packed: the torch dequantizers and the C++ kernels (every path built here,
+forced) against the gguf package's own dequantizer and a float64 matmul; shards along whole blocks; the
+``gguf`` quant method inside the model against the same model dequantized."""
+
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import pytest
+import torch
+
+from conveyor import native
+from conveyor.model import ggml
+from tests.kquants import quantize
+
+TYPES = list(ggml.BLOCKS)
+
+
+def packed_random(format: str, rows: int, columns: int, seed: int) -> tuple[ggml.PackedWeight, torch.Tensor]:
+    """Random weights in ``format`` and the gguf package's float64 reading of them."""
+    rng = np.random.default_rng(seed)
+    # (rows of different magnitudes: the scales differ from row to row and block to block)
+    weight = rng.standard_normal((rows, columns)).astype(np.float32) * rng.uniform(0.01, 2.0, (rows, 1))
+    qtype = gguf.GGMLQuantizationType[format]
+    data = np.ascontiguousarray(quantize(weight, qtype))
+    reference = torch.from_numpy(gguf.quants.dequantize(data, qtype).astype(np.float64))
+    return ggml.PackedWeight(format, torch.from_numpy(data), columns), reference
+
+
+@pytest.mark.parametrize("format", TYPES)
+def test_dequantize_equals_the_gguf_package(format):
+    packed, reference = packed_random(format, 9, 512, seed=1)
+    assert torch.equal(ggml.dequantize(packed).double(), reference)
+    rows = torch.tensor([8, 0, 3, 3])
+    assert torch.equal(ggml.dequantize_rows(packed, rows, torch.float32).double(), reference[rows])
+
+
+@pytest.mark.parametrize("format", TYPES)
+def test_rows_and_block_aligned_columns_are_the_same_values(format):
+    packed, reference = packed_random(format, 6, 1024, seed=2)
+    values = ggml.BLOCKS[format][0]
+    assert torch.equal(ggml.dequantize(packed.rows(2, 5)).double(), reference[2:5])
+    shard = packed.columns(slice(values, 3 * values))
+    assert shard.in_features == 2 * values
+    assert torch.equal(ggml.dequantize(shard).double(), reference[:, values : 3 * values])
+    assert packed.columns(slice(16, 16 + values)) is None  # (not on a block edge)
+
+
+def kernel_paths() -> list[str]:
+    if not native.load():
+        return []
+    return sorted({"scalar", native.ggml_linear_path()})
+
+
+def activation_bound(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """How far x's rounding to int8 per 32 values (scale max|x| / 127, so at most half a step per value) can
+    move each output: the sum over sub-blocks of half a step times the weights' absolute sum there."""
+    steps = x.double().reshape(x.shape[0], -1, 32).abs().amax(-1) / 127
+    return (steps / 2) @ weight.abs().reshape(weight.shape[0], -1, 32).sum(-1).T
+
+
+@pytest.mark.skipif(not kernel_paths(), reason="the C++ kernels do not build here")
+@pytest.mark.parametrize("path", kernel_paths())
+@pytest.mark.parametrize("format", TYPES)
+def test_kernel_matches_float64_within_the_activation_rounding(format, path, random_seed):
+    values = ggml.BLOCKS[format][0]
+    # odd output counts (tails of the 4- and 2-column tiles), two input widths, rows across the 4-row tiles
+    for rows_out, columns, seed in ((37, 2 * values, 0), (5, 3 * max(values, 64), 1)):
+        packed, weight = packed_random(format, rows_out, columns, seed=random_seed + seed)
+        for m in (1, 3, 16, 17, 64, 300):
+            x = torch.randn(m, columns, generator=torch.Generator().manual_seed(random_seed + m))
+            reference = x.double() @ weight.T
+            bias = torch.randn(rows_out)
+            y = native.ggml_linear(x, packed.data, ggml.TYPE_IDS[format], path=path)
+            error = (y.double() - reference).abs()
+            # plus float32 rounding of the sums
+            allowed = activation_bound(x, weight) + 1e-5 * (x.double().abs() @ weight.abs().T) + 1e-6
+            assert (error <= allowed).all(), f"{format} {path} M={m}: worst {(error / allowed).max():.3f} of the bound"
+            # the rounding does happen: a kernel that ignored the activations' scales would not be this close
+            assert error.max() > 0
+            # bias, bfloat16 in and out
+            y16 = torch.ops.conveyor_cpu.ggml_linear  # (the op itself: the bias goes into the kernel)
+            out = torch.full((m, rows_out), float("nan"), dtype=torch.bfloat16)
+            y16(x.bfloat16(), packed.data, ggml.TYPE_IDS[format], bias.bfloat16(), out, path)
+            expected = native.ggml_linear(x.bfloat16().float(), packed.data, ggml.TYPE_IDS[format], path=path)
+            expected = expected + bias.bfloat16().float()
+            assert torch.allclose(out.float(), expected, rtol=1e-2, atol=1e-2 * float(expected.abs().max()))
+
+
+@pytest.mark.skipif(not kernel_paths(), reason="the C++ kernels do not build here")
+def test_kernel_rows_do_not_depend_on_the_rows_beside_them():
+    packed, _ = packed_random("Q4_1", 40, 256, seed=3)
+    x = torch.randn(9, 256)
+    together = native.ggml_linear(x, packed.data, ggml.TYPE_IDS["Q4_1"])
+    alone = torch.cat([native.ggml_linear(x[i : i + 1], packed.data, ggml.TYPE_IDS["Q4_1"]) for i in range(9)])
+    assert torch.equal(together, alone)
+
+
+@pytest.mark.skipif(not kernel_paths(), reason="the C++ kernels do not build here")
+def test_kernel_refuses_a_weight_of_the_wrong_width():
+    packed, _ = packed_random("Q8_0", 4, 64, seed=4)
+    with pytest.raises(RuntimeError, match="weight must be a contiguous uint8"):
+        native.ggml_linear(torch.randn(1, 96), packed.data, ggml.TYPE_IDS["Q8_0"])
+    with pytest.raises(RuntimeError, match="not a multiple"):
+        native.ggml_linear(torch.randn(1, 48), packed.data, ggml.TYPE_IDS["Q8_0"])
+
+
+def model_logits(path, quant) -> tuple[torch.Tensor, object]:
+    from conveyor.model.checkpoint import open_checkpoint
+    from conveyor.model.llama import LlamaModel
+    from tests.helpers import dense_attention
+
+    model = LlamaModel(open_checkpoint(path), quant, torch.float32, torch.device("cpu"), 128)
+    sequences = [[5, 17, 3, 88, 41, 2, 9], [60, 1, 33], [7] * 12]
+    ids = torch.tensor([t for s in sequences for t in s])
+    positions = torch.tensor([p for s in sequences for p in range(len(s))])
+    with torch.inference_mode():
+        return model.compute_logits(model.forward(ids, positions, dense_attention([len(s) for s in sequences]))), model
+
+
+@pytest.mark.parametrize("tied", [True, False], ids=["tied", "untied"])
+@pytest.mark.parametrize("format", ["Q4_1", "Q8_0", "Q4_K", "Q6_K"])
+def test_the_gguf_method_keeps_the_file_packed_and_computes_the_dequantized_model(tmp_path, format, tied,
+                                                                                  monkeypatch):
+    """A tiny Llama written in each format: the gguf method holds exactly the file's bytes for every 2-D weight
+    (embedding and head included); without the C++ kernels (dequantized per call) its logits are the
+    dequantized model's; with them, within what the activations' int8 rounding moves."""
+    from conveyor.plugins.quant import gguf as gguf_method
+    from conveyor.plugins.quant.none import NoQuant
+    from tests.gguf_writer import write_gguf
+    from tests.test_model import tiny_hf_model
+
+    model = tiny_hf_model(hidden_size=256, intermediate_size=512, tie_word_embeddings=tied)
+    path = tmp_path / f"tiny-{format}.gguf"
+    write_gguf(path, model, gguf.GGMLQuantizationType[format], quantize)
+    cpu = torch.device("cpu")
+    expected, _ = model_logits(path, NoQuant(None, torch.float32, cpu))
+    reader = gguf.GGUFReader(str(path))
+    file_bytes = sum(int(t.n_bytes) for t in reader.tensors)
+
+    monkeypatch.setattr(gguf_method, "kernels_run", lambda x: False)
+    fallback, packed_model = model_logits(path, gguf_method.GGUFQuant(None, torch.float32, cpu))
+    torch.testing.assert_close(fallback, expected, rtol=1e-4, atol=1e-4)
+    assert packed_model.embed is None and packed_model.packed_embed.format == format
+    assert packed_model.num_weight_bytes() == file_bytes  # (the norms are F32 in the file and in memory)
+
+    if not native.load():
+        return
+    monkeypatch.undo()
+    ours, _ = model_logits(path, gguf_method.GGUFQuant(None, torch.float32, cpu))
+    error = float((ours - expected).abs().mean() / expected.abs().mean())
+    agree = float((ours.argmax(-1) == expected.argmax(-1)).float().mean())
+    print(f"{format} tied={tied}: mean logit error {error:.3%}, top-1 agreement {agree:.0%}")
+    # (int8 activations per 32 values: about 0.3-1% here; a misread block or a dropped offset gives tens of %)
+    assert error < 0.03, error
+    assert agree >= 0.9
+
+
+def test_auto_keeps_float_checkpoints_as_none_does(tmp_path):
+    from conveyor.plugins.quant.gguf import AutoQuant
+    from conveyor.plugins.quant.none import NoQuant
+    from tests.test_model import tiny_hf_model
+
+    tiny_hf_model().save_pretrained(tmp_path)
+    cpu = torch.device("cpu")
+    expected, _ = model_logits(tmp_path, NoQuant(None, torch.float32, cpu))
+    ours, model = model_logits(tmp_path, AutoQuant(None, torch.float32, cpu))
+    assert torch.equal(ours, expected) and model.packed_embed is None
