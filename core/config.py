@@ -194,7 +194,7 @@ class PluginSpec(msgspec.Struct):
 PLUGIN_KINDS: dict[str, str | None] = {
     "scheduler": "continuous",
     "kvcache": "paged",
-    "quant": "none",
+    "quant": "auto",
     "transport": None,
 }
 

@@ -55,7 +55,7 @@ def llm_fp32():
     from conveyor import LLM
 
     logging.getLogger("conveyor").setLevel(logging.WARNING)
-    return LLM(overrides={"model.dtype": "float32", "engine.seed": 1234})
+    return LLM(overrides={"model.dtype": "float32", "quant.plugin": "none", "engine.seed": 1234})
 
 
 @pytest.fixture(scope="session")

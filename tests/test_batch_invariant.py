@@ -127,7 +127,8 @@ def test_batch_invariant_mode_still_computes_the_model(reference):
     """At float32, in steps of at most 24 tokens: transformers' greedy tokens and logprobs on four fidelity
     prompts (24 tokens each)."""
     params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, logprobs=5)
-    overrides = {"model.dtype": "float32", "engine.batch_invariant": True, "scheduler.max_num_batched_tokens": 24}
+    overrides = {"model.dtype": "float32", "quant.plugin": "none", "engine.batch_invariant": True,
+                 "scheduler.max_num_batched_tokens": 24}
     with LLM(overrides=overrides) as llm:
         completions = llm.generate([[{"role": "user", "content": p}] for p in CHAT_PROMPTS[:4]], params)
     for prompt, completion, (_, ref_tokens, ref_logprobs) in zip(CHAT_PROMPTS, completions, reference):

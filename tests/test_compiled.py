@@ -116,7 +116,7 @@ def compiled_llm():
 
     logging.getLogger("conveyor").setLevel(logging.WARNING)
     torch._dynamo.utils.counters.clear()
-    llm = LLM(overrides={"model.dtype": "float32", "engine.seed": 1234, "engine.compile": "on",
+    llm = LLM(overrides={"model.dtype": "float32", "quant.plugin": "none", "engine.seed": 1234, "engine.compile": "on",
                          "engine.compile_batch_sizes": BATCH_SIZES})
     yield llm
     llm.close()
@@ -172,7 +172,8 @@ def test_a_second_compiled_engine_in_the_process_has_graphs_of_its_own(llm_fp32,
     from conveyor import LLM
 
     params = SamplingParams(max_tokens=12, temperature=0, logprobs=1, ignore_eos=True)
-    with LLM(overrides={"model.dtype": "float32", "engine.compile": "on", "engine.compile_batch_sizes": [1]}) as llm:
+    with LLM(overrides={"model.dtype": "float32", "quant.plugin": "none", "engine.compile": "on",
+                        "engine.compile_batch_sizes": [1]}) as llm:
         assert_same(llm_fp32.generate(CHAT_PROMPTS[:1], params), llm.generate(CHAT_PROMPTS[:1], params))
         assert compiled_of(llm).num_steps > 0
     # the first engine's graphs still serve it

@@ -44,7 +44,7 @@ def alone(llm_fp32, workload):
 
 
 def make_llm(**overrides) -> LLM:
-    return LLM(overrides={"model.dtype": "float32", **overrides})
+    return LLM(overrides={"model.dtype": "float32", "quant.plugin": "none", **overrides})
 
 
 @pytest.mark.parametrize(

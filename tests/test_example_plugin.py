@@ -69,8 +69,8 @@ def test_the_plugin_serves_with_preemption_under_a_tiny_kv_cache_and_loses_nothi
     params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, logprobs=5)
 
     def run(num_blocks: int):
-        llm = LLM(overrides={"model.dtype": "float32", "scheduler.plugin": "sjf", "kvcache.block_size": 16,
-                             "kvcache.num_blocks": num_blocks})
+        llm = LLM(overrides={"model.dtype": "float32", "quant.plugin": "none", "scheduler.plugin": "sjf",
+                             "kvcache.block_size": 16, "kvcache.num_blocks": num_blocks})
         assert type(llm.engine.scheduler).__module__ == "conveyor_sjf"
         completions = llm.generate(prompts, params)
         return completions, llm.engine

@@ -108,7 +108,8 @@ def test_tiny_llama_split_computes_what_one_worker_does(tiny_llama, tiny_single,
 
 @pytest.fixture(scope="module")
 def smollm2_tp3():
-    with LLM(overrides={"model.dtype": "float32", "engine.seed": 1234, "parallel.tensor_parallel_size": 3}) as llm:
+    with LLM(overrides={"model.dtype": "float32", "quant.plugin": "none", "engine.seed": 1234,
+                        "parallel.tensor_parallel_size": 3}) as llm:
         yield llm
 
 

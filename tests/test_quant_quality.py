@@ -36,8 +36,8 @@ def text_ids(tokenizer) -> list[int]:
 def make_llm(**overrides) -> LLM:
     # the text is one prompt of NUM_TOKENS (and one generated token), computed in chunks of 512
     # (chunks of 512: later chunks read the earlier ones' K and V back from the cache, as an fp8 cache stores them)
-    return LLM(overrides={"model.dtype": "float32", "model.max_model_len": NUM_TOKENS + 1, "kvcache.num_blocks": 160,
-                          "scheduler.max_num_batched_tokens": 512, **overrides})
+    return LLM(overrides={"model.dtype": "float32", "quant.plugin": "none", "model.max_model_len": NUM_TOKENS + 1,
+                          "kvcache.num_blocks": 160, "scheduler.max_num_batched_tokens": 512, **overrides})
 
 
 @pytest.fixture(scope="module")
@@ -66,7 +66,7 @@ def linear_bytes(llm: LLM) -> int:
 
 
 def test_int8_and_fp8_weights_take_about_half_of_bf16():
-    bf16 = LLM(overrides={"model.max_model_len": 256, "kvcache.num_blocks": 16})
+    bf16 = LLM(overrides={"model.max_model_len": 256, "kvcache.num_blocks": 16, "quant.plugin": "none"})
     for method in ("int8", "fp8"):
         quantized = LLM(overrides={"model.max_model_len": 256, "kvcache.num_blocks": 16, "quant.plugin": method})
         # the quantized layers: one byte per weight plus a scale per output channel

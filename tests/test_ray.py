@@ -40,8 +40,8 @@ def ray_cluster():
 def test_tp3_and_pp2_on_ray_equal_one_worker(ray_cluster, llm_fp32, tiny_llama, tiny_single):  # noqa: F811
     params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True, logprobs=5)
     conversations = [[{"role": "user", "content": p}] for p in CHAT_PROMPTS[:4]]
-    overrides = {"model.dtype": "float32", "parallel.executor": "ray", "parallel.ray_address": ray_cluster,
-                 "parallel.tensor_parallel_size": 3}
+    overrides = {"model.dtype": "float32", "quant.plugin": "none", "parallel.executor": "ray",
+                 "parallel.ray_address": ray_cluster, "parallel.tensor_parallel_size": 3}
     with LLM(overrides=overrides) as llm:
         split = llm.generate(conversations, params)
     for prompt, ours, one in zip(CHAT_PROMPTS, split, llm_fp32.generate(conversations, params)):

@@ -34,7 +34,7 @@ def test_every_attention_backend_matches_transformers(reference, attention, num_
     """The default fixture runs "auto" (the C++ kernels here); the other backends, chosen by [engine] attention."""
     from conveyor import LLM
 
-    llm = LLM(overrides={"model.dtype": "float32", "engine.attention": attention})
+    llm = LLM(overrides={"model.dtype": "float32", "quant.plugin": "none", "engine.attention": attention})
     assert llm.engine.info.attention == attention
     assert not llm.engine.executor.worker.model.fused  # the model's layers run in torch ops with these too
     params = SamplingParams(max_tokens=num_tokens, temperature=0, ignore_eos=True, logprobs=5)
@@ -49,7 +49,7 @@ def test_prompt_logprobs_match_transformers(llm_fp32, hf_model, tokenizer):
     # a small token budget: the prompt is computed in chunks, later ones reading K and V from the cache
     from conveyor import LLM
 
-    chunked = LLM(overrides={"model.dtype": "float32", "scheduler.max_num_batched_tokens": 16})
+    chunked = LLM(overrides={"model.dtype": "float32", "quant.plugin": "none", "scheduler.max_num_batched_tokens": 16})
     [completion] = chunked.generate([ids], SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=3))
     with torch.inference_mode():
         ref = torch.log_softmax(hf_model(torch.tensor([ids])).logits[0].double(), dim=-1)
@@ -149,7 +149,7 @@ def test_chunked_prefill_gives_the_same_tokens(llm_fp32):
     prompt = " ".join(f"Item {i} is a {c}." for i, c in enumerate(["cat", "dog", "bird", "fish"] * 12))
     params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True, logprobs=0)
     [whole] = llm_fp32.generate(prompt, params)
-    chunked = LLM(overrides={"model.dtype": "float32", "scheduler.max_num_batched_tokens": 37})
+    chunked = LLM(overrides={"model.dtype": "float32", "quant.plugin": "none", "scheduler.max_num_batched_tokens": 37})
     [pieces] = chunked.generate(prompt, params)
     assert len(whole.prompt_token_ids) > 3 * 37
     assert pieces.token_ids == whole.token_ids

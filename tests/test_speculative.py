@@ -73,7 +73,8 @@ def test_greedy_checking_keeps_the_argmax_and_stops_at_the_first_miss():
 
 @pytest.fixture(scope="module")
 def llm_spec():
-    with LLM(overrides={"model.dtype": "float32", "engine.seed": 1234, "engine.speculative": "ngram"}) as llm:
+    with LLM(overrides={"model.dtype": "float32", "quant.plugin": "none", "engine.seed": 1234,
+                        "engine.speculative": "ngram"}) as llm:
         yield llm
 
 
