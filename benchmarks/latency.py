@@ -1,8 +1,9 @@
 """One stream at a time: inter-token latency through `conveyor serve`, next to two floors measured in the same run.
 
-    python benchmarks/latency.py [--configs default int8] [--requests 6] [--tokens 128] [--set KEY=VALUE ...]
+    python benchmarks/latency.py [--configs default bf16] [--requests 6] [--tokens 128] [--set KEY=VALUE ...]
 
-For each config of configs/ (default: bf16 weights; int8: W8A16) it starts
+For each config of configs/ (default: the GGUF's blocks kept packed; bf16: every weight expanded to bf16;
+int8: W8A16) it starts
 `conveyor serve` on a free port and sends chat requests one after
 another (greedy, ignore_eos, ``--tokens`` each) through the streaming OpenAI
 API, then prints ITL p50/p90/p99 and TTFT p50. The floors, measured in this
@@ -16,7 +17,12 @@ process while no server runs:
 
 A step can beat neither; the gap between ITL and the linear floor is the
 engine's own per-token cost (attention, norms, sampling, the engine loop,
-detokenizing, HTTP).
+detokenizing, HTTP). Where the bf16 config runs too, each ITL is also given
+against its bandwidth floor (what reading the model at bf16 would cost).
+
+llama.cpp's server beside it, on the same file: ``llama-server -m FILE -np 1
+-t 2 --port P`` (any llama.cpp build) and the same requests through
+``conveyor bench --url http://127.0.0.1:P --max-concurrency 1``.
 """
 
 from __future__ import annotations
@@ -92,7 +98,7 @@ def serve_itl(path: Path, args: argparse.Namespace) -> dict[str, float]:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--configs", nargs="+", default=["default", "int8"])
+    parser.add_argument("--configs", nargs="+", default=["default", "bf16"])
     parser.add_argument("--requests", type=int, default=6)
     parser.add_argument("--tokens", type=int, default=128)
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
@@ -112,14 +118,16 @@ def main() -> int:
         print(f"[{name}] serving {args.requests} requests of {args.tokens} tokens, one at a time ...", flush=True)
         served = serve_itl(path, args)
         rows.append((name, weight_bytes, weight_bytes / bandwidth, linear_s, served))
+    bf16_floor = next((bw for name, _, bw, _, _ in rows if name == "bf16"), None)
     print()
     print("| config | weights MB | bandwidth floor ms | linear floor ms | ITL p50 ms | p90 | p99 | ITL p50 / bw floor "
-          "| TTFT p50 ms |")
-    print("|---|---|---|---|---|---|---|---|---|")
+          "| ITL p50 / bf16 bw floor | TTFT p50 ms |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for name, weight_bytes, bw_floor, linear_s, s in rows:
+        vs_bf16 = f"{s['itl_p50'] / bf16_floor:.2f}x" if bf16_floor else "-"
         print(f"| {name} | {weight_bytes / 1e6:.0f} | {bw_floor * 1e3:.1f} | {linear_s * 1e3:.1f} "
               f"| {s['itl_p50'] * 1e3:.1f} | {s['itl_p90'] * 1e3:.1f} | {s['itl_p99'] * 1e3:.1f} "
-              f"| {s['itl_p50'] / bw_floor:.2f}x | {s['ttft_p50'] * 1e3:.0f} |")
+              f"| {s['itl_p50'] / bw_floor:.2f}x | {vs_bf16} | {s['ttft_p50'] * 1e3:.0f} |")
     return 0
 
 

@@ -178,6 +178,10 @@ class EngineReady(msgspec.Struct, array_like=True, gc=False):
     # the devices' peaks together (conveyor.engine.peaks; 0: unknown): dense FLOP/s in the model dtype, bytes/s
     peak_flops: float = 0.0
     peak_bytes_per_second: float = 0.0
+    # the quant method, and the bytes of the linear layers, embedding and head by the format each is kept in
+    # ("copies": second copies for decode steps)
+    quant: str = ""
+    weight_formats: dict[str, int] = msgspec.field(default_factory=dict)
 
 
 class ScheduledRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):

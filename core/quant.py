@@ -110,3 +110,9 @@ class QuantMethod(ABC):
     def num_bytes(self, params: Params) -> int:
         """Bytes the stored tensors occupy."""
         return sum(t.numel() * t.element_size() for t in params.values())
+
+    def formats(self, params: Params) -> dict[str, int]:
+        """The bytes of one layer's params by the format they are kept in (the banner and /metrics say it);
+        "copies" for second copies that a step reads instead of the first. The default: all under the method's
+        name."""
+        return {self.name: self.num_bytes(params)}

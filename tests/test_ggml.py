@@ -13,11 +13,16 @@ from conveyor import native
 from conveyor.model import ggml
 from tests.kquants import quantize
 
-TYPES = list(ggml.BLOCKS)
+# the GGUF types (not Q4_X2, the kernels' own layout of two of them)
+TYPES = [t for t in ggml.BLOCKS if t in gguf.GGMLQuantizationType.__members__]
 
 
 def packed_random(format: str, rows: int, columns: int, seed: int) -> tuple[ggml.PackedWeight, torch.Tensor]:
-    """Random weights in ``format`` and the gguf package's float64 reading of them."""
+    """Random weights in ``format`` and the gguf package's float64 reading of them; "Q4_0>X2" and "Q4_1>X2":
+    those formats repacked as the kernels read them (columns a multiple of 64)."""
+    if format.endswith(">X2"):
+        packed, reference = packed_random(format[:4], rows, columns, seed)
+        return ggml.repack(packed), reference
     rng = np.random.default_rng(seed)
     # (rows of different magnitudes: the scales differ from row to row and block to block)
     weight = rng.standard_normal((rows, columns)).astype(np.float32) * rng.uniform(0.01, 2.0, (rows, 1))
@@ -33,6 +38,17 @@ def test_dequantize_equals_the_gguf_package(format):
     assert torch.equal(ggml.dequantize(packed).double(), reference)
     rows = torch.tensor([8, 0, 3, 3])
     assert torch.equal(ggml.dequantize_rows(packed, rows, torch.float32).double(), reference[rows])
+
+
+@pytest.mark.parametrize("format", ["Q4_0", "Q4_1"])
+@pytest.mark.parametrize("columns", [512, 544])
+def test_repacking_keeps_every_value(format, columns):
+    packed, reference = packed_random(format, 5, columns, seed=5)
+    repacked = ggml.repack(packed)
+    assert repacked.format == "Q4_X2" and repacked.data.numel() == 5 * (columns + columns % 64) // 64 * 40
+    values = ggml.dequantize(repacked).double()
+    assert torch.equal(values[:, :columns], reference)
+    assert not values[:, columns:].any()  # (the zero block an odd row gets)
 
 
 @pytest.mark.parametrize("format", TYPES)
@@ -61,9 +77,9 @@ def activation_bound(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 @pytest.mark.skipif(not kernel_paths(), reason="the C++ kernels do not build here")
 @pytest.mark.parametrize("path", kernel_paths())
-@pytest.mark.parametrize("format", TYPES)
+@pytest.mark.parametrize("format", [*TYPES, "Q4_0>X2", "Q4_1>X2"])
 def test_kernel_matches_float64_within_the_activation_rounding(format, path, random_seed):
-    values = ggml.BLOCKS[format][0]
+    values = max(ggml.BLOCKS[format[:4]][0], 64 if format.endswith("X2") else 0)
     # odd output counts (tails of the 4- and 2-column tiles), two input widths, rows across the 4-row tiles
     for rows_out, columns, seed in ((37, 2 * values, 0), (5, 3 * max(values, 64), 1)):
         packed, weight = packed_random(format, rows_out, columns, seed=random_seed + seed)
@@ -71,7 +87,7 @@ def test_kernel_matches_float64_within_the_activation_rounding(format, path, ran
             x = torch.randn(m, columns, generator=torch.Generator().manual_seed(random_seed + m))
             reference = x.double() @ weight.T
             bias = torch.randn(rows_out)
-            y = native.ggml_linear(x, packed.data, ggml.TYPE_IDS[format], path=path)
+            y = native.ggml_linear(x, packed.data, ggml.TYPE_IDS[packed.format], path=path)
             error = (y.double() - reference).abs()
             # plus float32 rounding of the sums
             allowed = activation_bound(x, weight) + 1e-5 * (x.double().abs() @ weight.abs().T) + 1e-6
@@ -81,8 +97,8 @@ def test_kernel_matches_float64_within_the_activation_rounding(format, path, ran
             # bias, bfloat16 in and out
             y16 = torch.ops.conveyor_cpu.ggml_linear  # (the op itself: the bias goes into the kernel)
             out = torch.full((m, rows_out), float("nan"), dtype=torch.bfloat16)
-            y16(x.bfloat16(), packed.data, ggml.TYPE_IDS[format], bias.bfloat16(), out, path)
-            expected = native.ggml_linear(x.bfloat16().float(), packed.data, ggml.TYPE_IDS[format], path=path)
+            y16(x.bfloat16(), packed.data, ggml.TYPE_IDS[packed.format], bias.bfloat16(), out, path)
+            expected = native.ggml_linear(x.bfloat16().float(), packed.data, ggml.TYPE_IDS[packed.format], path=path)
             expected = expected + bias.bfloat16().float()
             assert torch.allclose(out.float(), expected, rtol=1e-2, atol=1e-2 * float(expected.abs().max()))
 

@@ -86,5 +86,12 @@ def test_the_gguf_method_holds_the_file_at_its_size(smollm2_path):
     assert packed.engine.info.weight_bytes <= 1.1 * file_bytes
     model = packed.engine.executor.worker.model
     assert model.embed is None and model.packed_embed.format == "Q8_0"
-    assert {key.partition(":")[2] for layer in model.layers for linear in layer.linears()
+    assert {key.split(":")[1] for layer in model.layers for linear in layer.linears()
             for key in linear.params if ":" in key} == {"Q4_1"}
+    # what the banner and /metrics say: the bytes by format add up to the weights (less the float32 norms)
+    formats = packed.engine.info.weight_formats
+    assert set(formats) == {"Q4_1", "Q8_0"} and formats["Q8_0"] == model.packed_embed.data.numel()
+    assert 0 < packed.engine.info.weight_bytes - sum(formats.values()) < 1e6
+    from conveyor.serving.server import _weight_formats
+
+    assert _weight_formats(packed.engine.ready(1.0)).startswith(" (quant gguf: Q4_1 ")

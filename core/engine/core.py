@@ -341,7 +341,8 @@ class EngineCore:
         kv = self.kvcache
         return EngineReady(os.getpid(), self.max_model_len, kv.num_blocks, kv.block_size,
                            kv.capacity_tokens / self.max_model_len, load_time, self.info.device, self.info.attention,
-                           self.info.weight_bytes, self.peak_flops, self.peak_bytes_per_second)
+                           self.info.weight_bytes, self.peak_flops, self.peak_bytes_per_second,
+                           self.config.quant.plugin, self.info.weight_formats)
 
     def stats(self) -> StepStats:
         """The queues and the KV cache now, and who holds its blocks when that is due (a step fills in its tokens

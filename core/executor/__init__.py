@@ -49,6 +49,8 @@ class ModelInfo(msgspec.Struct, array_like=True, frozen=True):
     vocab_size: int = 0
     # the model's shape (what a step's FLOPs and bytes are counted from)
     spec: ModelSpec | None = None
+    # bytes of the linear layers, embedding and head by the format each is kept in (LlamaModel.weight_formats)
+    weight_formats: dict[str, int] = msgspec.field(default_factory=dict)
 
 
 class Executor(ABC):
@@ -94,7 +96,12 @@ class Executor(ABC):
         # blocks go back behind a sliding window only where every worker's layers slide by the same one
         windows = {info.kv_spec.sliding_window for info in infos}
         kv_spec = msgspec.structs.replace(infos[0].kv_spec, sliding_window=windows.pop() if len(windows) == 1 else 0)
-        return msgspec.structs.replace(infos[0], kv_spec=kv_spec, weight_bytes=sum(info.weight_bytes for info in infos))
+        formats: dict[str, int] = {}
+        for info in infos:
+            for format, n in info.weight_formats.items():
+                formats[format] = formats.get(format, 0) + n
+        return msgspec.structs.replace(infos[0], kv_spec=kv_spec, weight_bytes=sum(info.weight_bytes for info in infos),
+                                       weight_formats=formats)
 
     def free_memory(self) -> int | None:
         """Bytes every worker has free for its KV cache (the smallest), or None where that is not measured."""

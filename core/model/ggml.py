@@ -29,6 +29,9 @@ BLOCKS: dict[str, tuple[int, int]] = {
     "Q4_K": (QK_K, 144),
     "Q5_K": (QK_K, 176),
     "Q6_K": (QK_K, 210),
+    # Q4_0 and Q4_1 as repack() lays them out for the C++ kernels: two blocks to a unit, their 32 bytes of
+    # nibbles, then their float16 scales and offsets (Q4_0's offset: -8 times its scale)
+    "Q4_X2": (2 * QK, 40),
 }
 # the order the C++ kernels number the types by (csrc/ggml_linear.cpp's Type)
 TYPE_IDS = {name: i for i, name in enumerate(BLOCKS)}
@@ -146,8 +149,36 @@ def _q6_k(b: torch.Tensor) -> torch.Tensor:
     return (_f16(b, 208)[..., None, None, None] * q).flatten(-4)
 
 
+def _q4_x2(b: torch.Tensor) -> torch.Tensor:
+    values = torch.stack([_nibbles(b[..., 0:16]), _nibbles(b[..., 16:32])], dim=-2)  # [..., 2, 32]
+    scales = b[..., 32:40].contiguous().view(torch.float16).float()  # [..., d0, d1, m0, m1]
+    return (values * scales[..., 0:2, None] + scales[..., 2:4, None]).flatten(-2)
+
+
+def repack(weight: PackedWeight) -> PackedWeight:
+    """Q4_0 and Q4_1 as Q4_X2 (the same numbers: every scale and offset is exact in float16), a zero block
+    added to rows of an odd number of blocks (``in_features`` then grows by 32: pad x with zeros); other
+    formats as they are."""
+    if weight.format not in ("Q4_0", "Q4_1"):
+        return weight
+    values, size = BLOCKS[weight.format]
+    blocks = weight.data.reshape(weight.out_features, -1, size)
+    if blocks.shape[1] % 2:
+        blocks = torch.cat([blocks, blocks.new_zeros(blocks.shape[0], 1, size)], dim=1)
+    d = blocks[..., 0:2]
+    if weight.format == "Q4_0":
+        qs = blocks[..., 2:18]
+        m = (d.contiguous().view(torch.float16) * -8).view(torch.uint8)
+    else:
+        qs, m = blocks[..., 4:20], blocks[..., 2:4]
+    units = blocks.shape[1] // 2
+    pair = lambda t: t.reshape(weight.out_features, units, -1)  # noqa: E731 -- (the unit's two blocks side by side)
+    data = torch.cat([pair(qs), pair(d), pair(m)], dim=-1).reshape(weight.out_features, -1)
+    return PackedWeight("Q4_X2", data.contiguous(), units * 2 * QK)
+
+
 _DEQUANTIZE = {"Q4_0": _q4_0, "Q4_1": _q4_1, "Q5_0": _q5_0, "Q5_1": _q5_1, "Q8_0": _q8_0,
-               "Q4_K": _q4_k, "Q5_K": _q5_k, "Q6_K": _q6_k}
+               "Q4_K": _q4_k, "Q5_K": _q5_k, "Q6_K": _q6_k, "Q4_X2": _q4_x2}
 
 
 def dequantize(weight: PackedWeight, dtype: torch.dtype = torch.float32) -> torch.Tensor:

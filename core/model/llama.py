@@ -568,6 +568,36 @@ class LlamaModel:
         return [LayerAttention(spec.softmax_scale, spec.window(layer.index), spec.attn_softcap)
                 for layer in self.layers]
 
+    def weight_formats(self) -> dict[str, int]:
+        """Bytes of the linear layers, the embedding and the head by the format each is kept in (as their quant
+        method names it: ``QuantMethod.formats``); "copies": second copies that decode steps read instead of,
+        not beside, the first (``cpu_decode_copy_mb``; a tied head's prepacked and tile copies)."""
+        formats: dict[str, int] = {}
+
+        def add(key: str, n: int) -> None:
+            formats[key] = formats.get(key, 0) + n
+
+        linears = [linear for layer in self.layers for linear in layer.linears()]
+        if isinstance(self.head, Linear) and not self.spec.tie_word_embeddings:
+            linears.append(self.head)
+        for linear in linears:
+            for format, n in linear.method.formats(linear.params).items():
+                add(format, n)
+        if self.packed_embed is not None:
+            add(self.packed_embed.format, self.packed_embed.data.numel())
+        dtype = str(self.dtype).removeprefix("torch.")
+        if self.embed is not None:
+            add(dtype, self.embed.numel() * self.embed.element_size())
+        if isinstance(self.head, OutputHead):
+            head = self.head
+            if head.weight is not None and head.weight is not self.embed:
+                add(dtype, head.weight.numel() * head.weight.element_size())
+            if head.packed is not None:  # (a tied head's prepacked copy is a second copy of the table)
+                add("copies" if head.weight is not None else dtype, head.packed.numel() * head.packed.element_size())
+            if head.tiles is not None:
+                add("copies", head.tiles.numel() * head.tiles.element_size())
+        return formats
+
     def num_weight_bytes(self) -> int:
         """Bytes of every weight this worker holds, as stored (quantized layers at their packed size)."""
         norms = [norm.weight for layer in self.layers for norm in layer.norms()]

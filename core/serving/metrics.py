@@ -129,6 +129,13 @@ class ServerMetrics:
         self.peak_bandwidth = per_engine(
             Gauge, "conveyor_device_peak_bytes_per_second", "Memory bandwidth of the engine's devices, bytes/s."
         )
+        # (labeled replica="i" as per_engine's are, where there are several)
+        self._replica_label = num_replicas > 1
+        self.weight_bytes = Gauge(
+            "conveyor_weight_bytes", "Bytes of the linear layers, embedding and head by the format each is kept in "
+            "(a GGUF block type, a dtype or a quant method; copies: second copies for decode steps).",
+            ["model_name", *(["replica"] if self._replica_label else []), "format"], registry=r,
+        )
         self.requests = Counter(
             "conveyor_requests", "Finished requests by finish reason.", ["model_name", "finish_reason"], registry=r
         )
@@ -195,6 +202,9 @@ class ServerMetrics:
         self.max_concurrency[replica].set(ready.max_concurrency)
         self.peak_flops[replica].set(ready.peak_flops)
         self.peak_bandwidth[replica].set(ready.peak_bytes_per_second)
+        for format, n in ready.weight_formats.items():
+            replica_label = {"replica": str(replica)} if self._replica_label else {}
+            self.weight_bytes.labels(model_name=self._model_name, format=format, **replica_label).set(n)
         if ready.device.startswith("cuda") and not self._nvml_tried:
             self._nvml_tried = True
             self.gpus = GpuGauges.start(self.registry, self._model_name)

@@ -145,6 +145,17 @@ async def _report_status(frontend: EngineFrontend, interval: float) -> None:
             logger.info("%s", frontend.metrics.status_line())
 
 
+def _weight_formats(ready: EngineReady) -> str:
+    """" (quant auto: Q4_1 75.0 MB, Q8_0 21.2 MB)": the method and what the weights are kept as, largest first."""
+    if not ready.quant:
+        return ""
+    kept = sorted(((n, f) for f, n in ready.weight_formats.items() if f != "copies"), reverse=True)
+    parts = [f"{format} {n / 1e6:.1f} MB" for n, format in kept]
+    if ready.weight_formats.get("copies"):
+        parts.append(f"and {ready.weight_formats['copies'] / 1e6:.1f} MB of decode copies")
+    return f" (quant {ready.quant}: {', '.join(parts)})" if parts else f" (quant {ready.quant})"
+
+
 def _print_banner(model_name: str, kv_layout: str, ready: EngineReady, urls: list[str]) -> None:
     lines = [
         (
@@ -155,7 +166,8 @@ def _print_banner(model_name: str, kv_layout: str, ready: EngineReady, urls: lis
             f"KV cache ({kv_layout}): {ready.num_kv_blocks} blocks x {ready.block_size} tokens; "
             f"{ready.max_concurrency:.1f} requests of max_model_len fit at once"
         ),
-        f"Weights: {ready.weight_bytes / 1e6:.1f} MB on {ready.device}; attention backend {ready.attention!r}",
+        f"Weights: {ready.weight_bytes / 1e6:.1f} MB on {ready.device}{_weight_formats(ready)}; "
+        f"attention backend {ready.attention!r}",
     ]
     lines += [f"Listening on {url}" for url in urls]
     http = next((u for u in urls if u.startswith("http")), None)

@@ -132,7 +132,7 @@ class Worker:
             self._load_draft_model(quant, max_model_len)
             kv_spec = msgspec.structs.replace(kv_spec, extra_bytes_per_token=self.draft_kv_spec.bytes_per_token)
         return ModelInfo(max_model_len, kv_spec, str(self.device), self.backend_class.name,
-                         self.model.num_weight_bytes(), spec.vocab_size, spec)
+                         self.model.num_weight_bytes(), spec.vocab_size, spec, self.model.weight_formats())
 
     def _load_draft_model(self, quant: QuantMethod, max_model_len: int) -> None:
         """The draft model of ``[engine] draft_model`` (its KV cache shares the target's blocks).

@@ -34,14 +34,22 @@ class GGUFQuant(NoQuant):
     packed_formats = FORMATS
 
     def prepare_packed(self, parts: list[PackedWeight], bias: torch.Tensor | None = None) -> Params:
-        """Params ``"{i}:{format}"`` hold part i's blocks in order (``uint8 [rows, row bytes]``)."""
-        params = {f"{i}:{part.format}": part.data.to(self.device).contiguous() for i, part in enumerate(parts)}
+        """Params ``"{i}:{format}:{layout}"`` hold part i's blocks in order (``uint8 [rows, row bytes]``), in
+        the file's format or, where the kernels run, repacked losslessly into the layout they read fastest
+        (``conveyor.model.ggml.repack``: Q4_0 and Q4_1 two blocks to a unit)."""
+        from conveyor.model import ggml
+
+        repack = self.device.type == "cpu" and kernels_built()
+        params = {}
+        for i, part in enumerate(parts):
+            kept = ggml.repack(part) if repack else part
+            params[f"{i}:{part.format}:{kept.format}"] = kept.data.to(self.device).contiguous()
         if bias is not None:
             params["bias"] = bias.to(device=self.device, dtype=self.dtype)
         return params
 
     def linear(self, x: torch.Tensor, params: Params) -> torch.Tensor:
-        parts = [(key.partition(":")[2], data) for key, data in params.items() if ":" in key]
+        parts = [(key.rpartition(":")[2], data) for key, data in params.items() if ":" in key]
         if not parts:
             return super().linear(x, params)
         import torch
@@ -56,6 +64,16 @@ class GGUFQuant(NoQuant):
             return super().num_bytes(params)
         return sum(t.numel() * t.element_size() for t in params.values())
 
+    def formats(self, params: Params) -> dict[str, int]:
+        if not any(":" in key for key in params):
+            return super().formats(params)
+        formats: dict[str, int] = {}
+        for key, t in params.items():
+            # (the file's format; the bias: the model dtype)
+            format = key.split(":")[1] if ":" in key else str(t.dtype).removeprefix("torch.")
+            formats[format] = formats.get(format, 0) + t.numel() * t.element_size()
+        return formats
+
 
 def _multiply(x: torch.Tensor, format: str, data: torch.Tensor) -> torch.Tensor:
     """``x @ w.T`` for one part's blocks: the C++ kernels where they run, else dequantized per call."""
@@ -63,20 +81,27 @@ def _multiply(x: torch.Tensor, format: str, data: torch.Tensor) -> torch.Tensor:
 
     from conveyor.model import ggml
 
+    values, size = ggml.BLOCKS[format]
+    in_features = data.shape[1] // size * values
+    if x.shape[1] < in_features:  # (a repacked row's zero block)
+        x = F.pad(x, (0, in_features - x.shape[1]))
     if kernels_run(x):
         from conveyor import native
 
         return native.ggml_linear(x, data, ggml.TYPE_IDS[format])
-    values, size = ggml.BLOCKS[format]
-    weight = ggml.PackedWeight(format, data, data.shape[1] // size * values)
-    return F.linear(x, ggml.dequantize(weight, x.dtype))
+    return F.linear(x, ggml.dequantize(ggml.PackedWeight(format, data, in_features), x.dtype))
+
+
+def kernels_built() -> bool:
+    """Whether the C++ block kernels build here."""
+    from conveyor import native
+
+    return native.load()
 
 
 def kernels_run(x: torch.Tensor) -> bool:
     """Whether the C++ block kernels multiply ``x`` here (a CPU where they build)."""
-    from conveyor import native
-
-    return x.device.type == "cpu" and native.load()
+    return x.device.type == "cpu" and kernels_built()
 
 
 class AutoQuant(GGUFQuant):

@@ -64,6 +64,12 @@ class NoQuant(QuantMethod):
         """Bytes one step reads (the decode copy is the same weights again)."""
         return sum(t.numel() * t.element_size() for name, t in params.items() if name != "decode")
 
+    def formats(self, params: Params) -> dict[str, int]:
+        formats = {str(self.dtype).removeprefix("torch."): self.num_bytes(params)}
+        if "decode" in params:
+            formats["copies"] = params["decode"].numel() * params["decode"].element_size()
+        return formats
+
 
 @hookimpl
 def conveyor_register_quant_methods(register):

@@ -34,13 +34,15 @@ namespace conveyor {
 namespace {
 
 // The order conveyor.model.ggml.TYPE_IDS numbers them by.
-enum Type : int64_t { Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K, kNumTypes };
+// Q4_X2: Q4_0 and Q4_1 repacked at load (conveyor.model.ggml.repack), two blocks to a unit: their 32 bytes of
+// nibbles, then their two float16 scales and two offsets; the same bits, read with fewer instructions.
+enum Type : int64_t { Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K, Q4_X2, kNumTypes };
 
 constexpr int64_t kSub = 32;  // values of a sub-block: one scale (two for Q6_K), one offset
-constexpr int64_t kBlockValues[kNumTypes] = {32, 32, 32, 32, 32, 256, 256, 256};
-constexpr int64_t kBlockBytes[kNumTypes] = {18, 20, 22, 24, 34, 144, 176, 210};
+constexpr int64_t kBlockValues[kNumTypes] = {32, 32, 32, 32, 32, 256, 256, 256, 64};
+constexpr int64_t kBlockBytes[kNumTypes] = {18, 20, 22, 24, 34, 144, 176, 210, 40};
 // whether a type's unpacked values are signed (else unsigned with an offset)
-constexpr bool kSigned[kNumTypes] = {false, false, false, false, true, false, false, true};
+constexpr bool kSigned[kNumTypes] = {false, false, false, false, true, false, false, true, false};
 
 float half_to_float(const uint8_t* p) {
   uint16_t h;
@@ -155,6 +157,16 @@ inline void unpack_block(const uint8_t* b, int64_t first_sub, const Unpacked& u)
       }
       break;
     }
+    case Q4_X2: {
+      for (int j = 0; j < 2; ++j) {
+        const uint8_t* qs = b + 16 * j;
+        for (int i = 0; i < 16; ++i) q[32 * j + i] = qs[i] & 0x0f, q[32 * j + i + 16] = qs[i] >> 4;
+        const float d = half_to_float(b + 32 + 2 * j);
+        set_scale(scale + 8 * j, d, d);
+        offset[j] = half_to_float(b + 36 + 2 * j);
+      }
+      break;
+    }
     default: break;
   }
 }
@@ -170,6 +182,9 @@ void unpack_row(const uint8_t* row, int64_t K, const Unpacked& u) {
 struct QuantizedRows {
   std::vector<int8_t> q;
   std::vector<float> scale, sum;
+  // the same in Q4_X2's order (pair_rows), for its AVX2 path
+  std::vector<int8_t> paired_q;
+  std::vector<float> paired_scale, paired_sum;
 };
 
 template <typename T>
@@ -378,27 +393,93 @@ void avx2_tile_fixed(const uint8_t* weight, int64_t row_bytes, int64_t n, const 
     for (int c = 0; c < C; ++c) sums[r * kColumns + c] = horizontal_sum(acc[r][c]) + offsets[r][c];
 }
 
+// x in Q4_X2's order: per row and pair of sub-blocks, their first halves then their second halves (the lanes the
+// unit's low and high nibbles fill), and per group of four values its scale and a quarter of its sub-block's
+// sum (the offsets' share of each lane: the lanes are summed at the end).
+void pair_rows(QuantizedRows& x, int64_t M, int64_t K) {
+  const int64_t subs = K / kSub;
+  x.paired_q.resize(M * K);
+  x.paired_scale.resize(M * K / 8);
+  x.paired_sum.resize(M * K / 8);
+  for (int64_t r = 0; r < M; ++r)
+    for (int64_t p = 0; p < subs / 2; ++p) {
+      const int8_t* src = x.q.data() + r * K + 64 * p;
+      int8_t* dst = x.paired_q.data() + r * K + 64 * p;
+      for (int half = 0; half < 2; ++half)
+        for (int j = 0; j < 2; ++j) std::memcpy(dst + 32 * half + 16 * j, src + 32 * j + 16 * half, 16);
+      for (int lane = 0; lane < 8; ++lane) {
+        const int64_t sub = r * subs + 2 * p + lane / 4;
+        x.paired_scale[(r * subs / 2 + p) * 8 + lane] = x.scale[sub];
+        x.paired_sum[(r * subs / 2 + p) * 8 + lane] = x.sum[sub] * 0.25f;
+      }
+    }
+}
+
+template <int R, int C>
+void avx2_tile_q4x2(const uint8_t* weight, int64_t row_bytes, int64_t n, const QuantizedRows& x, int64_t m0,
+                    int64_t K, float* sums) {
+  const int64_t pairs = K / 64;
+  const __m256i ones = _mm256_set1_epi16(1), low4 = _mm256_set1_epi8(0x0f);
+  const __m256i scale_lanes = _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1), offset_lanes = _mm256_setr_epi32(2, 2, 2, 2, 3, 3, 3, 3);
+  __m256 acc[R][C];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) acc[r][c] = _mm256_setzero_ps();
+  for (int64_t p = 0; p < pairs; ++p) {
+    for (int c = 0; c < C; ++c) {
+      const uint8_t* unit = weight + (n + c) * row_bytes + 40 * p;
+      const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(unit));
+      const __m256i lo = _mm256_and_si256(bytes, low4), hi = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), low4);
+      // [d0, d1, m0, m1] -> d0 x4, d1 x4 and m0 x4, m1 x4
+      const __m256 halves = _mm256_castps128_ps256(
+          _mm_cvtph_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(unit + 32))));
+      const __m256 d = _mm256_permutevar8x32_ps(halves, scale_lanes), m = _mm256_permutevar8x32_ps(halves, offset_lanes);
+      for (int r = 0; r < R; ++r) {
+        const int64_t row = (m0 + r) * K + 64 * p, unit_index = ((m0 + r) * pairs + p) * 8;
+        const __m256i xa = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.paired_q.data() + row));
+        const __m256i xb = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.paired_q.data() + row + 32));
+        const __m256i pairs16 = _mm256_add_epi16(_mm256_maddubs_epi16(lo, xa), _mm256_maddubs_epi16(hi, xb));
+        const __m256 dot = _mm256_cvtepi32_ps(_mm256_madd_epi16(pairs16, ones));
+        acc[r][c] = _mm256_fmadd_ps(dot, _mm256_mul_ps(d, _mm256_loadu_ps(x.paired_scale.data() + unit_index)),
+                                    acc[r][c]);
+        acc[r][c] = _mm256_fmadd_ps(m, _mm256_loadu_ps(x.paired_sum.data() + unit_index), acc[r][c]);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) sums[r * kColumns + c] = horizontal_sum(acc[r][c]);
+}
+
 template <Type t>
 void avx2_tile(const uint8_t* weight, int64_t row_bytes, int64_t n, int64_t columns, const QuantizedRows& x,
                int64_t m0, int64_t rows, int64_t K, float* sums, float*) {
   static_assert(kRowTile == 4 && kColumns == 4, "the table below covers 1-4 rows and tile_columns");
   using Fixed = void (*)(const uint8_t*, int64_t, int64_t, const QuantizedRows&, int64_t, int64_t, float*);
-  static constexpr Fixed tiles[kRowTile][kColumns] = {
-      {avx2_tile_fixed<t, 1, 1>, avx2_tile_fixed<t, 1, 2>, avx2_tile_fixed<t, 1, 3>, avx2_tile_fixed<t, 1, 4>},
-      {avx2_tile_fixed<t, 2, 1>, avx2_tile_fixed<t, 2, 2>, nullptr, nullptr},
-      {avx2_tile_fixed<t, 3, 1>, avx2_tile_fixed<t, 3, 2>, nullptr, nullptr},
-      {avx2_tile_fixed<t, 4, 1>, avx2_tile_fixed<t, 4, 2>, nullptr, nullptr}};
-  tiles[rows - 1][columns - 1](weight, row_bytes, n, x, m0, K, sums);
+  if constexpr (t == Q4_X2) {
+    static constexpr Fixed tiles[kRowTile][kColumns] = {
+        {avx2_tile_q4x2<1, 1>, avx2_tile_q4x2<1, 2>, avx2_tile_q4x2<1, 3>, avx2_tile_q4x2<1, 4>},
+        {avx2_tile_q4x2<2, 1>, avx2_tile_q4x2<2, 2>, nullptr, nullptr},
+        {avx2_tile_q4x2<3, 1>, avx2_tile_q4x2<3, 2>, nullptr, nullptr},
+        {avx2_tile_q4x2<4, 1>, avx2_tile_q4x2<4, 2>, nullptr, nullptr}};
+    tiles[rows - 1][columns - 1](weight, row_bytes, n, x, m0, K, sums);
+  } else {
+    static constexpr Fixed tiles[kRowTile][kColumns] = {
+        {avx2_tile_fixed<t, 1, 1>, avx2_tile_fixed<t, 1, 2>, avx2_tile_fixed<t, 1, 3>, avx2_tile_fixed<t, 1, 4>},
+        {avx2_tile_fixed<t, 2, 1>, avx2_tile_fixed<t, 2, 2>, nullptr, nullptr},
+        {avx2_tile_fixed<t, 3, 1>, avx2_tile_fixed<t, 3, 2>, nullptr, nullptr},
+        {avx2_tile_fixed<t, 4, 1>, avx2_tile_fixed<t, 4, 2>, nullptr, nullptr}};
+    tiles[rows - 1][columns - 1](weight, row_bytes, n, x, m0, K, sums);
+  }
 }
 #endif
 
 Tile pick_tile(Type t, bool vector) {
   static constexpr Tile scalar[kNumTypes] = {scalar_tile<Q4_0>, scalar_tile<Q4_1>, scalar_tile<Q5_0>,
                                              scalar_tile<Q5_1>, scalar_tile<Q8_0>, scalar_tile<Q4_K>,
-                                             scalar_tile<Q5_K>, scalar_tile<Q6_K>};
+                                             scalar_tile<Q5_K>, scalar_tile<Q6_K>, scalar_tile<Q4_X2>};
 #ifdef CONVEYOR_AVX2
   static constexpr Tile avx2[kNumTypes] = {avx2_tile<Q4_0>, avx2_tile<Q4_1>, avx2_tile<Q5_0>, avx2_tile<Q5_1>,
-                                           avx2_tile<Q8_0>, avx2_tile<Q4_K>, avx2_tile<Q5_K>, avx2_tile<Q6_K>};
+                                           avx2_tile<Q8_0>, avx2_tile<Q4_K>, avx2_tile<Q5_K>, avx2_tile<Q6_K>,
+                                           avx2_tile<Q4_X2>};
   if (vector) return avx2[t];
 #endif
   return scalar[t];
@@ -409,6 +490,9 @@ void run(const T* x, const uint8_t* weight, Type t, int64_t M, int64_t N, int64_
          bool vector) {
   QuantizedRows xq;
   quantize_rows(x, M, K, xq);
+#ifdef CONVEYOR_AVX2
+  if (t == Q4_X2 && vector) pair_rows(xq, M, K);
+#endif
   const int64_t row_bytes = K / kBlockValues[t] * kBlockBytes[t], subs = K / kSub;
   const Tile tile = pick_tile(t, vector);
   // the scalar path's scratch: one unpacked row (bytes, then 8 scales and an offset per sub-block)
