@@ -1,9 +1,10 @@
 """What each quantization method buys on this machine: weight bytes, KV blocks, decode speed, quality.
 
-    python benchmarks/quant.py [--methods none int8 fp8 fp8-kv] [--batches 1 32] [--decode-tokens 48]
+    python benchmarks/quant.py [--methods auto none int8 fp8 fp8-kv] [--batches 1 32] [--decode-tokens 48]
 
-Each method is the default config (bf16 activations, 1 GiB of KV cache) with
-one change: ``quant.plugin = int8 | fp8``, or ``kvcache.dtype = fp8``.
+Each method is the default config (bf16 activations, 1 GiB of KV cache; ``auto``: the GGUF's blocks kept
+packed) with one change: ``quant.plugin = none | int8 | fp8`` (none: every weight expanded to bf16), or
+``kvcache.dtype = fp8``.
 Decode tokens/s: B requests with 32-token prompts start together and
 generate ``--decode-tokens`` each (ignore_eos); the rate counts the tokens
 after every request's first, over the time after the last first token.
@@ -31,7 +32,8 @@ from conveyor.plugins.quant.int8 import quantize_int8
 
 TEXT = Path(__file__).resolve().parent.parent / "tests" / "data" / "GPL-3.txt"
 METHODS = {
-    "none": {},
+    "auto": {},
+    "none": {"quant.plugin": "none"},
     "int8": {"quant.plugin": "int8"},
     "fp8": {"quant.plugin": "fp8"},
     "fp8-kv": {"kvcache.dtype": "fp8"},
@@ -101,7 +103,7 @@ def main() -> None:
     text_ids: list[int] = []
     if not args.no_quality:
         print("\nfp32 reference for quality ...", flush=True)
-        fp32 = LLM(overrides={"model.dtype": "float32", **QUALITY})
+        fp32 = LLM(overrides={"model.dtype": "float32", "quant.plugin": "none", **QUALITY})
         text_ids = fp32.tokenizer.encode(TEXT.read_text())[:QUALITY_TOKENS]
         reference = teacher_forced(fp32, text_ids)
         del fp32

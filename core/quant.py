@@ -95,6 +95,12 @@ class QuantMethod(ABC):
         """
         raise NotImplementedError(f"quant method {self.name!r} takes no packed weights")
 
+    def packed_table(self, params: Params) -> PackedWeight | None:
+        """What ``prepare_packed`` kept of a one-part weight, as a ``PackedWeight`` in the layout it is kept in
+        (where that is one ``conveyor.model.ggml`` dequantizes): a tied embedding then looks its rows up in the
+        head's bytes instead of holding the table twice. None: nothing to share."""
+        return None
+
     @abstractmethod
     def linear(self, x: torch.Tensor, params: Params) -> torch.Tensor:
         """``x @ weight.T (+ bias)``.

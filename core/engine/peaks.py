@@ -37,8 +37,15 @@ class DevicePeaks(msgspec.Struct, frozen=True):
     memory_bytes: int = 0
 
     def flops_for(self, dtype: str) -> float:
-        """FLOP/s for matmuls in ``dtype`` (float16 as bfloat16 where only that is known; 0 when unknown)."""
-        return self.flops.get(dtype) or self.flops.get("bfloat16" if dtype == "float16" else dtype, 0.0)
+        """FLOP/s for matmuls in ``dtype`` (float16 as bfloat16 where only that is known; 0 when unknown).
+
+        A 16-bit dtype gets at least the float32 rate: a CPU without 16-bit arithmetic (AVX2 alone) multiplies
+        bfloat16 hundreds of times slower than float32 in a plain matmul (0.34 against 146 GFLOP/s measured
+        on an AMD EPYC with AVX2), but Conveyor's steps do not run at that rate there (GGUF blocks go through
+        int8 kernels; a bfloat16 linear is converted), so that rate would make every step look compute-bound.
+        """
+        rate = self.flops.get(dtype) or self.flops.get("bfloat16" if dtype == "float16" else dtype, 0.0)
+        return max(rate, self.flops.get("float32", 0.0)) if dtype in ("bfloat16", "float16") else rate
 
 
 def _gpu(name: str, bf16: float, fp8: float, int8: float, gb_per_s: float, memory_gb: int,

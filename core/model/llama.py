@@ -466,6 +466,8 @@ class LlamaModel:
             head = self.packed_embed if tied else self._packed_vocab_shard(ckpt, quant, "lm_head.weight")
             if head is not None:
                 self.head = Linear(quant, [head])
+                if tied:  # (where the method repacked the head's copy, the lookups read that one: one copy)
+                    self.packed_embed = quant.packed_table(self.head.params) or self.packed_embed
             else:
                 self.head = OutputHead(self.embed if tied else self._vocab_shard(ckpt.get("lm_head.weight")), tied)
         self.rotary = Rotary(spec.head_dim, spec.rope_theta, spec.rope_scaling, max_len, device,
@@ -494,8 +496,8 @@ class LlamaModel:
         return ggml.PackedWeight(table.format, data.to(self.device).contiguous(), table.in_features)
 
     def _lookup(self, token_ids: torch.Tensor) -> torch.Tensor:
-        if self.packed_embed is not None:
-            return ggml.dequantize_rows(self.packed_embed, token_ids, self.dtype)
+        if self.packed_embed is not None:  # (a repacked table may have a zero block more per row)
+            return ggml.dequantize_rows(self.packed_embed, token_ids, self.dtype)[:, : self.spec.hidden_size]
         return F.embedding(token_ids, self.embed)
 
     def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
@@ -568,6 +570,14 @@ class LlamaModel:
         return [LayerAttention(spec.softmax_scale, spec.window(layer.index), spec.attn_softcap)
                 for layer in self.layers]
 
+    def _head_reads_embedding(self) -> bool:
+        """Whether a packed head holds the embedding table's own bytes (tied, and kept in its format; a
+        method that repacks the head's copy holds the table twice)."""
+        if self.packed_embed is None or not isinstance(self.head, Linear):
+            return False
+        pointer = self.packed_embed.data.data_ptr()
+        return any(t.data_ptr() == pointer for t in self.head.params.values())
+
     def weight_formats(self) -> dict[str, int]:
         """Bytes of the linear layers, the embedding and the head by the format each is kept in (as their quant
         method names it: ``QuantMethod.formats``); "copies": second copies that decode steps read instead of,
@@ -578,7 +588,7 @@ class LlamaModel:
             formats[key] = formats.get(key, 0) + n
 
         linears = [linear for layer in self.layers for linear in layer.linears()]
-        if isinstance(self.head, Linear) and not self.spec.tie_word_embeddings:
+        if isinstance(self.head, Linear) and not self._head_reads_embedding():
             linears.append(self.head)
         for linear in linears:
             for format, n in linear.method.formats(linear.params).items():
@@ -606,7 +616,7 @@ class LlamaModel:
             dense.append(self.packed_embed.data)
         total = 0
         if isinstance(self.head, Linear):
-            if not self.spec.tie_word_embeddings:  # (a tied head reads the embedding table)
+            if not self._head_reads_embedding():
                 total += self.head.num_bytes()
         elif self.head is not None and self.head.weight is not self.embed:  # (a tied head reads one copy a step)
             dense.append(self.head.weight if self.head.packed is None else self.head.packed)

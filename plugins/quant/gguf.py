@@ -48,6 +48,16 @@ class GGUFQuant(NoQuant):
             params["bias"] = bias.to(device=self.device, dtype=self.dtype)
         return params
 
+    def packed_table(self, params: Params) -> PackedWeight | None:
+        from conveyor.model import ggml
+
+        parts = [(key.rpartition(":")[2], data) for key, data in params.items() if ":" in key]
+        if len(parts) != 1:
+            return None
+        layout, data = parts[0]
+        values, size = ggml.BLOCKS[layout]
+        return ggml.PackedWeight(layout, data, data.shape[1] // size * values)
+
     def linear(self, x: torch.Tensor, params: Params) -> torch.Tensor:
         parts = [(key.rpartition(":")[2], data) for key, data in params.items() if ":" in key]
         if not parts:
