@@ -184,3 +184,23 @@ def test_auto_keeps_float_checkpoints_as_none_does(tmp_path):
     expected, _ = model_logits(tmp_path, NoQuant(None, torch.float32, cpu))
     ours, model = model_logits(tmp_path, AutoQuant(None, torch.float32, cpu))
     assert torch.equal(ours, expected) and model.packed_embed is None
+
+
+def test_parts_in_different_formats_stack_in_order():
+    """Q, K in one format and V in another (as Q4_K_M files have them): the layer's outputs are the parts'
+    in order, runs of one format held as one tensor."""
+    from conveyor.plugins.quant.gguf import GGUFQuant
+
+    parts, references = zip(*(packed_random(f, rows, 256, seed=i)
+                              for i, (f, rows) in enumerate([("Q4_1", 4), ("Q4_1", 2), ("Q6_K", 3), ("Q8_0", 5)])))
+    method = GGUFQuant(None, torch.float32, torch.device("cpu"))
+    params = method.prepare_packed(list(parts), torch.arange(14.0))
+    assert [key.split(":")[1] for key in params if ":" in key] == ["Q4_1", "Q6_K", "Q8_0"]
+    x = torch.randn(3, 256)
+    weight = torch.cat(references)
+    expected = x.double() @ weight.T + torch.arange(14.0).double()
+    y = method.linear(x, params)
+    assert y.shape == (3, 14)
+    allowed = activation_bound(x, weight) + 1e-5 * (x.double().abs() @ weight.abs().T) + 1e-6
+    assert ((y.double() - expected).abs() <= allowed).all()
+    assert method.formats(params).keys() == {"Q4_1", "Q6_K", "Q8_0", "float32"}

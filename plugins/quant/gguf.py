@@ -34,16 +34,27 @@ class GGUFQuant(NoQuant):
     packed_formats = FORMATS
 
     def prepare_packed(self, parts: list[PackedWeight], bias: torch.Tensor | None = None) -> Params:
-        """Params ``"{i}:{format}:{layout}"`` hold part i's blocks in order (``uint8 [rows, row bytes]``), in
-        the file's format or, where the kernels run, repacked losslessly into the layout they read fastest
-        (``conveyor.model.ggml.repack``: Q4_0 and Q4_1 two blocks to a unit)."""
+        """Params ``"{i}:{format}:{layout}"`` hold the blocks of the i-th run of parts in one format, in order
+        (``uint8 [rows, row bytes]``), as the file stores them or, where the kernels run, repacked losslessly
+        into the layout they read fastest (``conveyor.model.ggml.repack``: Q4_0 and Q4_1 two blocks to a unit)."""
         from conveyor.model import ggml
 
+        import torch
+
         repack = self.device.type == "cpu" and kernels_built()
+        kept = [(part.format, ggml.repack(part) if repack else part) for part in parts]
+        # consecutive parts in one format (Q, K and V; gate and up, as a file usually has them) become one
+        # tensor: one kernel call and no concatenation of outputs per step
+        runs: list[tuple[str, list[PackedWeight]]] = []
+        for format, part in kept:
+            if runs and runs[-1][0] == format and runs[-1][1][-1].format == part.format:
+                runs[-1][1].append(part)
+            else:
+                runs.append((format, [part]))
         params = {}
-        for i, part in enumerate(parts):
-            kept = ggml.repack(part) if repack else part
-            params[f"{i}:{part.format}:{kept.format}"] = kept.data.to(self.device).contiguous()
+        for i, (format, run) in enumerate(runs):
+            data = run[0].data if len(run) == 1 else torch.cat([part.data for part in run])
+            params[f"{i}:{format}:{run[0].format}"] = data.to(self.device).contiguous()
         if bias is not None:
             params["bias"] = bias.to(device=self.device, dtype=self.dtype)
         return params

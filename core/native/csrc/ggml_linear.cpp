@@ -18,7 +18,10 @@
 // share). Paths: AVX2 (any x86-64 CPU of the last decade, AMD Zen 4 and Intel with AVX-512 included), and a
 // portable scalar one with the same arithmetic (other CPUs; the tests force both).
 //
-// NOTE: on a 2-core AMD EPYC (Zen 3, AVX2), SmolLM2's Q4_1 layers at one token: see benchmarks/quant.py.
+// NOTE: 2-core AMD EPYC (Zen 3, AVX2 only), SmolLM2's 30 layers of linear weights at one token, same run: Q4_1
+// blocks 9.7 ms (before the Q4_X2 repacking), bf16 F.linear 15.4 ms, fp32 oneDNN 15.6 ms; at 64 tokens 228
+// against 884 (bf16) and 197 (fp32); one thread reads the blocks at 6-7 GB/s, so the kernel is bound by its
+// instructions here, not by the memory's 31 GB/s.
 #include <torch/library.h>
 
 #include <cmath>
