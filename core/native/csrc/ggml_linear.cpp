@@ -18,9 +18,9 @@
 // share). Paths: AVX2 (any x86-64 CPU of the last decade, AMD Zen 4 and Intel with AVX-512 included), and a
 // portable scalar one with the same arithmetic (other CPUs; the tests force both).
 //
-// NOTE: 2-core AMD EPYC (Zen 3, AVX2 only), SmolLM2's 30 layers of linear weights at one token, same run: Q4_1
-// blocks 9.7 ms (before the Q4_X2 repacking), bf16 F.linear 15.4 ms, fp32 oneDNN 15.6 ms; at 64 tokens 228
-// against 884 (bf16) and 197 (fp32); one thread reads the blocks at 6-7 GB/s, so the kernel is bound by its
+// NOTE: 2-core AMD EPYC (Zen 3, AVX2 only), SmolLM2's 30 layers of linear weights, one run, before the Q4_X2
+// repacking: at one token Q4_1 blocks 9.1 ms, bf16 F.linear 16.3, fp32 oneDNN 20.1; at 64 tokens 229 / 818 / 188;
+// at 256 tokens 782 / 3,390 / 459. One thread reads the blocks at 6-7 GB/s: the kernel is bound by its
 // instructions here, not by the memory's 31 GB/s.
 #include <torch/library.h>
 
