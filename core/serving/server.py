@@ -146,7 +146,8 @@ async def _report_status(frontend: EngineFrontend, interval: float) -> None:
 
 
 def _weight_formats(ready: EngineReady) -> str:
-    """" (quant auto: Q4_1 75.0 MB, Q8_0 21.2 MB)": the method and what the weights are kept as, largest first."""
+    """The banner's ' (quant auto: Q4_1 66.4 MB, Q8_0 30.1 MB)': the quant method and what the weights are kept
+    as, largest first."""
     if not ready.quant:
         return ""
     kept = sorted(((n, f) for f, n in ready.weight_formats.items() if f != "copies"), reverse=True)
