@@ -83,7 +83,7 @@ def test_generate_cli_matches_transformers(reference):
     ids, ref_tokens, _ = reference[1]
     result = subprocess.run(
         [sys.executable, "-m", "conveyor", "--log-level", "WARNING", "generate", "--config", "configs/default.toml",
-         "--set", "model.dtype=float32", "--chat", "--prompt", CHAT_PROMPTS[1],
+         "--set", "model.dtype=float32", "--set", "quant.plugin=none", "--chat", "--prompt", CHAT_PROMPTS[1],
          "--max-tokens", "24", "--ignore-eos", "--json"],
         capture_output=True, text=True, timeout=300, check=True,
     )

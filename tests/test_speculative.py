@@ -125,7 +125,8 @@ def test_a_draft_model_proposes_and_the_tokens_stay_the_models(draft, llm_fp32, 
     params = SamplingParams(max_tokens=32, temperature=0, ignore_eos=True, logprobs=5)
     prompts = [[{"role": "user", "content": p}] for p in CHAT_PROMPTS[:4]] + [REPEAT]
     reference = llm_fp32.generate(prompts, params)
-    overrides = {"model.dtype": "float32", "engine.speculative": "draft", "engine.draft_model": path,
+    overrides = {"model.dtype": "float32", "quant.plugin": "none", "engine.speculative": "draft",
+                 "engine.draft_model": path,
                  # 14 blocks of 16 tokens: every request fits alone, the five together do not
                  "scheduler.max_num_batched_tokens": 24, "kvcache.num_blocks": 14}
     with LLM(overrides=overrides) as llm:
