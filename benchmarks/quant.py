@@ -1,6 +1,7 @@
 """What each quantization method buys on this machine: weight bytes, KV blocks, decode speed, quality.
 
     python benchmarks/quant.py [--methods auto none int8 fp8 fp8-kv] [--batches 1 32] [--decode-tokens 48]
+    python benchmarks/quant.py --kernels [--rows 1 4 8 16 64 256 512]
 
 Each method is the default config (bf16 activations, 1 GiB of KV cache; ``auto``: the GGUF's blocks kept
 packed) with one change: ``quant.plugin = none | int8 | fp8`` (none: every weight expanded to bf16), or
@@ -12,6 +13,10 @@ Quality: teacher-forced over the first 2,048 tokens of tests/data/GPL-3.txt
 against the fp32 model (perplexity change and next-token top-1 agreement).
 Also prints the CPU matmul paths side by side (the choices behind
 ``cpu_int8_max_rows`` and fp8's CPU path).
+
+``--kernels``: only the packed GGUF kernel, every path built here (``conveyor.native.ggml_linear_path``)
+against bf16 ``F.linear`` over the same layers dequantized: the default model's 30 layers of linear weights,
+one step of each row count, the mean of 5.
 """
 
 from __future__ import annotations
@@ -89,14 +94,48 @@ def cpu_paths() -> None:
               f" {fp8_scaled * 1e6:>14.0f}")
 
 
+def ggml_kernels(row_counts: list[int]) -> None:
+    from conveyor import native
+    from conveyor.model import ggml
+    from conveyor.config import ModelConfig
+    from conveyor.model.checkpoint import open_checkpoint
+
+    if not native.load():
+        print("the C++ kernels do not build here")
+        return
+    ckpt = open_checkpoint(ModelConfig().path)
+    names = [f"model.layers.{i}.{n}.weight" for i in range(ckpt.spec.num_layers) for n in (
+        "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
+        "mlp.up_proj", "mlp.down_proj")]
+    stored = [ckpt.packed(name) for name in names]
+    packed = [ggml.repack(w) for w in stored]
+    dense = [ggml.dequantize(w, torch.bfloat16) for w in stored]
+    paths = ["scalar", "avx2", "avx512_vnni"]
+    paths = paths[1 : paths.index(native.ggml_linear_path()) + 1]
+    formats = sorted({w.format for w in stored})
+    print(f"\n{len(names)} linear weights ({', '.join(formats)}), {torch.get_num_threads()} threads: ms a step")
+    print(f"{'rows':>5} " + " ".join(f"{p:>12}" for p in paths) + f" {'bf16 F.linear':>14}")
+    for m in row_counts:
+        xs = {w.in_features: torch.randn(m, w.in_features) for w in stored}
+        times = [time_it(lambda: [native.ggml_linear(xs[s.in_features], w.data, ggml.TYPE_IDS[w.format], path=p)
+                                  for s, w in zip(stored, packed)], repeat=5) for p in paths]
+        xb = {k: v.bfloat16() for k, v in xs.items()}
+        bf16 = time_it(lambda: [F.linear(xb[w.shape[1]], w) for w in dense], repeat=5)
+        print(f"{m:>5} " + " ".join(f"{t * 1e3:>12.1f}" for t in times) + f" {bf16 * 1e3:>14.1f}", flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS))
     parser.add_argument("--batches", nargs="+", type=int, default=[1, 32])
     parser.add_argument("--decode-tokens", type=int, default=48)
     parser.add_argument("--no-quality", action="store_true")
+    parser.add_argument("--kernels", action="store_true", help="only the packed GGUF kernel against bf16")
+    parser.add_argument("--rows", nargs="+", type=int, default=[1, 4, 8, 16, 64, 256, 512])
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
+    if args.kernels:
+        return ggml_kernels(args.rows)
     cpu_paths()
 
     reference = None

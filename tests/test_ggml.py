@@ -62,10 +62,14 @@ def test_rows_and_block_aligned_columns_are_the_same_values(format):
     assert packed.columns(slice(16, 16 + values)) is None  # (not on a block edge)
 
 
+PATHS = ["scalar", "avx2", "avx512_vnni"]  # (each includes the ones before it)
+
+
 def kernel_paths() -> list[str]:
+    """Every path of the kernel built here, forced in turn."""
     if not native.load():
         return []
-    return sorted({"scalar", native.ggml_linear_path()})
+    return PATHS[: PATHS.index(native.ggml_linear_path()) + 1]
 
 
 def activation_bound(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -106,12 +110,18 @@ def test_kernel_matches_float64_within_the_activation_rounding(format, path, ran
 
 
 @pytest.mark.skipif(not kernel_paths(), reason="the C++ kernels do not build here")
-def test_kernel_rows_do_not_depend_on_the_rows_beside_them():
+@pytest.mark.parametrize("path", kernel_paths())
+@pytest.mark.parametrize("rows", [3, 9, 20])
+def test_kernel_rows_do_not_depend_on_the_rows_beside_them(path, rows):
+    """A row's outputs are the same bits whatever the other rows of the step hold (the tiles for a few rows, the
+    batched path for more)."""
     packed, _ = packed_random("Q4_1", 40, 256, seed=3)
-    x = torch.randn(9, 256)
-    together = native.ggml_linear(x, packed.data, ggml.TYPE_IDS["Q4_1"])
-    alone = torch.cat([native.ggml_linear(x[i : i + 1], packed.data, ggml.TYPE_IDS["Q4_1"]) for i in range(9)])
-    assert torch.equal(together, alone)
+    x = torch.randn(rows, 256, generator=torch.Generator().manual_seed(rows))
+    y = native.ggml_linear(x, packed.data, ggml.TYPE_IDS["Q4_1"], path=path)
+    for i in range(rows):
+        other = torch.randn(rows, 256, generator=torch.Generator().manual_seed(100 + i))
+        other[i] = x[i]
+        assert torch.equal(native.ggml_linear(other, packed.data, ggml.TYPE_IDS["Q4_1"], path=path)[i], y[i])
 
 
 @pytest.mark.skipif(not kernel_paths(), reason="the C++ kernels do not build here")

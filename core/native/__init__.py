@@ -247,7 +247,8 @@ _ggml_path: str | None = None
 
 
 def ggml_linear_path() -> str:
-    """The fastest path of ``ggml_linear`` built here: "avx2", or "scalar" (any CPU)."""
+    """The fastest path of ``ggml_linear`` built here: "avx512_vnni", "avx2", or "scalar" (any CPU); each
+    includes the ones before it."""
     global _ggml_path
     if _ggml_path is None:
         _ggml_path = str(_ops().ggml_linear_path())
@@ -258,7 +259,8 @@ def ggml_linear(x: torch.Tensor, weight: torch.Tensor, type_id: int, bias: torch
                 path: str | None = None) -> torch.Tensor:
     """``x @ w.T (+ bias)`` for ``x [M, K]`` (float32, bfloat16 or float16) against ``weight``, a
     ``uint8 [N, row_bytes]`` of GGML blocks of type ``conveyor.model.ggml.TYPE_IDS[...]``; x is quantized per
-    32 values to int8 inside (as llama.cpp does). ``path`` forces "scalar" or the vector path (None: fastest)."""
+    32 values to int8 inside (as llama.cpp does). ``path`` forces a slower path (``ggml_linear_path``; None: the
+    fastest)."""
     out = x.new_empty(x.shape[0], weight.shape[0])
     _ops().ggml_linear(x.contiguous(), weight, type_id, bias, out, path or ggml_linear_path())
     return out

@@ -17,6 +17,13 @@
 #define CONVEYOR_AVX512_BF16 1
 #endif
 
+// VPDPBUSD (unsigned x signed bytes, four products summed into each int32 lane): the batched path of the
+// quantized-block linear layers (ggml_linear.cpp).
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#include <immintrin.h>
+#define CONVEYOR_AVX512_VNNI 1
+#endif
+
 namespace conveyor {
 
 inline float bits_to_float(uint32_t bits) {

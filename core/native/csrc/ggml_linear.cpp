@@ -13,18 +13,28 @@
 // are kept unsigned and their offset applied once per sub-block through the sum of x's quantized values;
 // signed ones (Q8_0, Q6_K) move their sign onto x (VPSIGNB).
 //
-// Threads take 16 output columns at a time from a shared counter, so a thread on a core that another process
-// also wants does less of the work rather than holding the step back (a static split waits for its slowest
-// share). Paths: AVX2 (any x86-64 CPU of the last decade, AMD Zen 4 and Intel with AVX-512 included), and a
-// portable scalar one with the same arithmetic (other CPUs; the tests force both).
+// Steps of a few rows take tiles that unpack each sub-block in registers and multiply it with up to four rows
+// at once (their AVX2 path runs on any x86-64 CPU of the last decade). Steps of more rows (batched decodes,
+// prompt chunks) take a GEMM: a thread unpacks a panel of 32 output columns once into its cache and multiplies
+// every row with it, with VPDPBUSD where the CPU has AVX-512 VNNI (AMD Zen 4, Intel since Ice Lake), else
+// VPMADDUBSW. Weights unpacked to bfloat16 in registers (AVX-512 BF16) were the other choice, decided by count
+// rather than by a second kernel: VPDPBF16PS does 32 multiply-adds an instruction against VPDPBUSD's 64, with the
+// same unpacking, and the kernel is bound by its instructions, not by the bytes it reads.
 //
-// NOTE: 2-core AMD EPYC (Zen 3, AVX2 only), SmolLM2's 30 layers of linear weights, one run, before the Q4_X2
-// repacking: at one token Q4_1 blocks 9.1 ms, bf16 F.linear 16.3, fp32 oneDNN 20.1; at 64 tokens 229 / 818 / 188;
-// at 256 tokens 782 / 3,390 / 459. One thread reads the blocks at 6-7 GB/s: the kernel is bound by its
-// instructions here, not by the memory's 31 GB/s.
+// Threads take output columns from a shared counter, so a thread on a core that another process also wants
+// does less of the work rather than holding the step back (a static split waits for its slowest share). A
+// portable scalar path has the same arithmetic (other CPUs); the tests force every path built.
+//
+// NOTE: 2-core AMD EPYC (Zen 4), SmolLM2's 30 layers of Q4_1 linear weights (as Q4_X2), 2 threads, one run of
+// `python benchmarks/quant.py --kernels` (ms a step; VNNI / AVX2 alone / bf16 F.linear over the dequantized
+// weights): 1 row 7.7 / 8.5 / 31.0; 16 rows 21.9 / 29.4 / 36.3; 64 rows 67.8 / 92.6 / 59.6; 256 rows
+// 147.1 / 283.1 / 175.0; 512 rows 284.7 / 558.6 / 312.5. (This machine's timings vary by up to 2x from run to
+// run: compare within a run.) One thread, 512 x 1536 x 576: 118 GMAC/s against bf16's 94.
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cmath>
+#include <string>
 
 #include "common.h"
 
@@ -185,6 +195,8 @@ void unpack_row(const uint8_t* row, int64_t K, const Unpacked& u) {
 struct QuantizedRows {
   std::vector<int8_t> q;
   std::vector<float> scale, sum;
+  // d * the sum of each half (16 values) of a sub-block: Q6_K's offsets in the batched path
+  std::vector<float> half_sum;
   // the same in Q4_X2's order (pair_rows), for its AVX2 path
   std::vector<int8_t> paired_q;
   std::vector<float> paired_scale, paired_sum;
@@ -201,27 +213,73 @@ float to_float(T v) {
   }
 }
 
+// One sub-block of x: its 32 values quantized into q; returns d (q * d approximates x) and the sums of q's halves.
+template <typename T>
+inline float quantize_sub(const T* src, int8_t* q, int* halves) {
+#ifdef CONVEYOR_AVX2
+  if constexpr (std::is_same_v<T, float> || std::is_same_v<T, at::BFloat16> || std::is_same_v<T, at::Half>) {
+    __m256 v[4];
+    for (int i = 0; i < 4; ++i) {
+      if constexpr (std::is_same_v<T, float>) {
+        v[i] = _mm256_loadu_ps(src + 8 * i);
+      } else {
+        const __m128i bits = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + 8 * i));
+        if constexpr (std::is_same_v<T, at::Half>)
+          v[i] = _mm256_cvtph_ps(bits);
+        else
+          v[i] = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(bits), 16));
+      }
+    }
+    const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+    __m256 m = _mm256_max_ps(_mm256_max_ps(_mm256_and_ps(v[0], magnitude), _mm256_and_ps(v[1], magnitude)),
+                             _mm256_max_ps(_mm256_and_ps(v[2], magnitude), _mm256_and_ps(v[3], magnitude)));
+    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+    const float amax = _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4)));
+    const float d = amax / 127.0f, inverse = d > 0.0f ? 1.0f / d : 0.0f;
+    __m256i qi[4];  // (rounded to nearest even, as std::nearbyint below)
+    for (int i = 0; i < 4; ++i) qi[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], _mm256_set1_ps(inverse)));
+    for (int h = 0; h < 2; ++h) {
+      const __m256i pair = _mm256_add_epi32(qi[2 * h], qi[2 * h + 1]);
+      __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(pair), _mm256_extracti128_si256(pair, 1));
+      s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4e));
+      halves[h] = _mm_cvtsi128_si32(_mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xb1)));
+    }
+    // packing works within 128-bit lanes: the permutation puts the four groups of eight back in order
+    const __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(qi[0], qi[1]), _mm256_packs_epi32(qi[2], qi[3]));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(q),
+                        _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+    return d;
+  }
+#endif
+  float values[kSub];
+  float amax = 0.0f;
+  for (int k = 0; k < kSub; ++k) values[k] = to_float(src[k]), amax = std::max(amax, std::fabs(values[k]));
+  const float d = amax / 127.0f, inverse = d > 0.0f ? 1.0f / d : 0.0f;
+  halves[0] = halves[1] = 0;
+  for (int k = 0; k < kSub; ++k) {
+    q[k] = static_cast<int8_t>(std::nearbyint(values[k] * inverse));
+    halves[k / 16] += q[k];
+  }
+  return d;
+}
+
 template <typename T>
 void quantize_rows(const T* x, int64_t M, int64_t K, QuantizedRows& out) {
   const int64_t subs = K / kSub;
   out.q.resize(M * K);
   out.scale.resize(M * subs);
   out.sum.resize(M * subs);
-  at::parallel_for(0, M * subs, 64, [&](int64_t begin, int64_t end) {
-    float values[kSub];
+  out.half_sum.resize(2 * M * subs);
+  at::parallel_for(0, M * subs, 256, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
-      const T* src = x + (i / subs) * K + (i % subs) * kSub;
-      float amax = 0.0f;
-      for (int k = 0; k < kSub; ++k) values[k] = to_float(src[k]), amax = std::max(amax, std::fabs(values[k]));
-      const float d = amax / 127.0f, inverse = d > 0.0f ? 1.0f / d : 0.0f;
-      int total = 0;
-      int8_t* q = out.q.data() + (i / subs) * K + (i % subs) * kSub;
-      for (int k = 0; k < kSub; ++k) {
-        q[k] = static_cast<int8_t>(std::nearbyint(values[k] * inverse));
-        total += q[k];
-      }
+      const int64_t offset = (i / subs) * K + (i % subs) * kSub;
+      int halves[2];
+      const float d = quantize_sub(x + offset, out.q.data() + offset, halves);
       out.scale[i] = d;
-      out.sum[i] = d * total;
+      out.sum[i] = d * (halves[0] + halves[1]);
+      out.half_sum[2 * i] = d * halves[0];
+      out.half_sum[2 * i + 1] = d * halves[1];
     }
   });
 }
@@ -332,6 +390,8 @@ inline SubBlock unpack_sub(const uint8_t* b, int j) {
       q = _mm256_or_si256(q, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, j), _mm256_set1_epi8(1)), 4));
     }
     return {q, half(b) * sc, -half(b + 2) * m, _mm256_setzero_ps()};
+  } else if constexpr (t == Q4_X2) {  // (the batched path's; its tiles read whole units)
+    return {nibbles(b + 16 * j), half(b + 32 + 2 * j), half(b + 36 + 2 * j), _mm256_setzero_ps()};
   } else {  // Q6_K: sub-block j = 4 * half + i of 32 values, two scales of 16
     const int h = j / 4, i = j % 4;
     const __m256i low = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 64 * h + 32 * (i % 2)));
@@ -473,6 +533,192 @@ void avx2_tile(const uint8_t* weight, int64_t row_bytes, int64_t n, int64_t colu
     tiles[rows - 1][columns - 1](weight, row_bytes, n, x, m0, K, sums);
   }
 }
+
+// The batched path: steps of kGemmRows rows or more. Each thread unpacks a panel of kPanel output columns once
+// into its scratch, bytes in the order the integer dot products read them (per sub-block and group of four
+// values, the panel's columns side by side, four bytes each), then multiplies every row of the step with it:
+// one register of weights serves 16 columns (AVX-512 VNNI: VPDPBUSD) or 8 (AVX2: VPMADDUBSW + VPMADDWD) of a
+// tile of rows, x's four bytes broadcast. Unsigned values throughout: Q8_0's bytes move up by 128 and Q6_K's
+// by 32, their offsets taking the difference back, so one code path serves every type. (AVX2's VPMADDUBSW
+// saturates sums of two products past 32,767: Q8_0's bytes up to 255 do, so Q8_0 keeps the tiles there.)
+constexpr int64_t kPanel = 32;     // output columns a panel holds
+// the fewest rows the batched path takes (below them the tiles, which unpack the weights again for every four
+// rows, measured faster: Zen 4, SmolLM2's layers, 8 rows 11.6 ms batched against 12.8 in tiles with VNNI; with
+// AVX2 alone 14.7 against 12.8 at 8 rows, 21.2 against 25 at 16)
+constexpr int64_t kGemmRows = 8, kGemmRowsAvx2 = 16;
+
+template <Type t>
+constexpr int kHalves = t == Q6_K ? 2 : 1;  // scales a sub-block has (Q6_K: one per 16 values)
+
+// The scratch a panel takes, in floats: its bytes, then per sub-block (half) and column a scale and an offset.
+inline int64_t panel_floats(int64_t K) { return kPanel * K / 4 + 2 * 2 * (K / kSub) * kPanel; }
+
+// Columns [n, n + kPanel) unpacked into scratch (those past N repeat column N - 1).
+template <Type t>
+void unpack_panel(const uint8_t* weight, int64_t row_bytes, int64_t n, int64_t N, int64_t K, float* scratch) {
+  constexpr int64_t values = kBlockValues[t], size = kBlockBytes[t], per_block = values / kSub;
+  constexpr int H = kHalves<t>;
+  const int64_t subs = K / kSub;
+  uint8_t* q = reinterpret_cast<uint8_t*>(scratch);
+  float* scale = scratch + kPanel * K / 4;
+  float* offset = scale + H * subs * kPanel;
+  alignas(32) uint8_t bytes[32];
+  alignas(32) float lanes[8];
+  for (int64_t c = 0; c < kPanel; ++c) {
+    const uint8_t* row = weight + std::min(n + c, N - 1) * row_bytes;
+    for (int64_t blk = 0; blk < K / values; ++blk)
+      for (int j = 0; j < per_block; ++j) {
+        const int64_t s = blk * per_block + j;
+        const SubBlock sub = unpack_sub<t>(row + blk * size, j);
+        __m256i v = sub.q;
+        if constexpr (t == Q8_0) v = _mm256_xor_si256(v, _mm256_set1_epi8(char(0x80)));  // w + 128
+        if constexpr (t == Q6_K) v = _mm256_add_epi8(v, _mm256_set1_epi8(32));           // 0-63
+        _mm256_store_si256(reinterpret_cast<__m256i*>(bytes), v);
+        for (int g = 0; g < 8; ++g) std::memcpy(q + ((s * 8 + g) * kPanel + c) * 4, bytes + 4 * g, 4);
+        if constexpr (t == Q6_K) {
+          _mm256_store_ps(lanes, sub.lane_scales);
+          for (int h = 0; h < 2; ++h) {
+            scale[(2 * s + h) * kPanel + c] = lanes[4 * h];
+            offset[(2 * s + h) * kPanel + c] = -32.0f * lanes[4 * h];
+          }
+        } else {
+          scale[s * kPanel + c] = sub.scale;
+          offset[s * kPanel + c] = t == Q8_0 ? -128.0f * sub.scale : sub.offset;
+        }
+      }
+  }
+}
+
+// The vector operations of the batched path: L columns a register, tiles of R rows x C registers.
+struct Avx2Lanes {
+  static constexpr int L = 8, R = 4, C = 1;
+  using I = __m256i;
+  using F = __m256;
+  static I izero() { return _mm256_setzero_si256(); }
+  static F fzero() { return _mm256_setzero_ps(); }
+  static I load(const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+  static I broadcast(const int8_t* p) {
+    int32_t v;
+    std::memcpy(&v, p, 4);
+    return _mm256_set1_epi32(v);
+  }
+  static I dot(I acc, I w, I x) {
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), _mm256_set1_epi16(1)));
+  }
+  static F cvt(I v) { return _mm256_cvtepi32_ps(v); }
+  static F loadf(const float* p) { return _mm256_loadu_ps(p); }
+  static F set1(float v) { return _mm256_set1_ps(v); }
+  static F fma(F a, F b, F c) { return _mm256_fmadd_ps(a, b, c); }
+  static F mul(F a, F b) { return _mm256_mul_ps(a, b); }
+  static void storef(float* p, F v) { _mm256_storeu_ps(p, v); }
+};
+
+#ifdef CONVEYOR_AVX512_VNNI
+struct VnniLanes {
+  static constexpr int L = 16, R = 6, C = 2;
+  using I = __m512i;
+  using F = __m512;
+  static I izero() { return _mm512_setzero_si512(); }
+  static F fzero() { return _mm512_setzero_ps(); }
+  static I load(const uint8_t* p) { return _mm512_loadu_si512(p); }
+  static I broadcast(const int8_t* p) {
+    int32_t v;
+    std::memcpy(&v, p, 4);
+    return _mm512_set1_epi32(v);
+  }
+  static I dot(I acc, I w, I x) { return _mm512_dpbusd_epi32(acc, w, x); }
+  static F cvt(I v) { return _mm512_cvtepi32_ps(v); }
+  static F loadf(const float* p) { return _mm512_loadu_ps(p); }
+  static F set1(float v) { return _mm512_set1_ps(v); }
+  static F fma(F a, F b, F c) { return _mm512_fmadd_ps(a, b, c); }
+  static F mul(F a, F b) { return _mm512_mul_ps(a, b); }
+  static void storef(float* p, F v) { _mm512_storeu_ps(p, v); }
+};
+#endif
+
+// Rows [m0, m0 + R) x the panel's columns [col0, col0 + L * C) into sums[r * kPanel + column].
+template <Type t, typename V, int R>
+void panel_tile(const float* scratch, int64_t col0, int64_t K, const QuantizedRows& x, int64_t m0, float* sums) {
+  constexpr int C = V::C, L = V::L, H = kHalves<t>;
+  const int64_t subs = K / kSub;
+  const uint8_t* q = reinterpret_cast<const uint8_t*>(scratch) + col0 * 4;
+  const float* scale = scratch + kPanel * K / 4 + col0;
+  const float* offset = scale + H * subs * kPanel;
+  const int8_t* xq = x.q.data() + m0 * K;
+  typename V::F acc[R][C];
+  typename V::I dots[R][C];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) acc[r][c] = V::fzero(), dots[r][c] = V::izero();
+  for (int64_t s = 0; s < subs; ++s)
+    for (int h = 0; h < H; ++h) {
+      for (int g = 8 / H * h; g < 8 / H * (h + 1); ++g) {
+        typename V::I w[C];
+        for (int c = 0; c < C; ++c) w[c] = V::load(q + ((s * 8 + g) * kPanel + c * L) * 4);
+        for (int r = 0; r < R; ++r) {
+          const typename V::I xv = V::broadcast(xq + r * K + s * kSub + 4 * g);
+          for (int c = 0; c < C; ++c) dots[r][c] = V::dot(dots[r][c], w[c], xv);
+        }
+      }
+      typename V::F ws[C], wo[C];
+      for (int c = 0; c < C; ++c)
+        ws[c] = V::loadf(scale + (s * H + h) * kPanel + c * L), wo[c] = V::loadf(offset + (s * H + h) * kPanel + c * L);
+      for (int r = 0; r < R; ++r) {
+        const int64_t i = (m0 + r) * subs + s;
+        const typename V::F xd = V::set1(x.scale[i]), xo = V::set1(H == 1 ? x.sum[i] : x.half_sum[2 * i + h]);
+        for (int c = 0; c < C; ++c) {
+          acc[r][c] = V::fma(V::mul(V::cvt(dots[r][c]), ws[c]), xd, acc[r][c]);
+          acc[r][c] = V::fma(wo[c], xo, acc[r][c]);
+          dots[r][c] = V::izero();
+        }
+      }
+    }
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) V::storef(sums + r * kPanel + col0 + c * L, acc[r][c]);
+}
+
+// Every row of x times columns [n, n + kPanel) (those below N stored, bias added).
+template <typename T, Type t, typename V>
+void panel_columns(const uint8_t* weight, int64_t row_bytes, int64_t n, int64_t N, int64_t K, const QuantizedRows& x,
+                   int64_t M, const T* bias, T* out, float* scratch) {
+  using Tile = void (*)(const float*, int64_t, int64_t, const QuantizedRows&, int64_t, float*);
+  static_assert(V::R <= 6, "the table below covers tiles of up to six rows");
+  static constexpr Tile tiles[6] = {panel_tile<t, V, 1>, panel_tile<t, V, std::min(2, V::R)>,
+                                    panel_tile<t, V, std::min(3, V::R)>, panel_tile<t, V, std::min(4, V::R)>,
+                                    panel_tile<t, V, std::min(5, V::R)>, panel_tile<t, V, std::min(6, V::R)>};
+  unpack_panel<t>(weight, row_bytes, n, N, K, scratch);
+  float sums[V::R * kPanel];
+  const int64_t columns = std::min(kPanel, N - n);
+  for (int64_t m0 = 0; m0 < M; m0 += V::R) {
+    const int64_t rows = std::min<int64_t>(V::R, M - m0);
+    for (int64_t col0 = 0; col0 < kPanel; col0 += V::L * V::C) tiles[rows - 1](scratch, col0, K, x, m0, sums);
+    for (int64_t r = 0; r < rows; ++r)
+      for (int64_t c = 0; c < columns; ++c)
+        store(out + (m0 + r) * N + n + c, sums[r * kPanel + c] + (bias ? to_float(bias[n + c]) : 0.0f));
+  }
+}
+
+template <typename T, typename V>
+using PanelColumns = void (*)(const uint8_t*, int64_t, int64_t, int64_t, int64_t, const QuantizedRows&, int64_t,
+                              const T*, T*, float*);
+
+template <typename T, typename V>
+PanelColumns<T, V> pick_panel(Type t) {
+  static constexpr PanelColumns<T, V> table[kNumTypes] = {
+      panel_columns<T, Q4_0, V>, panel_columns<T, Q4_1, V>, panel_columns<T, Q5_0, V>,
+      panel_columns<T, Q5_1, V>, panel_columns<T, Q8_0, V>, panel_columns<T, Q4_K, V>,
+      panel_columns<T, Q5_K, V>, panel_columns<T, Q6_K, V>, panel_columns<T, Q4_X2, V>};
+  return table[t];
+}
+
+template <typename T, typename V>
+void run_panels(const uint8_t* weight, Type t, int64_t M, int64_t N, int64_t K, const QuantizedRows& x, const T* bias,
+                T* out) {
+  const int64_t row_bytes = K / kBlockValues[t] * kBlockBytes[t];
+  const PanelColumns<T, V> columns = pick_panel<T, V>(t);
+  run_work_queue((N + kPanel - 1) / kPanel, panel_floats(K), [&](int64_t panel, float* scratch) {
+    columns(weight, row_bytes, panel * kPanel, N, K, x, M, bias, out, scratch);
+  });
+}
 #endif
 
 Tile pick_tile(Type t, bool vector) {
@@ -488,14 +734,23 @@ Tile pick_tile(Type t, bool vector) {
   return scalar[t];
 }
 
+// The kernel paths, fastest last: each includes the ones before it.
+enum Path { kScalar, kAvx2, kVnni };
+
 template <typename T>
 void run(const T* x, const uint8_t* weight, Type t, int64_t M, int64_t N, int64_t K, const T* bias, T* out,
-         bool vector) {
+         Path path) {
   QuantizedRows xq;
   quantize_rows(x, M, K, xq);
 #ifdef CONVEYOR_AVX2
-  if (t == Q4_X2 && vector) pair_rows(xq, M, K);
+#ifdef CONVEYOR_AVX512_VNNI
+  if (M >= kGemmRows && path == kVnni) return run_panels<T, VnniLanes>(weight, t, M, N, K, xq, bias, out);
 #endif
+  if (M >= kGemmRowsAvx2 && path == kAvx2 && t != Q8_0)
+    return run_panels<T, Avx2Lanes>(weight, t, M, N, K, xq, bias, out);
+  if (t == Q4_X2 && path >= kAvx2) pair_rows(xq, M, K);
+#endif
+  const bool vector = path >= kAvx2;
   const int64_t row_bytes = K / kBlockValues[t] * kBlockBytes[t], subs = K / kSub;
   const Tile tile = pick_tile(t, vector);
   // the scalar path's scratch: one unpacked row (bytes, then 8 scales and an offset per sub-block)
@@ -526,9 +781,11 @@ void run(const T* x, const uint8_t* weight, Type t, int64_t M, int64_t N, int64_
   });
 }
 
-// "avx2" where this build has it, else "scalar".
+// The fastest path built here: "avx512_vnni", "avx2" or "scalar".
 std::string ggml_linear_path() {
-#ifdef CONVEYOR_AVX2
+#if defined(CONVEYOR_AVX512_VNNI) && defined(CONVEYOR_AVX2)
+  return "avx512_vnni";
+#elif defined(CONVEYOR_AVX2)
   return "avx2";
 #else
   return "scalar";
@@ -551,13 +808,15 @@ void ggml_linear(const at::Tensor& x, const at::Tensor& weight, int64_t type, co
   if (bias.has_value())
     TORCH_CHECK(bias->scalar_type() == x.scalar_type() && bias->numel() == N && bias->is_contiguous(),
                 "ggml_linear: bias must be a contiguous [", N, "] of x's dtype");
-  TORCH_CHECK(path == "scalar" || path == ggml_linear_path(), "ggml_linear: path ", path,
-              " is not built here; built: scalar, ", ggml_linear_path());
-  const bool vector = path != "scalar";
+  const std::string best = ggml_linear_path();
+  const std::vector<std::string> names = {"scalar", "avx2", "avx512_vnni"};
+  const int64_t chosen = std::find(names.begin(), names.end(), path) - names.begin();
+  TORCH_CHECK(chosen <= std::find(names.begin(), names.end(), best) - names.begin(), "ggml_linear: path ", path,
+              " is not built here; built: scalar up to ", best);
   const uint8_t* w = weight.data_ptr<uint8_t>();
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "ggml_linear", [&] {
     const scalar_t* b = bias.has_value() ? bias->data_ptr<scalar_t>() : nullptr;
-    run<scalar_t>(x.data_ptr<scalar_t>(), w, t, M, N, K, b, out.data_ptr<scalar_t>(), vector);
+    run<scalar_t>(x.data_ptr<scalar_t>(), w, t, M, N, K, b, out.data_ptr<scalar_t>(), static_cast<Path>(chosen));
   });
 }
 
