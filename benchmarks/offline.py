@@ -2,11 +2,17 @@
 and through Hugging Face transformers' generate() in static batches, in one run.
 
     python benchmarks/offline.py [--num-requests 64] [--dtype bfloat16] [--kv-gb 1.0] [--only NAME ...]
+                                 [--busy-core]
 
 The workload: chat requests with prompts of ~30-600 tokens and outputs of
 16-256 tokens (ignore_eos, greedy), all submitted at t=0. Reported per system:
 output tokens/s (requested tokens only), mean and P99 request latency from
 t=0, peak KV memory reserved and actually used, preemptions, wasted slots.
+``--busy-core``: each system runs again while another process keeps one core
+busy (a Python loop that never sleeps: a noisy neighbour, or a container
+given fewer cores than it sees), and the slowdown is printed; losing one of
+two cores costs at most 2x in proportion, more where threads wait on each
+other.
 
 NOTE: on a 2-core CPU every system pays for prefill at the matmul ceiling
 (about 360 GFLOP/s in bf16). Decode is where the schedulers differ: a step
@@ -23,6 +29,8 @@ import argparse
 import gc
 import json
 import logging
+import subprocess
+import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -50,6 +58,8 @@ SYSTEMS = {
     "dynamic + paged": ("dynamic.toml", {}),
     "continuous + contiguous": ("contiguous.toml", OFFLINE_DEFAULTS),
     "continuous + paged": ("default.toml", OFFLINE_DEFAULTS),
+    # the default with every weight expanded to bf16 (a quantized GGUF's blocks are kept packed by default)
+    "continuous + paged, bf16 weights": ("bf16.toml", OFFLINE_DEFAULTS),
 }
 HF = "transformers generate (batches of 16)"
 
@@ -217,6 +227,8 @@ def main() -> None:
     parser.add_argument("--hf-batch-size", type=int, default=16)
     parser.add_argument("--only", nargs="+", choices=[*SYSTEMS, "transformers"], help="run only these systems")
     parser.add_argument("--json", type=Path, help="also write the results here")
+    parser.add_argument("--busy-core", action="store_true",
+                        help="run each system again beside a process that keeps one core busy")
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
 
@@ -235,20 +247,35 @@ def main() -> None:
     print(f"matmul: {matmul_rate / 1e9:.0f} GFLOP/s ({args.dtype}, 2048^3); read bandwidth {bandwidth / 1e9:.1f} GB/s",
           flush=True)
     names = args.only or [*SYSTEMS, "transformers"]
-    results = []
-    for name in names:
+
+    def run(name: str) -> Result:
         print(f"running {name if name != 'transformers' else HF} ...", flush=True)
         if name == "transformers":
-            results.append(run_transformers(prompts, max_tokens, args.dtype, args.hf_batch_size))
+            result = run_transformers(prompts, max_tokens, args.dtype, args.hf_batch_size)
         else:
-            results.append(run_conveyor(name, prompts, max_tokens, args.dtype, args.kv_gb, matmul_rate, bandwidth))
+            result = run_conveyor(name, prompts, max_tokens, args.dtype, args.kv_gb, matmul_rate, bandwidth)
         gc.collect()
+        return result
+
+    results = [run(name) for name in names]
     print()
     print(table(results))
+    if args.busy_core:
+        busy = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+        try:
+            print("\nagain, beside a process that keeps one core busy", flush=True)
+            beside = [run(name) for name in names]
+        finally:
+            busy.kill()
+        print()
+        print(table(beside))
+        for alone, shared in zip(results, beside):
+            print(f"{alone.system}: {alone.tokens_per_s:.0f} tok/s alone, {shared.tokens_per_s:.0f} beside a busy "
+                  f"core: {alone.tokens_per_s / shared.tokens_per_s:.2f}x slower")
     by_name = {r.system: r for r in results}
     best = by_name.get("continuous + paged")
     if best:
-        for other in ("static + paged", HF):
+        for other in ("static + paged", "continuous + paged, bf16 weights", HF):
             if other in by_name:
                 print(f"continuous + paged vs {other}: {best.tokens_per_s / by_name[other].tokens_per_s:.2f}x tokens/s")
     if args.json:

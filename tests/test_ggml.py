@@ -111,17 +111,19 @@ def test_kernel_matches_float64_within_the_activation_rounding(format, path, ran
 
 @pytest.mark.skipif(not kernel_paths(), reason="the C++ kernels do not build here")
 @pytest.mark.parametrize("path", kernel_paths())
-@pytest.mark.parametrize("rows", [3, 9, 20])
-def test_kernel_rows_do_not_depend_on_the_rows_beside_them(path, rows):
-    """A row's outputs are the same bits whatever the other rows of the step hold (the tiles for a few rows, the
-    batched path for more)."""
-    packed, _ = packed_random("Q4_1", 40, 256, seed=3)
-    x = torch.randn(rows, 256, generator=torch.Generator().manual_seed(rows))
-    y = native.ggml_linear(x, packed.data, ggml.TYPE_IDS["Q4_1"], path=path)
-    for i in range(rows):
-        other = torch.randn(rows, 256, generator=torch.Generator().manual_seed(100 + i))
-        other[i] = x[i]
-        assert torch.equal(native.ggml_linear(other, packed.data, ggml.TYPE_IDS["Q4_1"], path=path)[i], y[i])
+@pytest.mark.parametrize("format", [*TYPES, "Q4_1>X2"])
+def test_a_row_gives_the_same_bits_alone_and_among_others(format, path):
+    """Whatever the step's other rows and however many (the tiles for a few rows, the batched path for more): a
+    prompt whose start is in the prefix cache computes its last token alone, and a seeded sample must not
+    change with that."""
+    values = max(ggml.BLOCKS[format[:4]][0], 64 if format.endswith("X2") else 0)
+    packed, _ = packed_random(format, 37, 3 * values, seed=3)
+    x = torch.randn(20, 3 * values, generator=torch.Generator().manual_seed(5))
+    alone = torch.cat([native.ggml_linear(x[i : i + 1], packed.data, ggml.TYPE_IDS[packed.format], path=path)
+                       for i in range(len(x))])
+    for rows in (3, 9, 20):
+        together = native.ggml_linear(x[:rows], packed.data, ggml.TYPE_IDS[packed.format], path=path)
+        assert torch.equal(together, alone[:rows]), f"{format} {path}: {rows} rows"
 
 
 @pytest.mark.skipif(not kernel_paths(), reason="the C++ kernels do not build here")

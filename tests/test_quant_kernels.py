@@ -61,9 +61,10 @@ def test_w8a8_fp8_matches_reference(monkeypatch, shape, dtype):
     w, w_scale = quantize_fp8(torch.randn(n, k))
     x = (torch.randn(m, k) * torch.rand(m, 1) * 4).to(dtype)  # rows of different magnitudes
     out = poisoned_launch(monkeypatch, kernels.w8a8_fp8_matmul, x.to(DEVICE), w.to(DEVICE), w_scale.to(DEVICE))
-    # the reference quantizes each row of x to e4m3 on its own, independently of the kernel module
-    x_scale = x.double().abs().amax(dim=1, keepdim=True) / 448
-    xq = (x.double() / x_scale).to(torch.float8_e4m3fn).double() * x_scale
+    # the reference quantizes each row of x to e4m3 on its own, independently of the kernel module, in float32
+    # as the kernels do (in float64 a value on an e4m3 rounding midpoint can round the other way)
+    x_scale = x.float().abs().amax(dim=1, keepdim=True) / 448
+    xq = (x.float() / x_scale).to(torch.float8_e4m3fn).double() * x_scale.double()
     expected = xq @ (w.double() * w_scale.double()[:, None]).T
     assert relative_error(out, expected) < TOLERANCE[dtype]
     # and it stays near the unquantized product: e4m3 keeps 3 mantissa bits

@@ -56,6 +56,8 @@ constexpr int64_t kBlockValues[kNumTypes] = {32, 32, 32, 32, 32, 256, 256, 256, 
 constexpr int64_t kBlockBytes[kNumTypes] = {18, 20, 22, 24, 34, 144, 176, 210, 40};
 // whether a type's unpacked values are signed (else unsigned with an offset)
 constexpr bool kSigned[kNumTypes] = {false, false, false, false, true, false, false, true, false};
+template <Type t>
+constexpr int kHalves = t == Q6_K ? 2 : 1;  // scales a sub-block has (Q6_K: one per 16 values)
 
 float half_to_float(const uint8_t* p) {
   uint16_t h;
@@ -197,9 +199,10 @@ struct QuantizedRows {
   std::vector<float> scale, sum;
   // d * the sum of each half (16 values) of a sub-block: Q6_K's offsets in the batched path
   std::vector<float> half_sum;
-  // the same in Q4_X2's order (pair_rows), for its AVX2 path
+  // the sums of each half of a sub-block's q, exactly (the tiles' shifts of Q8_0 and Q6_K)
+  std::vector<int32_t> half_isum;
+  // q in Q4_X2's order (pair_rows), for its AVX2 tiles
   std::vector<int8_t> paired_q;
-  std::vector<float> paired_scale, paired_sum;
 };
 
 template <typename T>
@@ -271,6 +274,7 @@ void quantize_rows(const T* x, int64_t M, int64_t K, QuantizedRows& out) {
   out.scale.resize(M * subs);
   out.sum.resize(M * subs);
   out.half_sum.resize(2 * M * subs);
+  out.half_isum.resize(2 * M * subs);
   at::parallel_for(0, M * subs, 256, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
       const int64_t offset = (i / subs) * K + (i % subs) * kSub;
@@ -280,6 +284,8 @@ void quantize_rows(const T* x, int64_t M, int64_t K, QuantizedRows& out) {
       out.sum[i] = d * (halves[0] + halves[1]);
       out.half_sum[2 * i] = d * halves[0];
       out.half_sum[2 * i + 1] = d * halves[1];
+      out.half_isum[2 * i] = halves[0];
+      out.half_isum[2 * i + 1] = halves[1];
     }
   });
 }
@@ -406,26 +412,38 @@ inline SubBlock unpack_sub(const uint8_t* b, int j) {
   }
 }
 
-inline float horizontal_sum(__m256 v) {
-  const __m128 half = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  const __m128 quad = _mm_add_ps(half, _mm_movehl_ps(half, half));
-  return _mm_cvtss_f32(_mm_add_ss(quad, _mm_movehdup_ps(quad)));
+// The int32 dot products of up to four columns (C of them; lanes: groups of four values) summed per half of
+// the register, column c in lane c: low, the first 16 values (lanes 0-3), high, the second 16.
+template <int C>
+inline void column_sums(const __m256i* d, __m128i* low, __m128i* high) {
+  const __m256i zero = _mm256_setzero_si256();
+  const __m256i ab = _mm256_hadd_epi32(d[0], C > 1 ? d[1] : zero);
+  const __m256i cd = C > 2 ? _mm256_hadd_epi32(d[2], C > 3 ? d[3] : zero) : zero;
+  const __m256i sums = _mm256_hadd_epi32(ab, cd);
+  *low = _mm256_castsi256_si128(sums);
+  *high = _mm256_extracti128_si256(sums, 1);
 }
 
-// R rows x C columns, sizes fixed at compile time so that the accumulators stay in registers.
+// acc += dots * scale * x's scale, then offset * x's sum: the float arithmetic of every vector path, in this
+// order, so that a row's outputs are the same bits in the tiles and in the batched path (panel_tile).
+inline __m128 accumulate(__m128 acc, __m128i dots, __m128 scale, __m128 offset, float xd, float xo) {
+  acc = _mm_fmadd_ps(_mm_mul_ps(_mm_cvtepi32_ps(dots), scale), _mm_set1_ps(xd), acc);
+  return _mm_fmadd_ps(offset, _mm_set1_ps(xo), acc);
+}
+
+// R rows x C columns, sizes fixed at compile time so that the accumulators stay in registers. The values are
+// multiplied as the batched path stores them (Q8_0's up by 128, Q6_K's by 32: the shift is added to the
+// integer sums exactly and taken back by the offset).
 template <Type t, int R, int C>
 void avx2_tile_fixed(const uint8_t* weight, int64_t row_bytes, int64_t n, const QuantizedRows& x, int64_t m0,
                      int64_t K, float* sums) {
   constexpr int64_t values = kBlockValues[t], size = kBlockBytes[t], per_block = values / kSub;
+  constexpr int H = kHalves<t>;
   const int64_t subs = K / kSub;
   const __m256i ones = _mm256_set1_epi16(1);
-  __m256 acc[R][C];
-  float offsets[R][C] = {};
-  for (int r = 0; r < R; ++r)
-    for (int c = 0; c < C; ++c) acc[r][c] = _mm256_setzero_ps();
+  __m128 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm_setzero_ps();
   const int8_t* xq = x.q.data() + m0 * K;
-  const float* xd = x.scale.data() + m0 * subs;
-  const float* xsum = x.sum.data() + m0 * subs;
   for (int64_t blk = 0; blk < K / values; ++blk) {
     const uint8_t* block[C];
     for (int c = 0; c < C; ++c) block[c] = weight + (n + c) * row_bytes + blk * size;
@@ -433,83 +451,104 @@ void avx2_tile_fixed(const uint8_t* weight, int64_t row_bytes, int64_t n, const 
       const int64_t s = blk * per_block + j;
       SubBlock w[C];
       __m256i wabs[C];
+      alignas(16) float scale[H][4] = {}, offset[H][4] = {};
       for (int c = 0; c < C; ++c) {
         w[c] = unpack_sub<t>(block[c], j);
         wabs[c] = kSigned[t] ? _mm256_sign_epi8(w[c].q, w[c].q) : w[c].q;
+        if constexpr (t == Q6_K) {
+          alignas(32) float lanes[8];
+          _mm256_store_ps(lanes, w[c].lane_scales);
+          for (int h = 0; h < 2; ++h) scale[h][c] = lanes[4 * h], offset[h][c] = -32.0f * lanes[4 * h];
+        } else {
+          scale[0][c] = w[c].scale;
+          offset[0][c] = t == Q8_0 ? -128.0f * w[c].scale : w[c].offset;
+        }
       }
       for (int r = 0; r < R; ++r) {
         const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + r * K + s * kSub));
-        const float d = xd[r * subs + s];
-        for (int c = 0; c < C; ++c) {
-          const __m256i xs = kSigned[t] ? _mm256_sign_epi8(xv, w[c].q) : xv;
-          const __m256 dot = _mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_maddubs_epi16(wabs[c], xs), ones));
-          if constexpr (t == Q6_K)
-            acc[r][c] = _mm256_fmadd_ps(dot, _mm256_mul_ps(w[c].lane_scales, _mm256_set1_ps(d)), acc[r][c]);
-          else
-            acc[r][c] = _mm256_fmadd_ps(dot, _mm256_set1_ps(w[c].scale * d), acc[r][c]);
-          if constexpr (!kSigned[t]) offsets[r][c] += w[c].offset * xsum[r * subs + s];
+        __m256i d[C];
+        for (int c = 0; c < C; ++c)
+          d[c] = _mm256_madd_epi16(_mm256_maddubs_epi16(wabs[c], kSigned[t] ? _mm256_sign_epi8(xv, w[c].q) : xv), ones);
+        __m128i low, high;
+        column_sums<C>(d, &low, &high);
+        const int64_t i = (m0 + r) * subs + s;
+        if constexpr (t == Q6_K) {
+          low = _mm_add_epi32(low, _mm_set1_epi32(32 * x.half_isum[2 * i]));
+          high = _mm_add_epi32(high, _mm_set1_epi32(32 * x.half_isum[2 * i + 1]));
+          acc[r] = accumulate(acc[r], low, _mm_load_ps(scale[0]), _mm_load_ps(offset[0]), x.scale[i], x.half_sum[2 * i]);
+          acc[r] = accumulate(acc[r], high, _mm_load_ps(scale[1]), _mm_load_ps(offset[1]), x.scale[i],
+                              x.half_sum[2 * i + 1]);
+        } else {
+          __m128i total = _mm_add_epi32(low, high);
+          if constexpr (t == Q8_0)
+            total = _mm_add_epi32(total, _mm_set1_epi32(128 * (x.half_isum[2 * i] + x.half_isum[2 * i + 1])));
+          acc[r] = accumulate(acc[r], total, _mm_load_ps(scale[0]), _mm_load_ps(offset[0]), x.scale[i], x.sum[i]);
         }
       }
     }
   }
-  for (int r = 0; r < R; ++r)
-    for (int c = 0; c < C; ++c) sums[r * kColumns + c] = horizontal_sum(acc[r][c]) + offsets[r][c];
+  for (int r = 0; r < R; ++r) {
+    alignas(16) float lanes[4];
+    _mm_store_ps(lanes, acc[r]);
+    for (int c = 0; c < C; ++c) sums[r * kColumns + c] = lanes[c];
+  }
 }
 
 // x in Q4_X2's order: per row and pair of sub-blocks, their first halves then their second halves (the lanes the
-// unit's low and high nibbles fill), and per group of four values its scale and a quarter of its sub-block's
-// sum (the offsets' share of each lane: the lanes are summed at the end).
+// unit's low and high nibbles fill).
 void pair_rows(QuantizedRows& x, int64_t M, int64_t K) {
   const int64_t subs = K / kSub;
   x.paired_q.resize(M * K);
-  x.paired_scale.resize(M * K / 8);
-  x.paired_sum.resize(M * K / 8);
   for (int64_t r = 0; r < M; ++r)
     for (int64_t p = 0; p < subs / 2; ++p) {
       const int8_t* src = x.q.data() + r * K + 64 * p;
       int8_t* dst = x.paired_q.data() + r * K + 64 * p;
       for (int half = 0; half < 2; ++half)
         for (int j = 0; j < 2; ++j) std::memcpy(dst + 32 * half + 16 * j, src + 32 * j + 16 * half, 16);
-      for (int lane = 0; lane < 8; ++lane) {
-        const int64_t sub = r * subs + 2 * p + lane / 4;
-        x.paired_scale[(r * subs / 2 + p) * 8 + lane] = x.scale[sub];
-        x.paired_sum[(r * subs / 2 + p) * 8 + lane] = x.sum[sub] * 0.25f;
-      }
     }
 }
 
+// Q4_X2: a unit's 64 nibbles unpacked with three instructions, its two sub-blocks' sums in the low and high
+// halves of one register.
 template <int R, int C>
 void avx2_tile_q4x2(const uint8_t* weight, int64_t row_bytes, int64_t n, const QuantizedRows& x, int64_t m0,
                     int64_t K, float* sums) {
-  const int64_t pairs = K / 64;
+  const int64_t pairs = K / 64, subs = K / kSub;
   const __m256i ones = _mm256_set1_epi16(1), low4 = _mm256_set1_epi8(0x0f);
-  const __m256i scale_lanes = _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1), offset_lanes = _mm256_setr_epi32(2, 2, 2, 2, 3, 3, 3, 3);
-  __m256 acc[R][C];
-  for (int r = 0; r < R; ++r)
-    for (int c = 0; c < C; ++c) acc[r][c] = _mm256_setzero_ps();
+  __m128 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm_setzero_ps();
   for (int64_t p = 0; p < pairs; ++p) {
+    __m256i lo[C], hi[C];
+    // per column [d0, d1, m0, m1], transposed: d0 of each column, d1, m0, m1
+    __m128 halves[4] = {_mm_setzero_ps(), _mm_setzero_ps(), _mm_setzero_ps(), _mm_setzero_ps()};
     for (int c = 0; c < C; ++c) {
       const uint8_t* unit = weight + (n + c) * row_bytes + 40 * p;
       const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(unit));
-      const __m256i lo = _mm256_and_si256(bytes, low4), hi = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), low4);
-      // [d0, d1, m0, m1] -> d0 x4, d1 x4 and m0 x4, m1 x4
-      const __m256 halves = _mm256_castps128_ps256(
-          _mm_cvtph_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(unit + 32))));
-      const __m256 d = _mm256_permutevar8x32_ps(halves, scale_lanes), m = _mm256_permutevar8x32_ps(halves, offset_lanes);
-      for (int r = 0; r < R; ++r) {
-        const int64_t row = (m0 + r) * K + 64 * p, unit_index = ((m0 + r) * pairs + p) * 8;
-        const __m256i xa = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.paired_q.data() + row));
-        const __m256i xb = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.paired_q.data() + row + 32));
-        const __m256i pairs16 = _mm256_add_epi16(_mm256_maddubs_epi16(lo, xa), _mm256_maddubs_epi16(hi, xb));
-        const __m256 dot = _mm256_cvtepi32_ps(_mm256_madd_epi16(pairs16, ones));
-        acc[r][c] = _mm256_fmadd_ps(dot, _mm256_mul_ps(d, _mm256_loadu_ps(x.paired_scale.data() + unit_index)),
-                                    acc[r][c]);
-        acc[r][c] = _mm256_fmadd_ps(m, _mm256_loadu_ps(x.paired_sum.data() + unit_index), acc[r][c]);
-      }
+      lo[c] = _mm256_and_si256(bytes, low4);
+      hi[c] = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), low4);
+      halves[c] = _mm_cvtph_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(unit + 32)));
+    }
+    _MM_TRANSPOSE4_PS(halves[0], halves[1], halves[2], halves[3]);
+    for (int r = 0; r < R; ++r) {
+      const int64_t row = (m0 + r) * K + 64 * p;
+      const __m256i xa = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.paired_q.data() + row));
+      const __m256i xb = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.paired_q.data() + row + 32));
+      __m256i d[C];
+      for (int c = 0; c < C; ++c)
+        d[c] = _mm256_madd_epi16(_mm256_add_epi16(_mm256_maddubs_epi16(lo[c], xa), _mm256_maddubs_epi16(hi[c], xb)),
+                                 ones);
+      __m128i first, second;
+      column_sums<C>(d, &first, &second);
+      const int64_t i = (m0 + r) * subs + 2 * p;
+      acc[r] = accumulate(acc[r], first, halves[0], halves[2], x.scale[i], x.sum[i]);
+      acc[r] = accumulate(acc[r], second, halves[1], halves[3], x.scale[i + 1], x.sum[i + 1]);
     }
   }
-  for (int r = 0; r < R; ++r)
-    for (int c = 0; c < C; ++c) sums[r * kColumns + c] = horizontal_sum(acc[r][c]);
+  for (int r = 0; r < R; ++r) {
+    alignas(16) float lanes[4];
+    _mm_store_ps(lanes, acc[r]);
+    for (int c = 0; c < C; ++c) sums[r * kColumns + c] = lanes[c];
+  }
 }
 
 template <Type t>
@@ -546,9 +585,6 @@ constexpr int64_t kPanel = 32;     // output columns a panel holds
 // rows, measured faster: Zen 4, SmolLM2's layers, 8 rows 11.6 ms batched against 12.8 in tiles with VNNI; with
 // AVX2 alone 14.7 against 12.8 at 8 rows, 21.2 against 25 at 16)
 constexpr int64_t kGemmRows = 8, kGemmRowsAvx2 = 16;
-
-template <Type t>
-constexpr int kHalves = t == Q6_K ? 2 : 1;  // scales a sub-block has (Q6_K: one per 16 values)
 
 // The scratch a panel takes, in floats: its bytes, then per sub-block (half) and column a scale and an offset.
 inline int64_t panel_floats(int64_t K) { return kPanel * K / 4 + 2 * 2 * (K / kSub) * kPanel; }
