@@ -23,7 +23,8 @@
 //
 // Threads take output columns from a shared counter, so a thread on a core that another process also wants
 // does less of the work rather than holding the step back (a static split waits for its slowest share). A
-// portable scalar path has the same arithmetic (other CPUs); the tests force every path built.
+// portable scalar path computes the same integer products (other CPUs; its float sums may differ in their last
+// bits from the vector paths, which agree bit for bit); the tests force every path built.
 //
 // NOTE: 2-core AMD EPYC (Zen 4), SmolLM2's 30 layers of Q4_1 linear weights (as Q4_X2), 2 threads, one run of
 // `python benchmarks/quant.py --kernels` (ms a step; VNNI / AVX2 alone / bf16 F.linear over the dequantized
