@@ -413,6 +413,21 @@ inline SubBlock unpack_sub(const uint8_t* b, int j) {
   }
 }
 
+// The scale and offset of each half (kHalves) of a sub-block as the vector paths multiply it: Q8_0's and Q6_K's
+// values shifted up to unsigned, their offsets taking the shift back. One function, so that the tiles and the
+// batched path use the same bits.
+template <Type t>
+inline void vector_scales(const SubBlock& sub, float* scale, float* offset) {
+  if constexpr (t == Q6_K) {
+    alignas(32) float lanes[8];
+    _mm256_store_ps(lanes, sub.lane_scales);
+    for (int h = 0; h < 2; ++h) scale[h] = lanes[4 * h], offset[h] = -32.0f * lanes[4 * h];
+  } else {
+    scale[0] = sub.scale;
+    offset[0] = t == Q8_0 ? -128.0f * sub.scale : sub.offset;
+  }
+}
+
 // The int32 dot products of up to four columns (C of them; lanes: groups of four values) summed per half of
 // the register, column c in lane c: low, the first 16 values (lanes 0-3), high, the second 16.
 template <int C>
@@ -456,14 +471,9 @@ void avx2_tile_fixed(const uint8_t* weight, int64_t row_bytes, int64_t n, const 
       for (int c = 0; c < C; ++c) {
         w[c] = unpack_sub<t>(block[c], j);
         wabs[c] = kSigned[t] ? _mm256_sign_epi8(w[c].q, w[c].q) : w[c].q;
-        if constexpr (t == Q6_K) {
-          alignas(32) float lanes[8];
-          _mm256_store_ps(lanes, w[c].lane_scales);
-          for (int h = 0; h < 2; ++h) scale[h][c] = lanes[4 * h], offset[h][c] = -32.0f * lanes[4 * h];
-        } else {
-          scale[0][c] = w[c].scale;
-          offset[0][c] = t == Q8_0 ? -128.0f * w[c].scale : w[c].offset;
-        }
+        float sc[H], of[H];
+        vector_scales<t>(w[c], sc, of);
+        for (int h = 0; h < H; ++h) scale[h][c] = sc[h], offset[h][c] = of[h];
       }
       for (int r = 0; r < R; ++r) {
         const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + r * K + s * kSub));
@@ -600,7 +610,6 @@ void unpack_panel(const uint8_t* weight, int64_t row_bytes, int64_t n, int64_t N
   float* scale = scratch + kPanel * K / 4;
   float* offset = scale + H * subs * kPanel;
   alignas(32) uint8_t bytes[32];
-  alignas(32) float lanes[8];
   for (int64_t c = 0; c < kPanel; ++c) {
     const uint8_t* row = weight + std::min(n + c, N - 1) * row_bytes;
     for (int64_t blk = 0; blk < K / values; ++blk)
@@ -612,16 +621,9 @@ void unpack_panel(const uint8_t* weight, int64_t row_bytes, int64_t n, int64_t N
         if constexpr (t == Q6_K) v = _mm256_add_epi8(v, _mm256_set1_epi8(32));           // 0-63
         _mm256_store_si256(reinterpret_cast<__m256i*>(bytes), v);
         for (int g = 0; g < 8; ++g) std::memcpy(q + ((s * 8 + g) * kPanel + c) * 4, bytes + 4 * g, 4);
-        if constexpr (t == Q6_K) {
-          _mm256_store_ps(lanes, sub.lane_scales);
-          for (int h = 0; h < 2; ++h) {
-            scale[(2 * s + h) * kPanel + c] = lanes[4 * h];
-            offset[(2 * s + h) * kPanel + c] = -32.0f * lanes[4 * h];
-          }
-        } else {
-          scale[s * kPanel + c] = sub.scale;
-          offset[s * kPanel + c] = t == Q8_0 ? -128.0f * sub.scale : sub.offset;
-        }
+        float sc[H], of[H];
+        vector_scales<t>(sub, sc, of);
+        for (int h = 0; h < H; ++h) scale[(H * s + h) * kPanel + c] = sc[h], offset[(H * s + h) * kPanel + c] = of[h];
       }
   }
 }
