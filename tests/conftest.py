@@ -139,14 +139,22 @@ def reference(hf_model, tokenizer):
 
 
 @pytest.fixture(scope="session")
-def openai_client(tmp_path_factory):
-    """The openai client on one `conveyor serve` with the default config, shared by the tests that only send it
-    requests (structured output, tool calls)."""
-    import openai
-
+def default_server(tmp_path_factory):
+    """One `conveyor serve` with the default config (on free ports), shared by every test that needs nothing
+    else of a server. Tests that kill its engine wait for the new one; tests read its counters as differences."""
     from tests.server import Server, http_config
 
-    server = Server(http_config(), tmp_path_factory.mktemp("openai_server")).start()
-    with openai.OpenAI(base_url=f"{server.http}/v1", api_key="unused", max_retries=0, timeout=120) as client:
-        yield client
+    server = Server(http_config(), tmp_path_factory.mktemp("default_server")).start()
+    yield server
     assert server.stop() == 0, server.output
+
+
+@pytest.fixture(scope="session")
+def openai_client(default_server):
+    """The openai client on the shared server, for the tests that only send it requests (structured output,
+    tool calls)."""
+    import openai
+
+    with openai.OpenAI(base_url=f"{default_server.http}/v1", api_key="unused", max_retries=0,
+                       timeout=120) as client:
+        yield client

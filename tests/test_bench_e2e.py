@@ -10,8 +10,6 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from tests.server import Server, http_config
-
 pytestmark = pytest.mark.slow
 
 
@@ -21,10 +19,8 @@ def bench(*args: str) -> subprocess.CompletedProcess:
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    server = Server(http_config(), tmp_path_factory.mktemp("bench-server")).start()
-    yield server
-    server.stop()
+def server(default_server):
+    return default_server  # (tests/conftest.py: one server with the default config for the whole suite)
 
 
 def test_bench_against_conveyor(server, tmp_path):

@@ -26,6 +26,8 @@ from conveyor.sampling import SamplingParams
 from conveyor.serving.metrics import ServerMetrics
 from tests.conftest import CHAT_PROMPTS
 from tests.server import Server, http_config
+from tests.test_parallel import PROMPTS, tiny_llama, tiny_single  # noqa: F401 - fixtures
+from tests.test_parallel_faults import serve_split
 
 BLOCK = 4
 IDLE = ReplicaLoad()
@@ -386,6 +388,19 @@ def serve(tmp_path, name: str, data_parallel_size: int) -> Server:
     return Server(http_config(), tmp_path / name, overrides=overrides)
 
 
+def chat(server: Server, model: str, messages: list[dict[str, str]]) -> httpx.Response:
+    return httpx.post(f"{server.http}/v1/chat/completions", timeout=120,
+                      json={"model": model, "messages": messages, "max_tokens": 4, "temperature": 0})
+
+
+def finished(server: Server) -> float:
+    """Requests the frontend has seen end, whatever the reason (0 before the first)."""
+    try:
+        return server.metric("conveyor_requests_total")
+    except KeyError:
+        return 0.0
+
+
 def assert_same_greedy(dp: dict, single: dict, label: str) -> None:
     """Equal token for token, or the first difference is a near tie (each token in the other's top 5, logprobs
     within 0.01): the two servers batch the requests differently."""
@@ -424,8 +439,9 @@ def test_two_replicas_serve_every_stream_like_one_engine(tmp_path):
             os.kill(replica0, signal.SIGSTOP)
             try:
                 running = pool.submit(asyncio.run, stream_all(server, name))
-                server.wait_for(lambda: server.metric("conveyor_num_requests_in_flight") == NUM_REQUESTS,
-                                timeout=120, what="every request routed")
+                # (in flight or already done: replica 1 may finish its share before the last one arrives)
+                server.wait_for(lambda: server.metric("conveyor_num_requests_in_flight") + finished(server)
+                                == NUM_REQUESTS, timeout=120, what="every request routed")
             finally:
                 os.kill(replica0, signal.SIGCONT)
             results = running.result()
@@ -441,5 +457,66 @@ def test_two_replicas_serve_every_stream_like_one_engine(tmp_path):
         assert server.metric("conveyor_requests_total") == NUM_REQUESTS
         assert server.metric("conveyor_num_requests_in_flight") == 0
         assert [server.metric("conveyor_engine_alive", replica=r) for r in "01"] == [1, 1]
+
+        # prefix affinity: one after another, chats with a long system prompt of their own all go to the replica
+        # that served the first (the loads are equal between them: nothing else runs)
+        def served_by() -> list[float]:
+            return [server.metric("conveyor_replica_requests_total", replica=r) for r in "01"]
+
+        before = served_by()
+        system = "You are a careful guide to the birds of the northern forests. " * 8
+        for i in range(4):
+            chat(server, name, [{"role": "system", "content": system}, {"role": "user", "content": f"Bird {i}?"}])
+            server.wait_for(lambda done=i + 1: sum(served_by()) == sum(before) + done, what="the request to end")
+        assert sorted(b - a for a, b in zip(before, served_by())) == [0, 4]
+
+        # replica 0's engine killed: the server keeps answering from replica 1 while it restarts
+        replica0 = int(re.findall(r"engine process (\d+) ready in [\d.]+ s \(replica 0\)", server.output)[-1])
+        os.kill(replica0, signal.SIGKILL)
+        server.wait_for(lambda: server.metric("conveyor_engine_alive", replica="0") == 0, what="replica 0 down")
+        before = served_by()
+        for i in range(3):
+            assert chat(server, name, [{"role": "user", "content": f"Count to {i + 2}."}]).status_code == 200
+        server.wait_for(lambda: served_by()[1] == before[1] + 3, what="replica 1 to serve the three")
+        server.wait_for(lambda: server.metric("conveyor_engine_alive", replica="0") == 1, timeout=180,
+                        what="replica 0 to restart")
+        assert server.metric("conveyor_engine_restarts_total", replica="0") == 1
+        assert server.metric("conveyor_engine_restarts_total", replica="1") == 0
+    finally:
+        assert server.stop() == 0, server.output
+
+
+@pytest.mark.slow
+def test_two_replicas_of_a_model_split_over_two_workers_each(tiny_llama, tiny_single, tmp_path):  # noqa: F811
+    """data_parallel_size = 2 with tensor_parallel_size = 2: two engines with two workers each, and each replica
+    computes what one unsplit worker does. Both engines are held still while two requests arrive, so the router
+    sends the second to the other replica (the first is in flight on its pick), however fast the device."""
+    server = serve_split(tiny_llama, tmp_path, data_parallel_size=2, tensor_parallel_size=2)
+    try:
+        workers = re.findall(r"workers ready: (.*)", server.output)
+        assert len(workers) == 2 and all(len(re.findall(r"rank \d+ pid \d+", line)) == 2 for line in workers)
+        engines = [int(pid) for pid in re.findall(r"engine process (\d+) ready in [\d.]+ s", server.output)]
+        replies: list[httpx.Response] = []
+
+        def complete(prompt: list[int]) -> None:
+            body = {"prompt": prompt, "max_tokens": 12, "temperature": 0, "ignore_eos": True}
+            replies.append(httpx.post(f"{server.http}/v1/completions", json=body, timeout=120))
+
+        with ThreadPoolExecutor(2) as pool:
+            for pid in engines:
+                os.kill(pid, signal.SIGSTOP)
+            try:
+                # (shorter than a KV block: no prefix for the router to follow)
+                done = [pool.submit(complete, PROMPTS[i]) for i in (0, 1)]
+                server.wait_for(lambda: server.metric("conveyor_num_requests_in_flight") == 2, what="both in flight")
+            finally:
+                for pid in engines:
+                    os.kill(pid, signal.SIGCONT)
+            for future in done:
+                future.result()
+        texts = sorted(r.json()["choices"][0]["text"] for r in replies)
+        assert texts == sorted(c.text for c in tiny_single[:2])
+        server.wait_for(lambda: [server.metric("conveyor_replica_requests_total", replica=r) for r in "01"]
+                        == [1, 1], what="each replica to count one request")
     finally:
         assert server.stop() == 0, server.output

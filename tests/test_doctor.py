@@ -11,6 +11,7 @@ from functools import partial
 import anyio
 import httpx
 import pytest
+import torch
 
 from conveyor.bench.doctor import checklist, diagnose, quantile, read_metrics, sample
 from tests.server import Server, http_config
@@ -84,28 +85,37 @@ def test_a_small_kv_cache_and_a_small_batch(tmp_path):
 
 
 def test_long_prompts_among_decodes_and_a_flood(tmp_path):
-    """max_num_seqs = 16. Six decoding requests while prompts of about 1,200 tokens keep arriving: the verdict is
-    prefill interference (ITL P99 over 3x P50). Then 120 requests at once: 16 run, the rest wait, and the verdict
-    is queueing, with the doctor's JSON from the command line."""
+    """max_num_seqs = 16. Six decoding requests while a prompt of about 1,200 tokens arrives every half second:
+    most steps decode alone, the few that carry a 512-token chunk are many times slower, so the verdict is prefill
+    interference (ITL P99 over 3x P50). Then 120 long requests at once: 16 run, the rest wait, and the verdict is
+    queueing, with the doctor's JSON from the command line."""
     server = Server(http_config() + "\n[scheduler]\nmax_num_seqs = 16\nmax_waiting = 128\n"
                     "max_num_batched_tokens = 512\n", tmp_path).start()
     try:
         async def prompts(client: httpx.AsyncClient) -> None:
             for i in range(1000):
                 await one(client, long_prompt(i), 1)
+                await anyio.sleep(0.5)
 
         def decoding(s: Server) -> bool:
             return s.metric("conveyor_num_requests_running") >= 6
 
         mixed = anyio.run(diagnose_under, server, decoding, 4.0, many(6, SHORT, 2000), prompts)
-        assert mixed["verdict"] == "prefill_interference", mixed["window"]
-        finding = mixed["findings"][0]
-        assert finding["evidence"]["itl_p99_s"] > 3 * finding["evidence"]["itl_p50_s"] > 0
-        assert finding["evidence"]["prompt_tokens"] > 1000
-        assert finding["change"] == "scheduler.max_num_batched_tokens"
+        window = mixed["window"]
+        assert window["prompt_tokens"] > 1000 and window["itl_count"] >= 20, window
+        if torch.cuda.is_available():
+            # (a 512-token chunk of a 135M model costs about one launch-bound decode step on a GPU: the spread
+            # the verdict needs is not there to find; test_every_regime_at_its_threshold holds the rule)
+            assert window["itl_p99_s"] >= window["itl_p50_s"] > 0, window
+        else:
+            assert mixed["verdict"] == "prefill_interference", window
+            finding = mixed["findings"][0]
+            assert finding["evidence"]["itl_p99_s"] > 3 * finding["evidence"]["itl_p50_s"] > 0
+            assert finding["change"] == "scheduler.max_num_batched_tokens"
 
+        # (2,000 tokens each: the queue outlasts the command's start-up and its window on any device)
         flood = anyio.run(partial(diagnose_under, cli=True), server,
-                          lambda s: s.metric("conveyor_num_requests_waiting") >= 20, 3.0, many(120, SHORT, 200))
+                          lambda s: s.metric("conveyor_num_requests_waiting") >= 20, 3.0, many(120, SHORT, 2000))
         assert flood["verdict"] == "queueing", flood["window"]
         finding = flood["findings"][0]
         assert finding["evidence"]["waiting_mean"] >= 10 and finding["evidence"]["running_mean"] >= 8
@@ -125,3 +135,56 @@ def test_histogram_quantiles_interpolate_within_buckets():
     assert quantile(first, last, "x", 0.99) == pytest.approx(0.047)
     assert quantile(last, last, "x", 0.5) == 0.0  # (nothing observed between the readings)
     assert checklist(dict.fromkeys(diagnose([first, last], 1.0).window, 0.0) | {"seconds": 1.0}) == []
+
+
+# A window where nothing on the checklist holds: a few requests decoding, nothing waiting, the hardware far from
+# its limits. Each regime below moves only the numbers its rule reads.
+CALM = {
+    "seconds": 4.0, "steps": 100.0, "steps_per_second": 25.0, "mfu": 0.05, "mbu": 0.2, "busy_fraction": 0.9,
+    "running_mean": 4.0, "running_max": 4.0, "waiting_mean": 0.0, "waiting_max": 0.0, "kv_usage_mean": 0.3,
+    "kv_usage_max": 0.4, "preemptions": 0.0, "rejected": 0.0, "prompt_tokens": 0.0, "generated_tokens": 400.0,
+    "tokens_per_step": 4.0, "queue_time_mean_s": 0.0, "ttft_mean_s": 0.05, "itl_count": 400.0, "itl_p50_s": 0.02,
+    "itl_p99_s": 0.03,
+}
+# regime: (the window's changes that make it hold, the same changes just short of its threshold)
+REGIMES = {
+    "kv_capacity": ({"preemptions": 1.0}, {"kv_usage_max": 0.94, "waiting_mean": 3.0, "running_max": 64.0}),
+    "batch_too_small": ({"waiting_mean": 3.0, "running_max": 8.0, "running_mean": 8.0},
+                        {"waiting_mean": 3.0, "running_max": 8.0, "running_mean": 5.9}),
+    "queueing": ({"waiting_mean": 0.5, "running_max": 64.0, "running_mean": 60.0},
+                 {"waiting_mean": 0.49, "running_max": 64.0, "running_mean": 60.0}),
+    "prefill_interference": ({"prompt_tokens": 2048.0, "itl_p99_s": 0.0601},
+                             {"prompt_tokens": 2048.0, "itl_p99_s": 0.06}),
+    "compute_bound": ({"mfu": 0.5}, {"mfu": 0.499}),
+    "bandwidth_bound": ({"mbu": 0.6}, {"mbu": 0.599}),
+}
+
+
+@pytest.mark.parametrize("regime", REGIMES)
+def test_every_regime_at_its_threshold(regime):
+    """Synthetic windows, so each rule is checked at its threshold whatever device the suite runs on: the regime
+    holds just past it (and is the verdict, as the most pressing one there) and not just short of it."""
+    assert checklist(CALM) == []
+    past, short = REGIMES[regime]
+    findings = checklist(CALM | past)
+    assert [f.regime for f in findings] == [regime]
+    assert set(findings[0].evidence) <= set(CALM)
+    assert regime not in [f.regime for f in checklist(CALM | short)]
+
+
+@pytest.mark.parametrize(("changes", "regimes"), [
+    # preempted while requests wait at a small batch: the KV cache is named first (the batch could not grow into a
+    # full cache); queueing is left out where a finding above it explains the wait
+    ({"preemptions": 2.0, "waiting_mean": 3.0, "running_max": 4.0}, ["kv_capacity", "batch_too_small"]),
+    ({"preemptions": 2.0, "waiting_mean": 3.0, "running_max": 64.0, "running_mean": 60.0, "mfu": 0.6},
+     ["kv_capacity", "compute_bound"]),
+    # a small batch at a busy compute unit is not called too small: the hardware is the limit
+    ({"waiting_mean": 3.0, "mfu": 0.6}, ["queueing", "compute_bound"]),
+    ({"prompt_tokens": 512.0, "itl_p99_s": 0.2, "mbu": 0.7}, ["prefill_interference", "bandwidth_bound"]),
+    # compute-bound steps are not also called bandwidth-bound
+    ({"mfu": 0.7, "mbu": 0.9}, ["compute_bound"]),
+    # too few decode tokens in the window to read a P99 from
+    ({"prompt_tokens": 512.0, "itl_p99_s": 0.2, "itl_count": 19.0}, []),
+])
+def test_regimes_in_order(changes, regimes):
+    assert [f.regime for f in checklist(CALM | changes)] == regimes

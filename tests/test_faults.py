@@ -21,10 +21,8 @@ MESSAGES = [{"role": "user", "content": "Tell me a long story about a dragon."}]
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    server = Server(http_config(), tmp_path_factory.mktemp("faults")).start()
-    yield server
-    assert server.stop() == 0, server.output
+def server(default_server):
+    return default_server  # (tests/conftest.py: one server with the default config for the whole suite)
 
 
 async def stream_events(client: httpx.AsyncClient, body: dict, started: anyio.Event | None = None) -> list:
@@ -50,11 +48,15 @@ def test_a_client_that_stops_reading_holds_up_nobody(server):
     with httpx.stream("POST", f"{server.http}/v1/chat/completions", json=body, timeout=300) as slow:
         lines = slow.iter_lines()
         next(line for line in lines if line.startswith("data: "))
-        # (the slow client reads nothing while these run)
+        # (the slow client reads nothing while these run: 48 tokens in all against its 300, so they end while
+        # it still runs in the engine, however fast the device)
         for _ in range(3):
             reply = httpx.post(f"{server.http}/v1/chat/completions", timeout=120,
-                               json={"messages": MESSAGES, "max_tokens": 32, "ignore_eos": True})
-            assert reply.status_code == 200 and reply.json()["usage"]["completion_tokens"] == 32
+                               json={"messages": MESSAGES, "max_tokens": 16, "ignore_eos": True})
+            assert reply.status_code == 200 and reply.json()["usage"]["completion_tokens"] == 16
+        # (the gauge comes with each step's stats: the last reply's own step may still count it)
+        server.wait_for(lambda: server.metric("conveyor_num_requests_running") <= 1, what="the last reply's step")
+        assert server.metric("conveyor_num_requests_running") == 1  # the slow stream, still generating
         server.wait_for(lambda: server.metric("conveyor_num_requests_running") == 0, timeout=300,
                         what="the slow client's request to finish in the engine")
         rest = [json.loads(line[6:]) for line in lines if line.startswith("data: {")]
@@ -118,8 +120,11 @@ def test_a_full_kv_cache_then_a_burst_of_10x_max_waiting_then_sigterm_in_a_burst
                 streams.append(await stream_events(client, long))
 
             async with anyio.create_task_group() as tg:
-                for _ in range(4):
-                    tg.start_soon(one)
+                with server.paused_engine():  # (all four in the engine at once, however fast the device)
+                    for _ in range(4):
+                        tg.start_soon(one)
+                    while await anyio.to_thread.run_sync(server.metric, "conveyor_num_requests_in_flight") < 4:
+                        await anyio.sleep(0.1)
 
     anyio.run(long_streams)
     assert len(streams) == 4

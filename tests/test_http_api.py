@@ -18,7 +18,7 @@ import openai
 import pytest
 
 from tests.conftest import REPO
-from tests.server import Server, http_config
+from tests.server import Server
 
 pytestmark = pytest.mark.slow
 
@@ -26,10 +26,8 @@ CLI_PROMPT = "What is the capital of France?"
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    server = Server(http_config(), tmp_path_factory.mktemp("http_api")).start()
-    yield server
-    assert server.stop() == 0, server.output
+def server(default_server):
+    return default_server  # (tests/conftest.py: one server with the default config for the whole suite)
 
 
 @pytest.fixture(scope="module")

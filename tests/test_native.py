@@ -9,6 +9,8 @@ the kernels cannot be built.
 from __future__ import annotations
 
 import random
+import shutil
+import sys
 
 import pytest
 import torch
@@ -167,6 +169,19 @@ def test_a_rows_bits_do_not_depend_on_the_rows_beside_it(dtype):
     for name, a, b in zip(("rms_norm", "silu_mul", "rotary"), apart, together):
         differ = (a != b).flatten(1).any(1).nonzero().flatten().tolist()
         assert not differ, f"{name}: rows {differ[:5]} differ"
+
+
+def test_each_checkout_and_environment_builds_in_its_own_directory(tmp_path):
+    """Two checkouts of the same sources (or one checkout in two environments) build in two directories: torch's
+    build files name the sources and torch's headers by absolute path, so one directory shared between them would
+    be rebuilt each time the other one loaded."""
+    here = native.build_name()
+    assert native.build_name(native.CSRC, sys.prefix) == here  # the same checkout finds its build again
+    other = shutil.copytree(native.CSRC, tmp_path / "checkout" / "csrc")
+    assert native.build_name(other) != here
+    assert native.build_name(prefix=str(tmp_path / "venv")) != here
+    ninja = (native.cache_dir() / here / "build.ninja").read_text()  # (built by the skip check above)
+    assert str(native.CSRC) in ninja
 
 
 def test_without_a_compiler_everything_falls_back_to_torch(monkeypatch, caplog):

@@ -21,6 +21,8 @@ from tests.helpers import reference_attention
 pytestmark = pytest.mark.usefixtures("random_seed")
 
 CPU = torch.device("cpu")
+# the Triton kernels' device: the GPU where there is one, else the CPU under TRITON_INTERPRET=1 (tests/conftest.py)
+TRITON = torch.device("cuda") if torch.cuda.is_available() else CPU
 
 
 def step_attention(cache: PagedKVCache, backend, batch: list[tuple[Request, int]], num_decodes: int) -> StepAttention:
@@ -42,7 +44,7 @@ def fp8_round_trip(x: torch.Tensor) -> torch.Tensor:
 @pytest.mark.parametrize("backend", ["torch", "cpu", "triton"])
 def test_mixed_batch_of_decodes_and_chunks_matches_dense_attention(backend, kv_dtype):
     """The whole step path: slot mapping, cache writes, then decode and prefill attention
-    (the C++ kernels for "cpu"; the Triton kernels run under TRITON_INTERPRET=1 on CPU).
+    (the C++ kernels for "cpu"; the Triton kernels on the GPU, or under TRITON_INTERPRET=1 on a CPU).
     With an fp8 cache, what is read back from the cache is the fp8 round trip of K and V."""
     check_mixed_step(backend, kv_dtype, torch.float32, dim=16, tolerance={"rtol": 1e-4, "atol": 1e-5})
 
@@ -92,8 +94,9 @@ def check_mixed_step(backend: str, kv_dtype: str, dtype: torch.dtype, dim: int, 
     heads, kv_heads = 6, 2
     spec = KVCacheSpec(1, kv_heads, dim, str(dtype).removeprefix("torch."), 512)
     cache = PagedKVCache(PagedOptions(block_size=4, num_blocks=200, dtype=kv_dtype), spec)
-    attention_backend = select_backend(backend, CPU)(KVStorage(cache.layout, CPU), [params] if params else None,
-                                                     batch_invariant)
+    device = TRITON if backend == "triton" else CPU
+    attention_backend = select_backend(backend, device)(KVStorage(cache.layout, device), [params] if params else None,
+                                                        batch_invariant)
     attend = {"scale": params.scale, "window": params.window, "softcap": params.softcap} if params else {}
     # hand out blocks in random order so no block table is contiguous
     cache.free_blocks = OrderedDict.fromkeys(torch.randperm(200).tolist())
@@ -107,7 +110,7 @@ def check_mixed_step(backend: str, kv_dtype: str, dtype: torch.dtype, dim: int, 
         if cached:  # write the earlier tokens into the cache with a first pass
             assert cache.allocate(r, cached)
             attention = step_attention(cache, attention_backend, [(r, cached)], 0)
-            attention(0, q[:cached], k[:cached], v[:cached])
+            attention(0, q[:cached].to(device), k[:cached].to(device), v[:cached].to(device))
             r.num_computed_tokens = cached
         sequences.append((r, q, k, v))
     order = [(r, q, k, v, n) for (r, q, k, v), (_, _, n) in zip(sequences, plan)]
@@ -120,7 +123,7 @@ def check_mixed_step(backend: str, kv_dtype: str, dtype: torch.dtype, dim: int, 
     q_flat = torch.cat([q[r.num_computed_tokens : r.num_computed_tokens + n] for r, q, k, v, n in batch])
     k_flat = torch.cat([k[r.num_computed_tokens : r.num_computed_tokens + n] for r, q, k, v, n in batch])
     v_flat = torch.cat([v[r.num_computed_tokens : r.num_computed_tokens + n] for r, q, k, v, n in batch])
-    out = attention(0, q_flat, k_flat, v_flat)
+    out = attention(0, q_flat.to(device), k_flat.to(device), v_flat.to(device)).cpu()
     row = 0
     for i, (r, q, k, v, n) in enumerate(batch):
         start = r.num_computed_tokens

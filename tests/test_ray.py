@@ -1,25 +1,45 @@
 """The ``ray`` executor on a local two-node Ray cluster (127.0.0.1, dashboard off): the same tokens as one
-worker, and a killed actor gives 503s, then a restarted engine."""
+worker, on the cluster and on a Ray instance the engine starts itself; a worker that cannot start names its rank;
+a killed actor gives 503s, then a restarted engine."""
 
 from __future__ import annotations
 
-import os
+import shutil
+import time
 
 import pytest
 
-# Ray turns a 127.0.0.1 cluster address into the machine's network address unless told, before it is
-# imported, that this is a one-machine cluster; the servers started here inherit the setting.
-os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
-
 from conveyor import LLM, SamplingParams
 from conveyor.config import ConfigError
+from conveyor.executor import ExecutorError
 from tests.conftest import CHAT_PROMPTS
 from tests.helpers import assert_same_or_near_tie
 from tests.test_parallel import assert_same_logits, tiny_llama, tiny_run, tiny_single  # noqa: F401 - fixtures
 from tests.test_parallel_faults import kill_a_worker_under_load, serve_split
 
-ray = pytest.importorskip("ray")
+# Ray turns a 127.0.0.1 cluster address into the machine's network address unless told, before it is
+# imported, that this is a one-machine cluster; the servers started here are told too (one_machine below)
+ONE_MACHINE = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
+with pytest.MonkeyPatch.context() as env:
+    env.setenv(ONE_MACHINE, "0")
+    ray = pytest.importorskip("ray")
 pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_machine():
+    """The setting for the cluster and the servers this module starts, and for nothing after it."""
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv(ONE_MACHINE, "0")
+        yield
+
+
+@pytest.fixture(autouse=True)
+def disconnected():
+    """Each test leaves this process as it found it: not connected to a cluster (an engine connects once)."""
+    yield
+    if ray.is_initialized():
+        ray.shutdown()
 
 
 @pytest.fixture(scope="module")
@@ -62,6 +82,32 @@ def test_a_ray_address_nothing_answers_on_is_a_config_error():
     from conveyor.executor.mp import free_port
 
     address = f"127.0.0.1:{free_port()}"  # nothing listens there
-    ray.shutdown()  # an engine connects once: leave the cluster an earlier test joined in this process
     with pytest.raises(ConfigError, match=rf"\[parallel\] ray_address = '{address}': no Ray cluster answers there"):
         LLM(overrides={"parallel.executor": "ray", "parallel.ray_address": address})
+
+
+def test_a_local_ray_instance_serves_and_stops_with_the_engine(tiny_llama, tiny_single, caplog):  # noqa: F811
+    """``ray_address = ""``: the engine starts a Ray instance of its own on this machine (it joins no cluster),
+    its TP=2 actors compute what one worker does, and the instance ends with the engine."""
+    assert not ray.is_initialized()
+    with caplog.at_level("INFO", logger="conveyor"):
+        split = tiny_run(tiny_llama, 2, 1, {"parallel.executor": "ray", "parallel.ray_address": ""})
+    assert "starting a local Ray instance" in caplog.text and "joining" not in caplog.text
+    assert not ray.is_initialized()
+    assert_same_logits(split, tiny_single, "local ray TP=2")
+
+
+def test_a_worker_that_cannot_load_the_model_names_its_rank_and_the_reason(ray_cluster, tiny_llama,  # noqa: F811
+                                                                           tmp_path):
+    """A checkpoint whose weights file is cut short: the engine reads its config, the actors start but fail to
+    load the weights, and the error names the rank and what went wrong; the actors' CPUs return to the cluster."""
+    broken = shutil.copytree(tiny_llama, tmp_path / "broken")
+    weights = broken / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:1000])
+    with pytest.raises(ExecutorError, match=r"worker rank 0 failed to load_model: SafetensorError: .*header"):
+        tiny_run(broken, 2, 1, {"parallel.executor": "ray", "parallel.ray_address": ray_cluster})
+    # (this process joined the cluster for the engine: the actors' CPUs come back to it)
+    deadline = time.monotonic() + 60
+    while ray.available_resources().get("CPU", 0) < ray.cluster_resources()["CPU"]:
+        assert time.monotonic() < deadline, (ray.available_resources(), ray.cluster_resources())
+        time.sleep(0.5)

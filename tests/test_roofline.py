@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from conveyor.engine.peaks import gpu_peaks
 from conveyor.engine.roofline import ModelCosts, StepWork, attended_pairs, step_work, utilization
@@ -93,7 +94,8 @@ def test_every_step_of_the_engine_counts_its_work():
 
     with LLM(overrides={"scheduler.max_num_batched_tokens": 16}) as llm:
         core = llm.engine
-        assert cpu_profile_path(native.cache_root()).exists()
+        if not torch.cuda.is_available():  # (a GPU's peaks come from its name, not a measured profile)
+            assert cpu_profile_path(native.cache_root()).exists()
         assert core.peak_flops > 0 and core.peak_bytes_per_second > 0
         submitted, seen = [], []
         submit, step = core.executor.submit, core.step

@@ -44,12 +44,19 @@ def test_every_attention_backend_matches_transformers(reference, attention, num_
         assert_matches_reference(completion, ref_tokens[:num_tokens], ref_logprobs, f"{attention}: {prompt}")
 
 
-def test_prompt_logprobs_match_transformers(llm_fp32, hf_model, tokenizer):
-    ids = tokenizer.encode_chat([{"role": "user", "content": CHAT_PROMPTS[2]}])
-    # a small token budget: the prompt is computed in chunks, later ones reading K and V from the cache
+@pytest.fixture(scope="module")
+def chunked():
+    """Conveyor as llm_fp32 but with a step budget of 16 tokens: prompts are computed in chunks, later ones reading
+    K and V from the cache."""
     from conveyor import LLM
 
-    chunked = LLM(overrides={"model.dtype": "float32", "quant.plugin": "none", "scheduler.max_num_batched_tokens": 16})
+    with LLM(overrides={"model.dtype": "float32", "quant.plugin": "none",
+                        "scheduler.max_num_batched_tokens": 16}) as llm:
+        yield llm
+
+
+def test_prompt_logprobs_match_transformers(chunked, hf_model, tokenizer):
+    ids = tokenizer.encode_chat([{"role": "user", "content": CHAT_PROMPTS[2]}])
     [completion] = chunked.generate([ids], SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=3))
     with torch.inference_mode():
         ref = torch.log_softmax(hf_model(torch.tensor([ids])).logits[0].double(), dim=-1)
@@ -143,15 +150,12 @@ def test_max_tokens_and_stop_token_ids(llm_fp32):
     assert stopped.token_ids == limited.token_ids[:3] and stopped.finish_reason == "stop"
 
 
-def test_chunked_prefill_gives_the_same_tokens(llm_fp32):
-    from conveyor import LLM
-
+def test_chunked_prefill_gives_the_same_tokens(llm_fp32, chunked):
     prompt = " ".join(f"Item {i} is a {c}." for i, c in enumerate(["cat", "dog", "bird", "fish"] * 12))
     params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True, logprobs=0)
     [whole] = llm_fp32.generate(prompt, params)
-    chunked = LLM(overrides={"model.dtype": "float32", "quant.plugin": "none", "scheduler.max_num_batched_tokens": 37})
     [pieces] = chunked.generate(prompt, params)
-    assert len(whole.prompt_token_ids) > 3 * 37
+    assert len(whole.prompt_token_ids) > 3 * 16
     assert pieces.token_ids == whole.token_ids
     for a, b in zip(pieces.logprobs, whole.logprobs):
         assert abs(a.logprob - b.logprob) < 1e-3

@@ -117,7 +117,9 @@ async def _request(client: httpx.AsyncClient, kind: str, rng: random.Random, out
             return
         _check_done(kind, response, outcomes)
         return
-    if kind == "complete":
+    if kind == "burst":  # (each one admitted holds its place for 48 steps, so the burst outlasts its own arrival)
+        body.update(max_tokens=48, ignore_eos=True)
+    if kind in ("complete", "burst"):
         response = await client.post("/v1/chat/completions", json=body)
         _check_done(kind, response, outcomes)
         return
@@ -187,7 +189,7 @@ async def _drive(url: str, seconds: float, clients: int, burst_every: float, bur
             while time.monotonic() + burst_every < deadline:
                 await asyncio.sleep(burst_every)
                 progress(f"burst of {burst} requests; {sum(outcomes.counts.values())} done so far")
-                await asyncio.gather(*(_one(client, "complete", rng, outcomes) for _ in range(burst)))
+                await asyncio.gather(*(_one(client, "burst", rng, outcomes) for _ in range(burst)))
 
         await asyncio.gather(bursts(), *(loop(i) for i in range(clients)))
 

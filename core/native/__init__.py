@@ -3,8 +3,9 @@ the fused element-wise layers, and linear layers over bf16 weights and over GGUF
 
 They are built with torch's extension builder for the CPU this runs on, the
 first time they are needed (10-30 s; ``make setup`` does it ahead), and kept
-in a cache directory under a name that carries the sources, the flags and the
-CPU's feature flags, so a change of any of them builds afresh. Where they
+in a cache directory under a name that carries the sources, the flags, the
+CPU's feature flags and the checkout's and environment's paths, so a change of
+any of them builds afresh and two checkouts never rebuild each other's. Where they
 cannot be built (no C++ compiler), everything falls back to torch ops and a
 warning says so once.
 
@@ -20,6 +21,7 @@ import logging
 import os
 import platform
 import shutil
+import sys
 import threading
 import time
 from pathlib import Path
@@ -40,11 +42,16 @@ _lock = threading.Lock()
 _loaded: bool | None = None
 
 
-def _build_name() -> str:
+def build_name(csrc: Path = CSRC, prefix: str = sys.prefix) -> str:
+    """The build's directory name under ``cache_dir()``: a digest of the sources in ``csrc``, the flags, torch,
+    the CPU's feature flags, and where the sources and the environment (``prefix``) are. torch's builder writes
+    absolute paths into its build files, so two checkouts, or two environments, that shared one directory would
+    rebuild it each time the other loaded."""
     digest = hashlib.sha1()
-    for source in sorted(CSRC.glob("*.[ch]*")):
+    for source in sorted(csrc.glob("*.[ch]*")):
         digest.update(source.read_bytes())
     digest.update(" ".join(CFLAGS + LDFLAGS + [torch.__version__, platform.machine()]).encode())
+    digest.update(f"{csrc.resolve()}\0{Path(prefix).resolve()}".encode())
     try:
         digest.update(next(
             line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith(("flags", "Features"))
@@ -82,7 +89,7 @@ def load() -> bool:
             return _loaded
         from torch.utils import cpp_extension
 
-        name = _build_name()
+        name = build_name()
         build_dir = cache_dir() / name
         started = time.perf_counter()
         if not (build_dir / f"{name}.so").exists():
@@ -90,8 +97,9 @@ def load() -> bool:
         try:
             build_dir.mkdir(parents=True, exist_ok=True)
             _put_ninja_on_path()
+            # (copies of the flags: the builder appends to the lists it is given, which would change the name)
             cpp_extension.load(
-                name, [str(s) for s in SOURCES], extra_cflags=CFLAGS, extra_ldflags=LDFLAGS,
+                name, [str(s) for s in SOURCES], extra_cflags=list(CFLAGS), extra_ldflags=list(LDFLAGS),
                 build_directory=str(build_dir), is_python_module=False, verbose=False,
             )
         except Exception as e:  # noqa: BLE001 -- no compiler, no ninja, a failed build: the torch ops still work
