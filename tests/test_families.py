@@ -35,6 +35,9 @@ FAMILIES = {
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {}),
     "qwen3-sliding": ("Qwen3Config", "Qwen3ForCausalLM",
                       {"use_sliding_window": True, "sliding_window": WINDOW, "max_window_layers": 1}),
+    # q/k/v biases, the window on the layers from max_window_layers on
+    "qwen2-sliding": ("Qwen2Config", "Qwen2ForCausalLM",
+                      {"use_sliding_window": True, "sliding_window": WINDOW, "max_window_layers": 1}),
     "mistral-sliding": ("MistralConfig", "MistralForCausalLM", {"sliding_window": WINDOW}),
     "phi3": ("Phi3Config", "Phi3ForCausalLM",
              {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2, "sliding_window": WINDOW}),
@@ -63,10 +66,12 @@ def tiny_model(family: str, **overrides):
     config = getattr(transformers, config_name)(**TINY, initializer_range=0.1, **{**quirks, **overrides})
     model = getattr(transformers, model_name)(config)
     offset = 1.0 if family.startswith("gemma") else 0.0  # Gemma scales by 1 + weight
-    with torch.no_grad():  # random norms, so a swapped or missing norm weight shows
+    with torch.no_grad():  # random norms and biases, so a swapped or missing norm weight or bias shows
         for name, param in model.named_parameters():
             if "norm" in name:
                 param.uniform_(0.5 - offset, 1.5 - offset)
+            elif name.endswith(".bias"):  # (transformers starts them at zero)
+                param.normal_(0, 0.5)
             elif name.endswith("mlp.gate.weight"):  # routers that choose clearly (no near ties between experts)
                 param.normal_(0, 1.0)
     return model.eval()
@@ -173,7 +178,7 @@ def test_gguf_of_each_family_matches_transformers(family, tmp_path):
     have no GGUF form (llama.cpp runs Qwen without them): not written; nor have Qwen MoE's dense layers
     (every layer a mixture there)."""
     name, model, _ = family
-    if name == "qwen3-sliding":
+    if name in ("qwen2-sliding", "qwen3-sliding"):
         pytest.skip("GGUF has no per-layer window for Qwen")
     if getattr(model.config, "mlp_only_layers", None):
         model = tiny_model(name, mlp_only_layers=[])
@@ -258,27 +263,44 @@ def test_quantized_weights_of_each_family_stay_close(family, method):
     assert linear_bytes < 0.3 * full_bytes  # one byte per weight (+ scales) against four
 
 
+def run_split(path, tp: int, pp: int) -> list:
+    """Every prompt of PROMPTS (12 greedy tokens, top-5 logprobs of the prompt and the output) on ``tp`` x ``pp``
+    workers."""
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=5, prompt_logprobs=5)
+    overrides = {"model.path": str(path), "model.dtype": "float32", "model.max_model_len": 128,
+                 "parallel.tensor_parallel_size": tp, "parallel.pipeline_parallel_size": pp,
+                 "kvcache.memory_gb": 0.05, "scheduler.max_num_batched_tokens": 32}
+    with LLM(overrides=overrides) as llm:
+        return llm.generate(PROMPTS, params)
+
+
+@pytest.fixture(scope="module")
+def one_worker(tmp_path_factory, tokenizer):
+    """Per family: its checkpoint directory and one worker's outputs, made once for all the split cases."""
+    made: dict[str, tuple] = {}
+
+    def get(name: str) -> tuple:
+        if name not in made:
+            path = tmp_path_factory.mktemp(f"{name}-split")
+            tiny_model(name).save_pretrained(path)
+            tokenizer.hf.save(str(path / "tokenizer.json"))
+            made[name] = path, run_split(path, 1, 1)
+        return made[name]
+
+    return get
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["gemma2", "phi3", "qwen2-moe", "qwen3-moe"])
 @pytest.mark.parametrize("tp, pp", [(2, 1), (1, 2)], ids=["TP2", "PP2"])
-def test_split_workers_compute_what_one_worker_does(tmp_path, tokenizer, name, tp, pp):
+def test_split_workers_compute_what_one_worker_does(one_worker, name, tp, pp):
     """Two workers (processes): heads, MLP columns and every expert's columns split (TP), or the layers
     (PP; Gemma's sliding and global layers on different stages): the same greedy tokens and top-5 logprobs
     at every prompt and output position as one worker."""
     from tests.test_parallel import assert_same_logits
 
-    tiny_model(name).save_pretrained(tmp_path)
-    tokenizer.hf.save(str(tmp_path / "tokenizer.json"))
-    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=5, prompt_logprobs=5)
-
-    def run(tp: int, pp: int) -> list:
-        overrides = {"model.path": str(tmp_path), "model.dtype": "float32", "model.max_model_len": 128,
-                     "parallel.tensor_parallel_size": tp, "parallel.pipeline_parallel_size": pp,
-                     "kvcache.memory_gb": 0.05, "scheduler.max_num_batched_tokens": 32}
-        with LLM(overrides=overrides) as llm:
-            return llm.generate(PROMPTS, params)
-
-    assert_same_logits(run(tp, pp), run(1, 1), f"{name} TP={tp} PP={pp}")
+    path, expected = one_worker(name)
+    assert_same_logits(run_split(path, tp, pp), expected, f"{name} TP={tp} PP={pp}")
 
 
 @pytest.mark.slow

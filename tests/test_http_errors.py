@@ -109,6 +109,8 @@ BAD_REQUESTS = {
                          "structured_outputs", ["300", "at most 256"]),
     "top_p zero": ("chat/completions", chat(top_p=0), 400, "top_p", ["top_p"]),
     "n zero": ("chat/completions", chat(n=0), 400, "n", ["n=0"]),
+    "n above 16": ("completions", json.dumps({"prompt": "Hi", "max_tokens": 2, "n": 17}).encode(), 400, "n",
+                   ["n=17", "between 1 and 16"]),
     "too many top_logprobs": ("chat/completions", chat(logprobs=True, top_logprobs=50), 400, "top_logprobs",
                               ["50"]),
     "empty prompt": ("completions", b'{"prompt": ""}', 400, "prompt", ["empty"]),
@@ -173,6 +175,24 @@ def test_api_key_required(server, http, headers):
         assert anonymous.get("/health").status_code == 200
         assert anonymous.get("/metrics").status_code == 200
     assert_still_serving(http)
+
+
+@pytest.mark.parametrize("value", [None, ""], ids=["unset", "empty"])
+def test_the_server_refuses_to_start_without_the_api_key_it_names(tmp_path, monkeypatch, value):
+    """api_key_env names a variable that is unset (or empty): `conveyor serve` exits with status 2 before it
+    serves anything, with one error line naming the variable."""
+    name = "CONVEYOR_TEST_MISSING_KEY"
+    monkeypatch.delenv(name, raising=False)
+    server = Server(CONFIG.replace("CONVEYOR_TEST_KEY", name), tmp_path, env={} if value is None else {name: value})
+    try:
+        with pytest.raises(RuntimeError, match="exited during start-up"):
+            server.start()
+    finally:
+        server.stop()
+    assert server.process.returncode == 2
+    errors = [line for line in server.lines if line.startswith("error:")]
+    assert errors == [f"error: [transport] api_key_env = '{name}': that environment variable is not set"], \
+        server.output
 
 
 def test_openai_client_sees_typed_errors(server, client, model, http):

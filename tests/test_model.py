@@ -38,10 +38,12 @@ def tiny_hf_model(kind: str = "llama", **overrides):
     else:
         config = transformers.LlamaConfig(**{**TINY, **overrides})
         model = transformers.LlamaForCausalLM(config)
-    with torch.no_grad():  # random norms, so a swapped or missing norm weight shows
+    with torch.no_grad():  # random norms and biases, so a swapped or missing norm weight or bias shows
         for name, param in model.named_parameters():
             if "norm" in name:
                 param.uniform_(0.5, 1.5)
+            elif name.endswith(".bias"):  # (transformers starts them at zero)
+                param.normal_(0, 0.5)
     return model.eval()
 
 
@@ -71,9 +73,10 @@ SEQUENCES = [[5, 17, 3, 88, 41, 2, 9], [60, 1, 33], [7] * 12]
         ("llama", {"tie_word_embeddings": True}),
         ("llama", {"rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                                     "high_freq_factor": 4.0, "original_max_position_embeddings": 16}}),
+        ("llama", {"rope_scaling": {"rope_type": "linear", "factor": 4.0}}),
         ("qwen2", {}),
     ],
-    ids=["llama", "tied", "llama3-rope", "qwen2-bias"],
+    ids=["llama", "tied", "llama3-rope", "linear-rope", "qwen2-bias"],
 )
 @pytest.mark.parametrize(
     "fused",

@@ -88,12 +88,34 @@ def test_structured_output_takes_exactly_one_language():
 def test_an_abort_while_the_grammar_compiles_ends_the_request_and_leaks_nothing(llm_fp32):
     core = llm_fp32.engine
     params = SamplingParams(max_tokens=8, structured=StructuredOutput(json=json.dumps(SCHEMAS[-1]["schema"])))
-    assert core.add_request(EngineRequest("compiling", [1, 2, 3], params)) is None
-    assert "compiling" in core.grammars.compiling
-    [output] = core.abort(["compiling"])
-    assert output.finish_reason == "abort"
-    assert not core.grammars.compiling and not core.has_unfinished()
-    assert core.kvcache.num_free_blocks == core.kvcache.num_blocks
+    try:
+        assert core.add_request(EngineRequest("compiling", [1, 2, 3], params)) is None
+        assert "compiling" in core.grammars.compiling
+        [output] = core.abort(["compiling"])
+        assert output.finish_reason == "abort"
+        assert not core.grammars.compiling and not core.has_unfinished()
+        assert core.kvcache.num_free_blocks == core.kvcache.num_blocks
+    finally:  # (the engine is shared: a failure above leaves nothing behind for the next test)
+        core.abort(["compiling"])
+
+
+def test_the_same_schema_compiles_once(llm_fp32):
+    """Two requests with one schema, one after the other: the grammar cache grows with the first and not with
+    the second, which takes the compiled grammar from it."""
+    grammars = llm_fp32.engine.grammars
+    question = ask("count")
+    llm_fp32.generate(question, SamplingParams(max_tokens=2, structured=StructuredOutput(choice=["a", "b"])))
+    compiler = grammars.grammars.compiler  # (set up by the request above)
+    schema = {"type": "object", "properties": {"compiled_once": {"type": "integer", "minimum": 0, "maximum": 99}},
+              "required": ["compiled_once"], "additionalProperties": False}
+    params = SamplingParams(max_tokens=30, temperature=0, structured=StructuredOutput(json=json.dumps(schema)))
+    sizes = [compiler.get_cache_size_bytes()]
+    for _ in range(2):
+        [output] = llm_fp32.generate(question, params)
+        jsonschema.validate(json.loads(output.text), schema)
+        sizes.append(compiler.get_cache_size_bytes())
+    assert sizes[1] > sizes[0], sizes  # compiled and kept
+    assert sizes[2] == sizes[1], sizes  # found, not compiled again
 
 
 def test_the_sampler_draws_only_what_the_bitmask_allows():
@@ -142,3 +164,123 @@ def test_openai_response_format_through_the_server(openai_client):
     body["guided_regex"] = "[0-9]+"
     response = httpx.post(url, json=body, timeout=60)
     assert response.status_code == 400 and "asked for twice" in response.json()["error"]["message"]
+
+
+# vLLM's older fields and OpenAI's json_object, each with what it asks for, checked independently of the grammar
+ARITHMETIC = 'root ::= "(" expr ")"\nexpr ::= num (("+" | "*") num)*\nnum ::= [1-9] [0-9]?'
+ARITHMETIC_RE = r"\([1-9][0-9]?([+*][1-9][0-9]?)*\)"
+CITY = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20}, "population": {"type": "integer"}},
+        "required": ["city", "population"], "additionalProperties": False}
+WHO_RE = r"[A-Z][a-z]{2,8} (is|was) [0-9]{1,3}"
+
+
+def test_guided_fields_and_json_object_through_the_server(openai_client):
+    """guided_regex, guided_choice, guided_grammar, guided_json (a schema as an object) and response_format
+    json_object, sent at once through the openai client: each reply is in its language and ends on the model's
+    stop token."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    client = openai_client
+    model = client.models.list().data[0].id
+    cases = {
+        "guided_regex": ("Who is 42?", {"extra_body": {"guided_regex": WHO_RE}}),
+        "guided_choice": ("The capital of France is", {"extra_body": {"guided_choice": ["Paris", "London", "Berlin"]}}),
+        "guided_grammar": ("Write an arithmetic expression.", {"extra_body": {"guided_grammar": ARITHMETIC}}),
+        "guided_json": ("Give an example of a city as JSON.", {"extra_body": {"guided_json": CITY}}),
+        "json_object": ('Give the JSON object {"ok": true}.', {"response_format": {"type": "json_object"}}),
+    }
+
+    def reply(case: str):
+        content, fields = cases[case]
+        return client.chat.completions.create(model=model, messages=[{"role": "user", "content": content}],
+                                              max_tokens=60, temperature=0, **fields).choices[0]
+
+    with ThreadPoolExecutor(len(cases)) as pool:
+        choices = dict(zip(cases, pool.map(reply, cases)))
+    for case, choice in choices.items():
+        assert choice.finish_reason == "stop", (case, choice.message.content)
+    texts = {case: choice.message.content for case, choice in choices.items()}
+    assert re.fullmatch(WHO_RE, texts["guided_regex"]), texts
+    assert texts["guided_choice"] in ("Paris", "London", "Berlin"), texts
+    assert re.fullmatch(ARITHMETIC_RE, texts["guided_grammar"]), texts
+    jsonschema.validate(json.loads(texts["guided_json"]), CITY)
+    assert isinstance(json.loads(texts["json_object"]), dict), texts
+
+
+@pytest.mark.parametrize(
+    "field, value, words",
+    [("guided_regex", "([a-z]", "the regex cannot be compiled"),
+     ("guided_grammar", "root ::= missing_rule", "the grammar cannot be compiled"),
+     ("structured_outputs", {"regex": "[0-9]{3"}, "the regex cannot be compiled")],
+    ids=["bad-regex", "bad-grammar", "bad-regex-in-structured-outputs"],
+)
+def test_a_regex_or_grammar_that_does_not_compile_is_a_400_naming_it(default_server, field, value, words):
+    """OpenAI's JSON error saying what does not compile, refused before it is queued (no request reaches the
+    engine to end there in an error)."""
+    errors = default_server.num_finished("error")
+    body = {"prompt": "Hi", "max_tokens": 4, field: value}
+    response = httpx.post(f"{default_server.http}/v1/completions", json=body, timeout=60)
+    assert response.status_code == 400, response.text
+    assert response.headers["content-type"].startswith("application/json")
+    error = response.json()["error"]
+    assert words in error["message"] and error["code"] == 400, error
+    assert default_server.num_finished("error") == errors
+
+
+@pytest.fixture(scope="module")
+def zmq_server(tmp_path_factory):
+    """The default model served over HTTP and the ZMQ transport."""
+    from tests.server import Server
+
+    config = '[server]\nstatus_interval = 0\n\n[[transport]]\nplugin = "http"\nport = 0\n\n' \
+             '[[transport]]\nplugin = "zmq"\naddress = "tcp://127.0.0.1:*"\n'
+    server = Server(config, tmp_path_factory.mktemp("structured_zmq")).start()
+    yield server
+    assert server.stop() == 0, server.output
+
+
+def test_structured_output_over_zmq(zmq_server):
+    """``params.structured`` as docs/zmq-protocol.md writes it (a map with one language; a schema as JSON text),
+    five languages and two that do not compile sent at once on one socket: each reply is in its language, each
+    bad one an ``error`` with status 400 naming what does not compile."""
+    import msgspec
+    import zmq
+
+    requests = {
+        "regex": ("Who is 42?", {"regex": WHO_RE}),
+        "choice": ("The capital of France is", {"choice": ["Paris", "London", "Berlin"]}),
+        "grammar": ("Write an arithmetic expression.", {"grammar": ARITHMETIC}),
+        "json": ("Give an example of a city as JSON.", {"json": json.dumps(CITY)}),
+        "json_object": ('Give the JSON object {"ok": true}.', {"json_object": True}),
+        "bad-regex": ("Hi", {"regex": "([a-z]"}),
+        "bad-grammar": ("Hi", {"grammar": "root ::= missing_rule"}),
+    }
+    socket = zmq.Context.instance().socket(zmq.DEALER)
+    socket.setsockopt(zmq.LINGER, 0)
+    socket.connect(zmq_server.url("tcp"))
+    try:
+        for rid, (content, structured) in requests.items():
+            message = {"request_id": rid, "messages": [{"role": "user", "content": content}], "stream": False,
+                       "params": {"max_tokens": 60, "temperature": 0, "structured": structured}}
+            socket.send_multipart([b"generate", msgspec.msgpack.encode(message)])
+        replies = {}
+        while len(replies) < len(requests):
+            assert socket.poll(120_000), f"no reply; have {sorted(replies)}"
+            kind, body = socket.recv_multipart()
+            message = msgspec.msgpack.decode(body)
+            assert message["request_id"] not in replies, (kind, message)  # (one reply each: stream is false)
+            replies[message["request_id"]] = (kind, message)
+    finally:
+        socket.close()
+    for rid in ("regex", "choice", "grammar", "json", "json_object"):
+        kind, message = replies[rid]
+        assert kind == b"chunk" and message["finish_reason"] == "stop", (rid, message)
+    texts = {rid: message["text"] for rid, (kind, message) in replies.items() if kind == b"chunk"}
+    assert re.fullmatch(WHO_RE, texts["regex"]), texts
+    assert texts["choice"] in ("Paris", "London", "Berlin"), texts
+    assert re.fullmatch(ARITHMETIC_RE, texts["grammar"]), texts
+    jsonschema.validate(json.loads(texts["json"]), CITY)
+    assert isinstance(json.loads(texts["json_object"]), dict), texts
+    for rid, words in [("bad-regex", "the regex cannot be compiled"), ("bad-grammar", "the grammar cannot be compiled")]:
+        kind, error = replies[rid]
+        assert kind == b"error" and error["status"] == 400 and words in error["message"], error
