@@ -18,7 +18,7 @@ import openai
 import pytest
 
 from tests.conftest import REPO
-from tests.server import Server
+from tests.server import Server, http_config
 
 pytestmark = pytest.mark.slow
 
@@ -26,8 +26,12 @@ CLI_PROMPT = "What is the capital of France?"
 
 
 @pytest.fixture(scope="module")
-def server(default_server):
-    return default_server  # (tests/conftest.py: one server with the default config for the whole suite)
+def server(tmp_path_factory):
+    # (a server of its own: test_greedy_chat_matches_conveyor_generate compares with a fresh offline engine, and
+    # a prefix cache filled by other files' requests splits its prompt into other pieces)
+    server = Server(http_config(), tmp_path_factory.mktemp("http_api")).start()
+    yield server
+    assert server.stop() == 0, server.output
 
 
 @pytest.fixture(scope="module")
