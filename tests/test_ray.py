@@ -4,14 +4,20 @@ a killed actor gives 503s, then a restarted engine."""
 
 from __future__ import annotations
 
+import os
 import shutil
+import subprocess
+import sys
 import time
+from pathlib import Path
 
+import msgspec
 import pytest
 
 from conveyor import LLM, SamplingParams
 from conveyor.config import ConfigError
 from conveyor.executor import ExecutorError
+from conveyor.llm import Completion
 from tests.conftest import CHAT_PROMPTS
 from tests.helpers import assert_same_or_near_tie
 from tests.test_parallel import assert_same_logits, tiny_llama, tiny_run, tiny_single  # noqa: F401 - fixtures
@@ -86,14 +92,31 @@ def test_a_ray_address_nothing_answers_on_is_a_config_error():
         LLM(overrides={"parallel.executor": "ray", "parallel.ray_address": address})
 
 
-def test_a_local_ray_instance_serves_and_stops_with_the_engine(tiny_llama, tiny_single, caplog):  # noqa: F811
-    """``ray_address = ""``: the engine starts a Ray instance of its own on this machine (it joins no cluster),
-    its TP=2 actors compute what one worker does, and the instance ends with the engine."""
-    assert not ray.is_initialized()
-    with caplog.at_level("INFO", logger="conveyor"):
-        split = tiny_run(tiny_llama, 2, 1, {"parallel.executor": "ray", "parallel.ray_address": ""})
-    assert "starting a local Ray instance" in caplog.text and "joining" not in caplog.text
-    assert not ray.is_initialized()
+# The engine of a process of its own: Ray (2.60) cancels every actor a driver creates on a cluster it joined
+# before, left, and joins again after starting and stopping an instance of its own in between
+LOCAL_RAY = """
+import logging, sys
+import msgspec, ray
+from tests.test_parallel import tiny_run
+logging.basicConfig(level=logging.WARNING)
+logging.getLogger("conveyor").setLevel(logging.INFO)
+split = tiny_run(sys.argv[1], 2, 1, {"parallel.executor": "ray", "parallel.ray_address": ""})
+assert not ray.is_initialized(), "the engine's Ray instance outlived it"
+sys.stdout.buffer.write(msgspec.json.encode(split))
+"""
+
+
+def test_a_local_ray_instance_serves_and_stops_with_the_engine(tiny_llama, tiny_single):  # noqa: F811
+    """``ray_address = ""``: the engine starts a Ray instance of its own on this machine (it joins no cluster,
+    not even one running here), its TP=2 actors compute what one worker does, and the instance ends with the
+    engine."""
+    env = {**os.environ, "RAY_ADDRESS": "127.0.0.1:1"}  # a cluster address Ray would otherwise join
+    child = subprocess.run([sys.executable, "-c", LOCAL_RAY, str(tiny_llama)], check=False, capture_output=True,
+                           env=env, cwd=Path(__file__).parent.parent, timeout=600)
+    log = child.stderr.decode(errors="replace")
+    assert child.returncode == 0, log
+    assert "starting a local Ray instance" in log and "joining" not in log, log
+    split = msgspec.json.decode(child.stdout, type=list[Completion])
     assert_same_logits(split, tiny_single, "local ray TP=2")
 
 

@@ -92,11 +92,12 @@ class RayExecutor(PipelinedExecutor):
             logger.info("joining the Ray cluster at %s", address)
             ray.init(address=address, logging_level=logging.WARNING, log_to_driver=True)
         else:
-            # a local instance on 127.0.0.1, with a logical CPU per worker at least
+            # a local instance on 127.0.0.1, with a logical CPU per worker at least; "local", because Ray
+            # would otherwise join the cluster RAY_ADDRESS or the last `ray start` on this machine names
             cpus = max(os.cpu_count() or 1, self.world_size)
             logger.info("starting a local Ray instance (%d CPUs, dashboard off)", cpus)
-            ray.init(num_cpus=cpus, include_dashboard=False, logging_level=logging.WARNING, log_to_driver=True,
-                     _node_ip_address="127.0.0.1")
+            ray.init(address="local", num_cpus=cpus, include_dashboard=False, logging_level=logging.WARNING,
+                     log_to_driver=True, _node_ip_address="127.0.0.1")
         self._started_ray = not address
 
     def _check_reachable(self, address: str) -> None:
