@@ -10,6 +10,8 @@ MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 256
 MAX_STOP_TOKEN_IDS = 64
 MAX_CHOICES = 256
+# presence and frequency penalties lie in [-MAX_PENALTY, MAX_PENALTY] (OpenAI's range)
+MAX_PENALTY = 2.0
 
 
 class StructuredOutput(msgspec.Struct, omit_defaults=True, forbid_unknown_fields=True, frozen=True):
@@ -85,8 +87,9 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, forbid_unknown_fields=T
         _check(self.top_k >= -1, f"top_k={self.top_k} must be -1 or 0 (off) or >= 1")
         _check(0 <= self.min_p <= 1, f"min_p={self.min_p} must be in [0, 1]")
         _check(self.repetition_penalty > 0, f"repetition_penalty={self.repetition_penalty} must be > 0")
-        _check(-2 <= self.presence_penalty <= 2, f"presence_penalty={self.presence_penalty} must be in [-2, 2]")
-        _check(-2 <= self.frequency_penalty <= 2, f"frequency_penalty={self.frequency_penalty} must be in [-2, 2]")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            _check(-MAX_PENALTY <= value <= MAX_PENALTY, f"{name}={value} must be in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}]")
         _check(self.min_tokens >= 0, f"min_tokens={self.min_tokens} must be >= 0")
         _check(
             self.logprobs is None or 0 <= self.logprobs <= MAX_LOGPROBS,

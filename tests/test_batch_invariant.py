@@ -107,20 +107,53 @@ def tiny_llama(tmp_path_factory, tokenizer):
     return path
 
 
-@pytest.mark.parametrize("attention", ["torch", "triton"])
-def test_every_attention_backend_is_batch_invariant(attention, tiny_llama):
-    """The other backends on a tiny random Llama (Triton in the interpreter here): 4 prompts greedy and sampled, alone
-    and among 14 requests, prompts in chunks of at most 16 tokens, preemption. In float32, where MKL's GEMM gives a
-    row different last bits in matmuls of different heights: without the mode, this fails on both backends."""
+def backend_run(tiny_llama, attention: str, invariant: bool) -> tuple[list, list]:
+    """4 prompts greedy and sampled, alone and among 14 requests, prompts in chunks of at most 16 tokens,
+    preemption, in float32."""
     rng = random.Random(1)
     prompts = [[rng.randrange(128) for _ in range(rng.randint(3, 30))] for _ in range(8)]
     requests = workload(prompts[:4], 6, 14, prompts)
     overrides = {"model.path": str(tiny_llama), "model.dtype": "float32", "model.max_model_len": 128,
-                 "engine.attention": attention,
+                 "engine.attention": attention, "engine.batch_invariant": invariant,
                  "scheduler.max_num_batched_tokens": 16, "kvcache.num_blocks": 8}
     alone, mixed, counters, all_free, longest = alone_and_mixed(overrides, requests, 8)
     assert counters.num_preemptions > 0 and all_free and longest > 16
-    assert_identical(alone, mixed)
+    return alone, mixed
+
+
+@pytest.mark.parametrize("attention", ["torch", "triton"])
+def test_every_attention_backend_is_batch_invariant(attention, tiny_llama):
+    """The other backends on a tiny random Llama (Triton in the interpreter here). In float32, where MKL's GEMM
+    gives a row different last bits in matmuls of different heights: without the mode, the same comparison
+    finds differences (the next test, on the torch backend)."""
+    assert_identical(*backend_run(tiny_llama, attention, invariant=True))
+
+
+def matmul_rows_depend_on_the_height(device: str) -> bool:
+    """Whether a plain float32 linear layer on ``device`` gives a row other bits alone than among more rows (its
+    BLAS picks the kernel by the matmul's shape): what the mode is there to remove."""
+    generator = torch.Generator().manual_seed(0)
+    x, weight = torch.randn(16, 64, generator=generator), torch.randn(128, 64, generator=generator)
+    x, weight = x.to(device), weight.to(device)
+    alone = torch.nn.functional.linear(x[:1], weight)
+    return any(not torch.equal(torch.nn.functional.linear(x[:n], weight)[:1], alone) for n in range(2, 17))
+
+
+def test_without_the_mode_the_same_comparison_finds_differences(tiny_llama):
+    """The control of the test above, on the torch backend: with the mode off, some request's logprobs differ
+    in their last bits between alone and among the 14. Deterministic where the device's matmuls depend on the
+    height (MKL's float32 GEMM here: one row goes through another kernel than two or more)."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    if not matmul_rows_depend_on_the_height(device):
+        pytest.skip(f"a float32 matmul row on {device} has the same bits at every height: nothing to control")
+    alone, mixed = backend_run(tiny_llama, "torch", invariant=False)
+
+    def bits(completion) -> list:
+        entries = [*completion.logprobs, *(completion.prompt_logprobs or [])]
+        return [completion.token_ids, *((e.logprob, e.top_ids, e.top_logprobs) for e in entries)]
+
+    differing = [i for i, (a, m) in enumerate(zip(alone, mixed)) if bits(a) != bits(m)]
+    assert differing, "without the mode, every request came out bit for bit the same alone and mixed"
 
 
 def test_batch_invariant_mode_still_computes_the_model(reference):

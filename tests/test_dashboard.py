@@ -3,6 +3,7 @@ Chromium (the system's, driven by playwright) on a real server under load."""
 
 from __future__ import annotations
 
+import json
 import shutil
 import threading
 import time
@@ -112,9 +113,27 @@ api_key_env = "CONVEYOR_TEST_KEY"
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 
 
+NUM_REQUESTS = 24
+MAX_NUM_SEQS = 8  # (CONFIG's)
+
+
+def holders(kv: dict) -> Counter:
+    """Block id -> how many of the running requests hold it, from a replica's KV map."""
+    return Counter(b for owner in kv["owners"] for first, count in owner["blocks"] for b in range(first, first + count))
+
+
+def shared_blocks(kv: dict | None) -> int:
+    return 0 if kv is None else sum(1 for n in holders(kv).values() if n > 1)
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(CHROMIUM is None, reason="no system Chromium (apt-get install chromium; .ci/run installs it)")
 def test_the_dashboard_in_chromium_follows_a_server_under_load(tmp_path):
+    """24 requests that share a long system prompt, on a server that runs 8 at a time. The engine is held
+    (SIGSTOP) at three points, so that what the page shows does not depend on the device's speed: before it has
+    run any (the queue), with 8 running and the rest waiting for 10 s and more (the doctor's window sees a batch
+    held at its cap while requests wait: ``batch_too_small``), and right after a step that sent the KV map with
+    the 8 running requests (blocks held, the system prompt's shared)."""
     from playwright.sync_api import sync_playwright
 
     server = Server(CONFIG, tmp_path, env={"CONVEYOR_TEST_KEY": KEY}).start()
@@ -125,9 +144,14 @@ def test_the_dashboard_in_chromium_follows_a_server_under_load(tmp_path):
         assert httpx.get(f"{server.http}/dashboard").headers["content-type"].startswith("text/html")
         auth = {"Authorization": f"Bearer {KEY}"}
         model = httpx.get(f"{server.http}/v1/models", headers=auth).json()["data"][0]["id"]
-        requests = [BenchRequest(c.messages, None, 0, c.max_tokens) for c in shared_system_prompt(24, seed=3)]
+        chats = shared_system_prompt(NUM_REQUESTS, seed=3, output_len=(24, 48))
+        requests = [BenchRequest(c.messages, None, 0, c.max_tokens) for c in chats]
         load = threading.Thread(target=anyio.run, daemon=True, args=(
             run_load, server.http, model, requests, LoadOptions(rate=8.0, api_key=KEY, ignore_eos=True, seed=2)))
+
+        def dashboard_data() -> dict:
+            return httpx.get(f"{server.http}/dashboard/data", headers=auth).json()
+
         with sync_playwright() as p:
             browser = p.chromium.launch(executable_path=CHROMIUM)
             page = browser.new_page(viewport={"width": 1100, "height": 1300})
@@ -142,13 +166,33 @@ def test_the_dashboard_in_chromium_follows_a_server_under_load(tmp_path):
             page.click("#key-form button")
             page.wait_for_function("window.conveyor.polls >= 1")
             last_step = "window.conveyor.charts.batch.data[0].at(-1) ?? 0"
-            with server.paused_engine():  # the first requests queue: no token can come
+            with server.paused_engine():  # every request queues: no token can come
                 load.start()
-                page.wait_for_function("window.conveyor.last.queue.count >= 3")
+                page.wait_for_function(f"window.conveyor.last.queue.count === {NUM_REQUESTS}")
                 queue, rows, step_before = page.evaluate(f"""() => [window.conveyor.last.queue,
                     [...document.querySelectorAll('#queue tr')].map(row => row.innerText), {last_step}]""")
+            # 8 running, the others waiting: held there until the doctor's whole window is of the held engine
+            # (every reading with 8 running, no step between the first and the last)
+            server.wait_for(lambda: server.metric("conveyor_num_requests_running") == MAX_NUM_SEQS
+                            and server.metric("conveyor_num_requests_waiting") >= MAX_NUM_SEQS,
+                            timeout=120, what="a full batch with requests waiting")
+            with server.paused_engine():
+                held_verdict = f"""(() => {{ const v = window.conveyor.last.verdict;
+                    return v && v.window.steps === 0 && v.window.running_mean === {MAX_NUM_SEQS}
+                        && [v, document.getElementById("verdict-name").textContent]; }})()"""
+                verdict, verdict_name = page.wait_for_function(held_verdict, timeout=60_000).json_value()
+                held = server.metric("conveyor_num_requests_running"), server.metric("conveyor_num_requests_waiting")
             page.wait_for_function(f"{last_step} > {step_before}")  # the batch chart moves once steps run
-            seen = []  # what the page drew and the data it drew it from, while the load runs
+            # a KV map in which requests share blocks (those admitted once the first had computed the system
+            # prompt find it in the prefix cache), held while the page draws it
+            server.wait_for(lambda: shared_blocks(dashboard_data()["replicas"][0]) > 0,
+                            timeout=120, what="a KV map with shared blocks")
+            with server.paused_engine():
+                owners = json.dumps(dashboard_data()["replicas"][0]["owners"], separators=(",", ":"))
+                page.wait_for_function(f"JSON.stringify(window.conveyor.last.replicas[0].owners) === "
+                                       f"{json.dumps(owners)}")
+                held_map = page.evaluate("() => [window.conveyor.kvSharedBlocks ?? 0, window.conveyor.last]")
+            seen = [held_map]  # what the page drew and the data it drew it from, while the load runs
             while load.is_alive():
                 seen.append(page.evaluate("() => [window.conveyor.kvSharedBlocks ?? 0, window.conveyor.last]"))
                 time.sleep(0.5)
@@ -159,7 +203,6 @@ def test_the_dashboard_in_chromium_follows_a_server_under_load(tmp_path):
                 return d.in_flight === 0 && d.replicas[0].owners.length === 0
                     && d.series.output_tokens_per_s.reduce((a, b) => a + b, 0) === {generated}; }})()""")
             final = page.evaluate("window.conveyor.last")
-            verdict = page.inner_text("#verdict-name")
             page.screenshot(path=str(tmp_path / "dashboard.png"), full_page=True)
             browser.close()
     finally:
@@ -169,15 +212,22 @@ def test_the_dashboard_in_chromium_follows_a_server_under_load(tmp_path):
     ages = [age for _, age, _ in queue["oldest"]]
     assert ages == sorted(ages, reverse=True) and len(rows) == len(queue["oldest"]) == min(queue["count"], 10)
     assert all(tokens > 0 for *_, tokens in queue["oldest"]) and queue["oldest"][0][0] in rows[0]
+    # the verdict over a window of the held engine: the batch at its cap, requests waiting, the cache nearly
+    # empty and compute idle; the page names it
+    running, waiting = held
+    assert running == MAX_NUM_SEQS and waiting >= 1
+    assert verdict["verdict"] == "batch_too_small" and verdict_name == "batch too small", verdict
+    window = verdict["window"]
+    assert (window["running_max"], window["running_mean"], window["waiting_mean"]) == (running, running, waiting)
+    assert window["kv_usage_max"] < 0.8 and window["mfu"] == 0
     # the KV map: what the requests hold is what the cache counts as not free, at the same step, and the page
-    # draws as shared the blocks more than one request holds
+    # draws as shared the blocks more than one request holds; the held map has the system prompt's blocks shared
+    shared_drawn, held_data = held_map
+    assert shared_drawn == shared_blocks(held_data["replicas"][0]) > 0, held_data["replicas"][0]
     for shared_drawn, data in seen:
         kv = data["replicas"][0]
         if kv is None:  # no step yet
             continue
-        holders = Counter(b for owner in kv["owners"] for first, count in owner["blocks"]
-                          for b in range(first, first + count))
-        assert len(holders) == kv["num_blocks"] - kv["num_free_blocks"], kv
-        assert shared_drawn == sum(1 for n in holders.values() if n > 1)
+        assert len(holders(kv)) == kv["num_blocks"] - kv["num_free_blocks"], kv
+        assert shared_drawn == shared_blocks(kv)
     assert final["steps"]["step"][-1] > step_before
-    assert verdict not in ("-", "collecting /metrics...") and final["verdict"]["window"]["steps"] > 0

@@ -4,6 +4,8 @@ after. The model is a tiny random one with SmolLM2's vocabulary, so that thousan
 
 from __future__ import annotations
 
+from collections import Counter
+
 import httpx
 import pytest
 import schemathesis
@@ -55,14 +57,13 @@ api_key_env = "CONVEYOR_TEST_KEY"
     assert server.stop() == 0, server.output
 
 
-def fuzz_operation(server, strategy, label: str, cases: dict[str, int], statuses: dict[int, int]) -> None:
+def fuzz_operation(server, strategy, label: str, statuses: dict[str, Counter]) -> None:
     @settings(max_examples=EXAMPLES, derandomize=True, database=None, deadline=None,
               suppress_health_check=list(HealthCheck))
     @given(case=strategy)
     def fuzz(case):
         response = case.call(base_url=server.http, headers=AUTH, timeout=60)
-        cases[label] = cases.get(label, 0) + 1
-        statuses[response.status_code] = statuses.get(response.status_code, 0) + 1
+        statuses.setdefault(label, Counter())[response.status_code] += 1
         where = f"{label}: {case.body!r:.300} -> {response.status_code} {response.text[:300]}"
         assert response.status_code < 500, where
         if response.status_code >= 400:
@@ -73,21 +74,25 @@ def fuzz_operation(server, strategy, label: str, cases: dict[str, int], statuses
 
 
 def test_no_route_fails_on_any_input(server):
+    """And valid bodies get through: on each generation route at least a quarter of the schema-valid ones are
+    answered (200), not refused (the others: combinations the schema cannot express, such as best_of with n)."""
     document = httpx.get(f"{server.http}/openapi.json").json()
     schema = schemathesis.openapi.from_dict(document)
-    cases: dict[str, int] = {}
-    statuses: dict[int, int] = {}
+    statuses: dict[str, Counter] = {}  # label -> responses by status
     for result in schema.get_all_operations():
         operation = result.ok()
         modes = [GenerationMode.POSITIVE] + ([GenerationMode.NEGATIVE] if operation.method == "post" else [])
         for mode in modes:  # (a GET without parameters has no invalid form)
             fuzz_operation(server, operation.as_strategy(generation_mode=mode), f"{operation.label} ({mode.value})",
-                           cases, statuses)
-    print(f"{sum(cases.values())} cases: " + ", ".join(f"{label} {n}" for label, n in cases.items()))
-    print("responses by status:", dict(sorted(statuses.items())))
-    assert statuses.get(200, 0) > 50  # (valid requests got through, not only refusals)
+                           statuses)
+    print(f"{sum(sum(c.values()) for c in statuses.values())} cases; responses by status:")
+    for label, counts in statuses.items():
+        print(f"  {label}: {dict(sorted(counts.items()))}")
     posts = sum("post" in methods for methods in document["paths"].values())
-    assert len(cases) == len(document["paths"]) + posts
+    assert len(statuses) == len(document["paths"]) + posts
+    for route in ("/v1/completions", "/v1/chat/completions"):
+        valid = statuses[f"POST {route} (positive)"]
+        assert valid[200] >= valid.total() / 4, (route, valid)
     assert httpx.get(f"{server.http}/health").status_code == 200
     assert httpx.post(f"{server.http}/v1/completions", headers=AUTH,
                       json={"prompt": "Hi", "max_tokens": 4}).status_code == 200

@@ -21,13 +21,17 @@ class Exposition:
         self.read: set[str] = set()
 
     def __call__(self, name: str, alive: bool = True, in_flight: int = 0, **labels: str) -> float:
+        """The sample's value; a sample that is not exported is a KeyError (so "exported as 0" is not "absent")."""
         text = self.metrics.render(alive, in_flight).decode()
+        exported = []
         for family in text_string_to_metric_families(text):
             for sample in family.samples:
                 if sample.name == name and sample.labels == {"model_name": MODEL, **labels}:
                     self.read.add(family.name)
                     return sample.value
-        return 0.0
+                if sample.name == name:
+                    exported.append(sample.labels)
+        raise KeyError(f"no sample {name} with labels {labels}; exported: {exported}")
 
     def families(self, with_samples: bool = True) -> set[str]:
         """Every metric exported (not the ``_created`` timestamps prometheus_client adds beside counters); by
@@ -60,6 +64,8 @@ def test_every_metric_moves_with_its_traffic():
     assert value("conveyor_kv_cache_blocks") == 50 and value("conveyor_kv_cache_free_blocks") == 50
     assert value("conveyor_weight_bytes", format="Q4_1") == 66_355_200
     assert value("conveyor_weight_bytes", format="Q8_0") == 30_081_024
+    with pytest.raises(KeyError):  # a format the weights are not kept in has no sample (not a zero)
+        value("conveyor_weight_bytes", format="F16")
     assert value("conveyor_device_peak_flops") == 2e12 and value("conveyor_device_peak_bytes_per_second") == 2.5e10
     assert value("conveyor_kv_cache_max_concurrency") == 3.125
     assert value("conveyor_engine_restarts_total") == 0

@@ -270,8 +270,13 @@ def build(kind: str, kv: str, num_blocks: int, budget: int):
     budget=st.integers(1, 64),
 )
 def test_random_arrivals_and_aborts_always_end_and_never_leak(kind, kv, events, num_blocks, budget):
-    """Every request ends (stop/length/abort) or is rejected with a reason; all memory comes back."""
+    """Every request ends (stop/length/abort) or is rejected, exactly when the layout's capacity (counted here)
+    cannot hold it (400) or the waiting queue is full (429), with that reason; all memory comes back."""
     scheduler = build(kind, kv, num_blocks, budget)
+    # the whole cache in tokens: blocks of 4 (paged); slabs of 16-token granules over num_blocks x 4 tokens
+    capacity = 4 * num_blocks if kv == "paged" else 16 * -(-num_blocks * 4 // 16)
+    granule = 4 if kv == "paged" else 16
+    max_waiting = 6 if kind in ("continuous", "priority") else 1024
     shared = list(range(500, 520))  # a common prefix, for the prefix cache
     added, rejected, ended = [], {}, {}
 
@@ -289,11 +294,20 @@ def test_random_arrivals_and_aborts_always_end_and_never_leak(kind, kv, events, 
             request = create_request(length, max_tokens=max_tokens, priority=priority)
             if share:
                 request.prompt_token_ids = (shared + request.prompt_token_ids)[:length]
+            needed = length + max_tokens  # (max_model_len 256 is never the limit here)
+            queued = sum(r.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED) for r in added)
+            if -(-needed // granule) * granule > capacity:
+                expected = (400, f"the request needs {needed} tokens of KV cache but the whole cache holds {capacity}")
+            elif queued >= max_waiting:
+                expected = (429, f"the waiting queue is full (max_waiting={max_waiting})")
+            else:
+                expected = None
             try:
                 scheduler.add(request)
                 added.append(request)
+                assert expected is None, f"admitted, expected {expected}"
             except RequestRejected as e:
-                assert str(e) and e.status in (400, 429)
+                assert (e.status, str(e)) == expected
                 rejected[request.request_id] = str(e)
         elif event[0] == "abort" and added:
             victim = added[event[1] % len(added)]

@@ -17,6 +17,9 @@ from conveyor.messages import KVCacheStats, SchedulerStats, StepStats
 
 H100 = gpu_peaks("H100 SXM")
 LLAMA = MODELS["llama-3-8b"]
+# the datasheet cost model's stated assumptions (conveyor.bench.simulator): 60% of the peak FLOP/s, 80% of the
+# bandwidth, 2 ms a step, 300 GB/s between devices
+FLOP_EFFICIENCY, BYTE_EFFICIENCY, STEP_OVERHEAD_S, LINK_BYTES_PER_S = 0.6, 0.8, 0.002, 300e9
 
 
 def prompts(count: int, length: int, seed: int = 0) -> list[list[int]]:
@@ -30,19 +33,41 @@ def run(spec, requests, arrivals, peaks=H100, **overrides):
     return simulate(config, spec, requests, arrivals, cost, peaks)
 
 
+def kv_bytes_per_token(spec, dtype_bytes: int = 2) -> int:
+    return 2 * spec.num_layers * spec.num_kv_heads * spec.head_dim * dtype_bytes
+
+
 def test_llama_3_8b_on_an_h100_stays_within_its_physical_limits():
     """One request alone: every decode step reads the 16 GB of weights, so no token comes faster than weights /
     HBM bandwidth (4.8 ms), and a 2,000-token prompt takes at least its FLOPs at the peak rate. 64 requests at
-    once: output tokens never outpace the peak FLOP/s over 2 x parameters per token."""
+    once: output tokens never outpace the peak FLOP/s over 2 x parameters per token.
+
+    Nor slower than the datasheet model's own assumptions allow (80% of the bandwidth, 60% of the FLOP/s, 2 ms
+    a step): a decode alone within 1% of its bytes (the weights and the KV cache) at 80% of the bandwidth plus
+    2 ms; a prompt chunk, a step, no slower than its FLOPs and its bytes at those rates added (no overlap at
+    all) plus 2 ms. A cost model several times too slow, or one that ignores the KV cache, fails these."""
     weights = weight_bytes(LLAMA, 2)
     assert weights == pytest.approx(16.06e9, rel=0.01)  # (8.03 B parameters in bfloat16)
+    flops, bandwidth = H100.flops_for("bfloat16"), H100.bytes_per_second
+    slowest_flops, slowest_bandwidth = FLOP_EFFICIENCY * flops, BYTE_EFFICIENCY * bandwidth
     [alone], _, _ = run(LLAMA, [SimRequest(prompts(1, 2000)[0], 64)], [0.0])
-    assert min(alone.itl) >= weights / H100.bytes_per_second
-    assert alone.ttft >= 2 * 2000 * (weights / 2) / H100.flops_for("bfloat16")
+    assert min(alone.itl) >= weights / bandwidth
+    longest = weights + (2000 + 64) * kv_bytes_per_token(LLAMA)
+    assert max(alone.itl) <= 1.01 * (STEP_OVERHEAD_S + longest / slowest_bandwidth)
+    assert min(alone.itl) >= 0.99 * (STEP_OVERHEAD_S + (weights + 2000 * kv_bytes_per_token(LLAMA))
+                                     / slowest_bandwidth)
+    prompt_flops = 2 * 2000 * (weights / 2)  # (2 x parameters per token overcounts the embedding: room for attention)
+    assert alone.ttft >= prompt_flops / flops
+    chunks = -(-2000 // load_config(None).scheduler.options.max_num_batched_tokens)
+    assert alone.ttft <= chunks * (STEP_OVERHEAD_S + longest / slowest_bandwidth) + prompt_flops / slowest_flops
     many = [SimRequest(p, 256) for p in prompts(64, 500, seed=1)]
-    records, duration, _ = run(LLAMA, many, [0.0] * 64)
+    records, duration, steps = run(LLAMA, many, [0.0] * 64)
     assert all(r.output_tokens == 256 and r.error is None for r in records)
-    assert sum(r.output_tokens for r in records) / duration <= H100.flops_for("bfloat16") / weights
+    assert sum(r.output_tokens for r in records) / duration <= flops / weights
+    # every step the scheduler ran at most reads the weights and the whole cache, plus the run's FLOPs
+    whole_cache = weights + 64 * (500 + 256) * kv_bytes_per_token(LLAMA)
+    all_flops = 2 * 64 * (500 + 256) * (weights / 2)
+    assert duration <= len(steps) * (STEP_OVERHEAD_S + whole_cache / slowest_bandwidth) + all_flops / slowest_flops
 
 
 def test_the_simulator_runs_the_real_scheduler_and_kv_cache():
@@ -67,7 +92,8 @@ def test_weights_that_do_not_fit_are_refused_and_tensor_parallelism_splits_them(
         run(llama_70b, requests, [0.0])
     [two], _, _ = run(llama_70b, requests, [0.0], **{"parallel.tensor_parallel_size": 2})
     [four], _, _ = run(llama_70b, requests, [0.0], **{"parallel.tensor_parallel_size": 4})
-    assert min(four.itl) < min(two.itl)  # (each device reads a quarter of the weights instead of a half)
+    # each device reads a quarter of the weights instead of a half: faster, but at most twice as fast
+    assert min(two.itl) / 2 <= min(four.itl) < min(two.itl)
 
 
 def test_pipeline_stages_hold_more_kv_and_raise_throughput_but_not_one_token_latency():
@@ -87,7 +113,18 @@ def test_pipeline_stages_hold_more_kv_and_raise_throughput_but_not_one_token_lat
         result[pp] = (min(alone.itl), sum(r.output_tokens for r in records) / duration, steps[-1].kv.num_blocks)
     (itl_1, rate_1, blocks_1), (itl_2, rate_2, blocks_2) = result[1], result[2]
     assert blocks_2 > 2 * blocks_1
-    assert itl_2 >= itl_1 >= weight_bytes(llama_70b, 2) / 2 / H100.bytes_per_second
+    # each device's share of the memory its weights (and 2 GB for activations) leave, at the config's
+    # memory_fraction, in blocks of its layers' and KV heads' share of the cache
+    kvcache = load_config(None).kvcache.options
+    for pp, blocks in ((1, blocks_1), (2, blocks_2)):
+        free = H100.memory_bytes - weight_bytes(llama_70b, 2) / (2 * pp) - 2e9
+        block_bytes = kvcache.block_size * kv_bytes_per_token(llama_70b) / (2 * pp)
+        assert blocks == pytest.approx(kvcache.memory_fraction * free / block_bytes, rel=0.01)
+    half = weight_bytes(llama_70b, 2) / 2  # (TP=2: what each device reads)
+    assert itl_1 >= half / H100.bytes_per_second
+    assert itl_1 <= 1.01 * (STEP_OVERHEAD_S + half / (BYTE_EFFICIENCY * H100.bytes_per_second))
+    # a lone token passes the two stages in turn: the same reads, plus its hidden state sent between them
+    assert itl_2 - itl_1 == pytest.approx(llama_70b.hidden_size * 2 / LINK_BYTES_PER_S, rel=0.05)
     assert rate_1 < rate_2 <= 2 * rate_1
 
 

@@ -16,8 +16,8 @@ from conveyor.engine.speculative import propose_ngram
 from conveyor.messages import ScheduledRequest
 from conveyor.sampling import SamplingParams
 from conveyor.worker.sampler import Sampler, filtered_probs
-from tests.conftest import CHAT_PROMPTS
-from tests.helpers import assert_same_or_near_tie
+from tests.conftest import CHAT_PROMPTS, hf_greedy
+from tests.helpers import assert_matches_reference, assert_same_or_near_tie
 
 TEXT = ("The quick brown fox jumps over the lazy dog. The dog sleeps under the old oak tree while the fox runs into "
         "the forest. Birds sing in the branches and the river flows quietly past the farm.")
@@ -97,14 +97,57 @@ def test_greedy_tokens_are_the_same_with_and_without_drafts(llm_spec, llm_fp32):
     assert kv.num_free_blocks == kv.num_blocks
 
 
-def test_stop_conditions_hold_inside_accepted_drafts(llm_spec):
-    """max_tokens and a stop string land inside a run of accepted drafts: the output ends exactly there."""
-    [long] = llm_spec.generate(REPEAT, SamplingParams(max_tokens=40, temperature=0))
+class DraftCounts:
+    """The speculative engine's draft counters, read around one request."""
+
+    def __init__(self, llm: LLM):
+        self.llm = llm
+
+    def generate(self, prompt: list[dict], params: SamplingParams):
+        """The completion, and the proposals drafted and accepted while it ran."""
+        counters = self.llm.engine.scheduler.counters
+        drafted, accepted = counters.num_draft_tokens, counters.num_accepted_tokens
+        [completion] = self.llm.generate([prompt], params)
+        return completion, counters.num_draft_tokens - drafted, counters.num_accepted_tokens - accepted
+
+
+def test_stop_conditions_hold_inside_accepted_drafts(llm_spec, hf_model, tokenizer):
+    """max_tokens and a stop string land inside a run of accepted drafts: the output ends exactly there. The
+    run they cut is transformers' greedy continuation (or a near tie at the first difference), and each run
+    had drafts proposed and accepted."""
+    runs = DraftCounts(llm_spec)
+    long, drafted, accepted = runs.generate(REPEAT, SamplingParams(max_tokens=40, temperature=0, ignore_eos=True,
+                                                                   logprobs=5))
+    assert accepted > 0 and drafted >= accepted, (drafted, accepted)
+    ref_tokens, ref_logprobs = hf_greedy(hf_model, tokenizer.encode_chat(REPEAT), 40)
+    assert_matches_reference(long, ref_tokens, ref_logprobs, "the text to repeat")
     for n in (5, 13, 21):
-        [cut] = llm_spec.generate(REPEAT, SamplingParams(max_tokens=n, temperature=0))
+        cut, drafted, accepted = runs.generate(REPEAT, SamplingParams(max_tokens=n, temperature=0, ignore_eos=True))
         assert cut.token_ids == long.token_ids[:n] and cut.finish_reason == "length"
-    [stopped] = llm_spec.generate(REPEAT, SamplingParams(max_tokens=40, temperature=0, stop="lazy"))
+        assert accepted > 0, (n, drafted, accepted)
+    stopped, drafted, accepted = runs.generate(REPEAT, SamplingParams(max_tokens=40, temperature=0, ignore_eos=True,
+                                                                      stop="lazy"))
     assert stopped.text == long.text[: long.text.index("lazy")] and stopped.finish_reason == "stop"
+    assert accepted > 0, (drafted, accepted)
+
+
+def test_no_drafts_under_a_penalty_or_a_grammar(llm_spec):
+    """A request under a repetition, presence or frequency penalty, or constrained by a grammar, gets no
+    proposals (its next token depends on the ones before in ways the check does not follow), and still all its
+    tokens; the same request without them gets proposals."""
+    from conveyor.sampling import StructuredOutput
+
+    runs = DraftCounts(llm_spec)
+    plain = {"max_tokens": 16, "temperature": 0, "ignore_eos": True}
+    _, drafted, _ = runs.generate(REPEAT, SamplingParams(**plain))
+    assert drafted > 0
+    for name, extra in {"repetition penalty": {"repetition_penalty": 1.1},
+                        "presence penalty": {"presence_penalty": 0.5},
+                        "frequency penalty": {"frequency_penalty": 0.5},
+                        "grammar": {"structured": StructuredOutput(regex="[A-Za-z .,]+")}}.items():
+        completion, drafted, accepted = runs.generate(REPEAT, SamplingParams(**plain, **extra))
+        assert (drafted, accepted) == (0, 0), name
+        assert len(completion.token_ids) == 16, name
 
 
 @pytest.mark.parametrize("draft", ["random", "itself"])

@@ -10,6 +10,7 @@ import msgspec
 import pytest
 import zmq
 import zmq.auth
+from zmq.utils.monitor import recv_monitor_message
 
 from conveyor.client import AsyncClient, Client, ServerError
 from tests.server import Server
@@ -65,14 +66,27 @@ def client_keys(keys):
     return {"server_public_key_file": keys / "server.key", "secret_key_file": keys / "clients" / "alice.key_secret"}
 
 
-def raw_socket(server: Server, keys, client: str = "clients/alice") -> zmq.Socket:
-    """A DEALER socket set up the way docs/zmq-protocol.md says, with CURVE keys."""
+def curve_dealer(keys, client: str = "clients/alice") -> zmq.Socket:
+    """A DEALER socket set up the way docs/zmq-protocol.md says, with CURVE keys; not yet connected."""
     socket = zmq.Context.instance().socket(zmq.DEALER)
     socket.setsockopt(zmq.LINGER, 0)
     socket.curve_serverkey, _ = zmq.auth.load_certificate(keys / "server.key")
     socket.curve_publickey, socket.curve_secretkey = zmq.auth.load_certificate(keys / f"{client}.key_secret")
+    return socket
+
+
+def raw_socket(server: Server, keys, client: str = "clients/alice") -> zmq.Socket:
+    socket = curve_dealer(keys, client)
     socket.connect(server.url("tcp"))
     return socket
+
+
+def monitored_socket(server: Server, keys, client: str = "clients/alice") -> tuple[zmq.Socket, zmq.Socket]:
+    """``raw_socket``, and its monitor (attached before the connection, so it sees the handshake)."""
+    socket = curve_dealer(keys, client)
+    monitor = socket.get_monitor_socket()
+    socket.connect(server.url("tcp"))
+    return socket, monitor
 
 
 def test_raw_client_from_the_protocol_document(server, keys, tokenizer):
@@ -119,11 +133,31 @@ def test_raw_client_from_the_protocol_document(server, keys, tokenizer):
 
 
 
+def next_event(monitor: zmq.Socket, *wanted: int, timeout_ms: int = 60_000) -> dict:
+    """The first of the ``wanted`` events a socket's monitor reports (others, such as connection retries, are
+    skipped)."""
+    while monitor.poll(timeout_ms):
+        event = recv_monitor_message(monitor)
+        if event["event"] in wanted:
+            return event
+    raise AssertionError(f"no event {wanted} in {timeout_ms} ms")
+
+
 def test_a_client_sending_an_oversized_message_is_dropped_and_others_are_served(server, keys):
-    """max_message_bytes (4 MiB): the sender is disconnected before anything is decoded; the server goes on."""
-    hostile = raw_socket(server, keys)
+    """max_message_bytes (4 MiB): a message under it is decoded (and refused as the garbage it is), one over it
+    has the server close the connection before anything is decoded (the client's socket sees it closed, with no
+    reply first); the server goes on."""
+    hostile, monitor = monitored_socket(server, keys)
+    next_event(monitor, zmq.EVENT_HANDSHAKE_SUCCEEDED)
+    hostile.send_multipart([b"generate", b"\x00" * (3 * 1024 * 1024)])
+    assert hostile.poll(60_000)
+    kind, body = hostile.recv_multipart()
+    assert kind == b"error" and msgspec.msgpack.decode(body)["status"] == 400
     hostile.send_multipart([b"generate", b"\x00" * (5 * 1024 * 1024)])
-    assert not hostile.poll(2_000)  # no reply: the connection was dropped
+    next_event(monitor, zmq.EVENT_DISCONNECTED)
+    assert not hostile.poll(0)  # (nothing was answered before the connection closed)
+    hostile.disable_monitor()
+    monitor.close()
     hostile.close()
     socket = raw_socket(server, keys)
     request = {"request_id": "after", "prompt": "Hi", "params": {"max_tokens": 2}, "stream": False}
@@ -230,14 +264,35 @@ async def test_async_client_runs_requests_concurrently(server, client_keys, toke
 
 
 def test_curve_rejects_a_client_with_the_wrong_key(server, keys):
-    stranger = raw_socket(server, keys, client="strangers/mallory")
+    """The handshake fails, as the client's socket reports it, for a key not in the authorized directory (the
+    server's authenticator answers 400) and for a client without CURVE (a mechanism mismatch); neither gets a
+    reply. The authorized client's handshake succeeds and it gets its answer."""
+    stranger, monitor = monitored_socket(server, keys, client="strangers/mallory")
     stranger.send_multipart([b"health", msgspec.msgpack.encode({})])
-    assert stranger.poll(3_000) == 0, "a client with an unauthorized key got a reply"
+    refused = next_event(monitor, zmq.EVENT_HANDSHAKE_FAILED_AUTH, zmq.EVENT_HANDSHAKE_SUCCEEDED)
+    assert (refused["event"], refused["value"]) == (zmq.EVENT_HANDSHAKE_FAILED_AUTH, 400), refused
+    assert not stranger.poll(0)
+    stranger.disable_monitor()
+    monitor.close()
     stranger.close()
-    with Client(server.url("tcp"), timeout=3) as plain, pytest.raises(TimeoutError):
-        plain.health()  # no CURVE at all
+    plain = zmq.Context.instance().socket(zmq.DEALER)  # no CURVE at all
+    plain.setsockopt(zmq.LINGER, 0)
+    monitor = plain.get_monitor_socket()
+    plain.connect(server.url("tcp"))
+    plain.send_multipart([b"health", msgspec.msgpack.encode({})])
+    refused = next_event(monitor, zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL, zmq.EVENT_HANDSHAKE_SUCCEEDED)
+    assert (refused["event"], refused["value"]) == (zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL,
+                                                    zmq.PROTOCOL_ERROR_ZMTP_MECHANISM_MISMATCH), refused
+    assert not plain.poll(0)
+    plain.disable_monitor()
+    monitor.close()
+    plain.close()
     # the authorized client still gets through
-    trusted = raw_socket(server, keys)
+    trusted, monitor = monitored_socket(server, keys)
     trusted.send_multipart([b"health", msgspec.msgpack.encode({})])
+    next_event(monitor, zmq.EVENT_HANDSHAKE_SUCCEEDED)
     assert trusted.poll(60_000)
+    assert trusted.recv_multipart()[0] == b"health"
+    trusted.disable_monitor()
+    monitor.close()
     trusted.close()

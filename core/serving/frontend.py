@@ -137,7 +137,8 @@ class EngineFrontend:
         """
         if isinstance(prompt, str):
             return self.tokenizer.encode(prompt)
-        if isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        if isinstance(prompt, list) and all(_is_integer(t) for t in prompt):
+            prompt = [int(t) for t in prompt]  # (1.0 is an integer in JSON)
             vocab = self.tokenizer.vocab_size
             bad = [t for t in prompt if not 0 <= t < vocab]
             if bad:
@@ -291,3 +292,7 @@ def _first_error(group: BaseExceptionGroup) -> RequestError:
         error = error.exceptions[0]
     assert isinstance(error, RequestError)
     return error
+
+
+def _is_integer(value: Any) -> bool:
+    return (isinstance(value, int) and not isinstance(value, bool)) or (isinstance(value, float) and value.is_integer())

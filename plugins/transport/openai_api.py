@@ -121,7 +121,9 @@ def decode_body(body: bytes, kind: type[msgspec.Struct]) -> Any:
         RequestError: 400 naming the bad field (or saying the JSON is malformed).
     """
     try:
-        return msgspec.json.decode(body, type=kind)
+        # lax as OpenAI's own server and pydantic-based ones are: 1.0 is an integer (JSON Schema says so too), "2"
+        # a number; "hot" is still no temperature
+        return msgspec.json.decode(body, type=kind, strict=False)
     except msgspec.ValidationError as e:
         message, _, path = str(e).partition(" - at ")
         param = path.strip("`").removeprefix("$.") or None

@@ -14,7 +14,14 @@ from typing import Any
 import msgspec
 
 from conveyor.plugins.transport import openai_api as api
-from conveyor.sampling import MAX_LOGPROBS, MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS
+from conveyor.sampling import (
+    MAX_CHOICES,
+    MAX_LOGPROBS,
+    MAX_PENALTY,
+    MAX_STOP_STRING_CHARS,
+    MAX_STOP_STRINGS,
+    MAX_STOP_TOKEN_IDS,
+)
 
 ERROR = {
     "type": "object",
@@ -50,12 +57,20 @@ def _limits(models: list[str], max_model_len: int, vocab_size: int) -> dict[str,
     names it serves: what the structs' types alone do not say."""
     tokens = {"type": "integer", "minimum": 1, "maximum": max(1, max_model_len - 1)}
     token_ids = {"type": "array", "minItems": 1, "items": {"type": "integer", "minimum": 0, "maximum": vocab_size - 1}}
-    message = {"type": "object", "required": ["role"],
-               "properties": {"role": {"enum": ["system", "user", "assistant", "tool"]},
-                              "content": {"anyOf": [{"type": "string"}, {"type": "array", "items": {"type": "object"}},
-                                                    {"type": "null"}]}}}
+    # what the chat template takes (conveyor.model.tokenizer): text or text parts, which only an assistant's
+    # message (one that called tools) may leave out
+    text = {"anyOf": [{"type": "string"}, {"type": "array", "items": {
+        "type": "object", "required": ["type", "text"],
+        "properties": {"type": {"const": "text"}, "text": {"type": "string"}}}}]}
+    message = {"anyOf": [
+        {"type": "object", "required": ["role", "content"],
+         "properties": {"role": {"enum": ["system", "developer", "user", "tool"]}, "content": text}},
+        {"type": "object", "required": ["role"],
+         "properties": {"role": {"const": "assistant"}, "content": {"anyOf": [text, {"type": "null"}]}}},
+    ]}
     logprobs = {"type": "integer", "minimum": 0, "maximum": MAX_LOGPROBS}
     stop = {"type": "string", "minLength": 1, "maxLength": MAX_STOP_STRING_CHARS}
+    penalty = {"type": "number", "minimum": -MAX_PENALTY, "maximum": MAX_PENALTY}
     return {
         "model": {"enum": models},
         "prompt": {"anyOf": [{"type": "string", "minLength": 1}, token_ids,
@@ -71,6 +86,15 @@ def _limits(models: list[str], max_model_len: int, vocab_size: int) -> dict[str,
                            "maxItems": MAX_STOP_TOKEN_IDS},
         "temperature": {"type": "number", "minimum": 0},
         "top_p": {"type": "number", "exclusiveMinimum": 0, "maximum": 1},
+        "top_k": {"type": "integer", "minimum": -1},
+        "min_p": {"type": "number", "minimum": 0, "maximum": 1},
+        "presence_penalty": penalty,
+        "frequency_penalty": penalty,
+        "repetition_penalty": {"type": "number", "exclusiveMinimum": 0},
+        "min_tokens": {"type": "integer", "minimum": 0},
+        "guided_choice": {"type": "array", "minItems": 1, "maxItems": MAX_CHOICES,
+                          "items": {"type": "string", "minLength": 1}},
+        "suffix": {"type": "string", "maxLength": 0},  # (not supported: only an empty one)
     }
 
 
@@ -87,7 +111,8 @@ def openapi_document(api_key: bool, models: list[str], max_model_len: int, vocab
     refs, components = msgspec.json.schema_components(structs, ref_template="#/components/schemas/{name}")
     completion, chat, load, unload = refs
     limits = _limits(models, max_model_len, vocab_size)
-    chat_only, completion_only = {"top_logprobs", "max_completion_tokens", "messages"}, {"logprobs", "prompt"}
+    chat_only = {"top_logprobs", "max_completion_tokens", "messages"}
+    completion_only = {"logprobs", "prompt", "suffix"}
     for name, fields in (("CompletionRequest", set(limits) - chat_only),
                          ("ChatCompletionRequest", set(limits) - completion_only)):  # (chat's logprobs: a bool)
         properties = components[name]["properties"]
