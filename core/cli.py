@@ -189,8 +189,9 @@ def build_parser() -> argparse.ArgumentParser:
     profile.add_argument("--gpus", action="store_true", help="print the GPU peaks table instead (datasheets)")
     profile.set_defaults(func=cmd_profile)
 
-    doctor = sub.add_parser("doctor", help="what limits a running server now (KV, queue, batch, prefill, compute, "
-                            "bandwidth), with the evidence and the config key to change first")
+    doctor = sub.add_parser("doctor", help="what limits a running server now (replicas, KV, batch, communication, "
+                            "pipeline bubbles, host overhead, queue, prefill, compute, bandwidth), with the evidence "
+                            "and the config key to change first")
     doctor.add_argument("url", nargs="?", default="http://127.0.0.1:8000", help="the server (default: %(default)s)")
     doctor.add_argument("--interval", type=float, default=10.0, help="seconds of /metrics to read (default: 10)")
     doctor.add_argument("--json", action="store_true", help="the diagnosis as JSON")

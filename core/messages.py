@@ -142,6 +142,12 @@ class StepStats(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     rank_times: list[float] = []
     comm_time: float = 0.0
     bubble_fraction: float = 0.0
+    # by rank: seconds in collectives and transfers, and waiting for the previous stage; and the mean over
+    # ranks of their collectives (all-reduces, gathers) and the bytes each rank sent in them
+    rank_comm: list[float] = []
+    rank_wait: list[float] = []
+    num_collectives: float = 0.0
+    collective_bytes: float = 0.0
     # what the step computed and moved (conveyor.engine.roofline), and the share of the device's peaks its
     # forward pass reached (0 where a peak is unknown)
     flops: float = 0.0
@@ -182,6 +188,9 @@ class EngineReady(msgspec.Struct, array_like=True, gc=False):
     # ("copies": second copies for decode steps)
     quant: str = ""
     weight_formats: dict[str, int] = msgspec.field(default_factory=dict)
+    # workers per pipeline stage, and stages
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
 
 
 class ScheduledRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
@@ -245,6 +254,10 @@ class RunnerOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=False
     # pipeline stage's activations (this worker's; the executor adds every worker's in ``ranks``)
     comm_time: float = 0.0
     wait_time: float = 0.0
+    # this worker's collectives in the step (all-reduces and gathers within its tensor-parallel group) and the
+    # bytes each sent in
+    num_collectives: int = 0
+    collective_bytes: int = 0
     ranks: list[RankTimes] = []
 
 
@@ -257,6 +270,9 @@ class RankTimes(msgspec.Struct, array_like=True, gc=False):
     comm: float
     # waiting for the previous stage
     wait: float
+    # collectives, and the bytes it sent in them
+    num_collectives: int = 0
+    collective_bytes: int = 0
 
 
 class MessageType(bytes, enum.Enum):

@@ -1,4 +1,5 @@
-"""Comparisons shared by the tests: the near-tie rule against transformers, float64 attention, paged KV fixtures."""
+"""Comparisons shared by the tests: the near-tie rule against transformers, float64 attention, paged KV fixtures;
+and a checkpoint with almost no compute."""
 
 from __future__ import annotations
 
@@ -105,3 +106,18 @@ def paged_store(lengths, kv_heads, head_dim, block_size, dtype, device="cpu"):
 
 def relative_error(out, expected):
     return float((out.double().cpu() - expected).abs().max() / expected.abs().max())
+
+
+def save_tiny_model_with_smollm2_vocab(path, tokenizer, max_position_embeddings: int) -> None:
+    """A random Llama of one layer 32 wide with SmolLM2's tokenizer and 49,152-token vocabulary, and a chat
+    template that joins the messages' contents: a server whose forward pass costs next to nothing."""
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=49152, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                      num_attention_heads=2, num_key_value_heads=1,
+                                      max_position_embeddings=max_position_embeddings)
+    transformers.LlamaForCausalLM(config).save_pretrained(path)
+    tokenizer.hf.save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text('{"chat_template": "{% for m in messages %}{{ m.content }}'
+                                                '{% endfor %}"}')

@@ -17,6 +17,7 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from conveyor.bench.doctor import diagnose, sample
 from conveyor.engine.client import EngineClient, EngineUnavailable
 from conveyor.engine.dp_client import DPClient
 from conveyor.engine.router import ReplicaLoad, Router
@@ -302,7 +303,8 @@ def step(running: int, finished: int, aborted: int = 0, usage: float = 0.25) -> 
 
 def test_metrics_carry_a_replica_label_with_several_replicas():
     down = {1}
-    metrics = ServerMetrics("tiny", 2, replica_alive=lambda i: i not in down)
+    routed = [7, 2]  # requests the frontend routed to each replica that have not ended
+    metrics = ServerMetrics("tiny", 2, replica_alive=lambda i: i not in down, replica_in_flight=routed.__getitem__)
     for replica in (0, 1):
         metrics.engine_ready(EngineReady(1, 256, 50, 16, 3.0, 1.0), replica)
     metrics.engine_step(step(running=3, finished=2), 0)
@@ -313,6 +315,8 @@ def test_metrics_carry_a_replica_label_with_several_replicas():
     assert samples(metrics, "conveyor_kv_cache_blocks") == {"0": 50, "1": 50}
     assert samples(metrics, "conveyor_engine_alive") == {"0": 1, "1": 0}
     assert samples(metrics, "conveyor_replica_requests_total") == {"0": 2, "1": 6}
+    assert samples(metrics, "conveyor_replica_requests_in_flight") == {"0": 7, "1": 2}
+    assert samples(metrics, "conveyor_engine_steps_total") == {"0": 1, "1": 1}
     # engine counters become increments per replica: a restarted replica counts from zero again
     metrics.engine_ready(EngineReady(2, 256, 50, 16, 3.0, 1.0), 1)
     metrics.engine_step(step(running=1, finished=1), 1)
@@ -442,9 +446,16 @@ def test_two_replicas_serve_every_stream_like_one_engine(tmp_path):
                 # (in flight or already done: replica 1 may finish its share before the last one arrives)
                 server.wait_for(lambda: server.metric("conveyor_num_requests_in_flight") + finished(server)
                                 == NUM_REQUESTS, timeout=120, what="every request routed")
+                # the doctor, meanwhile: replica 0 holds requests and runs no step (replica 1 runs its own, or
+                # has finished them), so the replicas are called imbalanced, replica 0 the one behind
+                doctor = diagnose(sample(server.http, 2.0), 2.0)
             finally:
                 os.kill(replica0, signal.SIGCONT)
             results = running.result()
+        assert doctor.verdict == "dp_imbalance", doctor.window
+        evidence = doctor.findings[0].evidence
+        assert evidence["lagging_replica"] == 0 and evidence["replica_steps_min"] == 0, evidence
+        assert evidence["replica_requests_max"] >= 4, evidence
         for index, (dp, one) in enumerate(zip(results, single)):
             # none lost: each stream ends with exactly one finish reason
             assert len(dp["finish_reasons"]) == 1 and dp["tokens"], f"request {index}: {dp}"

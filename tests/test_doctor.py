@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from conveyor.bench.doctor import checklist, diagnose, quantile, read_metrics, sample
+from tests.helpers import save_tiny_model_with_smollm2_vocab
 from tests.server import Server, http_config
 
 pytestmark = pytest.mark.slow
@@ -124,6 +125,69 @@ def test_long_prompts_among_decodes_and_a_flood(tmp_path):
         assert server.stop() == 0, server.output
 
 
+def test_tensor_and_pipeline_parallel_workers_on_a_cpu(tmp_path):
+    """SmolLM2 over six worker processes on this machine's cores: three per pipeline stage (its 9 heads, 3 KV
+    heads and MLP split), two stages. Eight streams: every layer's two all-reduces over gloo outweigh a third of
+    a layer's matmuls, so the verdict is communication-bound, with the collectives counted (two per layer of the
+    stage, and the vocabulary gathered). Then one stream: one batch at a time passes the two stages in turn, so
+    each waits for the other about half the time, and the pipeline's bubbles are named."""
+    server = Server(http_config(), tmp_path, overrides=[
+        "model.device=cpu", "model.dtype=bfloat16", "quant.plugin=none", "parallel.tensor_parallel_size=3",
+        "parallel.pipeline_parallel_size=2"]).start()
+    try:
+        def running(n: int):
+            return lambda s: s.metric("conveyor_num_requests_running") >= n
+
+        loaded = anyio.run(diagnose_under, server, running(8), 4.0, many(8, SHORT, 2000))
+        assert loaded["verdict"] == "communication_bound", loaded["window"]
+        finding = loaded["findings"][0]
+        evidence = finding["evidence"]
+        print("eight streams:", [f["regime"] for f in loaded["findings"]], evidence)
+        assert evidence["comm_share"] >= 0.3 and evidence["tensor_parallel_size"] == 3, evidence
+        # each stage: 15 layers x 2 all-reduces, and one for the vocabulary (the first stage's embedding
+        # all-reduced, the last one's logits gathered)
+        assert 30 <= evidence["collectives_per_step"] <= 31 and evidence["collective_mb_per_step"] > 0, evidence
+        assert finding["change"] == "parallel.tensor_parallel_size"
+
+        # (a step of one stream takes about 0.3 s here: six seconds give the doctor its ten multi-worker steps)
+        alone = anyio.run(diagnose_under, server, running(1), 6.0, many(1, SHORT, 2000))
+        bubbles = {f["regime"]: f for f in alone["findings"]}.get("pipeline_bubbles")
+        assert bubbles is not None, alone["window"]
+        print("one stream:", [f["regime"] for f in alone["findings"]], bubbles["evidence"])
+        assert bubbles["evidence"]["bubble_fraction"] >= 0.25 and bubbles["evidence"]["pipeline_parallel_size"] == 2
+        assert bubbles["change"] == "parallel.pipeline_parallel_size"
+    finally:
+        assert server.stop() == 0, server.output
+
+
+@pytest.fixture(scope="module")
+def no_compute_model(tmp_path_factory, tokenizer) -> str:
+    """A stand-in for a model whose forward pass costs next to nothing: one layer 32 wide, SmolLM2's 49,152-token
+    vocabulary (so sampling, outside the forward pass, is most of a step)."""
+    path = tmp_path_factory.mktemp("no_compute")
+    save_tiny_model_with_smollm2_vocab(path, tokenizer, max_position_embeddings=4096)
+    return str(path)
+
+
+def test_a_model_with_no_compute_is_host_bound(no_compute_model, tmp_path):
+    """Sixteen streams on the stand-in model: the steps' time goes to sampling, scheduling and recording, not the
+    forward pass, so the verdict is host overhead, each stage's share in the evidence."""
+    server = Server(http_config(), tmp_path, overrides=[f"model.path={no_compute_model}", "model.dtype=float32",
+                                                        "model.max_model_len=4096"]).start()
+    try:
+        host = anyio.run(diagnose_under, server, lambda s: s.metric("conveyor_num_requests_running") >= 16, 3.0,
+                         many(16, SHORT, 4000))
+        assert host["verdict"] == "host_overhead", host["window"]
+        evidence = host["findings"][0]["evidence"]
+        print("no compute:", [f["regime"] for f in host["findings"]], evidence)
+        assert evidence["host_fraction"] >= 0.4
+        assert evidence["host_fraction"] == pytest.approx(
+            evidence["schedule_fraction"] + evidence["sample_fraction"] + evidence["update_fraction"], abs=1e-3)
+        assert host["findings"][0]["change"] == "scheduler.max_num_seqs"
+    finally:
+        assert server.stop() == 0, server.output
+
+
 def test_histogram_quantiles_interpolate_within_buckets():
     def reading(counts: list[float]) -> dict:
         bounds = ["0.01", "0.02", "0.05", "+Inf"]
@@ -144,8 +208,20 @@ CALM = {
     "running_mean": 4.0, "running_max": 4.0, "waiting_mean": 0.0, "waiting_max": 0.0, "kv_usage_mean": 0.3,
     "kv_usage_max": 0.4, "preemptions": 0.0, "rejected": 0.0, "prompt_tokens": 0.0, "generated_tokens": 400.0,
     "tokens_per_step": 4.0, "queue_time_mean_s": 0.0, "ttft_mean_s": 0.05, "itl_count": 400.0, "itl_p50_s": 0.02,
-    "itl_p99_s": 0.03,
+    "itl_p99_s": 0.03, "host_fraction": 0.1, "schedule_fraction": 0.04, "sample_fraction": 0.03,
+    "update_fraction": 0.03,
+    # one worker
+    "tensor_parallel_size": 1.0, "pipeline_parallel_size": 1.0, "parallel_steps": 0.0, "comm_ms": 0.0,
+    "compute_ms": 0.0, "comm_share": 0.0, "comm_share_max_group": 0.0, "collectives_per_step": 0.0,
+    "collective_mb_per_step": 0.0, "bubble_fraction": 0.0, "stage_imbalance": 1.0,
+    # one replica
+    "replicas": 1.0, "replica_requests_max": 0.0, "replica_requests_min": 0.0, "replica_kv_usage_max": 0.0,
+    "replica_kv_usage_min": 0.0, "replica_steps_max": 0.0, "replica_steps_min": 0.0, "lagging_replica": -1.0,
 }
+TP3 = {"tensor_parallel_size": 3.0, "parallel_steps": 100.0, "comm_ms": 20.0, "compute_ms": 30.0}
+PP2 = {"pipeline_parallel_size": 2.0, "parallel_steps": 100.0, "stage_imbalance": 1.1}
+DP2 = {"replicas": 2.0, "replica_steps_max": 100.0, "replica_steps_min": 90.0, "lagging_replica": 1.0,
+       "replica_kv_usage_max": 0.3, "replica_kv_usage_min": 0.2}
 # regime: (the window's changes that make it hold, the same changes just short of its threshold)
 REGIMES = {
     "kv_capacity": ({"preemptions": 1.0}, {"kv_usage_max": 0.94, "waiting_mean": 3.0, "running_max": 64.0}),
@@ -157,6 +233,10 @@ REGIMES = {
                              {"prompt_tokens": 2048.0, "itl_p99_s": 0.06}),
     "compute_bound": ({"mfu": 0.5}, {"mfu": 0.499}),
     "bandwidth_bound": ({"mbu": 0.6}, {"mbu": 0.599}),
+    "communication_bound": (TP3 | {"comm_share": 0.3}, TP3 | {"comm_share": 0.299, "comm_share_max_group": 0.299}),
+    "pipeline_bubbles": (PP2 | {"bubble_fraction": 0.25}, PP2 | {"bubble_fraction": 0.249}),
+    "host_overhead": ({"host_fraction": 0.4}, {"host_fraction": 0.399}),
+    "dp_imbalance": (DP2 | {"replica_steps_min": 9.9}, DP2 | {"replica_steps_min": 10.0}),
 }
 
 
@@ -185,6 +265,24 @@ def test_every_regime_at_its_threshold(regime):
     ({"mfu": 0.7, "mbu": 0.9}, ["compute_bound"]),
     # too few decode tokens in the window to read a P99 from
     ({"prompt_tokens": 512.0, "itl_p99_s": 0.2, "itl_count": 19.0}, []),
+    # the TP group where communication weighs most is enough; too few multi-worker steps to judge are not
+    (TP3 | {"comm_share": 0.2, "comm_share_max_group": 0.35}, ["communication_bound"]),
+    (TP3 | {"comm_share": 0.5, "parallel_steps": 9.0}, []),
+    # requests queue behind communication: the workers' time is named, not the server's capacity
+    (TP3 | {"comm_share": 0.6, "waiting_mean": 3.0, "running_max": 64.0, "running_mean": 60.0},
+     ["communication_bound"]),
+    # bubbles without stages cannot be
+    ({"bubble_fraction": 0.5, "parallel_steps": 100.0}, []),
+    # replicas apart by their queues or their KV usage, and the lagging replica named before the queue it makes
+    (DP2 | {"replica_requests_max": 7.0, "replica_requests_min": 2.0}, ["dp_imbalance"]),
+    (DP2 | {"replica_requests_max": 6.9, "replica_requests_min": 2.0}, []),
+    (DP2 | {"replica_kv_usage_max": 0.75}, ["dp_imbalance"]),
+    (DP2 | {"replica_kv_usage_max": 0.65}, []),
+    (DP2 | {"replica_steps_min": 0.0, "waiting_mean": 3.0, "running_max": 64.0, "running_mean": 60.0},
+     ["dp_imbalance"]),
+    # a host-bound step that is also too small a batch: the batch first
+    ({"host_fraction": 0.6, "waiting_mean": 3.0, "running_max": 4.0, "running_mean": 4.0},
+     ["batch_too_small", "host_overhead"]),
 ])
 def test_regimes_in_order(changes, regimes):
     assert [f.regime for f in checklist(CALM | changes)] == regimes

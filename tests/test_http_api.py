@@ -65,6 +65,7 @@ def test_greedy_chat_matches_conveyor_generate(server, client, model, tokenizer)
     """The same tokens, or apart from the first difference on only because of a near tie (both runs have the
     two tokens in their top 5 within 0.01 of each other): the server's prefix cache may hold the start of the
     chat template from earlier requests, so its prompt may be computed in other pieces than offline."""
+    wait_until_idle(server)  # (the request alone in its steps, as offline)
     offline = subprocess.run(
         [sys.executable, "-m", "conveyor", "generate", "--json", "--chat", "-p", CLI_PROMPT, "--max-tokens", "24",
          "--logprobs", "5"],

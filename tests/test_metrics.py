@@ -69,14 +69,17 @@ def test_every_metric_moves_with_its_traffic():
     assert value("conveyor_device_peak_flops") == 2e12 and value("conveyor_device_peak_bytes_per_second") == 2.5e10
     assert value("conveyor_kv_cache_max_concurrency") == 3.125
     assert value("conveyor_engine_restarts_total") == 0
+    assert value("conveyor_tensor_parallel_size") == 1 and value("conveyor_pipeline_parallel_size") == 1
 
     # a step: the engine's gauges follow it, its cumulative counts become increments
     metrics.engine_step(stats(1, tokens=40, preemptions=1, aborted=1, hits=32, free=30, drafted=10, accepted=7,
                               rejected=2))
     assert value("conveyor_num_requests_running") == 3 and value("conveyor_num_requests_waiting") == 2
     assert value("conveyor_kv_cache_usage_ratio") == 0.4 and value("conveyor_kv_cache_free_blocks") == 30
-    assert value("conveyor_engine_step_seconds_count") == 1
+    assert value("conveyor_engine_step_seconds_count") == 1 and value("conveyor_engine_steps_total") == 1
     assert abs(value("conveyor_engine_step_seconds_sum") - 0.025) < 1e-9
+    for stage, seconds in {"schedule": 0.001, "forward": 0.02, "sample": 0.003, "update": 0.001}.items():
+        assert value("conveyor_step_stage_seconds_total", stage=stage) == seconds
     assert value("conveyor_preemptions_total") == 1 and value("conveyor_rejected_requests_total") == 2
     assert value("conveyor_engine_aborted_requests_total") == 1
     assert value("conveyor_prefix_cache_hit_tokens_total") == 32
@@ -86,6 +89,7 @@ def test_every_metric_moves_with_its_traffic():
     assert value("conveyor_step_mfu_count") == 1 and value("conveyor_step_mfu_sum") == 0.25
     assert value("conveyor_step_mfu_bucket", le="0.2") == 0 and value("conveyor_step_mfu_bucket", le="0.3") == 1
     assert value("conveyor_step_mbu_sum") == 0.5
+    assert value("conveyor_collectives_total") == 0 and value("conveyor_collective_bytes_total") == 0  # (one worker)
     # a snapshot between steps (after an abort): gauges move, no step is counted, counters add only what is new
     metrics.engine_step(stats(1, tokens=0, preemptions=3, aborted=2, hits=32, free=50, rejected=5))
     assert value("conveyor_kv_cache_free_blocks") == 50 and value("conveyor_rejected_requests_total") == 5
@@ -95,8 +99,10 @@ def test_every_metric_moves_with_its_traffic():
     assert value("conveyor_prefix_cache_hit_tokens_total") == 32
     # a restarted engine counts from zero again; the server's totals keep going
     metrics.engine_ready(EngineReady(pid=2, max_model_len=256, num_kv_blocks=50, block_size=16,
-                                     max_concurrency=3.125, load_time=1.0))
+                                     max_concurrency=3.125, load_time=1.0, tensor_parallel_size=2,
+                                     pipeline_parallel_size=3))
     assert value("conveyor_engine_restarts_total") == 1
+    assert value("conveyor_tensor_parallel_size") == 2 and value("conveyor_pipeline_parallel_size") == 3
     metrics.engine_step(stats(1, tokens=8, preemptions=1, hits=16, drafted=4, accepted=1))
     assert value("conveyor_preemptions_total") == 4 and value("conveyor_prefix_cache_hit_tokens_total") == 48
     assert value("conveyor_spec_draft_tokens_total") == 14 and value("conveyor_spec_accepted_tokens_total") == 8
@@ -142,13 +148,20 @@ def test_the_status_line_reports_rates_since_the_last_line():
 # ---------------------------------------------------------------- several workers (tensor/pipeline parallelism)
 
 PARALLEL = {"conveyor_step_comm_seconds", "conveyor_step_compute_seconds", "conveyor_worker_step_seconds",
-            "conveyor_step_bubble_fraction", "conveyor_pipeline_bubble_fraction"}
+            "conveyor_step_bubble_fraction", "conveyor_pipeline_bubble_fraction", "conveyor_worker_comm_seconds",
+            "conveyor_worker_wait_seconds"}
 
 
 def parallel_stats(timestamp: float, rank_times: list[float], comm: float, bubble: float,
                    tokens: int = 4) -> StepStats:
+    """A step of workers that each spent ``comm`` in collectives (one all-reduce of 1 KB per worker) and waited
+    what a ``bubble`` share of their time says, all in the last stage's ranks."""
     step = stats(1, tokens)
     step.timestamp, step.rank_times, step.comm_time, step.bubble_fraction = timestamp, rank_times, comm, bubble
+    step.rank_comm = [comm] * len(rank_times)
+    last = len(rank_times) // 2
+    step.rank_wait = [0.0] * last + [bubble * sum(rank_times) / (len(rank_times) - last)] * (len(rank_times) - last)
+    step.num_collectives, step.collective_bytes = 1.0, 1024.0
     return step
 
 
@@ -190,6 +203,11 @@ def test_multi_worker_steps_export_comm_compute_ranks_and_bubbles():
         assert value("conveyor_worker_step_seconds_sum", rank=rank) == pytest.approx(total)
     assert value("conveyor_worker_step_seconds_bucket", rank="3", le="0.02") == 1
     assert value("conveyor_worker_step_seconds_bucket", rank="3", le="0.05") == 2
+    for rank in "0123":
+        assert value("conveyor_worker_comm_seconds_total", rank=rank) == pytest.approx(0.0025)
+    assert value("conveyor_worker_wait_seconds_total", rank="0") == 0
+    assert value("conveyor_worker_wait_seconds_total", rank="3") == pytest.approx(0.25 * 0.064 / 2 + 0.5 * 0.02 / 2)
+    assert value("conveyor_collectives_total") == 2 and value("conveyor_collective_bytes_total") == 2048
     # ten seconds (one time constant) later the old value keeps a weight of 1/e
     assert value("conveyor_pipeline_bubble_fraction") == pytest.approx(0.25 / math.e + 0.5 * (1 - 1 / math.e))
     # the engine's own step histogram counts the same two steps

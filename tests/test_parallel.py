@@ -37,6 +37,50 @@ def test_every_layer_head_and_vocabulary_row_has_an_owner(tp, pp, num_kv_heads):
     assert sum(p.driver for p in placements) == 1
 
 
+def test_collectives_are_counted_and_timed_by_cuda_events_on_cuda(monkeypatch):
+    """A worker's collectives and transfers, counted with their bytes; on CUDA each is timed by a pair of CUDA
+    events read once the step is done (NCCL returns once the work is queued, so a host clock would see none of
+    it). Stand-ins for torch.distributed and CUDA events, whose elapsed times are set here."""
+    import torch
+    import torch.distributed as dist
+
+    from conveyor.worker.parallel import ParallelGroup
+
+    elapsed_ms = iter([4.0, 1.5, 2.5])  # an all-reduce, a send, a receive
+
+    class Event:
+        def __init__(self, enable_timing: bool = False):
+            assert enable_timing
+            self.recorded = self.synchronized = False
+
+        def record(self):
+            self.recorded = True
+
+        def synchronize(self):
+            self.synchronized = True
+
+        def elapsed_time(self, end) -> float:
+            assert self.recorded and end.recorded and end.synchronized
+            return next(elapsed_ms)
+
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    for name in ("all_reduce", "send", "recv"):
+        monkeypatch.setattr(dist, name, lambda *args, **kwargs: None)
+    group = ParallelGroup(Placement(0, 2, 2), tp_group=None, cuda=True)
+    x = torch.zeros(3, 64, dtype=torch.bfloat16)
+    group.all_reduce(x)
+    group.send_next(x)
+    group.recv_prev((3, 64), torch.bfloat16, torch.device("cpu"))
+    counts = group.take_counts()
+    assert (counts.num_collectives, counts.collective_bytes) == (1, 3 * 64 * 2)
+    assert counts.comm_time == pytest.approx((4.0 + 1.5) / 1e3) and counts.wait_time == pytest.approx(2.5e-3)
+    assert group.take_counts() == type(counts)()  # (read once)
+    # on a CPU the host clock times the same calls
+    cpu = ParallelGroup(Placement(0, 2, 1), tp_group=None)
+    cpu.all_reduce(x)
+    assert cpu.take_counts().num_collectives == 1
+
+
 def test_a_split_that_does_not_divide_names_the_numbers():
     assert "9 attention heads" in check_divisible(Placement(0, 2, 1), 9, 3, 1536, 30)
     assert "3 KV heads" in check_divisible(Placement(0, 2, 1), 4, 3, 64, 30)

@@ -112,3 +112,21 @@ def test_the_command_line_exits_1_when_no_config_meets_the_slos():
                             capture_output=True, text=True, timeout=300, check=False)
     assert result.returncode == 1, result.stdout + result.stderr
     assert "meets the SLOs at no rate tried" in result.stdout
+
+
+def test_the_plan_says_what_tensor_parallelism_spends_on_its_link():
+    """Two GPUs as one TP=2 engine: the plan names the share of each step its all-reduces take over the link,
+    larger over PCIe Gen5 than over NVLink 4; one GPU has no such line."""
+    requests, arrivals = workload(8)
+    shares = {}
+    for link in ("nvlink4", "pcie5"):
+        planner = Planner(None, {"model.max_model_len": 4096}, MODELS["llama-3-8b"], "h100", requests, arrivals,
+                          parse_slos("ttft_p99=5s"), gpus=2, interconnect=link)
+        candidate = planner.evaluate(Candidate({"parallel.tensor_parallel_size": 2}))
+        shares[link] = candidate.summary["comm_share"]
+        assert f"of each step in all-reduces ({link})" in format_plan(planner, [candidate], 1, "plan")
+    assert 0 < shares["nvlink4"] < shares["pcie5"] < 1
+    planner = Planner(None, {"model.max_model_len": 4096}, MODELS["llama-3-8b"], "h100", requests, arrivals,
+                      parse_slos("ttft_p99=5s"))
+    alone = planner.evaluate(Candidate({}))
+    assert alone.summary["comm_share"] == 0 and "all-reduces" not in format_plan(planner, [alone], 1, "plan")

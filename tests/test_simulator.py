@@ -10,7 +10,16 @@ import sys
 
 import pytest
 
-from conveyor.bench.simulator import MODELS, CostModel, SimRequest, calibrate, simulate, weight_bytes
+from conveyor.bench.simulator import (
+    INTERCONNECTS,
+    MODELS,
+    CostModel,
+    SimRequest,
+    calibrate,
+    comm_share,
+    simulate,
+    weight_bytes,
+)
 from conveyor.config import load_config
 from conveyor.engine.peaks import gpu_peaks
 from conveyor.messages import KVCacheStats, SchedulerStats, StepStats
@@ -18,8 +27,9 @@ from conveyor.messages import KVCacheStats, SchedulerStats, StepStats
 H100 = gpu_peaks("H100 SXM")
 LLAMA = MODELS["llama-3-8b"]
 # the datasheet cost model's stated assumptions (conveyor.bench.simulator): 60% of the peak FLOP/s, 80% of the
-# bandwidth, 2 ms a step, 300 GB/s between devices
-FLOP_EFFICIENCY, BYTE_EFFICIENCY, STEP_OVERHEAD_S, LINK_BYTES_PER_S = 0.6, 0.8, 0.002, 300e9
+# bandwidth, 2 ms a step; NVLink 4 between devices by default, 450 GB/s one way and 1 us a hop
+FLOP_EFFICIENCY, BYTE_EFFICIENCY, STEP_OVERHEAD_S = 0.6, 0.8, 0.002
+LINK_BYTES_PER_S, LINK_LATENCY_S = 450e9, 1e-6
 
 
 def prompts(count: int, length: int, seed: int = 0) -> list[list[int]]:
@@ -96,6 +106,41 @@ def test_weights_that_do_not_fit_are_refused_and_tensor_parallelism_splits_them(
     assert min(two.itl) / 2 <= min(four.itl) < min(two.itl)
 
 
+def ring_all_reduces(spec, tp: int, tokens: int, link) -> float:
+    """Seconds of a step's collectives: two ring all-reduces of the hidden states per layer, each 2 (tp - 1)
+    hops of the link's latency carrying 2 (tp - 1) / tp of the bytes at its bandwidth."""
+    hops = 2 * (tp - 1)
+    return 2 * spec.num_layers * (hops * link.latency_s
+                                  + hops / tp * tokens * spec.hidden_size * 2 / link.bytes_per_second)
+
+
+def test_tensor_parallelism_over_nvlink_and_over_pcie():
+    """Llama-3-70B at TP=8 on H100s: a decode step alone pays its all-reduces on top of an eighth of the
+    weights' reads, at each link's latency and bandwidth; over PCIe Gen5 they take a larger share of the steps
+    and a flood runs slower than over NVLink 4."""
+    llama_70b = MODELS["llama-3-70b"]
+    parallel = {"parallel.tensor_parallel_size": 8}
+    flood = [SimRequest(p, 64) for p in prompts(64, 400, seed=5)]
+    result = {}
+    for name in ("nvlink4", "pcie5"):
+        config = load_config(None, {"model.dtype": "bfloat16", **parallel})
+        cost = CostModel.datasheet(H100, "bfloat16", llama_70b, 8, name)
+        [alone], _, alone_steps = simulate(config, llama_70b, [SimRequest(prompts(1, 200)[0], 16)], [0.0], cost,
+                                           H100)
+        decode = alone_steps[-1]
+        assert decode.comm_time == pytest.approx(ring_all_reduces(llama_70b, 8, 1, INTERCONNECTS[name]))
+        records, duration, steps = simulate(config, llama_70b, flood, [0.0] * len(flood), cost, H100)
+        assert all(r.error is None and r.output_tokens == 64 for r in records)
+        result[name] = (comm_share(steps), sum(r.output_tokens for r in records) / duration, min(alone.itl))
+    (nvlink_share, nvlink_rate, nvlink_itl), (pcie_share, pcie_rate, pcie_itl) = result["nvlink4"], result["pcie5"]
+    assert 0 < nvlink_share < pcie_share < 1
+    assert pcie_rate < nvlink_rate and nvlink_itl < pcie_itl
+    # the step's time is the weights' reads, the overhead and the collectives
+    eighth = weight_bytes(llama_70b, 2) / 8
+    assert nvlink_itl == pytest.approx(STEP_OVERHEAD_S + eighth / (BYTE_EFFICIENCY * H100.bytes_per_second)
+                                       + ring_all_reduces(llama_70b, 8, 1, INTERCONNECTS["nvlink4"]), rel=0.02)
+
+
 def test_pipeline_stages_hold_more_kv_and_raise_throughput_but_not_one_token_latency():
     """Llama-3-70B on H100s at TP=2, then with two pipeline stages of TP=2: each device holds half the layers,
     so the cache has room for more blocks; a token alone still passes every stage in turn (no faster than all
@@ -122,9 +167,10 @@ def test_pipeline_stages_hold_more_kv_and_raise_throughput_but_not_one_token_lat
         assert blocks == pytest.approx(kvcache.memory_fraction * free / block_bytes, rel=0.01)
     half = weight_bytes(llama_70b, 2) / 2  # (TP=2: what each device reads)
     assert itl_1 >= half / H100.bytes_per_second
-    assert itl_1 <= 1.01 * (STEP_OVERHEAD_S + half / (BYTE_EFFICIENCY * H100.bytes_per_second))
+    assert itl_1 <= 1.01 * (STEP_OVERHEAD_S + half / (BYTE_EFFICIENCY * H100.bytes_per_second)
+                            + ring_all_reduces(llama_70b, 2, 1, INTERCONNECTS["nvlink4"]))
     # a lone token passes the two stages in turn: the same reads, plus its hidden state sent between them
-    assert itl_2 - itl_1 == pytest.approx(llama_70b.hidden_size * 2 / LINK_BYTES_PER_S, rel=0.05)
+    assert itl_2 - itl_1 == pytest.approx(LINK_LATENCY_S + llama_70b.hidden_size * 2 / LINK_BYTES_PER_S, rel=0.05)
     assert rate_1 < rate_2 <= 2 * rate_1
 
 

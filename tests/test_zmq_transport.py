@@ -196,6 +196,9 @@ def test_sync_client_matches_http(server, client_keys):
 
     with Client(server.url("tcp"), timeout=60, **client_keys) as client:
         assert client.health().alive
+        # the same request once before, so the compared ones find the same prefix cache (the same blocks
+        # cached, the same pieces computed: equal usage, cached tokens included)
+        client.generate(messages=QUESTION, max_tokens=1, temperature=0)
         whole = client.generate(messages=QUESTION, max_tokens=16, temperature=0)
         chunks = list(client.stream(messages=QUESTION, max_tokens=16, temperature=0))
         with pytest.raises(ServerError) as error:

@@ -40,7 +40,7 @@ if sys.version_info >= (3, 11):
 else:
     import tomli as tomllib
 
-from conveyor.bench.simulator import SimRequest, hardware_costs, simulate
+from conveyor.bench.simulator import DEFAULT_INTERCONNECT, SimRequest, comm_share, hardware_costs, simulate
 from conveyor.bench.stats import summarize
 from conveyor.config import Config, ConfigError, load_config
 
@@ -120,12 +120,14 @@ class Planner:
         overrides: ``section.key`` -> value applied before the candidate's keys.
         arrivals: seconds of each request's arrival at 1 request/s (scaled for each rate).
         gpus: devices for one deployment (TP x DP = gpus).
+        interconnect: the link between the GPUs (``conveyor.bench.simulator.INTERCONNECTS``; None: NVLink 4).
     """
 
     def __init__(self, config_file: str | None, overrides: dict[str, Any], spec, hardware: str,
                  requests: Sequence[SimRequest], arrivals: Sequence[float], slos: Sequence[Slo], gpus: int = 1,
-                 progress: Callable[[str], None] | None = None):
+                 progress: Callable[[str], None] | None = None, interconnect: str | None = None):
         self.config_file, self.overrides, self.spec, self.hardware = config_file, overrides, spec, hardware
+        self.interconnect = interconnect
         self.requests, self.arrivals, self.slos, self.gpus = list(requests), list(arrivals), list(slos), gpus
         self.progress = progress or (lambda line: None)
         self._costs: dict[tuple[int, str], Any] = {}
@@ -136,17 +138,18 @@ class Planner:
     def _hardware(self, config: Config):
         key = (config.parallel.tensor_parallel_size, config.model.dtype)
         if key not in self._costs:  # (a CPU calibrates once)
-            self._costs[key] = hardware_costs(self.hardware, config, self.spec)
+            self._costs[key] = hardware_costs(self.hardware, config, self.spec, self.interconnect)
         return self._costs[key]
 
     def run(self, config: Config, rate: float, replicas: int) -> dict[str, Any]:
-        """One replica's simulated report at ``rate`` requests/s for the whole deployment."""
+        """One replica's simulated report at ``rate`` requests/s for the whole deployment (with ``comm_share``:
+        the share of its steps' time in collectives)."""
         peaks, cost = self._hardware(config)
         requests = self.requests[::replicas]
         share = rate / replicas
         arrivals = [0.0] * len(requests) if math.isinf(share) else [t / share for t in self.arrivals[::replicas]]
-        records, duration, _ = simulate(config, self.spec, requests, arrivals, cost, peaks)
-        return summarize(records, duration)
+        records, duration, steps = simulate(config, self.spec, requests, arrivals, cost, peaks)
+        return {**summarize(records, duration), "comm_share": comm_share(steps)}
 
     def evaluate(self, candidate: Candidate) -> Candidate:
         """Find the candidate's capacity (or why it cannot run)."""
@@ -263,6 +266,9 @@ def format_plan(planner: Planner, candidates: Sequence[Candidate], top: int, tit
                      f"{first.capacity * tokens:.0f} output tok/s); at that rate TTFT P50/P99 "
                      f"{s['ttft_ms']['p50']:.0f}/{s['ttft_ms']['p99']:.0f} ms, "
                      f"ITL P50/P99 {s['itl_ms']['p50']:.1f}/{s['itl_ms']['p99']:.1f} ms")
+        if s.get("comm_share"):  # (tensor parallelism: what its all-reduces cost)
+            lines.append(f"# its devices spend {s['comm_share']:.0%} of each step in all-reduces "
+                         f"({planner.interconnect or DEFAULT_INTERCONNECT})")
         lines += [f"# the same predicted with {c.label()}" for c in same[:3]]
         if len(same) > 3:
             lines.append(f"# and {len(same) - 3} more")
@@ -283,7 +289,8 @@ def main(args) -> int:
     requests = workload(args)
     arrivals = [float(t) for t in arrival_times(len(requests), 1.0, args.burstiness, args.seed)]
     planner = Planner(args.config_file, dict(parse_override(o) for o in args.set), spec, args.hardware, requests,
-                      arrivals, slos, args.gpus, progress=lambda line: print(line, flush=True))
+                      arrivals, slos, args.gpus, progress=lambda line: print(line, flush=True),
+                      interconnect=args.interconnect)
     engine_log = logging.getLogger("conveyor")
     level = engine_log.level
     engine_log.setLevel(logging.WARNING)  # (each simulated engine would log its KV cache)

@@ -15,12 +15,14 @@ Cost models:
   so their times add.
 - **Datasheet** (a GPU from the table): ``seconds = overhead + max(FLOPs /
   (60% of peak), bytes / (80% of bandwidth))`` per device, the work split
-  over ``tensor_parallel_size`` devices, plus two all-reduces of the hidden
-  states per layer at 300 GB/s. ``pipeline_parallel_size`` P splits the
-  layers over P stages that a step passes in turn (hidden states sent
-  between them at the same rate), with up to P steps in flight. The
-  efficiencies and the 2 ms overhead are assumptions, not measurements:
-  calibrate them on the GPU where there is one.
+  over ``tensor_parallel_size`` devices, plus two ring all-reduces of the
+  hidden states per layer over the interconnect (``--interconnect``: NVLink,
+  PCIe, InfiniBand or Ethernet, ``INTERCONNECTS``; each hop its latency,
+  the bytes at the datasheet's bandwidth). ``pipeline_parallel_size`` P
+  splits the layers over P stages that a step passes in turn (hidden states
+  sent between them over the same link), with up to P steps in flight. The
+  efficiencies, the 2 ms overhead and the links' latencies are assumptions,
+  not measurements: calibrate them on the GPU where there is one.
 
 Schedulers that wait on the wall clock for a batch to fill (``static``,
 ``dynamic``) stop the simulation with an error when they do; ``continuous``
@@ -44,7 +46,7 @@ from conveyor.engine.peaks import DevicePeaks
 from conveyor.engine.roofline import ModelCosts, step_work, weight_counts
 from conveyor.executor import Executor, ModelInfo
 from conveyor.kvcache import DTYPE_BYTES, KVCacheSpec
-from conveyor.messages import EngineRequest, RunnerOutput, StepInput, StepStats
+from conveyor.messages import EngineRequest, RankTimes, RunnerOutput, StepInput, StepStats
 from conveyor.model.spec import ModelSpec
 from conveyor.registry import PluginRegistry
 from conveyor.sampling import SamplingParams
@@ -65,7 +67,29 @@ QUANT_BYTES = {"int8": 1, "fp8": 1}
 GPU_FLOP_EFFICIENCY = 0.6
 GPU_BYTE_EFFICIENCY = 0.8
 GPU_STEP_OVERHEAD_S = 0.002
-TP_LINK_BYTES_PER_S = 300e9
+
+
+@dataclass(frozen=True)
+class Interconnect:
+    """A link between a node's devices (or between nodes): its bandwidth, one way, per device, and the latency
+    one hop of a collective adds (an assumption of the order NCCL reaches, not a datasheet figure)."""
+
+    bytes_per_second: float
+    latency_s: float
+    source: str
+
+
+# what ``--interconnect`` may name; the bandwidths are the datasheets' (both directions together), halved
+INTERCONNECTS = {
+    "nvlink5": Interconnect(900e9, 1e-6, "NVIDIA B200 datasheet: fifth-generation NVLink, 1.8 TB/s per GPU"),
+    "nvlink4": Interconnect(450e9, 1e-6, "NVIDIA H100 SXM datasheet: fourth-generation NVLink, 900 GB/s per GPU"),
+    "nvlink3": Interconnect(300e9, 1e-6, "NVIDIA A100 SXM datasheet: third-generation NVLink, 600 GB/s per GPU"),
+    "pcie5": Interconnect(64e9, 3e-6, "NVIDIA H100 PCIe datasheet: PCIe Gen5 x16, 128 GB/s"),
+    "pcie4": Interconnect(32e9, 3e-6, "NVIDIA A100 PCIe datasheet: PCIe Gen4 x16, 64 GB/s"),
+    "infiniband-ndr": Interconnect(50e9, 5e-6, "NVIDIA ConnectX-7: InfiniBand NDR, 400 Gb/s per port"),
+    "ethernet-100g": Interconnect(12.5e9, 10e-6, "IEEE 802.3 100 Gb/s Ethernet (RoCE)"),
+}
+DEFAULT_INTERCONNECT = "nvlink4"
 # a GPU's memory kept from the KV cache for activations and the CUDA context
 ACTIVATION_RESERVE_BYTES = 2 * 10**9
 
@@ -86,27 +110,43 @@ class CostModel:
     per_byte: float
     per_sequence: float = 0.0
     # the datasheet model: the larger of the compute and the memory time (they overlap), plus the collectives
+    # over the link between the devices (bytes/s one way, seconds a hop)
     overlap: bool = False
     tp: int = 1
     hidden_size: int = 0
     num_layers: int = 0
     dtype_bytes: int = 2
+    link_bytes_per_s: float = 0.0
+    link_latency_s: float = 0.0
 
     def seconds(self, flops: float, moved: float, sequences: int, tokens: int) -> float:
         if not self.overlap:
             return self.overhead_s + self.per_flop * flops + self.per_byte * moved + self.per_sequence * sequences
-        work = max(self.per_flop * flops, self.per_byte * moved) / self.tp
-        comm = 0.0
-        if self.tp > 1:  # two all-reduces of [tokens, hidden] per layer, ring: 2 (tp - 1) / tp of the bytes each
-            comm = 2 * self.num_layers * tokens * self.hidden_size * self.dtype_bytes * 2 * (self.tp - 1) / self.tp
-            comm /= TP_LINK_BYTES_PER_S
-        return self.overhead_s + work + comm
+        return self.overhead_s + max(self.per_flop * flops, self.per_byte * moved) / self.tp + self.comm_seconds(tokens)
+
+    def comm_seconds(self, tokens: int) -> float:
+        """The step's collectives: two all-reduces of [tokens, hidden] per layer, each a ring of 2 (tp - 1) hops
+        that carry 2 (tp - 1) / tp of the bytes."""
+        if self.tp == 1 or not self.link_bytes_per_s:
+            return 0.0
+        hops = 2 * (self.tp - 1)
+        one = hops * self.link_latency_s + hops / self.tp * tokens * self.hidden_size * self.dtype_bytes / self.link_bytes_per_s
+        return 2 * self.num_layers * one
+
+    def hop_seconds(self, tokens: int) -> float:
+        """Hidden states of ``tokens`` sent from one pipeline stage to the next."""
+        if not self.link_bytes_per_s:
+            return 0.0
+        return self.link_latency_s + tokens * self.hidden_size * self.dtype_bytes / self.link_bytes_per_s
 
     @classmethod
-    def datasheet(cls, peaks: DevicePeaks, dtype: str, spec: ModelSpec, tp: int = 1) -> CostModel:
+    def datasheet(cls, peaks: DevicePeaks, dtype: str, spec: ModelSpec, tp: int = 1,
+                  interconnect: str = DEFAULT_INTERCONNECT) -> CostModel:
+        link = INTERCONNECTS[interconnect]
         return cls(GPU_STEP_OVERHEAD_S, 1 / (GPU_FLOP_EFFICIENCY * peaks.flops_for(dtype)),
                    1 / (GPU_BYTE_EFFICIENCY * peaks.bytes_per_second), overlap=True, tp=tp,
-                   hidden_size=spec.hidden_size, num_layers=spec.num_layers, dtype_bytes=DTYPE_BYTES[dtype])
+                   hidden_size=spec.hidden_size, num_layers=spec.num_layers, dtype_bytes=DTYPE_BYTES[dtype],
+                   link_bytes_per_s=link.bytes_per_second, link_latency_s=link.latency_s)
 
 
 def calibrate(steps: Sequence[StepStats]) -> CostModel:
@@ -182,7 +222,7 @@ class SimulatedExecutor(Executor):
         tokens = sum(len(r.token_ids) for r in step.requests)
         seconds = self.cost.seconds(work.flops, work.bytes, len(step.requests), tokens)
         # through the stages in turn, each free once the step before has left it
-        hop = tokens * self.spec.hidden_size * DTYPE_BYTES[self.config.model.dtype] / TP_LINK_BYTES_PER_S
+        hop = self.cost.hop_seconds(tokens)
         at = self.clock
         for stage in range(self.stages):
             at = max(at, self._stage_free[stage]) + seconds / self.stages
@@ -191,7 +231,10 @@ class SimulatedExecutor(Executor):
                 at += hop
         self._leaves.append(at)
         sampled = [1 if r.sample else None for r in step.requests]
-        return RunnerOutput(sampled, [None] * len(step.requests), forward_time=seconds)
+        comm = self.cost.comm_seconds(tokens) + (self.stages - 1) * hop
+        workers = self.cost.tp * self.stages
+        ranks = [RankTimes(seconds, comm, 0.0)] * workers if workers > 1 else []
+        return RunnerOutput(sampled, [None] * len(step.requests), forward_time=seconds, comm_time=comm, ranks=ranks)
 
     def collect(self) -> RunnerOutput:
         self.collected_at = self._leaves.popleft()
@@ -327,20 +370,27 @@ def resolve_model(name: str) -> ModelSpec:
     return spec_from_hf_config(json.loads((path / "config.json" if path.is_dir() else path).read_text()))
 
 
-def hardware_costs(hardware: str, config: Config, spec: ModelSpec) -> tuple[DevicePeaks, CostModel]:
-    """The device's peaks and the cost model of ``config``'s steps on it: a GPU of the table (datasheet), or
-    ``cpu`` (this machine, calibrated by a short real run of the config's model)."""
+def hardware_costs(hardware: str, config: Config, spec: ModelSpec,
+                   interconnect: str | None = None) -> tuple[DevicePeaks, CostModel]:
+    """The device's peaks and the cost model of ``config``'s steps on it: a GPU of the table (datasheet; its
+    devices joined by ``interconnect``, NVLink 4 by default), or ``cpu`` (this machine, calibrated by a short
+    real run of the config's model)."""
     from conveyor import native
     from conveyor.engine.peaks import cpu_peaks, gpu_peaks
 
+    if interconnect is not None and interconnect not in INTERCONNECTS:
+        raise ValueError(f"--interconnect {interconnect!r}: allowed: {', '.join(INTERCONNECTS)}")
     if hardware == "cpu":
+        if interconnect is not None:
+            raise ValueError("--interconnect applies to GPUs (--hardware); this CPU's workers are calibrated")
         peaks = cpu_peaks(native.cache_root())
         print("calibrating on this machine: a short real run of the config's model ...", flush=True)
         return peaks, calibrate(measure_steps(config))
     peaks = gpu_peaks(hardware)
     if peaks is None:
         raise ValueError(f"--hardware {hardware!r}: not in the GPU table (conveyor profile --gpus), nor 'cpu'")
-    return peaks, CostModel.datasheet(peaks, config.model.dtype, spec, config.parallel.tensor_parallel_size)
+    return peaks, CostModel.datasheet(peaks, config.model.dtype, spec, config.parallel.tensor_parallel_size,
+                                      interconnect or DEFAULT_INTERCONNECT)
 
 
 def workload(args) -> list[SimRequest]:
@@ -362,22 +412,31 @@ def main(args) -> int:
 
     config = load_config(args.config_file, dict(parse_override(o) for o in args.set))
     spec = resolve_model(args.model)
-    peaks, cost = hardware_costs(args.hardware, config, spec)
+    peaks, cost = hardware_costs(args.hardware, config, spec, args.interconnect)
+    several = config.parallel.tensor_parallel_size * config.parallel.pipeline_parallel_size > 1
+    link = f", {args.interconnect or DEFAULT_INTERCONNECT}" if several and args.hardware != "cpu" else ""
     requests = workload(args)
     runs = []
     for rate in args.request_rate:
         arrivals = [float(t) for t in arrival_times(len(requests), rate, args.burstiness, args.seed)]
-        records, duration, _ = simulate(config, spec, requests, arrivals, cost, peaks)
-        run = {"label": f"{args.model} on {peaks.name} (simulated)", "config": {"rate": rate},
-               "summary": summarize(records, duration, _slos(args.goodput))}
+        records, duration, steps = simulate(config, spec, requests, arrivals, cost, peaks)
+        run = {"label": f"{args.model} on {peaks.name}{link} (simulated)", "config": {"rate": rate},
+               "summary": summarize(records, duration, _slos(args.goodput)), "comm_share": comm_share(steps)}
         runs.append(run)
-        print(f"\n{run['label']}, {rate_label(rate)} requests/s\n{run_table(run)}", flush=True)
+        comm = f"\n  communication: {run['comm_share']:.1%} of the steps' time" if several else ""
+        print(f"\n{run['label']}, {rate_label(rate)} requests/s\n{run_table(run)}{comm}", flush=True)
     if len(runs) > 1:
         print("\n" + sweep_table(runs))
     if args.json_path:
         with open(args.json_path, "w") as f:
             json.dump({"cost_model": asdict(cost), "runs": runs}, f, indent=2)
     return 0
+
+
+def comm_share(steps: Sequence[StepStats]) -> float:
+    """The share of the steps' time in collectives and transfers between devices."""
+    total = sum(s.forward_time for s in steps)
+    return sum(s.comm_time for s in steps) / total if total else 0.0
 
 
 def add_workload_arguments(parser) -> None:
@@ -388,6 +447,9 @@ def add_workload_arguments(parser) -> None:
                         help=f"one of {', '.join(MODELS)}, or a config.json (or its directory)")
     parser.add_argument("--hardware", default="cpu", help="a GPU of the table (conveyor profile --gpus), or cpu: this "
                         "machine, calibrated by a short real run of the config's model")
+    parser.add_argument("--interconnect", choices=list(INTERCONNECTS), default=None,
+                        help=f"the link between the GPUs (default: {DEFAULT_INTERCONNECT}); see INTERCONNECTS in "
+                        "conveyor.bench.simulator for each one's bandwidth and source")
     parser.add_argument("--dataset", default="mixed", help="mixed | random | sharegpt:FILE (default: mixed)")
     parser.add_argument("--tokenizer", help="sizes the prompts (default: the default model's)")
     parser.add_argument("--num-requests", type=int, default=64)

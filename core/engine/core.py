@@ -275,6 +275,10 @@ class EngineCore:
             stats.comm_time = sum(r.comm for r in result.ranks) / len(result.ranks)
             busy = sum(r.busy for r in result.ranks)
             stats.bubble_fraction = sum(r.wait for r in result.ranks) / busy if busy else 0.0
+            stats.rank_comm = [r.comm for r in result.ranks]
+            stats.rank_wait = [r.wait for r in result.ranks]
+            stats.num_collectives = sum(r.num_collectives for r in result.ranks) / len(result.ranks)
+            stats.collective_bytes = sum(r.collective_bytes for r in result.ranks) / len(result.ranks)
         return outputs, stats
 
     def _kv_owners(self) -> KVOwners | None:
@@ -342,7 +346,8 @@ class EngineCore:
         return EngineReady(os.getpid(), self.max_model_len, kv.num_blocks, kv.block_size,
                            kv.capacity_tokens / self.max_model_len, load_time, self.info.device, self.info.attention,
                            self.info.weight_bytes, self.peak_flops, self.peak_bytes_per_second,
-                           self.config.quant.plugin, self.info.weight_formats)
+                           self.config.quant.plugin, self.info.weight_formats,
+                           self.config.parallel.tensor_parallel_size, self.config.parallel.pipeline_parallel_size)
 
     def stats(self) -> StepStats:
         """The queues and the KV cache now, and who holds its blocks when that is due (a step fills in its tokens

@@ -196,7 +196,8 @@ def merge_outputs(outputs: list[RunnerOutput], driver_rank: int) -> RunnerOutput
     if len(outputs) == 1:
         return outputs[0]
     driver = outputs[driver_rank]
-    driver.ranks = [RankTimes(o.forward_time + o.sample_time, o.comm_time, o.wait_time) for o in outputs]
+    driver.ranks = [RankTimes(o.forward_time + o.sample_time, o.comm_time, o.wait_time, o.num_collectives,
+                              o.collective_bytes) for o in outputs]
     return driver
 
 

@@ -16,8 +16,10 @@ exposition has no ``replica`` label at all.
 Engines with several workers (tensor/pipeline parallelism) add, from their steps
 only: per-step histograms of the time in collectives and transfers vs compute and
 of the pipeline's bubble fraction (global, like the engine step time), each
-worker's step time labelled by ``rank`` (and ``replica``), and a smoothed bubble
-gauge per engine. A single-worker server exports these families without samples.
+worker's step time and its seconds in communication and in pipeline waits
+labelled by ``rank`` (and ``replica``), the collectives and their bytes, and a
+smoothed bubble gauge per engine. A single-worker server exports these
+families without samples (and its parallel sizes as 1).
 
 Engines on CUDA add NVML's utilization and memory per GPU where nvidia-ml-py and the
 driver are there (``conveyor.serving.nvml``).
@@ -54,14 +56,18 @@ class ServerMetrics:
         model_name: the ``model_name`` label of every metric.
         num_replicas: engine replicas (data parallelism); above 1, per-engine metrics get a ``replica`` label.
         replica_alive: with several replicas, whether replica i is up now (read at each scrape).
+        replica_in_flight: with several replicas, the requests the frontend routed to replica i that have not
+            ended (read at each scrape).
     """
 
-    def __init__(self, model_name: str, num_replicas: int = 1, replica_alive: Callable[[int], bool] | None = None):
+    def __init__(self, model_name: str, num_replicas: int = 1, replica_alive: Callable[[int], bool] | None = None,
+                 replica_in_flight: Callable[[int], int] | None = None):
         self.registry = CollectorRegistry()
         r = self.registry
         labels = {"model_name": model_name}
         self.num_replicas = num_replicas
         self._replica_alive = replica_alive
+        self._replica_in_flight = replica_in_flight
 
         def histogram(name: str, doc: str) -> Histogram:
             return Histogram(name, doc, ["model_name"], registry=r, buckets=LATENCY_BUCKETS).labels(**labels)
@@ -84,7 +90,15 @@ class ServerMetrics:
         self.e2e = histogram("conveyor_e2e_request_latency_seconds", "Time from arrival to the last token.")
         self.queue_time = histogram("conveyor_request_queue_time_seconds", "Time from arrival to the first step.")
         self.step_time = histogram("conveyor_engine_step_seconds", "Duration of one engine step.")
+        self.stage_seconds = Counter(
+            "conveyor_step_stage_seconds", "Seconds of the engine's steps by stage: schedule (choosing the batch), "
+            "forward (building inputs and the forward pass), sample, update (recording the results).",
+            ["model_name", "stage"], registry=r,
+        )
+        self._stages = {stage: self.stage_seconds.labels(model_name, stage)
+                        for stage in ("schedule", "forward", "sample", "update")}
         # per engine replica (one list entry each)
+        self.steps = per_engine(Counter, "conveyor_engine_steps", "Steps the engine ran.")
         self.running = per_engine(Gauge, "conveyor_num_requests_running", "Requests in the running batch.")
         self.waiting = per_engine(Gauge, "conveyor_num_requests_waiting", "Requests waiting to run.")
         self.kv_usage = per_engine(Gauge, "conveyor_kv_cache_usage_ratio", "Fraction of the KV cache in use (0..1).")
@@ -143,6 +157,11 @@ class ServerMetrics:
             per_engine(Counter, "conveyor_replica_requests", "Requests each engine replica ended, by its own count.")
             if num_replicas > 1 else []
         )
+        self.replica_in_flight = (
+            per_engine(Gauge, "conveyor_replica_requests_in_flight",
+                       "Requests the frontend routed to each engine replica that have not ended.")
+            if num_replicas > 1 and replica_in_flight is not None else []
+        )
         # several workers: children appear with the first multi-worker step (see ``_parallel_step``)
         engine_labels = ["model_name", "replica"] if num_replicas > 1 else ["model_name"]
         self.comm_time = Histogram(
@@ -162,6 +181,24 @@ class ServerMetrics:
             "included.",
             [*engine_labels, "rank"], registry=r, buckets=PARALLEL_BUCKETS,
         )
+        self.worker_comm_seconds = Counter(
+            "conveyor_worker_comm_seconds", "Seconds each worker spent in collectives and transfers.",
+            [*engine_labels, "rank"], registry=r,
+        )
+        self.worker_wait_seconds = Counter(
+            "conveyor_worker_wait_seconds", "Seconds each worker spent waiting for the previous pipeline stage.",
+            [*engine_labels, "rank"], registry=r,
+        )
+        self.collectives = counter(
+            "conveyor_collectives", "All-reduces and gathers within a tensor-parallel group (a worker's, the "
+            "mean over workers, summed over steps).",
+        )
+        self.collective_bytes = counter(
+            "conveyor_collective_bytes", "Bytes a worker sent in collectives (the mean over workers, summed over "
+            "steps).",
+        )
+        self.tp_size = per_engine(Gauge, "conveyor_tensor_parallel_size", "Workers in each pipeline stage.")
+        self.pp_size = per_engine(Gauge, "conveyor_pipeline_parallel_size", "Pipeline stages.")
         self.bubble = Histogram(
             "conveyor_step_bubble_fraction",
             "Per multi-worker step: share of the workers' time spent waiting for the previous pipeline stage.",
@@ -202,6 +239,8 @@ class ServerMetrics:
         self.max_concurrency[replica].set(ready.max_concurrency)
         self.peak_flops[replica].set(ready.peak_flops)
         self.peak_bandwidth[replica].set(ready.peak_bytes_per_second)
+        self.tp_size[replica].set(ready.tensor_parallel_size)
+        self.pp_size[replica].set(ready.pipeline_parallel_size)
         for format, n in ready.weight_formats.items():
             replica_label = {"replica": str(replica)} if self._replica_label else {}
             self.weight_bytes.labels(model_name=self._model_name, format=format, **replica_label).set(n)
@@ -219,6 +258,10 @@ class ServerMetrics:
         self.kv_free_blocks[replica].set(stats.kv.num_free_blocks)
         if stats.num_prefill_tokens or stats.num_decode_tokens:  # a step, not a snapshot after an abort
             self.step_time.observe(stats.schedule_time + stats.forward_time + stats.sample_time + stats.update_time)
+            self.steps[replica].inc()
+            for stage, seconds in (("schedule", stats.schedule_time), ("forward", stats.forward_time),
+                                   ("sample", stats.sample_time), ("update", stats.update_time)):
+                self._stages[stage].inc(seconds)
             self.flops.inc(stats.flops)
             self.bytes_moved.inc(stats.bytes_moved)
             self.forward_seconds.inc(stats.forward_time)
@@ -251,6 +294,11 @@ class ServerMetrics:
         engine = [self._model_name, str(replica)] if self.num_replicas > 1 else [self._model_name]
         for rank, seconds in enumerate(stats.rank_times):
             self.worker_step_time.labels(*engine, str(rank)).observe(seconds)
+        for rank, (comm, wait) in enumerate(zip(stats.rank_comm, stats.rank_wait)):
+            self.worker_comm_seconds.labels(*engine, str(rank)).inc(comm)
+            self.worker_wait_seconds.labels(*engine, str(rank)).inc(wait)
+        self.collectives.inc(stats.num_collectives)
+        self.collective_bytes.inc(stats.collective_bytes)
         previous = self._bubble_state[replica]
         if previous is None:
             smoothed = stats.bubble_fraction
@@ -287,6 +335,8 @@ class ServerMetrics:
             alive = self._replica_alive(replica) if self._replica_alive is not None else engine_alive
             gauge.set(1 if alive else 0)
         self.in_flight.set(num_in_flight)
+        for replica, gauge in enumerate(self.replica_in_flight):
+            gauge.set(self._replica_in_flight(replica))
         if self.gpus is not None:
             self.gpus.update()
         return generate_latest(self.registry)

@@ -113,7 +113,8 @@ def _metrics(engine: EngineClient, model_name: str) -> ServerMetrics:
     """The server's metrics, fed by the engine's observers (per replica with several)."""
     if isinstance(engine, DPClient):
         replicas = engine.replicas
-        metrics = ServerMetrics(model_name, len(replicas), replica_alive=lambda i: replicas[i].alive)
+        metrics = ServerMetrics(model_name, len(replicas), replica_alive=lambda i: replicas[i].alive,
+                                replica_in_flight=lambda i: replicas[i].num_in_flight)
         engine.replica_stats_observers.append(metrics.engine_step)
         engine.replica_ready_observers.append(metrics.engine_ready)
         return metrics

@@ -7,8 +7,10 @@ returns its input and the process group is never created.
 
 Each collective and each point-to-point transfer adds its time to
 ``comm_time``, and waiting for the previous stage's activations adds to
-``wait_time``: the runner reports both per step (time in communication vs
-compute, the pipeline's bubbles).
+``wait_time``; collectives are counted with their bytes: the runner reports
+all of it per step (time in communication vs compute, the pipeline's
+bubbles). On CUDA the times come from CUDA events around each call (NCCL
+returns once the work is queued), read once the step is done.
 """
 
 from __future__ import annotations
@@ -107,15 +109,30 @@ def check_divisible(placement: Placement, num_heads: int, num_kv_heads: int, int
     return None
 
 
+@dataclass
+class CommCounts:
+    """One worker's communication since the last ``ParallelGroup.take_counts``."""
+
+    # seconds in collectives and transfers; waiting for the previous stage's activations
+    comm_time: float = 0.0
+    wait_time: float = 0.0
+    # all-reduces and gathers within the tensor-parallel group, and the bytes this worker sent in them
+    num_collectives: int = 0
+    collective_bytes: int = 0
+
+
 class ParallelGroup:
     """This worker's process groups and the collectives the model and the runner call."""
 
-    def __init__(self, placement: Placement = Placement(), tp_group: dist.ProcessGroup | None = None):
+    def __init__(self, placement: Placement = Placement(), tp_group: dist.ProcessGroup | None = None,
+                 cuda: bool = False):
         self.placement = placement
         self.tp_group = tp_group
-        # seconds in collectives and transfers, and waiting for the previous stage, since ``take_times``
-        self.comm_time = 0.0
-        self.wait_time = 0.0
+        self.counts = CommCounts()
+        # on CUDA a collective returns once queued: its time is read from CUDA events around it, once the
+        # step is done (("comm" | "wait", start event, end event))
+        self.cuda = cuda
+        self._events: list[tuple[str, torch.cuda.Event, torch.cuda.Event]] = []
 
     @classmethod
     def init(cls, placement: Placement, init_method: str, device: torch.device, timeout: float = 600.0) -> ParallelGroup:
@@ -134,48 +151,72 @@ class ParallelGroup:
             group = dist.new_group(ranks)
             if stage == placement.pp_rank:
                 tp_group = group
-        return cls(placement, tp_group)
+        return cls(placement, tp_group, cuda=device.type == "cuda")
 
     def close(self) -> None:
         if dist.is_initialized():
             dist.destroy_process_group()
 
-    def take_times(self) -> tuple[float, float]:
-        """``(comm_time, wait_time)`` since the last call."""
-        times = (self.comm_time, self.wait_time)
-        self.comm_time = self.wait_time = 0.0
-        return times
+    def take_counts(self) -> CommCounts:
+        """This worker's communication since the last call (on CUDA: once the events it timed are done)."""
+        counts = self.counts
+        for kind, start, end in self._events:
+            end.synchronize()
+            seconds = start.elapsed_time(end) / 1e3
+            if kind == "wait":
+                counts.wait_time += seconds
+            else:
+                counts.comm_time += seconds
+        self._events.clear()
+        self.counts = CommCounts()
+        return counts
+
+    def _time(self, kind: str, call) -> None:
+        """Run ``call`` (a collective or a transfer) and add its time to ``kind`` ("comm" or "wait")."""
+        if self.cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            call()
+            end.record()
+            self._events.append((kind, start, end))
+            return
+        began = time.perf_counter()
+        call()
+        seconds = time.perf_counter() - began
+        if kind == "wait":
+            self.counts.wait_time += seconds
+        else:
+            self.counts.comm_time += seconds
+
+    def _collective(self, x: torch.Tensor, call) -> None:
+        self.counts.num_collectives += 1
+        self.counts.collective_bytes += x.numel() * x.element_size()
+        self._time("comm", call)
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Sum ``x`` over the tensor-parallel group, in place."""
         if self.placement.tp_size == 1:
             return x
-        start = time.perf_counter()
-        dist.all_reduce(x, group=self.tp_group)
-        self.comm_time += time.perf_counter() - start
+        self._collective(x, lambda: dist.all_reduce(x, group=self.tp_group))
         return x
 
     def gather_vocab(self, logits: torch.Tensor, vocab_size: int) -> torch.Tensor | None:
         """Each worker's logits over its vocabulary rows -> the whole vocabulary on TP rank 0 (None elsewhere)."""
         if self.placement.tp_size == 1:
             return logits[:, :vocab_size]
-        start = time.perf_counter()
         first = self.placement.rank - self.placement.tp_rank
         parts = [torch.empty_like(logits) for _ in range(self.placement.tp_size)] if self.placement.tp_rank == 0 else None
-        dist.gather(logits.contiguous(), parts, dst=first, group=self.tp_group)
-        self.comm_time += time.perf_counter() - start
+        logits = logits.contiguous()
+        self._collective(logits, lambda: dist.gather(logits, parts, dst=first, group=self.tp_group))
         return torch.cat(parts, dim=-1)[:, :vocab_size] if parts is not None else None
 
     def send_next(self, x: torch.Tensor) -> None:
         """Hand activations to the same TP rank of the next stage."""
-        start = time.perf_counter()
-        dist.send(x.contiguous(), self.placement.rank + self.placement.tp_size)
-        self.comm_time += time.perf_counter() - start
+        x = x.contiguous()
+        self._time("comm", lambda: dist.send(x, self.placement.rank + self.placement.tp_size))
 
     def recv_prev(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """Activations from the same TP rank of the previous stage (the wait for them counts as bubble)."""
         x = torch.empty(shape, dtype=dtype, device=device)
-        start = time.perf_counter()
-        dist.recv(x, self.placement.rank - self.placement.tp_size)
-        self.wait_time += time.perf_counter() - start
+        self._time("wait", lambda: dist.recv(x, self.placement.rank - self.placement.tp_size))
         return x

@@ -145,7 +145,9 @@ class ModelRunner:
     def _timed(self, output: RunnerOutput, began: float, middle: float | None = None) -> RunnerOutput:
         """Fill in the step's times (``middle``: where sampling began)."""
         output.forward_time = (middle or time.perf_counter()) - began
-        output.comm_time, output.wait_time = self.model.group.take_times()
+        counts = self.model.group.take_counts()
+        output.comm_time, output.wait_time = counts.comm_time, counts.wait_time
+        output.num_collectives, output.collective_bytes = counts.num_collectives, counts.collective_bytes
         return output
 
     def _prompt_logprobs(

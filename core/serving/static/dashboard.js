@@ -9,7 +9,7 @@ const COLORS = { prefill: "#e8833a", decode: "#3a78e8", p50: "#2a9d8f", p99: "#d
 
 // what the verdict panel lists when nothing limits the server (the doctor's window)
 const WINDOW_SHOWN = ["steps_per_second", "busy_fraction", "running_mean", "waiting_mean", "kv_usage_max", "mfu",
-                      "mbu", "itl_p50_s", "itl_p99_s"];
+                      "mbu", "itl_p50_s", "itl_p99_s", "host_fraction"];
 
 const state = { polls: 0, key: "", charts: {}, last: null };
 window.conveyor = state;  // read by tests and by curious users in the console
