@@ -141,7 +141,8 @@ def test_tensor_and_pipeline_parallel_workers(tiny_llama, tmp_path):  # noqa: F8
     the vocabulary: the first stage's embedding all-reduced, the last one's logits gathered). Then one stream:
     one batch at a time passes the two stages in turn, so each waits for the other, and the pipeline's bubbles
     are named."""
-    server = serve_split(tiny_llama, tmp_path, tensor_parallel_size=2, pipeline_parallel_size=2)
+    # (on this machine's cores over gloo, whatever devices it has: the regimes come from the split, not the device)
+    server = serve_split(tiny_llama, tmp_path, device="cpu", tensor_parallel_size=2, pipeline_parallel_size=2)
     try:
         def running(n: int):
             return lambda s: s.metric("conveyor_num_requests_running") >= n
@@ -177,7 +178,9 @@ def no_compute_model(tmp_path_factory, tokenizer) -> str:
 def test_a_model_with_no_compute_is_host_bound(no_compute_model, tmp_path):
     """Sixteen streams on the stand-in model: the steps' time goes to sampling, scheduling and recording, not the
     forward pass, so the verdict is host overhead, each stage's share in the evidence."""
-    server = Server(http_config(), tmp_path, overrides=[f"model.path={no_compute_model}", "model.dtype=float32",
+    # (on the CPU: there sampling over the vocabulary outweighs the one tiny layer on any machine)
+    server = Server(http_config(), tmp_path, overrides=[f"model.path={no_compute_model}", "model.device=cpu",
+                                                        "model.dtype=float32",
                                                         "model.max_model_len=4096"]).start()
     try:
         host = anyio.run(diagnose_under, server, lambda s: s.metric("conveyor_num_requests_running") >= 16, 3.0,

@@ -71,9 +71,9 @@ def kill_a_worker_under_load(server: Server, rank: int) -> None:
     assert gone(engine) and all(gone(pid) for pid in workers), "a process of the dead engine is left"
 
 
-def serve_split(path, tmp, **parallel) -> Server:
-    overrides = [f"model.path={path}", "model.dtype=float32", "model.max_model_len=128", "kvcache.memory_gb=0.05",
-                 "engine.num_threads=1", *(f"parallel.{k}={v}" for k, v in parallel.items())]
+def serve_split(path, tmp, device: str = "auto", **parallel) -> Server:
+    overrides = [f"model.path={path}", f"model.device={device}", "model.dtype=float32", "model.max_model_len=128",
+                 "kvcache.memory_gb=0.05", "engine.num_threads=1", *(f"parallel.{k}={v}" for k, v in parallel.items())]
     return Server(http_config(), tmp, overrides=overrides).start()
 
 
