@@ -29,9 +29,9 @@ def long_prompt(i: int) -> list:
     return [{"role": "user", "content": f"{i} Summarize: " + f"The river {i} ran past the old mill. " * 110}]
 
 
-async def one(client: httpx.AsyncClient, messages: list, max_tokens: int) -> None:
+async def one(client: httpx.AsyncClient, messages: list, max_tokens: int, **extra) -> None:
     await client.post("/v1/chat/completions", json={"messages": messages, "max_tokens": max_tokens,
-                                                    "ignore_eos": True})
+                                                    "ignore_eos": True, **extra})
 
 
 async def diagnose_under(server: Server, ready, seconds: float, *loads, cli: bool = False) -> dict:
@@ -56,11 +56,11 @@ async def diagnose_under(server: Server, ready, seconds: float, *loads, cli: boo
     return diagnosis
 
 
-def many(count: int, messages: list, max_tokens: int):
+def many(count: int, messages: list, max_tokens: int, **extra):
     async def load(client: httpx.AsyncClient) -> None:
         async with anyio.create_task_group() as tg:
             for _ in range(count):
-                tg.start_soon(one, client, messages, max_tokens)
+                tg.start_soon(partial(one, client, messages, max_tokens, **extra))
     return load
 
 
@@ -176,15 +176,16 @@ def no_compute_model(tmp_path_factory, tokenizer) -> str:
 
 
 def test_a_model_with_no_compute_is_host_bound(no_compute_model, tmp_path):
-    """Sixteen streams on the stand-in model: the steps' time goes to sampling, scheduling and recording, not the
-    forward pass, so the verdict is host overhead, each stage's share in the evidence."""
-    # (on the CPU: there sampling over the vocabulary outweighs the one tiny layer on any machine)
+    """Sixteen streams on the stand-in model, each asking for 20 alternatives' logprobs under a presence penalty:
+    the steps' time goes to sampling, scheduling and recording, not the forward pass, so the verdict is host
+    overhead, each stage's share in the evidence."""
+    # (on the CPU: there the per-token extras over a 49k vocabulary outweigh the one tiny layer on any machine)
     server = Server(http_config(), tmp_path, overrides=[f"model.path={no_compute_model}", "model.device=cpu",
                                                         "model.dtype=float32",
                                                         "model.max_model_len=4096"]).start()
     try:
         host = anyio.run(diagnose_under, server, lambda s: s.metric("conveyor_num_requests_running") >= 16, 3.0,
-                         many(16, SHORT, 4000))
+                         many(16, SHORT, 4000, logprobs=True, top_logprobs=20, presence_penalty=0.5))
         assert host["verdict"] == "host_overhead", host["window"]
         evidence = host["findings"][0]["evidence"]
         print("no compute:", [f["regime"] for f in host["findings"]], evidence)

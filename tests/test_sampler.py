@@ -172,3 +172,43 @@ def test_inverse_cdf_never_draws_a_zero_probability_token(weights, u):
     probs = torch.tensor([weights], dtype=torch.float32)
     index = int(inverse_cdf(probs, torch.tensor([[u]], dtype=torch.float64))[0])
     assert weights[index] > 0
+
+
+@pytest.mark.usefixtures("random_seed")
+def test_the_two_level_inverse_cdf_draws_what_one_cumsum_over_the_row_draws():
+    # 2,500 tokens: two full blocks of the two-level search and a padded third; some rows have blocks of zeros
+    probs = torch.softmax(torch.randn(300, 2500) * 3, dim=-1)
+    probs[::3, :1024] = 0.0
+    probs[1::3, 1024:2048] = 0.0
+    uniform = torch.rand(300, 1, dtype=torch.float64)
+    cdf = np.cumsum(probs.double().numpy(), axis=1)
+    expected = [np.searchsorted(row, u * row[-1], side="right") for row, u in zip(cdf, uniform[:, 0].numpy())]
+    assert inverse_cdf(probs, uniform).tolist() == expected
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    nonzero=st.dictionaries(st.integers(0, 2999), st.sampled_from([1e-6, 0.3, 1.0, 5.0]), min_size=1, max_size=6),
+    u=st.floats(min_value=0.0, max_value=1.0, exclude_max=True),
+)
+def test_inverse_cdf_across_blocks_never_draws_a_zero_probability_token(nonzero, u):
+    probs = torch.zeros(1, 3000)
+    for token, weight in nonzero.items():
+        probs[0, token] = weight
+    assert int(inverse_cdf(probs, torch.tensor([[u]], dtype=torch.float64))[0]) in nonzero
+
+
+def test_inverse_cdf_at_the_top_of_a_block_whose_sum_rounds_above_its_running_sum():
+    # a block's sum can round above its float64 running sum: a uniform just under 1 then aims past the
+    # block's last cdf, where only trailing zeros lie
+    generator = torch.Generator().manual_seed(0)
+    probs = torch.zeros(2000, 1000)
+    scales = torch.tensor([1e-6, 0.3, 1.0, 5.0])
+    for row in probs:
+        weights = torch.rand(40, generator=generator) * scales[torch.randint(0, 4, (40,), generator=generator)]
+        row[torch.randint(0, 990, (40,), generator=generator)] = weights
+    tops = probs.sum(dim=-1).double() > probs.cumsum(dim=-1, dtype=torch.float64)[:, -1]
+    if not tops.any():
+        pytest.skip("this CPU's sums of these rows round as their running sums do")
+    drawn = inverse_cdf(probs, torch.full((2000, 1), 1 - 2**-53, dtype=torch.float64))
+    assert (probs.gather(1, drawn.unsqueeze(1)) > 0).all()

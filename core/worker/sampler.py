@@ -2,8 +2,9 @@
 
 NOTE: on CPU, ``torch.multinomial`` and ``exponential_`` cost about 1 ms per
 row of a 49k vocabulary, and a full sort 2 ms; this sampler draws one uniform
-number per row and inverts the CDF (about 0.03 ms per row), and finds the
-top-p nucleus in a partial ``topk`` before falling back to a full sort.
+number per row and inverts the CDF in two levels (blocks, then a token inside
+one: 0.3 ms for 64 rows), and finds the top-p nucleus in a partial ``topk``
+before falling back to a full sort.
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ from conveyor.messages import ScheduledRequest, TokenLogprob
 
 # candidates examined for the top-p nucleus before sorting the whole row
 TOP_P_CANDIDATES = 256
+# tokens per block of the two-level inverse CDF
+CDF_BLOCK = 1024
 
 
 class Sampler:
@@ -60,11 +63,14 @@ class Sampler:
             apply_bitmask(logits, allowed[1], allowed[0])
         # NOTE: on CPU, max(dim).indices is 2.5x faster than argmax over [64, 49152] (0.8 vs 2.0 ms); both
         # return the first of tied maxima
-        tokens = logits.max(dim=-1).indices
         random_rows = [i for i, r in enumerate(requests) if not r.params.greedy]
-        if random_rows:
-            rows = torch.tensor(random_rows, device=logits.device)
-            tokens[rows] = self._sample_random(logits[rows], [requests[i] for i in random_rows])
+        if len(random_rows) == len(requests):  # (the usual batch: no greedy row to find, no rows to pick)
+            tokens = self._sample_random(logits, requests)
+        else:
+            tokens = logits.max(dim=-1).indices
+            if random_rows:
+                rows = torch.tensor(random_rows, device=logits.device)
+                tokens[rows] = self._sample_random(logits[rows], [requests[i] for i in random_rows])
         token_list = tokens.tolist()
         entries: list[TokenLogprob | None] = [None] * len(requests)
         if logprobs is not None:
@@ -133,8 +139,9 @@ def filtered_probs(logits: torch.Tensor, params: list) -> torch.Tensor:
     """Each row's sampling distribution under its params (temperature, top-k, top-p, min-p); rows are not
     renormalized after the filters (``inverse_cdf`` takes them as they are)."""
     device = logits.device
-    temperature = torch.tensor([p.temperature for p in params], dtype=logits.dtype, device=device).unsqueeze(1)
-    logits = logits / temperature
+    if any(p.temperature != 1 for p in params):
+        temperature = torch.tensor([p.temperature for p in params], dtype=logits.dtype, device=device).unsqueeze(1)
+        logits = logits / temperature
     top_k = [max(0, p.top_k) for p in params]
     if any(top_k):
         logits = apply_top_k(logits, top_k)
@@ -162,15 +169,31 @@ def token_logprobs(logprobs: torch.Tensor, token_ids: list[int], num_top: int) -
 
 
 def inverse_cdf(probs: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
-    """Index drawn from each row of (unnormalized) ``probs`` given uniforms in [0, 1)."""
-    cdf = probs.double().cumsum(dim=-1)
-    target = uniform * cdf[:, -1:]
-    index = torch.searchsorted(cdf, target, right=True).squeeze(1)
-    # A zero-probability token cannot be drawn: clamp past the end, then step
-    # back over trailing zeros with the last nonzero index.
-    index = index.clamp(max=probs.shape[1] - 1)
-    last_nonzero = probs.shape[1] - 1 - (probs.flip(-1) > 0).int().argmax(dim=-1)
-    return torch.minimum(index, last_nonzero)
+    """Index drawn from each row of (unnormalized) ``probs`` given uniforms in [0, 1).
+
+    In two levels, so no row-long float64 cumsum is written: the cumulative sums of blocks of ``CDF_BLOCK``
+    tokens pick the block, a float64 cumsum inside that block picks the token (64 rows of a 49k vocabulary on
+    a 2-core CPU: 0.3 ms, against 21 ms for a float64 cumsum over each row). The blocks' sums are taken in
+    the probabilities' own dtype: a float32 sum puts at most about 1e-7 of a block's mass in its neighbour.
+    """
+    n, vocab = probs.shape
+    blocks = -(-vocab // CDF_BLOCK)
+    padded = torch.nn.functional.pad(probs, (0, blocks * CDF_BLOCK - vocab)) if vocab % CDF_BLOCK else probs
+    padded = padded.reshape(n, blocks, CDF_BLOCK)
+    block_cdf = padded.sum(dim=-1).double().cumsum(dim=-1)
+    block = torch.searchsorted(block_cdf, _below(uniform * block_cdf[:, -1:], block_cdf[:, -1:]), right=True)
+    block = block.clamp(max=blocks - 1)
+    before = torch.where(block > 0, block_cdf.gather(1, (block - 1).clamp(min=0)), 0.0)
+    inside = padded[torch.arange(n, device=probs.device), block.squeeze(1)].cumsum(dim=-1, dtype=torch.float64)
+    target = _below(uniform * block_cdf[:, -1:] - before, inside[:, -1:]).clamp(min=0)
+    index = torch.searchsorted(inside, target, right=True).clamp(max=CDF_BLOCK - 1)
+    return (block * CDF_BLOCK + index).squeeze(1).clamp(max=vocab - 1)
+
+
+def _below(target: torch.Tensor, total: torch.Tensor) -> torch.Tensor:
+    """``target`` kept under ``total``: the first index whose cdf passes such a target is never a token of
+    probability zero (its cdf equals the one before it); ``u * total`` can round up to the total."""
+    return torch.minimum(target, torch.nextafter(total, torch.zeros_like(total)))
 
 
 def apply_top_k(logits: torch.Tensor, top_k: list[int]) -> torch.Tensor:
