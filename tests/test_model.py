@@ -123,7 +123,7 @@ def test_gguf_dequantization_of_each_format(tmp_path, qtype):
     path = tmp_path / f"tiny-{qtype.name}.gguf"
     originals = write_gguf(path, model, qtype, quantize)
     ckpt = open_checkpoint(path)
-    assert {t.tensor_type for t in ckpt.reader.tensors if len(t.shape) == 2} == {qtype}
+    assert {t.tensor_type for t in ckpt.file.tensors if len(t.shape) == 2} == {qtype}
     for name, original in originals.items():
         loaded = ckpt.get(name).numpy()
         assert loaded.shape == original.shape, name

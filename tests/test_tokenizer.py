@@ -56,6 +56,7 @@ def test_gguf_byte_level_tokenizers_match_transformers(tmp_path, pre, arch):
     from tokenizers import decoders, models, pre_tokenizers, trainers
     from transformers.integrations.gguf.gguf_tokenizer_mapping import convert_gguf_tokenizer, get_gguf_tokenizer
 
+    from conveyor.model.gguf_file import GGUFFile
     from conveyor.model.tokenizer import tokenizer_from_gguf
 
     trained = HFTokenizer(models.BPE())
@@ -81,7 +82,7 @@ def test_gguf_byte_level_tokenizers_match_transformers(tmp_path, pre, arch):
     writer.write_tensors_to_file()
     writer.close()
 
-    ours, _ = tokenizer_from_gguf(gguf.GGUFReader(str(path)).fields)
+    ours, _ = tokenizer_from_gguf(GGUFFile(path).fields)
     architecture, tokenizer_dict, _ = get_gguf_tokenizer(str(path))
     reference, _ = convert_gguf_tokenizer(architecture, tokenizer_dict)
     for text in (MULTILINGUAL, *MULTILINGUAL.splitlines()):

@@ -1,4 +1,4 @@
-"""GGUF checkpoints (llama.cpp's format), dequantized with the ``gguf`` package.
+"""GGUF checkpoints (llama.cpp's format), dequantized with the ``gguf`` package (or kept packed).
 
 Tensors are renamed to Hugging Face's names and undone where llama.cpp's
 converter changed them (Llama's Q/K row order; Gemma's norms, stored with
@@ -18,6 +18,7 @@ import torch
 
 from conveyor.model import ggml
 from conveyor.model.checkpoint import Checkpoint
+from conveyor.model.gguf_file import GGUFFile
 from conveyor.model.spec import ModelSpec
 
 # GGUF tensor name -> Hugging Face name ({i} is the layer)
@@ -111,28 +112,27 @@ class GGUFCheckpoint(Checkpoint):
 
     def __init__(self, path: Path):
         self.path = path
-        self.reader = gguf.GGUFReader(str(path))
-        self.metadata = self.reader.fields
+        self.file = GGUFFile(path)
+        self.metadata = self.file.fields
         self.arch = arch = self.field("general.architecture")
         if arch not in ARCHITECTURES:
             raise ValueError(f"{path}: GGUF architecture {arch!r} is not supported; supported: "
                              f"{', '.join(ARCHITECTURES)}")
         self._tensors = {}
-        for tensor in self.reader.tensors:
+        for tensor in self.file.tensors:
             if tensor.tensor_type not in TYPES:
                 raise ValueError(f"{path}: tensor {tensor.name!r} is stored as {tensor.tensor_type.name}, which is "
                                  f"not supported; supported: {', '.join(t.name for t in TYPES)}")
             name = hf_name(tensor.name, arch)
             if name is not None:
                 self._tensors[name] = tensor
-        self._extra = {t.name: t for t in self.reader.tensors}
+        self._extra = {t.name: t for t in self.file.tensors}
         # the last stacked experts tensor read, dequantized: (name, [experts, rows, columns])
         self._experts: tuple[str, torch.Tensor] | None = None
         self.spec = self._spec()
 
     def field(self, key: str, default=None):
-        field = self.metadata.get(key)
-        return default if field is None else field.contents()
+        return self.metadata.get(key, default)
 
     def _spec(self) -> ModelSpec:
         a = self.arch + "."
@@ -204,7 +204,7 @@ class GGUFCheckpoint(Checkpoint):
     def _read(self, tensor) -> torch.Tensor:
         array = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
         # GGUF lists dimensions fastest-first; torch wants them slowest-first.
-        shape = tuple(int(n) for n in reversed(tensor.shape.tolist()))
+        shape = tuple(reversed(tensor.shape))
         return torch.from_numpy(np.array(array, dtype=np.float32).reshape(shape))
 
     def tensor(self, name: str) -> torch.Tensor:
@@ -235,8 +235,8 @@ class GGUFCheckpoint(Checkpoint):
         tensor = self._tensors.get(name)
         if tensor is None or tensor.tensor_type.name not in ggml.BLOCKS or len(tensor.shape) != 2:
             return None  # (floats, one expert of a stacked tensor, a part of a fused one: read with get)
-        rows, columns = int(tensor.shape[1]), int(tensor.shape[0])
-        # (the reader's array maps the file: copied, so the weights do not keep the file open)
+        rows, columns = tensor.shape[1], tensor.shape[0]
+        # (the array maps the file: copied, so the weights do not keep the file open)
         data = torch.from_numpy(np.array(tensor.data, dtype=np.uint8).reshape(rows, -1))
         if self.arch == "llama" and name.endswith("q_proj.weight"):
             data = unpermute_rows(data, self.spec.num_heads)

@@ -58,8 +58,7 @@ def tokenizer_from_gguf(fields: dict[str, Any]) -> tuple[HFTokenizer, dict[str, 
     """
 
     def get(key: str, default: Any = None) -> Any:
-        field = fields.get(key)
-        return default if field is None else field.contents()
+        return fields.get(key, default)
 
     kind = get("tokenizer.ggml.model")
     if kind != "gpt2":
@@ -254,7 +253,7 @@ def load_tokenizer(config: ModelConfig, source: str = "<config>") -> Tokenizer:
     except ModelNotFoundError as e:
         raise ConfigError(f"{source}: [model] path = {config.path!r}: {e}") from None
     if path.suffix == ".gguf":
-        import gguf
+        from conveyor.model.gguf_file import GGUFFile
 
-        return Tokenizer.load(path, gguf_fields=gguf.GGUFReader(str(path)).fields)
+        return Tokenizer.load(path, gguf_fields=GGUFFile(path).fields)
     return Tokenizer.load(path)
