@@ -80,9 +80,10 @@ def assert_identical(alone: list, mixed: list) -> None:
 
 
 def test_smollm2_requests_are_bit_identical_alone_and_among_64():
-    """The default model in bfloat16 on the default backend (the C++ kernels here): 20 prompts, greedy and sampled
-    with a seed, alone and among 64 requests, in steps of at most 64 tokens (prompts in chunks) and a KV cache too
-    small for all (preemption)."""
+    """The default model with the default config on the default backend (the C++ kernels here): 20 prompts, greedy
+    and sampled with a seed, alone and among 64 requests, in steps of at most 64 tokens (prompts in chunks) and a
+    KV cache too small for all (preemption). (The packed GGUF kernels compute each row alike whatever shares its
+    step, with or without the mode: the mode's fixed matmul blocks are what the float32 tests below need.)"""
     chats = [[{"role": "user", "content": p}] for p in PROMPTS]
     long_chats = [[{"role": "user", "content": " ".join(CHAT_PROMPTS[: 3 + i])}] for i in range(5)]
     requests = workload(chats, 8, 64, chats + long_chats)
