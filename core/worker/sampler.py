@@ -192,7 +192,8 @@ def inverse_cdf(probs: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
 
 def _below(target: torch.Tensor, total: torch.Tensor) -> torch.Tensor:
     """``target`` kept under ``total``: the first index whose cdf passes such a target is never a token of
-    probability zero (its cdf equals the one before it); ``u * total`` can round up to the total."""
+    probability zero (its cdf equals the one before it). A block's sum and its running sum round differently,
+    so a target taken from the one can reach the other's total."""
     return torch.minimum(target, torch.nextafter(total, torch.zeros_like(total)))
 
 
