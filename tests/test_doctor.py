@@ -119,10 +119,17 @@ def test_long_prompts_among_decodes_and_a_flood(tmp_path):
         # (2,000 tokens each: the queue outlasts the command's start-up and its window on any device)
         flood = anyio.run(partial(diagnose_under, cli=True), server,
                           lambda s: s.metric("conveyor_num_requests_waiting") >= 20, 3.0, many(120, SHORT, 2000))
-        assert flood["verdict"] == "queueing", flood["window"]
+        window = flood["window"]
+        assert window["waiting_mean"] >= 10 and window["running_mean"] >= 8, window
         finding = flood["findings"][0]
-        assert finding["evidence"]["waiting_mean"] >= 10 and finding["evidence"]["running_mean"] >= 8
-        assert finding["change"] == "parallel.data_parallel_size"
+        if torch.cuda.is_available() and finding["regime"] == "host_overhead":
+            # (16 decodes of a 135M model take a few ms on a GPU: the host's share of the step is named before the
+            # queue, its change a larger batch; test_regimes_in_order holds that order)
+            assert finding["evidence"]["host_fraction"] >= 0.4, window
+        else:
+            assert flood["verdict"] == "queueing", window
+            assert finding["evidence"]["waiting_mean"] >= 10 and finding["evidence"]["running_mean"] >= 8
+            assert finding["change"] == "parallel.data_parallel_size"
     finally:
         assert server.stop() == 0, server.output
 
@@ -289,6 +296,8 @@ def test_every_regime_at_its_threshold(regime):
     (DP2 | {"replica_kv_usage_max": 0.65}, []),
     (DP2 | {"replica_steps_min": 0.0, "waiting_mean": 3.0, "running_max": 64.0, "running_mean": 60.0},
      ["dp_imbalance"]),
+    # requests queue behind a host-bound step at a full batch: the host's share is named, not the capacity
+    ({"host_fraction": 0.6, "waiting_mean": 3.0, "running_max": 64.0, "running_mean": 60.0}, ["host_overhead"]),
     # a host-bound step that is also too small a batch: the batch first
     ({"host_fraction": 0.6, "waiting_mean": 3.0, "running_max": 4.0, "running_mean": 4.0},
      ["batch_too_small", "host_overhead"]),

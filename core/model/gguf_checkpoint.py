@@ -138,7 +138,7 @@ class GGUFCheckpoint(Checkpoint):
         a = self.arch + "."
         num_heads = int(self.field(a + "attention.head_count"))
         hidden = int(self.field(a + "embedding_length"))
-        tokens = self.field("tokenizer.ggml.tokens") if "tokenizer.ggml.tokens" in self.metadata else None
+        tokens = self.field("tokenizer.ggml.tokens")
         vocab = self.field(a + "vocab_size") or (len(tokens) if tokens else None)
         if vocab is None:
             vocab = int(self._tensors["model.embed_tokens.weight"].shape[1])

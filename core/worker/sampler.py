@@ -177,17 +177,21 @@ def inverse_cdf(probs: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
     the probabilities' own dtype: a float32 sum puts at most about 1e-7 of a block's mass in its neighbour.
     """
     n, vocab = probs.shape
-    blocks = -(-vocab // CDF_BLOCK)
-    padded = torch.nn.functional.pad(probs, (0, blocks * CDF_BLOCK - vocab)) if vocab % CDF_BLOCK else probs
-    padded = padded.reshape(n, blocks, CDF_BLOCK)
-    block_cdf = padded.sum(dim=-1).double().cumsum(dim=-1)
-    block = torch.searchsorted(block_cdf, _below(uniform * block_cdf[:, -1:], block_cdf[:, -1:]), right=True)
-    block = block.clamp(max=blocks - 1)
+    whole = vocab // CDF_BLOCK * CDF_BLOCK  # (the tokens past the last whole block make one short block)
+    sums = [probs[:, :whole].reshape(n, -1, CDF_BLOCK).sum(dim=-1)] if whole else []
+    if whole < vocab:
+        sums.append(probs[:, whole:].sum(dim=-1, keepdim=True))
+    block_cdf = torch.cat(sums, dim=1).double().cumsum(dim=-1)
+    total = block_cdf[:, -1:]
+    block = torch.searchsorted(block_cdf, _below(uniform * total, total), right=True).clamp(max=block_cdf.shape[1] - 1)
     before = torch.where(block > 0, block_cdf.gather(1, (block - 1).clamp(min=0)), 0.0)
-    inside = padded[torch.arange(n, device=probs.device), block.squeeze(1)].cumsum(dim=-1, dtype=torch.float64)
-    target = _below(uniform * block_cdf[:, -1:] - before, inside[:, -1:]).clamp(min=0)
+    # the chosen block's tokens: a short block's places past the vocabulary repeat its last token, after every
+    # real one in the cumsum, so a draw lands on one only where the last token itself would be drawn
+    tokens = (block * CDF_BLOCK + torch.arange(CDF_BLOCK, device=probs.device)).clamp(max=vocab - 1)
+    inside = probs.gather(1, tokens).cumsum(dim=-1, dtype=torch.float64)
+    target = _below(uniform * total - before, inside[:, -1:]).clamp(min=0)
     index = torch.searchsorted(inside, target, right=True).clamp(max=CDF_BLOCK - 1)
-    return (block * CDF_BLOCK + index).squeeze(1).clamp(max=vocab - 1)
+    return tokens.gather(1, index).squeeze(1)
 
 
 def _below(target: torch.Tensor, total: torch.Tensor) -> torch.Tensor:
