@@ -180,3 +180,40 @@ def test_triton_on_a_cpu_needs_the_interpreter(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     assert select_backend("triton", CPU) is BACKENDS["triton"]
     assert select_backend("torch", CPU) is BACKENDS["torch"]
+
+
+def test_the_prefill_path_is_measured_once_per_machine_and_shape_and_kept(tmp_path, monkeypatch):
+    """The C++ prefill kernel or SDPA for prompt chunks: measured by the first backend on the machine and kept,
+    so that every later process (a server, an offline run) computes prompts the same way however busy the machine
+    is when it starts; a process that measured at the same time as another takes the choice kept first."""
+    from conveyor import native
+    from conveyor.attention.cpu_backend import CpuAttention, prefill_choice_path
+
+    if not native.load():
+        pytest.skip("no C++ compiler")
+    monkeypatch.setenv("CONVEYOR_CACHE_DIR", str(tmp_path))
+    cache = PagedKVCache(PagedOptions(block_size=16, num_blocks=8), KVCacheSpec(1, 2, 64, "bfloat16", 512))
+    storage = KVStorage(cache.layout, CPU)
+    if not native.prefill_supported(torch.empty(0, 1, 64, dtype=torch.bfloat16), storage.k[0]):
+        pytest.skip("no prefill kernel on this CPU (AVX-512 BF16)")
+    measured = []
+    measure = CpuAttention._kernel_beats_sdpa
+    monkeypatch.setattr(CpuAttention, "_kernel_beats_sdpa", lambda self, *shape: measured.append(shape) or
+                        measure(self, *shape))
+    first = CpuAttention(storage)
+    path = prefill_choice_path(2, 64, torch.bfloat16)
+    assert str(path).startswith(str(tmp_path)) and measured == [(2, 64)]
+    assert path.read_text().strip() == ("kernel" if first.prefill_kernel else "sdpa")
+    assert CpuAttention(storage).prefill_kernel == first.prefill_kernel and len(measured) == 1  # read, not measured
+    for choice in ("kernel", "sdpa"):  # the kept choice rules
+        path.write_text(choice + "\n")
+        assert CpuAttention(storage).prefill_kernel == (choice == "kernel")
+    assert len(measured) == 1
+
+    def another_process_keeps_sdpa_meanwhile(self, *shape):
+        path.write_text("sdpa\n")
+        return True  # (this one measured the kernel faster)
+
+    path.unlink()
+    monkeypatch.setattr(CpuAttention, "_kernel_beats_sdpa", another_process_keeps_sdpa_meanwhile)
+    assert not CpuAttention(storage).prefill_kernel and path.read_text().strip() == "sdpa"

@@ -4,7 +4,12 @@ Decodes read each key and value row once, in place in its block (float32,
 bfloat16, float16 or an fp8 cache). Prompt chunks run in the prefill kernel
 where the CPU has AVX-512 BF16, the cache is bfloat16, head_dim is 64 or 128,
 and it beats torch's ``scaled_dot_product_attention`` over gathered blocks in
-a measurement at start-up; elsewhere in torch ops.
+a measurement; elsewhere in torch ops. The measurement is taken once per
+machine and shape and kept (``prefill_choice_path``): every process then
+computes prompts the same way, so a server and an offline run give the same
+tokens, however busy the machine was when each started (the two paths round
+differently; a fresh measurement per process flipped on a loaded 2-core
+machine). Delete the file to measure again.
 
 NOTE: which prefill wins depends on the CPU. On an Intel Xeon with AMX, SDPA
 (its CPU flash attention runs on AMX tiles) took 0.8 ms for a fresh
@@ -21,16 +26,23 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Sequence
+from pathlib import Path
 
 import torch
 
-from conveyor import native
+from conveyor import native, paths
 from conveyor.attention.backend import DecodeTables, LayerAttention, PrefillTables
 from conveyor.attention.ops import causal_attention
 from conveyor.attention.storage import KVStorage
 from conveyor.attention.torch_backend import TorchAttention, gather_slots
 
 logger = logging.getLogger("conveyor")
+
+
+def prefill_choice_path(num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> Path:
+    """Where the prompt-chunk path chosen for this machine (its kernels' build) and shape is kept."""
+    shape = f"{num_kv_heads}x{head_dim}-{str(dtype).removeprefix('torch.')}"
+    return paths.cache_root() / "profiles" / f"prefill-{native.build_name()}-{shape}.txt"
 
 
 def _best_seconds(fn, repeat: int = 3) -> float:
@@ -67,8 +79,28 @@ class CpuAttention(TorchAttention):
         plain = not any(params.window or params.softcap for params in self.layers)
         self.prefill_kernel = plain and not batch_invariant and native.prefill_supported(
             torch.empty(0, 1, spec.head_dim, dtype=storage.dtype), storage.k[0]
-        ) and self._kernel_beats_sdpa(spec.num_kv_heads, spec.head_dim)
+        ) and self._prefill_kernel_chosen(spec.num_kv_heads, spec.head_dim)
         logger.debug("cpu attention: prompt chunks in %s", "the C++ kernel" if self.prefill_kernel else "torch SDPA")
+
+    def _prefill_kernel_chosen(self, num_kv_heads: int, head_dim: int) -> bool:
+        """The kept choice for this machine and shape; measured and kept first where there is none. Of two
+        processes that measure at once, the one that keeps its choice first wins and the other takes it."""
+        path = prefill_choice_path(num_kv_heads, head_dim, self.storage.dtype)
+        try:
+            return path.read_text().strip() == "kernel"
+        except OSError:
+            pass
+        choice = "kernel" if self._kernel_beats_sdpa(num_kv_heads, head_dim) else "sdpa"
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            with open(path, "x") as f:
+                f.write(choice + "\n")
+        except FileExistsError:
+            choice = path.read_text().strip()
+        except OSError as e:  # a read-only cache: this process keeps its own measurement
+            logger.debug("cannot keep the prefill choice in %s: %s", path, e)
+        logger.debug("cpu attention: prefill choice %r kept in %s", choice, path)
+        return choice == "kernel"
 
     def _kernel_beats_sdpa(self, num_kv_heads: int, head_dim: int) -> bool:
         """Time both prefill paths once on a scratch cache: 256 new tokens over 256 cached ones, query heads
