@@ -36,11 +36,11 @@ from pathlib import Path
 
 import torch
 
-from conveyor.bench.floors import linear_seconds, read_bandwidth
 from conveyor.bench.load import BenchRequest, LoadOptions, run_load, served_model
 from conveyor.bench.server import Server
 from conveyor.bench.stats import percentiles
 from conveyor.config import load_config
+from conveyor.perf.floors import linear_seconds, read_bandwidth
 from conveyor.registry import PluginRegistry
 from conveyor.worker.worker import Worker
 

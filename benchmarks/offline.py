@@ -39,12 +39,12 @@ import torch
 
 from conveyor import LLM
 from conveyor.bench.datasets import mixed
-from conveyor.bench.floors import linear_flops_per_token, linear_seconds, matmul_flops, read_bandwidth
 from conveyor.config import load_config
 from conveyor.llm import OFFLINE_DEFAULTS
 from conveyor.messages import StepStats
 from conveyor.model.checkpoint import resolve_model_path
 from conveyor.model.tokenizer import load_tokenizer
+from conveyor.perf.floors import linear_flops_per_token, linear_seconds, matmul_flops, read_bandwidth
 from conveyor.sampling import SamplingParams
 
 CONFIGS = Path(__file__).resolve().parent.parent / "configs"
@@ -112,7 +112,7 @@ def run_conveyor(name: str, prompts: list[list[int]], max_tokens: list[int], dty
     finished_before = llm.engine.scheduler.stats().num_finished
     peaks = {"reserved": 0, "used": 0, "tokens": 0}
     steps: list[tuple[int, int]] = []  # (prompt tokens, decode tokens) of each step
-    other_bytes = [0.0]  # the steps' memory traffic besides the weights (conveyor.engine.roofline)
+    other_bytes = [0.0]  # the steps' memory traffic besides the weights (conveyor.perf.roofline)
     weight_bytes = llm.engine.info.weight_bytes
     start = time.perf_counter()
     last = [start]

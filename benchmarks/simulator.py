@@ -26,16 +26,17 @@ from pathlib import Path
 
 import anyio
 
-from conveyor import native
+from conveyor import paths
 from conveyor.bench.arrivals import arrival_times
+from conveyor.bench.costs import calibrate
 from conveyor.bench.datasets import mixed
 from conveyor.bench.load import BenchRequest, LoadOptions, run_load
 from conveyor.bench.server import Server
-from conveyor.bench.simulator import MODELS, SimRequest, calibrate, measure_steps, simulate
+from conveyor.bench.simulator import MODELS, SimRequest, measure_steps, simulate
 from conveyor.bench.stats import summarize
 from conveyor.config import ModelConfig, load_config, parse_override
-from conveyor.engine.peaks import cpu_peaks
 from conveyor.model.tokenizer import load_tokenizer
+from conveyor.perf.peaks import cpu_peaks
 
 METRICS = [("output tok/s", lambda s: s["output_throughput"]), ("TTFT P50 (ms)", lambda s: s["ttft_ms"]["p50"]),
            ("ITL P50 (ms)", lambda s: s["itl_ms"]["p50"])]
@@ -50,8 +51,8 @@ PUBLISHED = {"duration (s)": 5.367, "output tok/s": 347.9, "TPOT P50 (ms)": 7.55
 def published() -> None:
     import random
 
-    from conveyor.bench.simulator import CostModel
-    from conveyor.engine.peaks import gpu_peaks
+    from conveyor.bench.costs import CostModel
+    from conveyor.perf.peaks import gpu_peaks
 
     rng = random.Random(0)
     requests = [SimRequest([rng.randrange(1000, 100000) for _ in range(n)], m)
@@ -85,7 +86,7 @@ def main() -> None:
     print(f"  {cost.overhead_s * 1e3:.2f} ms + {cost.per_flop * 1e12:.3f} ms/TFLOP + {cost.per_byte * 1e9:.3f} "
           f"ms/GB + {cost.per_sequence * 1e6:.1f} us/sequence a step", flush=True)
     tokenizer = load_tokenizer(ModelConfig())
-    peaks = cpu_peaks(native.cache_root())
+    peaks = cpu_peaks(paths.cache_root())
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         settings = "".join(f"--set {k}={v} " for k, v in overrides.items())

@@ -103,8 +103,8 @@ def cmd_plugins(args: argparse.Namespace) -> int:
 
 
 def cmd_profile(args: argparse.Namespace) -> int:
-    from conveyor import native
-    from conveyor.engine.peaks import GPUS, profile_cpu
+    from conveyor import paths
+    from conveyor.perf.peaks import GPUS, profile_cpu
 
     if args.gpus:
         print("| GPU | bf16 TFLOP/s | fp8 TFLOP/s | int8 TOP/s | HBM TB/s | source |\n|---|---|---|---|---|---|")
@@ -114,7 +114,7 @@ def cmd_profile(args: argparse.Namespace) -> int:
                   f"{peaks.bytes_per_second / 1e12:g} | {peaks.source} |")
         return 0
     print("measuring matmuls (bfloat16, float32) and the read bandwidth on all threads ...", file=sys.stderr)
-    peaks, path = profile_cpu(native.cache_root())
+    peaks, path = profile_cpu(paths.cache_root())
     print(f"{peaks.name}\n  bfloat16 matmul {peaks.flops['bfloat16'] / 1e9:.0f} GFLOP/s, float32 matmul "
           f"{peaks.flops['float32'] / 1e9:.0f} GFLOP/s, read bandwidth {peaks.bytes_per_second / 1e9:.1f} GB/s\n"
           f"  cached in {path} (servers on this machine measure their MFU and MBU against it)")
@@ -124,7 +124,8 @@ def cmd_profile(args: argparse.Namespace) -> int:
 def cmd_doctor(args: argparse.Namespace) -> int:
     import httpx
 
-    from conveyor.bench.doctor import diagnose, format_diagnosis, sample, to_json
+    from conveyor.bench.doctor import format_diagnosis, sample, to_json
+    from conveyor.perf.checklist import diagnose
 
     logging.getLogger("httpx").setLevel(logging.WARNING)
     if not args.json:

@@ -148,7 +148,7 @@ class StepStats(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     rank_wait: list[float] = []
     num_collectives: float = 0.0
     collective_bytes: float = 0.0
-    # what the step computed and moved (conveyor.engine.roofline), and the share of the device's peaks its
+    # what the step computed and moved (conveyor.perf.roofline), and the share of the device's peaks its
     # forward pass reached (0 where a peak is unknown)
     flops: float = 0.0
     bytes_moved: float = 0.0
@@ -181,7 +181,7 @@ class EngineReady(msgspec.Struct, array_like=True, gc=False):
     attention: str = ""
     # bytes of the weights as stored (quantized layers at their packed size)
     weight_bytes: int = 0
-    # the devices' peaks together (conveyor.engine.peaks; 0: unknown): dense FLOP/s in the model dtype, bytes/s
+    # the devices' peaks together (conveyor.perf.peaks; 0: unknown): dense FLOP/s in the model dtype, bytes/s
     peak_flops: float = 0.0
     peak_bytes_per_second: float = 0.0
     # the quant method, and the bytes of the linear layers, embedding and head by the format each is kept in
@@ -201,12 +201,15 @@ class ScheduledRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=F
     start: int
     # the tokens computed this step, at positions start, start + 1, ...
     token_ids: list[int]
-    # the request's KV blocks, in order; they cover every position up to start + len(token_ids)
-    block_ids: list[int]
-    params: SamplingParams
+    # the request's KV blocks, in order, from block_offset on (the workers keep those before: conveyor.deltas);
+    # the whole table covers every position up to start + len(token_ids)
+    block_ids: list[int] = []
+    # sent the first time the workers see the request (they keep them); None after
+    params: SamplingParams | None = None
     # whether a token is sampled after this step (the chunk reaches the last known token)
     sample: bool = False
-    # prompt and output so far, sent only when a token is sampled under a repetition/presence/frequency penalty
+    # when a token is sampled under a repetition/presence/frequency penalty: the prompt (the first time) and the
+    # outputs since the last such step (the workers keep both and fill them in whole)
     prompt_token_ids: list[int] = []
     output_token_ids: list[int] = []
     # with params.prompt_logprobs: the prompt tokens that rows 0, 1, ... of this step predict
@@ -216,6 +219,8 @@ class ScheduledRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=F
     draft_token_ids: list[int] = []
     # the workers' LoRA slot of the request's adapter; -1: the base model
     lora_slot: int = -1
+    # the index in the request's table of block_ids[0]
+    block_offset: int = 0
 
 
 class StepInput(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):

@@ -18,6 +18,9 @@ class RequestStatus(enum.IntEnum):
     RUNNING = 1
     PREEMPTED = 2
     FINISHED = 3
+    # held by an admission gate (``conveyor.scheduler.AdmissionGate``) before it may be scheduled
+    WAITING_FOR_ADAPTER = 4  # its LoRA adapter is not on the workers yet
+    WAITING_FOR_GRAMMAR = 5  # its structured-output grammar compiles
 
 
 class FinishReason(str, enum.Enum):

@@ -6,8 +6,11 @@ back (``update``). The scheduler owns the request queues and talks to the KV
 cache manager for memory; it never touches tensors.
 
 The base class does the mechanics every scheduler shares: admission control
-(``add``), the waiting queue and the running list, moving a request in
-(``admit``), out (``preempt``) and to its end (``finish``, ``abort``), and
+(``add``, the one place a request id is checked), the admission gates a
+request passes before it may run (``AdmissionGate``: its LoRA adapter
+loading, its grammar compiling), the waiting queue and the running list,
+moving a request in (``admit``), out (``preempt``) and to its end
+(``finish``, ``abort``: the one way a request ends, wherever it is), and
 recording tokens (``update``). Its ``schedule`` is continuous batching; a
 scheduler decides order and budget by overriding ``waiting_key``,
 ``pick_victim``, ``can_admit`` and ``chunk_limit``, or another discipline by
@@ -16,15 +19,14 @@ overriding ``schedule`` itself (the built-in static and dynamic schedulers do).
 
 from __future__ import annotations
 
-import heapq
-import itertools
 import time
-from collections.abc import Iterable, Iterator
-from dataclasses import dataclass, field
+from collections.abc import Iterable
 from typing import Annotated, ClassVar
 
 import msgspec
 
+from conveyor.batch import ScheduledBatch, WaitingQueue
+from conveyor.gates import AdmissionGate
 from conveyor.kvcache import KVCacheManager, PrefixMatch
 from conveyor.messages import RequestOutput, SchedulerStats, TokenLogprob
 from conveyor.request import FinishReason, Request, RequestRejected, RequestStatus
@@ -37,62 +39,6 @@ class SchedulerOptions(msgspec.Struct, forbid_unknown_fields=True):
     max_num_batched_tokens: Annotated[int, msgspec.Meta(ge=1)] = 256
     # most requests waiting; more are rejected (HTTP 429)
     max_waiting: Annotated[int, msgspec.Meta(ge=1)] = 1024
-
-
-@dataclass
-class ScheduledBatch:
-    """One step's work, in forward order: single-token decodes first, then prefill chunks."""
-
-    requests: list[Request] = field(default_factory=list)
-    # tokens each request computes this step
-    num_tokens: list[int] = field(default_factory=list)
-    # how many leading entries are decodes (one token, after the prompt)
-    num_decodes: int = 0
-
-    @classmethod
-    def of(cls, scheduled: dict[Request, int]) -> ScheduledBatch:
-        """Order a step's work for the forward pass: single-token entries first."""
-        decodes = [(r, n) for r, n in scheduled.items() if n == 1]
-        entries = decodes + [(r, n) for r, n in scheduled.items() if n != 1]
-        return cls([r for r, _ in entries], [n for _, n in entries], len(decodes))
-
-    @property
-    def total_tokens(self) -> int:
-        return sum(self.num_tokens)
-
-    def __len__(self) -> int:
-        return len(self.requests)
-
-
-class WaitingQueue:
-    """Requests waiting to run, smallest key first; a request's key is taken as it enters."""
-
-    def __init__(self) -> None:
-        self._heap: list[tuple[tuple, int, Request]] = []
-        self._order = itertools.count()
-
-    def push(self, request: Request, key: tuple) -> None:
-        heapq.heappush(self._heap, (key, next(self._order), request))
-
-    def peek(self) -> Request:
-        return self._heap[0][2]
-
-    def remove(self, request: Request) -> None:
-        if self._heap and self._heap[0][2] is request:
-            heapq.heappop(self._heap)
-            return
-        self._heap = [entry for entry in self._heap if entry[2] is not request]
-        heapq.heapify(self._heap)
-
-    def __iter__(self) -> Iterator[Request]:
-        """In key order."""
-        return (entry[2] for entry in sorted(self._heap))
-
-    def __len__(self) -> int:
-        return len(self._heap)
-
-    def __bool__(self) -> bool:
-        return bool(self._heap)
 
 
 class Scheduler:
@@ -115,8 +61,11 @@ class Scheduler:
         self.options = options
         self.kvcache = kvcache
         self.max_model_len = max_model_len
-        # every unfinished request, by id
+        # every unfinished request, by id (held by a gate, waiting or running)
         self.requests: dict[str, Request] = {}
+        # admission gates, in the order a request passes them, and the requests each holds (by its status)
+        self.gates: list[AdmissionGate] = []
+        self.held: dict[RequestStatus, list[Request]] = {}
         self.waiting = WaitingQueue()
         # requests holding KV memory, in admission order
         self.running: list[Request] = []
@@ -128,6 +77,12 @@ class Scheduler:
         self.clock = time.monotonic
         # batches the engine keeps in flight (pipeline parallelism): each takes about this share of the requests
         self.pipeline_depth = 1
+
+    @classmethod
+    def max_running(cls, options: msgspec.Struct) -> int | None:
+        """The most requests one batch holds under ``options`` (default None: as many as the KV cache does); the
+        workers size their compiled decode graphs and draft buffers by it."""
+        return None
 
     # What a scheduler decides: override these.
 
@@ -204,24 +159,73 @@ class Scheduler:
     # The mechanics every scheduler shares.
 
     def add(self, request: Request) -> None:
-        """Admission control: queue the request, or reject it with the reason.
+        """Admission control: the request goes to its first gate or the waiting queue, or is rejected with why.
 
         Raises:
             RequestRejected: duplicate id, can never run here (empty, too long
-                for max_model_len or for the whole cache), or the waiting queue
-                is full (429).
+                for max_model_len or for the whole cache), or the queue
+                (waiting and held) is full (429).
         """
         if request.request_id in self.requests:
             raise RequestRejected(f"request id {request.request_id!r} is already in use")
         reason = self._never_runs(request)
-        if reason is None and len(self.waiting) >= self.options.max_waiting:
+        if reason is None and self.num_waiting >= self.options.max_waiting:
             self.counters.num_rejected += 1
             raise RequestRejected(f"the waiting queue is full (max_waiting={self.options.max_waiting})", 429)
         if reason is not None:
             self.counters.num_rejected += 1
             raise RequestRejected(reason)
         self.requests[request.request_id] = request
+        self._pass_gates(request, 0)
+
+    def add_gate(self, gate: AdmissionGate) -> None:
+        """Make every request added from now on pass ``gate`` (after those added before)."""
+        self.gates.append(gate)
+        self.held[gate.status] = []
+
+    def _pass_gates(self, request: Request, first: int) -> None:
+        for gate in self.gates[first:]:
+            if gate.holds(request):
+                request.status = gate.status
+                self.held[gate.status].append(request)
+                return
+        request.status = RequestStatus.WAITING
         self._enqueue(request)
+
+    def release(self, idle: bool = True) -> list[RequestOutput]:
+        """Move the requests the gates let go on (to the next gate, then the waiting queue); end those a gate
+        refuses. The engine calls this before each ``schedule``.
+
+        Args:
+            idle: no step is in flight on the workers.
+
+        Returns:
+            The final error output (400) of each refused request.
+        """
+        outputs = []
+        for index, gate in enumerate(self.gates):
+            held = self.held[gate.status]
+            if not held:
+                continue
+            ready, refused = gate.release(list(held), idle)
+            for request in ready:
+                held.remove(request)
+                self._pass_gates(request, index + 1)
+            for request, error in refused:
+                self._remove(request, FinishReason.ERROR)
+                self.counters.num_rejected += 1
+                outputs.append(RequestOutput(request.request_id, finish_reason=FinishReason.ERROR.value, error=error,
+                                             error_status=400, num_prompt_tokens=request.num_prompt_tokens))
+        return outputs
+
+    def wants_idle(self) -> bool:
+        """Whether a gate would release a request if no step were in flight."""
+        return any(held and gate.wants_idle(held) for gate, held in zip(self.gates, self.held.values()))
+
+    @property
+    def num_waiting(self) -> int:
+        """Requests waiting to run: queued, or held by a gate."""
+        return len(self.waiting) + sum(len(held) for held in self.held.values())
 
     def _never_runs(self, request: Request) -> str | None:
         if request.num_prompt_tokens == 0:
@@ -277,8 +281,17 @@ class Scheduler:
 
     def finish(self, request: Request, reason: FinishReason) -> None:
         """End a request wherever it is: free its memory and forget it."""
+        self._remove(request, reason)
+        if reason in (FinishReason.ABORT, FinishReason.ERROR):
+            self.counters.num_aborted += 1
+        else:
+            self.counters.num_finished += 1
+
+    def _remove(self, request: Request, reason: FinishReason) -> None:
         if request.status == RequestStatus.RUNNING:
             self.running.remove(request)
+        elif request.status in self.held:
+            self.held[request.status].remove(request)
         elif request.status != RequestStatus.FINISHED:
             self.waiting.remove(request)
         request.status = RequestStatus.FINISHED
@@ -286,10 +299,8 @@ class Scheduler:
         self.kvcache.free(request)
         self.requests.pop(request.request_id, None)
         self._finished_ids.append(request.request_id)
-        if reason in (FinishReason.ABORT, FinishReason.ERROR):
-            self.counters.num_aborted += 1
-        else:
-            self.counters.num_finished += 1
+        for gate in self.gates:
+            gate.forget(request)
 
     def abort(self, request_ids: Iterable[str], error: str | None = None) -> list[RequestOutput]:
         """Drop requests wherever they are and free their memory.
@@ -376,4 +387,4 @@ class Scheduler:
 
     def stats(self) -> SchedulerStats:
         """Queue lengths now, and the cumulative counters."""
-        return msgspec.structs.replace(self.counters, num_running=len(self.running), num_waiting=len(self.waiting))
+        return msgspec.structs.replace(self.counters, num_running=len(self.running), num_waiting=self.num_waiting)

@@ -19,6 +19,7 @@ cache and the thread hide here).
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 from typing import TYPE_CHECKING
@@ -38,23 +39,33 @@ def _choice_regex(choices: list[str]) -> str:
 
 
 def check(spec: StructuredOutput) -> None:
-    """Parse the language without the vocabulary (fast).
+    """Parse the language without the vocabulary (fast; a language checked before is not parsed again: the
+    HTTP route and the frontend both check a request).
 
     Raises:
         ValueError: the schema, regex or grammar does not parse; the message says where.
     """
+    if spec.json is not None or spec.regex is not None or spec.grammar is not None:
+        error = _parse_error(spec.json, spec.regex, spec.grammar)
+        if error is not None:
+            raise ValueError(error)
+
+
+@functools.lru_cache(maxsize=256)
+def _parse_error(schema: str | None, regex: str | None, grammar: str | None) -> str | None:
     import xgrammar as xgr
 
     try:
-        if spec.json is not None:
-            xgr.Grammar.from_json_schema(_schema_text(spec.json), any_whitespace=False)
-        elif spec.regex is not None:
-            xgr.Grammar.from_regex(spec.regex)
-        elif spec.grammar is not None:
-            xgr.Grammar.from_ebnf(spec.grammar)
+        if schema is not None:
+            xgr.Grammar.from_json_schema(_schema_text(schema), any_whitespace=False)
+        elif regex is not None:
+            xgr.Grammar.from_regex(regex)
+        else:
+            xgr.Grammar.from_ebnf(grammar)
     except (RuntimeError, ValueError) as e:
-        kind = "JSON schema" if spec.json is not None else "regex" if spec.regex is not None else "grammar"
-        raise ValueError(f"the {kind} cannot be compiled: {str(e).strip()}") from None
+        kind = "JSON schema" if schema is not None else "regex" if regex is not None else "grammar"
+        return f"the {kind} cannot be compiled: {str(e).strip()}"
+    return None
 
 
 def _schema_text(schema: str) -> str:

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable
 
+from conveyor.gates import AdmissionGate
 from conveyor.kvcache import KVCacheSpec
 from conveyor.plugins.kvcache.paged import PagedKVCache, PagedOptions
-from conveyor.request import Request
+from conveyor.request import Request, RequestStatus
 from conveyor.sampling import SamplingParams
 from conveyor.scheduler import Scheduler
 
@@ -43,14 +45,16 @@ def next_token(request: Request) -> int:
 
 
 def fake_step(scheduler: Scheduler, model=next_token):
-    """One engine step with a fake runner: each request at the end of its known tokens gets model(request)."""
+    """One engine step with a fake runner: the gates release what they let go (the outputs start with the
+    requests they refused), then each request at the end of its known tokens gets model(request)."""
+    refused = scheduler.release()
     batch = scheduler.schedule()
     sampled = [
         model(r) if r.num_computed_tokens + n == r.num_tokens else None
         for r, n in zip(batch.requests, batch.num_tokens)
     ]
     outputs = scheduler.update(batch, sampled, [None] * len(batch))
-    return batch, outputs
+    return batch, refused + outputs
 
 
 def run_to_completion(scheduler: Scheduler, max_steps: int = 10_000) -> list[str]:
@@ -71,3 +75,39 @@ def assert_no_leak(kvcache) -> None:
         assert not any(kvcache.ref_counts) and not kvcache.tables
     else:
         assert not kvcache.slabs
+
+
+class Countdown(AdmissionGate):
+    """A gate that holds the requests ``hold`` picks for ``steps`` releases each, then lets them go, or ends
+    those ``refuse`` picks with an error."""
+
+    def __init__(self, status: RequestStatus, hold: Callable[[Request], bool], steps: int = 2,
+                 refuse: Callable[[Request], bool] = lambda request: False):
+        self.status = status
+        self.hold, self.steps, self.refuse = hold, steps, refuse
+        self.left: dict[str, int] = {}
+        self.forgotten: list[str] = []
+        self.idle_seen: list[bool] = []
+
+    def holds(self, request: Request) -> bool:
+        if not self.hold(request):
+            return False
+        self.left[request.request_id] = self.steps
+        return True
+
+    def release(self, held: list[Request], idle: bool) -> tuple[list[Request], list[tuple[Request, str]]]:
+        self.idle_seen.append(idle)
+        ready, refused = [], []
+        for request in held:
+            self.left[request.request_id] -= 1
+            if self.left[request.request_id] > 0:
+                continue
+            if self.refuse(request):
+                refused.append((request, f"{request.request_id} refused"))
+            else:
+                ready.append(request)
+        return ready, refused
+
+    def forget(self, request: Request) -> None:
+        self.forgotten.append(request.request_id)
+        self.left.pop(request.request_id, None)

@@ -17,11 +17,12 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from conveyor.bench.doctor import diagnose, sample
+from conveyor.bench.doctor import sample
 from conveyor.engine.client import EngineClient, EngineUnavailable
 from conveyor.engine.dp_client import DPClient
 from conveyor.engine.router import ReplicaLoad, Router
 from conveyor.messages import EngineReady, EngineRequest, KVCacheStats, RequestOutput, SchedulerStats, StepStats
+from conveyor.perf.checklist import diagnose
 from conveyor.request import RequestRejected
 from conveyor.sampling import SamplingParams
 from conveyor.serving.metrics import ServerMetrics
@@ -166,7 +167,7 @@ class FakeReplica(EngineClient):
         self.alive = False
 
     def restart(self) -> EngineReady:
-        ready = EngineReady(self.pid, 256, 50, 16, 3.0, 0.1)
+        ready = EngineReady(self.pid, 256, 50, BLOCK, 3.0, 0.1)
         self._ready(ready)
         return ready
 

@@ -13,7 +13,9 @@ import httpx
 import pytest
 import torch
 
-from conveyor.bench.doctor import checklist, diagnose, quantile, read_metrics, sample
+from conveyor.bench.doctor import sample
+from conveyor.perf.checklist import checklist, diagnose
+from conveyor.perf.readings import quantile, read_metrics
 from tests.helpers import save_tiny_model_with_smollm2_vocab
 from tests.server import Server, http_config
 from tests.test_parallel import tiny_llama  # noqa: F401 - a fixture

@@ -386,7 +386,8 @@ def test_the_zmq_model_key_selects_an_adapter(tiny, server, tokenizer):
 
 def test_a_request_waits_for_a_slot_and_unloading_lets_running_requests_finish(tiny, server, tokenizer):
     """Both slots in use by running streams (a1, and a2 loaded at runtime): of three requests for a third
-    adapter, two wait for a slot and the one past [scheduler] max_waiting = 2 is refused with 429. a2 unloaded
+    adapter, two wait for a slot and the one past [scheduler] max_waiting = 2 (held requests count in that queue)
+    is refused with 429. a2 unloaded
     while its stream runs is gone for new requests (404); both streams still finish with transformers' text
     under their adapters (no slot in use is given away), and then the waiting requests run under their own.
     The engine is stopped while requests are sent, so they meet the running streams however fast it is."""
@@ -439,7 +440,7 @@ def test_a_request_waits_for_a_slot_and_unloading_lets_running_requests_finish(t
     assert texts == [greedy_text(tokenizer, adapters[name][1], prompt, num_tokens) for name in ("a1", "a2")]
     refused, *ran = sorted(waiting, key=lambda r: -r.status_code)
     assert refused.status_code == 429, refused.text
-    assert "the queue for LoRA adapters is full (max_waiting=2)" in refused.json()["error"]["message"]
+    assert "the waiting queue is full (max_waiting=2)" in refused.json()["error"]["message"]
     under_a3 = greedy_text(tokenizer, adapters["a3"][1], prompt, num_tokens)
     for response in ran:
         assert response.status_code == 200, response.text

@@ -59,7 +59,7 @@ def test_a_layer_with_stacked_experts_computes_what_the_grouped_path_does(tmp_pa
     """The MoE block as a CUDA worker builds it (experts stacked for the kernel) against the CPU one (the
     unquantized method's layer per expert), on a tiny checkpoint's first layer: shared expert included."""
     from conveyor.model.checkpoint import open_checkpoint
-    from conveyor.model.llama import Linear
+    from conveyor.model.layers import Linear
     from conveyor.model.moe import MoE
     from conveyor.plugins.quant.none import NoQuant
     from conveyor.worker.parallel import Placement

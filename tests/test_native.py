@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from conveyor import native
 from conveyor.attention.storage import SCALE_DTYPE, dequantize
 from conveyor.model.formats import quantize_fp8
-from conveyor.model.llama import RMSNorm, apply_rotary
+from conveyor.model.layers import RMSNorm, apply_rotary
 from tests.helpers import paged_store, reference_attention, relative_error
 
 pytestmark = [

@@ -11,11 +11,12 @@ import sys
 import pytest
 
 from conveyor.bench.arrivals import arrival_times
+from conveyor.bench.costs import CostModel
 from conveyor.bench.planner import Candidate, Planner, Slo, format_plan, parse_slos
-from conveyor.bench.simulator import MODELS, CostModel, SimRequest, simulate
+from conveyor.bench.simulator import MODELS, SimRequest, simulate
 from conveyor.bench.stats import summarize
 from conveyor.config import load_config
-from conveyor.engine.peaks import gpu_peaks
+from conveyor.perf.peaks import gpu_peaks
 
 SLOS = "ttft_p99=400ms,itl_p99=40ms"
 # a small search: two budgets and two batch sizes, block sizes 16 and 32

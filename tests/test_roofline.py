@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conveyor.engine.peaks import gpu_peaks
-from conveyor.engine.roofline import ModelCosts, StepWork, attended_pairs, step_work, utilization
 from conveyor.model.spec import ModelSpec
+from conveyor.perf.peaks import gpu_peaks
+from conveyor.perf.roofline import ModelCosts, StepWork, attended_pairs, step_work, utilization
 
 # SmolLM2-135M's shape (its config.json)
 SMOLLM2 = ModelSpec("LlamaForCausalLM", vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=30,
@@ -88,14 +88,14 @@ def test_gpus_are_found_by_the_names_torch_gives_them():
 def test_every_step_of_the_engine_counts_its_work():
     """Through the in-process engine, prompts in chunks: each step's stats carry the FLOPs and bytes of the batch
     it ran, and an MFU and MBU against this CPU's measured profile (cached once per machine)."""
-    from conveyor import LLM, native
-    from conveyor.engine.peaks import cpu_profile_path
+    from conveyor import LLM, paths
+    from conveyor.perf.peaks import cpu_profile_path
     from conveyor.sampling import SamplingParams
 
     with LLM(overrides={"scheduler.max_num_batched_tokens": 16}) as llm:
         core = llm.engine
         if not torch.cuda.is_available():  # (a GPU's peaks come from its name, not a measured profile)
-            assert cpu_profile_path(native.cache_root()).exists()
+            assert cpu_profile_path(paths.cache_root()).exists()
         assert core.peak_flops > 0 and core.peak_bytes_per_second > 0
         submitted, seen = [], []
         submit, step = core.executor.submit, core.step

@@ -12,6 +12,7 @@ from conveyor.plugins.schedulers.dynamic import DynamicOptions, DynamicScheduler
 from conveyor.plugins.schedulers.static import StaticOptions, StaticScheduler
 from conveyor.request import RequestRejected, RequestStatus
 from tests.factories import (
+    Countdown,
     assert_no_leak,
     create_kvcache,
     create_request,
@@ -271,8 +272,13 @@ def build(kind: str, kv: str, num_blocks: int, budget: int):
 )
 def test_random_arrivals_and_aborts_always_end_and_never_leak(kind, kv, events, num_blocks, budget):
     """Every request ends (stop/length/abort) or is rejected, exactly when the layout's capacity (counted here)
-    cannot hold it (400) or the waiting queue is full (429), with that reason; all memory comes back."""
+    cannot hold it (400) or the queue (waiting, or held at a gate) is full (429), with that reason; a gate
+    holds the requests of priority 2 and 3 for three steps and refuses those of priority 3 (they end with an
+    error); all memory comes back."""
     scheduler = build(kind, kv, num_blocks, budget)
+    gate = Countdown(RequestStatus.WAITING_FOR_GRAMMAR, lambda r: r.priority >= 2, steps=3,
+                     refuse=lambda r: r.priority == 3)
+    scheduler.add_gate(gate)
     # the whole cache in tokens: blocks of 4 (paged); slabs of 16-token granules over num_blocks x 4 tokens
     capacity = 4 * num_blocks if kv == "paged" else 16 * -(-num_blocks * 4 // 16)
     granule = 4 if kv == "paged" else 16
@@ -295,7 +301,7 @@ def test_random_arrivals_and_aborts_always_end_and_never_leak(kind, kv, events, 
             if share:
                 request.prompt_token_ids = (shared + request.prompt_token_ids)[:length]
             needed = length + max_tokens  # (max_model_len 256 is never the limit here)
-            queued = sum(r.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED) for r in added)
+            queued = sum(r.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED, gate.status) for r in added)
             if -(-needed // granule) * granule > capacity:
                 expected = (400, f"the request needs {needed} tokens of KV cache but the whole cache holds {capacity}")
             elif queued >= max_waiting:
@@ -321,9 +327,15 @@ def test_random_arrivals_and_aborts_always_end_and_never_leak(kind, kv, events, 
         if not scheduler.has_unfinished():
             break
         step()
-    assert not scheduler.has_unfinished()
+    assert not scheduler.has_unfinished() and not gate.left
     for request in added:
-        assert ended[request.request_id] in ("stop", "length", "abort")
+        reason = ended[request.request_id]
+        assert reason in ("stop", "length", "abort", "error")
+        if request.priority == 3:  # refused at the gate, or aborted before; it never ran
+            assert reason in ("error", "abort") and not request.output_token_ids and request.num_computed_tokens == 0
+        else:
+            assert reason != "error"
+        assert request.request_id in gate.forgotten
         if ended[request.request_id] == "length":
             assert len(request.output_token_ids) == request.params.max_tokens
     assert_no_leak(scheduler.kvcache)

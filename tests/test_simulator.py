@@ -10,23 +10,15 @@ import sys
 
 import pytest
 
-from conveyor.bench.simulator import (
-    INTERCONNECTS,
-    MODELS,
-    CostModel,
-    SimRequest,
-    calibrate,
-    comm_share,
-    simulate,
-    weight_bytes,
-)
+from conveyor.bench.costs import INTERCONNECTS, CostModel, calibrate, weight_bytes
+from conveyor.bench.simulator import MODELS, SimRequest, comm_share, simulate
 from conveyor.config import load_config
-from conveyor.engine.peaks import gpu_peaks
 from conveyor.messages import KVCacheStats, SchedulerStats, StepStats
+from conveyor.perf.peaks import gpu_peaks
 
 H100 = gpu_peaks("H100 SXM")
 LLAMA = MODELS["llama-3-8b"]
-# the datasheet cost model's stated assumptions (conveyor.bench.simulator): 60% of the peak FLOP/s, 80% of the
+# the datasheet cost model's stated assumptions (conveyor.bench.costs): 60% of the peak FLOP/s, 80% of the
 # bandwidth, 2 ms a step; NVLink 4 between devices by default, 450 GB/s one way and 1 us a hop
 FLOP_EFFICIENCY, BYTE_EFFICIENCY, STEP_OVERHEAD_S = 0.6, 0.8, 0.002
 LINK_BYTES_PER_S, LINK_LATENCY_S = 450e9, 1e-6

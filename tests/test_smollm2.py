@@ -71,6 +71,32 @@ def test_prompt_logprobs_match_transformers(chunked, hf_model, tokenizer):
             assert abs(logprob - float(row[token])) < 1e-3 and logprob > third - 1e-3, position
 
 
+def test_a_repetition_penalty_matches_transformers_over_chunked_steps(chunked, hf_model, tokenizer):
+    """A penalty needs the prompt and every output on the workers, which get the prompt once and then only each
+    step's new outputs (conveyor.deltas). Two prompts computed in chunks of 16 tokens, then 20 decodes: the tokens
+    equal transformers' greedy ones under its RepetitionPenaltyLogitsProcessor, or differ first at a near tie."""
+    from transformers import RepetitionPenaltyLogitsProcessor
+
+    penalty, num_tokens = 1.3, 20
+    processor = RepetitionPenaltyLogitsProcessor(penalty)
+    prompts = [tokenizer.encode_chat([{"role": "user", "content": p}]) for p in CHAT_PROMPTS[:2]]
+    params = SamplingParams(max_tokens=num_tokens, temperature=0, ignore_eos=True, logprobs=5,
+                            repetition_penalty=penalty)
+    plain = chunked.generate(prompts, SamplingParams(max_tokens=num_tokens, temperature=0, ignore_eos=True))
+    for ids, completion, unpenalized in zip(prompts, chunked.generate(prompts, params), plain):
+        assert len(ids) > 16
+        sequence, tokens, logprobs = list(ids), [], []
+        with torch.inference_mode():
+            for _ in range(num_tokens):
+                logits = hf_model(torch.tensor([sequence])).logits[0, -1:].double()
+                step = torch.log_softmax(processor(torch.tensor([sequence]), logits)[0], dim=-1)
+                tokens.append(int(step.argmax()))
+                logprobs.append(step)
+                sequence.append(tokens[-1])
+        assert_matches_reference(completion, tokens, logprobs, "repetition penalty")
+        assert tokens != unpenalized.token_ids  # (so a penalty the workers lost would fail the comparison)
+
+
 def test_logprobs_match_transformers(llm_fp32, reference):
     ids, ref_tokens, ref_logprobs = reference[0]
     [completion] = llm_fp32.generate(

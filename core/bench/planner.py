@@ -33,6 +33,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import msgspec
 import tomli_w
 
 if sys.version_info >= (3, 11):
@@ -40,7 +41,8 @@ if sys.version_info >= (3, 11):
 else:
     import tomli as tomllib
 
-from conveyor.bench.simulator import DEFAULT_INTERCONNECT, SimRequest, comm_share, hardware_costs, simulate
+from conveyor.bench.costs import DEFAULT_INTERCONNECT
+from conveyor.bench.simulator import SimRequest, comm_share, hardware_costs, simulate
 from conveyor.bench.stats import summarize
 from conveyor.config import Config, ConfigError, load_config
 
@@ -222,9 +224,10 @@ class Planner:
                      "parallel.data_parallel_size": config.parallel.data_parallel_size,
                      "quant.plugin": config.quant.plugin}
         for section, spec in (("kvcache", config.kvcache), ("scheduler", config.scheduler)):
+            options = msgspec.structs.asdict(spec.options)
             for key in ("dtype", "block_size", "max_num_seqs", "max_num_batched_tokens"):
-                if hasattr(spec.options, key):
-                    effective[f"{section}.{key}"] = getattr(spec.options, key)
+                if key in options:
+                    effective[f"{section}.{key}"] = options[key]
         raw: dict[str, Any] = {}
         if self.config_file is not None:
             with open(self.config_file, "rb") as f:

@@ -4,25 +4,11 @@ The real engine core runs, with the real scheduler and KV cache plugins of
 the config (chunked prefill, preemption, prefix caching, admission), on a
 virtual clock: the executor computes nothing and answers each step after the
 seconds a cost model gives for the step's FLOPs and bytes
-(``conveyor.engine.roofline``). Requests arrive as ``conveyor bench`` sends
+(``conveyor.perf.roofline``). Requests arrive as ``conveyor bench`` sends
 them (its datasets and arrival processes), and the report is bench's.
 
-Cost models:
-
-- **Calibrated** (this machine): ``seconds = a + b x FLOPs + c x bytes + d x
-  sequences``, fitted by least squares to the steps of a short real run
-  (``calibrate``). On a CPU compute and memory traffic do not overlap much,
-  so their times add.
-- **Datasheet** (a GPU from the table): ``seconds = overhead + max(FLOPs /
-  (60% of peak), bytes / (80% of bandwidth))`` per device, the work split
-  over ``tensor_parallel_size`` devices, plus two ring all-reduces of the
-  hidden states per layer over the interconnect (``--interconnect``: NVLink,
-  PCIe, InfiniBand or Ethernet, ``INTERCONNECTS``; each hop its latency,
-  the bytes at the datasheet's bandwidth). ``pipeline_parallel_size`` P
-  splits the layers over P stages that a step passes in turn (hidden states
-  sent between them over the same link), with up to P steps in flight. The
-  efficiencies, the 2 ms overhead and the links' latencies are assumptions,
-  not measurements: calibrate them on the GPU where there is one.
+The cost models, calibrated on this machine or from a GPU's datasheet, are
+``conveyor.bench.costs``.
 
 Schedulers that wait on the wall clock for a batch to fill (``static``,
 ``dynamic``) stop the simulation with an error when they do; ``continuous``
@@ -34,20 +20,20 @@ from __future__ import annotations
 import json
 from collections import deque
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from typing import Any
 
 import msgspec
-import numpy as np
 
+from conveyor.bench.costs import DEFAULT_INTERCONNECT, INTERCONNECTS, CostModel, calibrate, weight_bytes
 from conveyor.config import Config
 from conveyor.engine.core import EngineCore
-from conveyor.engine.peaks import DevicePeaks
-from conveyor.engine.roofline import ModelCosts, step_work, weight_counts
 from conveyor.executor import Executor, ModelInfo
 from conveyor.kvcache import DTYPE_BYTES, KVCacheSpec
 from conveyor.messages import EngineRequest, RankTimes, RunnerOutput, StepInput, StepStats
 from conveyor.model.spec import ModelSpec
+from conveyor.perf.peaks import DevicePeaks
+from conveyor.perf.roofline import ModelCosts, step_work
 from conveyor.registry import PluginRegistry
 from conveyor.sampling import SamplingParams
 
@@ -61,109 +47,8 @@ MODELS: dict[str, ModelSpec] = {
                               num_experts=8, num_experts_per_tok=2, moe_intermediate_size=14336),
     "smollm2-135m": ModelSpec("LlamaForCausalLM", 49152, 576, 1536, 30, 9, 3, 64, 100000.0, 1e-5, 8192, True),
 }
-# bytes per weight of the linear layers by [quant] plugin (scales aside); embeddings stay in the model dtype
-QUANT_BYTES = {"int8": 1, "fp8": 1}
-# the datasheet cost model's assumptions
-GPU_FLOP_EFFICIENCY = 0.6
-GPU_BYTE_EFFICIENCY = 0.8
-GPU_STEP_OVERHEAD_S = 0.002
-
-
-@dataclass(frozen=True)
-class Interconnect:
-    """A link between a node's devices (or between nodes): its bandwidth, one way, per device, and the latency
-    one hop of a collective adds (an assumption of the order NCCL reaches, not a datasheet figure)."""
-
-    bytes_per_second: float
-    latency_s: float
-    source: str
-
-
-# what ``--interconnect`` may name; the bandwidths are the datasheets' (both directions together), halved
-INTERCONNECTS = {
-    "nvlink5": Interconnect(900e9, 1e-6, "NVIDIA B200 datasheet: fifth-generation NVLink, 1.8 TB/s per GPU"),
-    "nvlink4": Interconnect(450e9, 1e-6, "NVIDIA H100 SXM datasheet: fourth-generation NVLink, 900 GB/s per GPU"),
-    "nvlink3": Interconnect(300e9, 1e-6, "NVIDIA A100 SXM datasheet: third-generation NVLink, 600 GB/s per GPU"),
-    "pcie5": Interconnect(64e9, 3e-6, "NVIDIA H100 PCIe datasheet: PCIe Gen5 x16, 128 GB/s"),
-    "pcie4": Interconnect(32e9, 3e-6, "NVIDIA A100 PCIe datasheet: PCIe Gen4 x16, 64 GB/s"),
-    "infiniband-ndr": Interconnect(50e9, 5e-6, "NVIDIA ConnectX-7: InfiniBand NDR, 400 Gb/s per port"),
-    "ethernet-100g": Interconnect(12.5e9, 10e-6, "IEEE 802.3 100 Gb/s Ethernet (RoCE)"),
-}
-DEFAULT_INTERCONNECT = "nvlink4"
 # a GPU's memory kept from the KV cache for activations and the CUDA context
 ACTIVATION_RESERVE_BYTES = 2 * 10**9
-
-
-def weight_bytes(spec: ModelSpec, dtype_bytes: int, quant: str = "none") -> int:
-    """Bytes of the model's weights: linear layers at the quant method's size, embeddings in the model dtype."""
-    dense, experts, embeddings = weight_counts(spec)
-    return (dense + experts) * QUANT_BYTES.get(quant, dtype_bytes) + embeddings * dtype_bytes
-
-
-@dataclass
-class CostModel:
-    """Seconds of one step (its scheduling and sampling too) from what it computes and moves."""
-
-    overhead_s: float
-    # seconds per FLOP, per byte, per sequence in the step (calibrated); or rates for the roofline (datasheet)
-    per_flop: float
-    per_byte: float
-    per_sequence: float = 0.0
-    # the datasheet model: the larger of the compute and the memory time (they overlap), plus the collectives
-    # over the link between the devices (bytes/s one way, seconds a hop)
-    overlap: bool = False
-    tp: int = 1
-    hidden_size: int = 0
-    num_layers: int = 0
-    dtype_bytes: int = 2
-    link_bytes_per_s: float = 0.0
-    link_latency_s: float = 0.0
-
-    def seconds(self, flops: float, moved: float, sequences: int, tokens: int) -> float:
-        if not self.overlap:
-            return self.overhead_s + self.per_flop * flops + self.per_byte * moved + self.per_sequence * sequences
-        return self.overhead_s + max(self.per_flop * flops, self.per_byte * moved) / self.tp + self.comm_seconds(tokens)
-
-    def comm_seconds(self, tokens: int) -> float:
-        """The step's collectives: two all-reduces of [tokens, hidden] per layer, each a ring of 2 (tp - 1) hops
-        that carry 2 (tp - 1) / tp of the bytes."""
-        if self.tp == 1 or not self.link_bytes_per_s:
-            return 0.0
-        hops = 2 * (self.tp - 1)
-        one = hops * self.link_latency_s + hops / self.tp * tokens * self.hidden_size * self.dtype_bytes / self.link_bytes_per_s
-        return 2 * self.num_layers * one
-
-    def hop_seconds(self, tokens: int) -> float:
-        """Hidden states of ``tokens`` sent from one pipeline stage to the next."""
-        if not self.link_bytes_per_s:
-            return 0.0
-        return self.link_latency_s + tokens * self.hidden_size * self.dtype_bytes / self.link_bytes_per_s
-
-    @classmethod
-    def datasheet(cls, peaks: DevicePeaks, dtype: str, spec: ModelSpec, tp: int = 1,
-                  interconnect: str = DEFAULT_INTERCONNECT) -> CostModel:
-        link = INTERCONNECTS[interconnect]
-        return cls(GPU_STEP_OVERHEAD_S, 1 / (GPU_FLOP_EFFICIENCY * peaks.flops_for(dtype)),
-                   1 / (GPU_BYTE_EFFICIENCY * peaks.bytes_per_second), overlap=True, tp=tp,
-                   hidden_size=spec.hidden_size, num_layers=spec.num_layers, dtype_bytes=DTYPE_BYTES[dtype],
-                   link_bytes_per_s=link.bytes_per_second, link_latency_s=link.latency_s)
-
-
-def calibrate(steps: Sequence[StepStats]) -> CostModel:
-    """The least-squares fit of the steps' whole times (schedule, forward, sample, update) to overhead + FLOPs +
-    bytes + sequences (each coefficient at least 0)."""
-    rows = np.array([[1.0, s.flops, s.bytes_moved, s.scheduler.num_running] for s in steps])
-    times = np.array([s.schedule_time + s.forward_time + s.sample_time + s.update_time for s in steps])
-    scale = np.maximum(np.abs(rows).max(axis=0), 1e-30)
-    active = list(range(4))
-    while True:  # (drop a coefficient that comes out negative, fit again)
-        fit, *_ = np.linalg.lstsq(rows[:, active] / scale[active], times, rcond=None)
-        if (fit >= 0).all():
-            break
-        del active[int(np.argmin(fit))]
-    coefficients = np.zeros(4)
-    coefficients[active] = fit / scale[active]
-    return CostModel(*(float(c) for c in coefficients))
 
 
 class SimulatedExecutor(Executor):
@@ -375,15 +260,15 @@ def hardware_costs(hardware: str, config: Config, spec: ModelSpec,
     """The device's peaks and the cost model of ``config``'s steps on it: a GPU of the table (datasheet; its
     devices joined by ``interconnect``, NVLink 4 by default), or ``cpu`` (this machine, calibrated by a short
     real run of the config's model)."""
-    from conveyor import native
-    from conveyor.engine.peaks import cpu_peaks, gpu_peaks
+    from conveyor import paths
+    from conveyor.perf.peaks import cpu_peaks, gpu_peaks
 
     if interconnect is not None and interconnect not in INTERCONNECTS:
         raise ValueError(f"--interconnect {interconnect!r}: allowed: {', '.join(INTERCONNECTS)}")
     if hardware == "cpu":
         if interconnect is not None:
             raise ValueError("--interconnect applies to GPUs (--hardware); this CPU's workers are calibrated")
-        peaks = cpu_peaks(native.cache_root())
+        peaks = cpu_peaks(paths.cache_root())
         print("calibrating on this machine: a short real run of the config's model ...", flush=True)
         return peaks, calibrate(measure_steps(config))
     peaks = gpu_peaks(hardware)

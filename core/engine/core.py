@@ -16,12 +16,11 @@ from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from conveyor import native
+from conveyor import paths
 from conveyor.config import Config
+from conveyor.deltas import SentRequests
 from conveyor.engine.grammars import GrammarRequests
 from conveyor.engine.loras import LoraSlots
-from conveyor.engine.peaks import DevicePeaks, device_peaks
-from conveyor.engine.roofline import ModelCosts, step_work, utilization
 from conveyor.engine.speculative import DraftModelProposer, NgramProposer
 from conveyor.executor import Executor, ExecutorError, build_executor
 from conveyor.kvcache import DTYPE_BYTES, KVCacheManager
@@ -37,6 +36,8 @@ from conveyor.messages import (
     StepInput,
     StepStats,
 )
+from conveyor.perf.peaks import DevicePeaks, device_peaks
+from conveyor.perf.roofline import ModelCosts, step_work, utilization
 from conveyor.registry import PluginRegistry
 from conveyor.request import FinishReason, Request, RequestRejected
 from conveyor.scheduler import ScheduledBatch, Scheduler
@@ -86,17 +87,23 @@ class EngineCore:
             raise
         self.info = info
         self.max_model_len = info.max_model_len
-        # structured-output requests: compiling, and the matchers of those the scheduler holds
+        # the scheduler's gates: adapters loading on the workers, then grammars compiling
+        self.loras = None
+        if config.lora.max_loras:
+            self.loras = LoraSlots(self.executor, config.lora.max_loras, self.scheduler.requests)
+            self.scheduler.add_gate(self.loras)
         self.grammars = GrammarRequests(config, info.vocab_size)
+        self.scheduler.add_gate(self.grammars)
         proposer = {"ngram": NgramProposer, "draft": DraftModelProposer}.get(config.engine.speculative)
         self.proposer = proposer(config.engine) if proposer is not None else None
-        self.loras = LoraSlots(self.executor, config.lora.max_loras) if config.lora.max_loras else None
         self.num_steps = 0
+        # what the workers hold of each request (a step sends the rest)
+        self.sent = SentRequests()
         self._kv_owners_time = 0.0
         # what a step computes and moves, and the peaks it is measured against (all devices together)
         self.costs = None if info.spec is None else ModelCosts.of(
             info.spec, info.weight_bytes, self.kvcache.layout.spec.bytes_per_head, DTYPE_BYTES[config.model.dtype])
-        peaks = peaks or device_peaks(info.device, native.cache_root())
+        peaks = peaks or device_peaks(info.device, paths.cache_root())
         devices = config.parallel.world_size if info.device.startswith("cuda") else 1
         self.peak_flops = peaks.flops_for(config.model.dtype) * devices if peaks else 0.0
         self.peak_bytes_per_second = peaks.bytes_per_second * devices if peaks else 0.0
@@ -116,7 +123,8 @@ class EngineCore:
         self.executor.shutdown()
 
     def add_request(self, message: EngineRequest) -> RequestOutput | None:
-        """Queue a request.
+        """Queue a request (the scheduler checks it; its gates hold it while its adapter loads or its grammar
+        compiles).
 
         Returns:
             None; or, for a request it cannot take (too long, queue full, ...), its final error output,
@@ -126,32 +134,11 @@ class EngineCore:
             request = Request.from_message(message, self.max_model_len)
             if request.lora is not None and self.loras is None:
                 raise RequestRejected(f"the LoRA adapter {request.lora.name!r} cannot run: [lora] max_loras = 0")
-            if self.loras is not None and not self.loras.ready(request):
-                if any(r.request_id == request.request_id for r in self.loras.waiting):
-                    raise RequestRejected(f"request id {request.request_id!r} is already in use")
-                limit = getattr(self.scheduler.options, "max_waiting", None)  # (a scheduler plugin's option)
-                if limit is not None and len(self.loras.waiting) >= limit:
-                    raise RequestRejected(f"the queue for LoRA adapters is full (max_waiting={limit})", 429)
-                self.loras.waiting.append(request)  # (the next step loads its adapter)
-            else:
-                self._admit(request)
+            self.scheduler.add(request)
         except RequestRejected as e:
             return self._rejected(message.request_id, e)
         self._collecting = False
         return None
-
-    def _admit(self, request: Request) -> None:
-        """To the scheduler, or first to the grammar compiler (structured output).
-
-        Raises:
-            RequestRejected: the scheduler cannot take it.
-        """
-        if request.params.structured is not None:  # (the scheduler takes it once its grammar compiles)
-            if request.request_id in self.scheduler.requests:
-                raise RequestRejected(f"request id {request.request_id!r} is already in use")
-            self.grammars.add(request)
-        else:
-            self.scheduler.add(request)
 
     @staticmethod
     def _rejected(request_id: str, e: RequestRejected) -> RequestOutput:
@@ -159,15 +146,7 @@ class EngineCore:
 
     def abort(self, request_ids: Iterable[str]) -> list[RequestOutput]:
         """End requests wherever they are; returns a final ``abort`` output for each unfinished one."""
-        request_ids = list(request_ids)
-        held = self.grammars.abort(request_ids)
-        if self.loras is not None:
-            ids = set(request_ids)
-            held += [r for r in self.loras.waiting if r.request_id in ids]
-            self.loras.waiting = [r for r in self.loras.waiting if r.request_id not in ids]
-        outputs = [RequestOutput(r.request_id, finish_reason=FinishReason.ABORT.value,
-                                 num_prompt_tokens=r.num_prompt_tokens) for r in held]
-        return outputs + self.scheduler.abort(request_ids)
+        return self.scheduler.abort(request_ids)
 
     def apply(self, messages: Iterable[tuple[MessageType, object]]) -> EngineOutputs | None:
         """Take ADD and ABORT messages (``EngineRequest``, a list of request ids) in the order they came.
@@ -191,16 +170,15 @@ class EngineCore:
         return EngineOutputs(outputs, self.stats() if aborted else None)
 
     def has_unfinished(self) -> bool:
-        return (self.scheduler.has_unfinished() or bool(self.grammars.compiling)
-                or (self.loras is not None and bool(self.loras.waiting)))
+        return self.scheduler.has_unfinished()
 
     def poll_timeout(self) -> float | None:
         """How long a loop around ``step`` may wait for new requests before stepping again:
-        0 while there is work, a moment while a batching scheduler collects, None (until a
-        request comes) when idle."""
+        0 while there is work, a moment while nothing could run (a batching scheduler collecting,
+        requests held by a gate), None (until a request comes) when idle."""
         if not self.has_unfinished():
             return None
-        return COLLECT_WAIT if self._collecting or not self.scheduler.has_unfinished() else 0.0
+        return COLLECT_WAIT if self._collecting else 0.0
 
     def step(self) -> tuple[list[RequestOutput], StepStats | None]:
         """Run one step: submit batches while the pipeline has room (one, without pipeline parallelism),
@@ -213,37 +191,49 @@ class EngineCore:
         Raises:
             ExecutorError: the workers cannot go on (the engine must restart).
         """
-        compiled = self._take_loras() + self._take_compiled()
-        while len(self._in_flight) < self.max_in_flight and not self._hold_for_loras():
-            start = time.perf_counter()
-            batch = self.scheduler.schedule()
-            if not batch.requests:
+        released = self.scheduler.release(idle=not self._in_flight)
+        while len(self._in_flight) < self.max_in_flight and not (self._in_flight and self.scheduler.wants_idle()):
+            if not self._submit():
                 break
-            # decodes proper: one new token after earlier ones (not the last token of a prompt chunk)
-            num_decode = sum(
-                1 for r in batch.requests[: batch.num_decodes] if r.num_output_tokens and r.num_uncomputed_tokens == 1
-            )
-            step = self._step_input(batch)
-            for request in batch.requests:
-                request.in_flight = True
-            self._in_flight.append(InFlight(batch, step, num_decode, time.perf_counter() - start))
-            self.executor.submit(step)
         self._collecting = not self._in_flight
         if not self._in_flight:
-            return compiled, None
+            return released, None
         flight = self._in_flight.popleft()
-        batch = flight.batch
         try:
             result = self.executor.collect()
         except ExecutorError:
             raise
         except Exception as e:  # a failed step fails its requests, not the engine
-            logger.exception("step failed; ending its %d requests with an error", len(batch))
-            for request in batch.requests:
+            logger.exception("step failed; ending its %d requests with an error", len(flight.batch))
+            for request in flight.batch.requests:
                 request.in_flight = False
-            failed = self.scheduler.abort([r.request_id for r in batch.requests], error=f"{type(e).__name__}: {e}")
-            return compiled + failed, None
+            error = f"{type(e).__name__}: {e}"
+            return released + self.scheduler.abort([r.request_id for r in flight.batch.requests], error), None
         executed = time.perf_counter()
+        outputs = self._update(flight, result)
+        self.num_steps += 1
+        return released + outputs, self._step_stats(flight, result, executed)
+
+    def _submit(self) -> bool:
+        """Schedule a batch and hand it to the workers; False when there is nothing to run."""
+        start = time.perf_counter()
+        batch = self.scheduler.schedule()
+        if not batch.requests:
+            return False
+        # decodes proper: one new token after earlier ones (not the last token of a prompt chunk)
+        num_decode = sum(
+            1 for r in batch.requests[: batch.num_decodes] if r.num_output_tokens and r.num_uncomputed_tokens == 1
+        )
+        step = self._step_input(batch)
+        for request in batch.requests:
+            request.in_flight = True
+        self._in_flight.append(InFlight(batch, step, num_decode, time.perf_counter() - start))
+        self.executor.submit(step)
+        return True
+
+    def _update(self, flight: InFlight, result: RunnerOutput) -> list[RequestOutput]:
+        """Hand a step's tokens to the scheduler, the grammars and the proposer; what the requests produced."""
+        batch = flight.batch
         for request in batch.requests:
             request.in_flight = False
         outputs = self.scheduler.update(batch, result.sampled, result.logprobs, result.accepted,
@@ -254,8 +244,11 @@ class EngineCore:
             self.proposer.propose(batch.requests, result)
         if result.prompt_logprobs:
             outputs = self._add_prompt_logprobs(batch, flight.step, result, outputs)
-        self.num_steps += 1
-        outputs = compiled + outputs
+        return outputs
+
+    def _step_stats(self, flight: InFlight, result: RunnerOutput, executed: float) -> StepStats:
+        """The queues now, and what the step ran, how long each stage took and what it used of the devices."""
+        batch = flight.batch
         stats = self.stats()
         stats.num_prefill_tokens = batch.total_tokens - flight.num_decode
         stats.num_decode_tokens = flight.num_decode
@@ -279,7 +272,7 @@ class EngineCore:
             stats.rank_wait = [r.wait for r in result.ranks]
             stats.num_collectives = sum(r.num_collectives for r in result.ranks) / len(result.ranks)
             stats.collective_bytes = sum(r.collective_bytes for r in result.ranks) / len(result.ranks)
-        return outputs, stats
+        return stats
 
     def _kv_owners(self) -> KVOwners | None:
         """The running requests' blocks, every KV_OWNERS_EVERY_S seconds and once none runs."""
@@ -289,46 +282,6 @@ class EngineCore:
             return None
         self._kv_owners_time = now
         return KVOwners([r.request_id for r in running], [list(self.kvcache.block_ids(r)) for r in running])
-
-    def _adapters_in_use(self) -> set[int]:
-        requests = [*self.scheduler.requests.values(), *(r for r, _ in self.grammars.compiling.values())]
-        return {r.lora.id for r in requests if r.lora is not None}
-
-    def _hold_for_loras(self) -> bool:
-        """Submit no more steps while one is in flight and a waiting request could load its adapter (under
-        pipeline parallelism: the workers load only between steps)."""
-        return (self.loras is not None and bool(self._in_flight) and bool(self.loras.waiting)
-                and self.loras.loadable(self._adapters_in_use()))
-
-    def _take_loras(self) -> list[RequestOutput]:
-        """Load the adapters that waiting requests need, where slots allow; admit those requests."""
-        if self.loras is None or not self.loras.waiting or self._in_flight:
-            return []
-        ready, failed = self.loras.take(self._adapters_in_use())
-        outputs = [self._rejected(request.request_id, RequestRejected(error)) for request, error in failed]
-        for request in ready:
-            try:
-                self._admit(request)
-            except RequestRejected as e:
-                outputs.append(self._rejected(request.request_id, e))
-        if ready or failed:
-            self._collecting = False
-        return outputs
-
-    def _take_compiled(self) -> list[RequestOutput]:
-        """Hand the scheduler the requests whose grammar compiled; the error outputs of those that failed."""
-        outputs = []
-        for request, error in self.grammars.take_compiled():
-            try:
-                if error is not None:
-                    raise RequestRejected(error)
-                self.scheduler.add(request)
-            except RequestRejected as e:
-                self.grammars.forget([request.request_id])
-                outputs.append(self._rejected(request.request_id, e))
-        if outputs or self.grammars.compiling:
-            self._collecting = False
-        return outputs
 
     def _end_grammars(self, batch: ScheduledBatch, sampled: list[int | None], outputs: list[RequestOutput]) -> None:
         """Advance the requests' matchers; a grammar that completed (or refused the token) ends its request."""
@@ -356,7 +309,10 @@ class EngineCore:
                          kv_owners=self._kv_owners())
 
     def _step_input(self, batch: ScheduledBatch) -> StepInput:
+        """The step's message to the workers: each request's new tokens, and what the workers lack of it."""
         now = time.time()
+        finished = self.scheduler.take_finished()
+        self.sent.forget(finished)
         requests = []
         for request, n in zip(batch.requests, batch.num_tokens):
             if request.first_scheduled_time is None:
@@ -367,18 +323,15 @@ class EngineCore:
             drafts = request.draft_token_ids[: n - known]
             entry = ScheduledRequest(
                 request.request_id, start, request.token_ids(start, start + known) + drafts,
-                self.kvcache.block_ids(request), params, sample=start + known == request.num_tokens,
-                draft_token_ids=drafts, lora_slot=-1 if self.loras is None else self.loras.slot(request),
+                sample=start + known == request.num_tokens, draft_token_ids=drafts,
+                lora_slot=-1 if self.loras is None else self.loras.slot(request),
             )
-            if entry.sample and params.has_penalties:
-                entry.prompt_token_ids, entry.output_token_ids = request.prompt_token_ids, request.output_token_ids
+            self.sent.fill(entry, request, self.kvcache.block_ids(request), entry.sample and params.has_penalties)
             if params.prompt_logprobs is not None and request.num_prompt_logprobs < request.num_prompt_tokens - 1:
                 entry.prompt_logprob_token_ids = request.prompt_token_ids[start + 1 : start + n + 1]
             requests.append(entry)
-        finished = self.scheduler.take_finished()
         step = StepInput(requests, batch.num_decodes, finished)
         if self.grammars.matchers:
-            self.grammars.forget(finished)
             step.grammar_rows, step.bitmask = self.grammars.bitmask(
                 [e.request_id if e.sample else None for e in requests])
         return step

@@ -24,8 +24,6 @@ if sys.version_info < (3, 11):
 
 logger = logging.getLogger("conveyor")
 
-DEFAULT_BLOCK_SIZE = 16
-
 
 class DPClient(EngineClient):
     """Several engine replicas behind one frontend, as one engine client.
@@ -70,11 +68,10 @@ class DPClient(EngineClient):
     @classmethod
     def from_config(cls, config: Config, **options: Any) -> DPClient:
         """``config.parallel.data_parallel_size`` engine processes (``MPClient``, with ``options`` as there),
-        routed over the KV cache's blocks."""
+        routed over the KV cache's blocks (their size as the first replica to start reports it)."""
         num_replicas = config.parallel.data_parallel_size
         replicas = [MPClient(config, replica=index, **options) for index in range(num_replicas)]
-        block_size = getattr(config.kvcache.options, "block_size", DEFAULT_BLOCK_SIZE)
-        return cls(replicas, Router(num_replicas, block_size=block_size))
+        return cls(replicas, Router(num_replicas))
 
     @property
     def alive(self) -> bool:
@@ -195,6 +192,7 @@ class DPClient(EngineClient):
         self.readies[index] = ready
         self._stats[index] = None
         self.router.forget(index, capacity=ready.num_kv_blocks)
+        self.router.block_size = ready.block_size  # (each replica's, from the same config; set before any request)
         self.max_model_len = ready.max_model_len
         for observe in self.ready_observers:
             observe(ready)

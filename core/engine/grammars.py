@@ -1,7 +1,8 @@
 """The engine core's structured-output requests: grammars compiling, and one matcher per running request.
 
-A request with ``params.structured`` waits here while its grammar compiles
-(off the step loop, in one thread), then joins the scheduler with a matcher.
+A request with ``params.structured`` waits at this scheduler gate
+(``WAITING_FOR_GRAMMAR``) while its grammar compiles (off the step loop, in
+one thread), then goes on to the waiting queue with a matcher.
 Before a step samples for it, its matcher fills its row of the step's token
 bitmask; after the step, the sampled token advances the matcher.
 
@@ -18,20 +19,23 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
 from conveyor.config import Config
-from conveyor.request import Request, RequestRejected
+from conveyor.gates import AdmissionGate
+from conveyor.request import Request, RequestStatus
 
 if TYPE_CHECKING:
     from conveyor.structured import Grammars
 
 
-class GrammarRequests:
+class GrammarRequests(AdmissionGate):
+    status = RequestStatus.WAITING_FOR_GRAMMAR
+
     def __init__(self, config: Config, vocab_size: int):
         self.config = config
         self.vocab_size = vocab_size
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="conveyor-grammar")
         self._grammars: Future[Grammars] | None = None
-        # request id -> (the request, its grammar compiling)
-        self.compiling: dict[str, tuple[Request, Future]] = {}
+        # request id -> its grammar compiling
+        self.compiling: dict[str, Future] = {}
         # request id -> the matcher of a request the scheduler holds
         self.matchers: dict[str, object] = {}
 
@@ -56,45 +60,35 @@ class GrammarRequests:
                 self._grammars.set_exception(e)
         return self._grammars.result()
 
-    def add(self, request: Request) -> None:
-        """Start compiling the request's grammar.
-
-        Raises:
-            RequestRejected: the id is already waiting here.
-        """
-        if request.request_id in self.compiling:
-            raise RequestRejected(f"request id {request.request_id!r} is already in use")
+    def holds(self, request: Request) -> bool:
+        """Whether the request waits for a grammar (it starts compiling)."""
         spec = request.params.structured
-        self.compiling[request.request_id] = (request, self._pool.submit(lambda: self.grammars.compile(spec)))
+        if spec is None:
+            return False
+        self.compiling[request.request_id] = self._pool.submit(lambda: self.grammars.compile(spec))
+        return True
 
-    def take_compiled(self) -> list[tuple[Request, str | None]]:
-        """Requests whose grammar is ready (their matcher kept), or failed (with the reason)."""
-        done = []
-        for request_id, (request, future) in list(self.compiling.items()):
+    def release(self, held: list[Request], idle: bool) -> tuple[list[Request], list[tuple[Request, str]]]:
+        """The requests whose grammar is ready (their matcher kept), and those whose grammar failed, with why."""
+        ready, failed = [], []
+        for request in held:
+            future = self.compiling[request.request_id]
             if not future.done():
                 continue
-            del self.compiling[request_id]
+            del self.compiling[request.request_id]
             try:
-                self.matchers[request_id] = self.grammars.matcher(future.result())
-                done.append((request, None))
+                self.matchers[request.request_id] = self.grammars.matcher(future.result())
+                ready.append(request)
             except Exception as e:  # noqa: BLE001 - a grammar that does not compile fails its request (400)
-                done.append((request, f"structured output: the grammar cannot be compiled: {e}"))
-        return done
+                failed.append((request, f"structured output: the grammar cannot be compiled: {e}"))
+        return ready, failed
 
-    def abort(self, request_ids: list[str]) -> list[Request]:
-        """Drop requests still compiling; returns them."""
-        dropped = []
-        for request_id in request_ids:
-            entry = self.compiling.pop(request_id, None)
-            if entry is not None:
-                entry[1].cancel()
-                dropped.append(entry[0])
-        return dropped
-
-    def forget(self, request_ids: list[str]) -> None:
-        """Drop the matchers of requests that ended."""
-        for request_id in request_ids:
-            self.matchers.pop(request_id, None)
+    def forget(self, request: Request) -> None:
+        """Drop the grammar compiling or the matcher of a request that ended."""
+        future = self.compiling.pop(request.request_id, None)
+        if future is not None:
+            future.cancel()
+        self.matchers.pop(request.request_id, None)
 
     def bitmask(self, request_ids: list[str | None]) -> tuple[list[int], bytes]:
         """For the entries of a step that sample (their ids; None for the others): the entries under a grammar,

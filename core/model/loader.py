@@ -28,6 +28,10 @@ def resolve_device(name: str) -> torch.device:
 
 def open_model(config: ModelConfig, source: str = "<config>") -> Checkpoint:
     try:
+        if config.load_format == "dummy":
+            from conveyor.model.dummy import DummyCheckpoint
+
+            return DummyCheckpoint(config.path)
         return open_checkpoint(config.path)
     except ModelNotFoundError as e:
         raise ConfigError(f"{source}: [model] path = {config.path!r}: {e}") from None

@@ -37,7 +37,8 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
-    from conveyor.model.llama import Linear, LlamaModel
+    from conveyor.model.layers import Linear
+    from conveyor.model.llama import LlamaModel
 
 # Hugging Face module name -> the decoder's projection and which of its parts (rank block) it is
 MODULES: dict[str, tuple[str, int]] = {

@@ -28,6 +28,8 @@ from pathlib import Path
 
 import torch
 
+from conveyor.paths import cache_root
+
 logger = logging.getLogger("conveyor")
 
 CSRC = Path(__file__).resolve().parent / "csrc"
@@ -59,11 +61,6 @@ def build_name(csrc: Path = CSRC, prefix: str = sys.prefix) -> str:
     except (OSError, StopIteration):
         digest.update(platform.processor().encode())
     return f"conveyor_cpu_{digest.hexdigest()[:12]}"
-
-
-def cache_root() -> Path:
-    """Where Conveyor keeps what it builds: ``$CONVEYOR_CACHE_DIR``, by default ``~/.cache/conveyor``."""
-    return Path(os.environ.get("CONVEYOR_CACHE_DIR") or Path.home() / ".cache" / "conveyor")
 
 
 def cache_dir() -> Path:

@@ -25,8 +25,9 @@ from collections.abc import Callable
 from dataclasses import asdict
 from typing import Any
 
-from conveyor.bench.doctor import Reading, diagnose, read_metrics
 from conveyor.messages import KVOwners, StepStats
+from conveyor.perf.checklist import diagnose
+from conveyor.perf.readings import Reading, read_metrics
 
 # steps shown as bars
 STEPS_KEPT = 240

@@ -129,7 +129,7 @@ class ServerMetrics:
             "conveyor_spec_accepted_tokens",
             "Speculative decoding: proposed tokens the model accepted (acceptance rate: this over draft tokens).",
         )
-        # what steps computed and moved, against the devices' peaks (conveyor.engine.roofline, .peaks)
+        # what steps computed and moved, against the devices' peaks (conveyor.perf.roofline, .peaks)
         self.mfu = Histogram("conveyor_step_mfu", "Model FLOPs utilization of a step's forward pass (0..1).",
                              ["model_name"], registry=r, buckets=FRACTION_BUCKETS).labels(**labels)
         self.mbu = Histogram("conveyor_step_mbu", "Memory-bandwidth utilization of a step's forward pass (0..1).",

@@ -14,10 +14,11 @@ import os
 import msgspec
 import torch
 
-from conveyor import native
+from conveyor import paths
 from conveyor.attention import BackendUnavailable, select_backend
 from conveyor.attention.storage import KVStorage
 from conveyor.config import Config, ConfigError
+from conveyor.deltas import HeldRequests
 from conveyor.executor import ModelInfo
 from conveyor.kvcache import KVCacheLayout, KVCacheSpec
 from conveyor.messages import RunnerOutput, StepInput
@@ -73,6 +74,8 @@ class Worker:
         self.compile = self._compile_choice()
         self.group = ParallelGroup.init(self.placement, init_method, self.device)
         self.runner: ModelRunner | None = None
+        # each request's parameters, block table and penalty tokens, as the steps sent them
+        self.held = HeldRequests()
         self.adapters: Adapters | None = None
         # speculative = "draft": the draft model and what its KV cache stores per token
         self.draft_model: LlamaModel | None = None
@@ -165,7 +168,7 @@ class Worker:
         """The draft model over a KV storage of its own: the target's blocks (and its spare one), then scratch
         blocks for the proposals of up to ``max_num_seqs`` requests."""
         k = self.config.engine.num_speculative_tokens
-        rows = getattr(self.config.scheduler.options, "max_num_seqs", None) or 256  # (a scheduler plugin's option)
+        rows = self._max_running() or 256
         first_scratch = layout.num_blocks + 1
         spec = msgspec.structs.replace(self.draft_kv_spec, cache_dtype=layout.spec.cache_dtype)
         storage = KVStorage(KVCacheLayout(spec, first_scratch + rows * scratch_blocks_per_row(k, layout.block_size),
@@ -173,11 +176,16 @@ class Worker:
         backend = self.backend_class(storage, self.draft_model.attention_layers())
         return Drafter(self.draft_model, backend, k, first_scratch, rows)
 
+    def _max_running(self) -> int | None:
+        """The most requests a step holds, as the configured scheduler says."""
+        scheduler = self.config.scheduler
+        return self.registry.get("scheduler", scheduler.plugin).max_running(scheduler.options)
+
     def _compile_batch_sizes(self) -> list[int]:
         """``compile_batch_sizes`` up to ``max_num_seqs``, and ``max_num_seqs`` itself where it falls short of the
         largest (so every step of decodes fits a graph)."""
         sizes = self.config.engine.compile_batch_sizes
-        most = getattr(self.config.scheduler.options, "max_num_seqs", None)  # (a scheduler plugin's option)
+        most = self._max_running()
         if most is None:
             return sorted(set(sizes))
         return sorted({s for s in sizes if s <= most} | ({most} if most < max(sizes) else set()))
@@ -194,7 +202,7 @@ class Worker:
         backend = self.backend_class(storage, self.model.attention_layers(), self.config.engine.batch_invariant)
         compiled = None
         if self.compile:
-            use_inductor_cache(native.cache_root())
+            use_inductor_cache(paths.cache_root())
             compiled = CompiledDecode(self.model, backend, self._compile_batch_sizes(),
                                       layout.spec.max_model_len)
             compiled.compile_all()
@@ -206,6 +214,7 @@ class Worker:
 
     def execute(self, step: StepInput) -> RunnerOutput:
         assert self.runner is not None, "init_kv_cache comes before execute"
+        self.held.apply(step)  # (each entry whole again: parameters, block table, penalty tokens)
         return self.runner.execute(step)
 
     def add_lora(self, slot: int, path: str) -> str:

@@ -34,6 +34,10 @@ class ContinuousScheduler(Scheduler):
     name = "continuous"
     Options = ContinuousOptions
 
+    @classmethod
+    def max_running(cls, options: ContinuousOptions) -> int:
+        return options.max_num_seqs
+
     def waiting_key(self, request: Request) -> tuple:
         if self.options.policy == "priority":
             return (request.priority, request.arrival_order)

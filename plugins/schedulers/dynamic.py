@@ -28,6 +28,10 @@ class DynamicScheduler(RunToCompletionScheduler):
     name = "dynamic"
     Options = DynamicOptions
 
+    @classmethod
+    def max_running(cls, options: DynamicOptions) -> int:
+        return options.max_batch_size
+
     def __init__(self, options: DynamicOptions, kvcache, max_model_len: int):
         super().__init__(options, kvcache, max_model_len)
         self.max_batch_size = options.max_batch_size

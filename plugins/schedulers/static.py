@@ -101,6 +101,10 @@ class StaticScheduler(RunToCompletionScheduler):
     name = "static"
     Options = StaticOptions
 
+    @classmethod
+    def max_running(cls, options: StaticOptions) -> int:
+        return options.batch_size
+
     def __init__(self, options: StaticOptions, kvcache, max_model_len: int):
         super().__init__(options, kvcache, max_model_len)
         self.max_batch_size = options.batch_size

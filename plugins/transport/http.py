@@ -35,20 +35,17 @@ from starlette.staticfiles import StaticFiles
 from starlette.types import Receive, Scope, Send
 
 from conveyor.hookspecs import hookimpl
-from conveyor.messages import LoraAdapter
 from conveyor.plugins.transport import openai_api as api
+from conveyor.plugins.transport.openai_call import Call, Emit
 from conveyor.plugins.transport.openapi import openapi_document
 from conveyor.plugins.transport.tool_calls import Tools
 from conveyor.sampling import StructuredOutput
-from conveyor.transport import Chunk, Frontend, RequestError, Transport
+from conveyor.transport import Frontend, RequestError, Transport
 
 logger = logging.getLogger("conveyor")
 
 # the dashboard's page, script and its chart library (uPlot, MIT), served from the package
 STATIC = importlib.resources.files("conveyor.serving") / "static"
-
-Emit = Callable[[dict[str, Any]], Awaitable[None]]
-
 
 class HTTPOptions(msgspec.Struct, forbid_unknown_fields=True):
     # interface to listen on; 127.0.0.1 keeps the server private to this machine
@@ -351,7 +348,7 @@ class _Routes:
             lora = self.frontend.adapter(body.model)
         except RequestError as e:
             return error_response(e)
-        call = _Call(self.frontend, body, prompt_ids, params, chat, tools, lora)
+        call = Call(self.frontend, body, prompt_ids, params, chat, tools, lora)
         if body.stream:
             return EventStream(call.stream)
         try:
@@ -360,129 +357,6 @@ class _Routes:
         except RequestError as e:
             return error_response(e)
         return json_response(call.result())
-
-
-class _Call:
-    """One completions or chat completions call, with its n choices."""
-
-    def __init__(self, frontend: Frontend, body: Any, prompt_ids: list[int], params: Any, chat: bool,
-                 tools: Tools | None = None, lora: LoraAdapter | None = None):
-        """
-        Args:
-            tools: a chat call's tools; where they are active, replies are read for calls (and streamed whole).
-            lora: the LoRA adapter the call's ``model`` names (None: the base model).
-        """
-        self.frontend = frontend
-        self.lora = lora
-        # the name replies carry: the one the client asked for
-        self.model = body.model or frontend.model_name
-        self.tools = tools if tools is not None and tools.active else None
-        self.body = body
-        self.prompt_ids = prompt_ids
-        self.params = params
-        self.chat = chat
-        prefix = "chatcmpl" if chat else "cmpl"
-        self.id = frontend.new_request_id(prefix)
-        self.object = "chat.completion" if chat else "text_completion"
-        self.texts = [""] * body.n
-        self.token_ids: list[list[int]] = [[] for _ in range(body.n)]
-        self.logprobs: list[list[Any]] = [[] for _ in range(body.n)]
-        self.finish_reasons: list[str | None] = [None] * body.n
-        self.num_cached_tokens = 0
-
-    async def run(self, on_chunk: Callable[[int, Chunk], Awaitable[None]] | None = None) -> None:
-        async def collect(index: int, chunk: Chunk) -> None:
-            if on_chunk is not None:
-                await on_chunk(index, chunk)
-            self.texts[index] += chunk.text
-            self.token_ids[index] += chunk.token_ids
-            self.logprobs[index] += chunk.logprobs or []
-            self.finish_reasons[index] = chunk.finish_reason
-            self.num_cached_tokens = max(self.num_cached_tokens, chunk.num_cached_tokens)
-
-        await self.frontend.run_choices(self.prompt_ids, self.params, self.body.n, request_id=self.id,
-                                        priority=self.body.priority, on_chunk=collect, lora=self.lora)
-
-    def usage(self) -> dict[str, Any]:
-        return api.usage(len(self.prompt_ids), sum(map(len, self.token_ids)), self.num_cached_tokens)
-
-    def _logprobs(self, index: int, token_ids: list[int], logprobs: list[Any], text_offset: int) -> Any:
-        if self.params.logprobs is None:
-            return None
-        tokenizer = self.frontend.tokenizer
-        if self.chat:
-            return api.chat_logprobs(tokenizer, token_ids, logprobs)
-        return api.completion_logprobs(tokenizer, token_ids, logprobs, text_offset)
-
-    def result(self) -> dict[str, Any]:
-        choices = []
-        for i in range(self.body.n):
-            choice: dict[str, Any] = {"index": i}
-            finish_reason = self.finish_reasons[i]
-            if self.chat:
-                choice["message"], finish_reason = self._message(i)
-            else:
-                choice["text"] = self.texts[i]
-            choice["logprobs"] = self._logprobs(i, self.token_ids[i], self.logprobs[i], 0)
-            choice["finish_reason"] = finish_reason
-            choices.append(choice)
-        return api.envelope(self.id, self.object, self.model, choices, usage=self.usage())
-
-    def _message(self, index: int) -> tuple[dict[str, Any], str | None]:
-        """A chat choice's message (its tool calls read from the text where tools are active), and its
-        finish reason ("tool_calls" when it made any)."""
-        if self.tools is None:
-            return {"role": "assistant", "content": self.texts[index]}, self.finish_reasons[index]
-        content, calls = self.tools.parse(self.texts[index])
-        if not calls:
-            return {"role": "assistant", "content": content}, self.finish_reasons[index]
-        return {"role": "assistant", "content": content, "tool_calls": calls}, "tool_calls"
-
-    async def _stream_whole(self, emit: Emit, extra: dict[str, Any]) -> None:
-        """Tools active: each choice's reply, read for calls, in one delta once it is complete."""
-        chunk_object, model = "chat.completion.chunk", self.model
-        await self.run()
-        for i in range(self.body.n):
-            message, finish_reason = self._message(i)
-            delta = {"content": message["content"]} if message["content"] else {}
-            if "tool_calls" in message:
-                delta["tool_calls"] = [{"index": j, **call} for j, call in enumerate(message["tool_calls"])]
-            logprobs = self._logprobs(i, self.token_ids[i], self.logprobs[i], 0)
-            await emit(api.envelope(self.id, chunk_object, model, [{"index": i, "delta": delta, "logprobs": logprobs,
-                                                                    "finish_reason": finish_reason}], **extra))
-
-    async def stream(self, emit: Emit) -> None:
-        include_usage = self.body.stream_options is not None and self.body.stream_options.include_usage
-        chunk_object = "chat.completion.chunk" if self.chat else "text_completion"
-        model = self.model
-        extra = {"usage": None} if include_usage else {}
-        if self.chat:  # the role comes first, as OpenAI sends it
-            for i in range(self.body.n):
-                choice = {"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                          "finish_reason": None}
-                await emit(api.envelope(self.id, chunk_object, model, [choice], **extra))
-            if self.tools is not None:
-                await self._stream_whole(emit, extra)
-                if include_usage:
-                    await emit(api.envelope(self.id, chunk_object, model, [], usage=self.usage()))
-                return
-
-        async def on_chunk(index: int, chunk: Chunk) -> None:
-            if not chunk.text and chunk.finish_reason is None and self.params.logprobs is None:
-                return  # nothing to show yet (a character or a stop string is pending)
-            choice: dict[str, Any] = {"index": index}
-            if self.chat:
-                choice["delta"] = {"content": chunk.text} if chunk.text else {}
-            else:
-                choice["text"] = chunk.text
-            offset = len(self.texts[index])
-            choice["logprobs"] = self._logprobs(index, chunk.token_ids, chunk.logprobs or [], offset)
-            choice["finish_reason"] = chunk.finish_reason
-            await emit(api.envelope(self.id, chunk_object, model, [choice], **extra))
-
-        await self.run(on_chunk)
-        if include_usage:
-            await emit(api.envelope(self.id, chunk_object, model, [], usage=self.usage()))
 
 
 @hookimpl

@@ -96,7 +96,7 @@ def _cpu_key() -> str:
 
 def measure_cpu() -> DevicePeaks:
     """Measure this CPU now (a few seconds; 512 MiB for the bandwidth)."""
-    from conveyor.bench.floors import matmul_flops, median_seconds
+    from conveyor.perf.floors import matmul_flops, median_seconds
 
     x = torch.ones(2**27, dtype=torch.float32)
     bandwidth = x.nbytes / min(median_seconds(x.sum, 3) for _ in range(3))

@@ -1,0 +1,114 @@
+"""Each step sends the workers only what changed of each request; the workers keep the rest.
+
+The engine's ``SentRequests`` remembers what every worker holds of each request it scheduled: its
+sampling parameters, its block table, and, under a repetition, presence or frequency penalty, its
+prompt and the outputs sent so far. A step's ``ScheduledRequest`` then carries the parameters only
+the first time, the table from the first entry that changed (``block_offset``: a table grows at its
+end, and a preempted request's new table usually shares little), and only the new outputs. A
+worker's ``HeldRequests`` applies the step to what it holds and fills each entry in place, so that
+everything after it reads whole requests as before. Both forget a request as it ends (the step's
+``finished_request_ids``, applied before its entries, so an id may come back at once).
+
+At 64 decodes with 1,000-token contexts this is the difference between a step message that grows
+with the context (every table, every parameter set) and one of a few bytes per request
+(``benchmarks/step_message.py`` prints both).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from conveyor.messages import ScheduledRequest, StepInput
+from conveyor.request import Request
+
+
+@dataclass
+class _Sent:
+    # the block table the workers hold
+    table: list[int]
+    # outputs sent (penalties), and whether the prompt was (-1: neither)
+    num_outputs: int = -1
+
+
+class SentRequests:
+    """The engine's record of what the workers hold of each request."""
+
+    def __init__(self) -> None:
+        self._sent: dict[str, _Sent] = {}
+
+    def __len__(self) -> int:
+        return len(self._sent)
+
+    def forget(self, request_ids: list[str]) -> None:
+        """Requests that ended (the same ids go to the workers in the step)."""
+        for request_id in request_ids:
+            self._sent.pop(request_id, None)
+
+    def fill(self, entry: ScheduledRequest, request: Request, table: list[int], penalties: bool) -> None:
+        """Put into ``entry`` what the workers lack of ``request``: its parameters if they do not hold it, its
+        table from the first block that changed, and, with ``penalties``, its prompt once and its new outputs."""
+        sent = self._sent.get(request.request_id)
+        if sent is None:
+            entry.params = request.params
+            entry.block_ids = list(table)
+            sent = self._sent[request.request_id] = _Sent(list(table))
+        else:
+            held = sent.table
+            offset = len(held)
+            if table[:offset] != held:  # (rare: preempted, or blocks behind a sliding window given back)
+                offset = 0
+                while offset < min(len(table), len(held)) and table[offset] == held[offset]:
+                    offset += 1
+                del held[offset:]
+            entry.block_offset = offset
+            entry.block_ids = table[offset:]
+            held.extend(entry.block_ids)
+        if penalties:
+            if sent.num_outputs < 0:
+                entry.prompt_token_ids = request.prompt_token_ids
+                sent.num_outputs = 0
+            entry.output_token_ids = request.output_token_ids[sent.num_outputs :]
+            sent.num_outputs = request.num_output_tokens
+
+
+@dataclass
+class _Held:
+    params: object
+    table: list[int]
+    prompt: list[int] = field(default_factory=list)
+    outputs: list[int] = field(default_factory=list)
+
+
+class HeldRequests:
+    """A worker's copy of each request's parameters, block table and (penalties) tokens."""
+
+    def __init__(self) -> None:
+        self._held: dict[str, _Held] = {}
+
+    def __len__(self) -> int:
+        return len(self._held)
+
+    def apply(self, step: StepInput) -> None:
+        """Forget the requests that ended, then bring each entry's request up to date and fill the entry
+        whole: its parameters, its whole table and (penalties) its whole prompt and outputs.
+
+        Raises:
+            KeyError: an entry for a request the worker does not hold that carries no parameters.
+        """
+        for request_id in step.finished_request_ids:
+            self._held.pop(request_id, None)
+        for entry in step.requests:
+            if entry.params is not None:
+                held = self._held[entry.request_id] = _Held(entry.params, entry.block_ids)
+            else:
+                held = self._held[entry.request_id]
+                entry.params = held.params
+                del held.table[entry.block_offset :]
+                held.table.extend(entry.block_ids)
+                entry.block_ids = held.table
+                entry.block_offset = 0
+            if entry.prompt_token_ids:
+                held.prompt = entry.prompt_token_ids
+            if entry.sample and entry.params.has_penalties:
+                held.outputs.extend(entry.output_token_ids)
+                entry.prompt_token_ids, entry.output_token_ids = held.prompt, held.outputs

@@ -1,0 +1,223 @@
+"""The doctor's checklist: what limits a running server, with the evidence and the config key to change first.
+
+The server's dashboard and ``conveyor doctor`` (``conveyor.bench.doctor``, which samples a server's
+/metrics) both diagnose with it. The checklist, in order (the first that holds is the verdict; all that
+hold are listed):
+
+- **Imbalanced data-parallel replicas**: a replica with requests ran
+  almost no steps (stalled or slow), or the replicas' queues or KV usage
+  lie far apart. ``server.engine_timeout``, or a more even mix.
+- **KV capacity**: requests were preempted to free KV blocks, or the cache
+  stayed full while requests waited. More KV memory, or fp8 KV.
+- **Batch too small**: requests waited while the running batch stayed at a
+  few requests, the KV cache had room and compute sat idle. A larger
+  ``max_num_seqs``.
+- **Communication-bound**: multi-worker steps spend 30% or more of their
+  time in collectives and transfers. Fewer tensor-parallel ranks, or a
+  faster interconnect.
+- **Pipeline bubbles**: the stages wait 25% or more of their time for the
+  stage before. More requests in flight, or fewer stages.
+- **Host overhead**: 40% or more of the steps' time is outside the forward
+  pass (scheduling, sampling, recording). Larger batches.
+- **Queueing**: requests waited (or were refused) with the batch as large as
+  the hardware allows, and nothing above explains it. More replicas (or a
+  faster device).
+- **Prefill interference**: prompt chunks in the steps of running decodes
+  made inter-token latency spiky (P99 over 3x the P50). Smaller chunks.
+- **Compute-bound** (MFU >= 0.5) or **bandwidth-bound** (MBU >= 0.6) steps:
+  the hardware itself; tensor parallelism, or fewer bytes per token.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from conveyor.perf.readings import Reading, summarize
+
+# ITL P99 over P50 above which decodes are called disturbed (the issue's "ITL p99 <= 3x p50" target)
+ITL_SPREAD = 3.0
+# a running batch this small while requests wait leaves a CPU's or a GPU's matmuls mostly idle
+SMALL_BATCH = 8
+# share of a multi-worker step's time in collectives and transfers above which parallelism costs more than it
+# splits (Megatron-LM keeps tensor parallelism inside a node for this reason)
+COMM_SHARE = 0.3
+# share of the workers' time spent waiting for the previous pipeline stage
+BUBBLE_FRACTION = 0.25
+# share of the steps' time outside the forward pass (scheduling, sampling, recording the results)
+HOST_SHARE = 0.4
+# a replica with requests that ran under this share of the busiest replica's steps lags (stalled or slow)
+LAGGING_STEPS = 0.1
+# KV usage apart, on average, between the fullest and the emptiest replica
+KV_USAGE_GAP = 0.5
+
+
+@dataclass
+class Finding:
+    """One resource that limits the server, and what to change first."""
+
+    regime: str
+    summary: str
+    evidence: dict[str, float]
+    change: str
+    advice: str
+
+
+@dataclass
+class Diagnosis:
+    seconds: float
+    verdict: str
+    findings: list[Finding] = field(default_factory=list)
+    window: dict[str, float] = field(default_factory=dict)
+
+
+def _pick(window: dict[str, float], *names: str) -> dict[str, float]:
+    return {name: round(window[name], 4) for name in names}
+
+
+def checklist(w: dict[str, float]) -> list[Finding]:
+    """Every regime of the checklist that holds over the window ``w`` (``summarize``), most pressing first."""
+    findings = []
+    waiting = w["waiting_mean"] >= 0.5 or w["rejected"] > 0
+    lagging = (w["lagging_replica"] >= 0 and w["replica_steps_max"] >= 10
+               and w["replica_steps_min"] < LAGGING_STEPS * w["replica_steps_max"])
+    queue_apart = w["replica_requests_max"] >= 4 and w["replica_requests_max"] >= 3 * w["replica_requests_min"] + 1
+    kv_apart = w["replica_kv_usage_max"] - w["replica_kv_usage_min"] >= KV_USAGE_GAP
+    if w["replicas"] > 1 and (lagging or queue_apart or kv_apart):
+        lag = (f"replica {w['lagging_replica']:.0f} ran {w['replica_steps_min']:.0f} steps to the busiest one's "
+               f"{w['replica_steps_max']:.0f} with requests of its own; " if lagging else "")
+        findings.append(Finding(
+            "dp_imbalance",
+            f"the data-parallel replicas are unequal: {lag}{w['replica_requests_min']:.1f} to "
+            f"{w['replica_requests_max']:.1f} requests each on average, KV usage {w['replica_kv_usage_min']:.0%} to "
+            f"{w['replica_kv_usage_max']:.0%}",
+            _pick(w, "replicas", "lagging_replica", "replica_steps_min", "replica_steps_max", "replica_requests_min",
+                  "replica_requests_max", "replica_kv_usage_min", "replica_kv_usage_max"),
+            "server.engine_timeout" if lagging else "parallel.data_parallel_size",
+            ("a replica with requests that runs no steps is stalled or far slower than the others: the frontend "
+             "restarts a stalled one after server.engine_timeout seconds (lower it to fail over sooner); look at "
+             "its device and its log" if lagging else
+             "requests that share a prefix follow it to the replica holding it (the router's affinity gives way "
+             "past 8 requests and 1.5x the least loaded one's), and a replica on a slower device falls behind: a "
+             "more even mix of prompts or more replicas (parallel.data_parallel_size) balance them"),
+        ))
+    if w["preemptions"] > 0 or (w["kv_usage_max"] >= 0.95 and waiting):
+        findings.append(Finding(
+            "kv_capacity",
+            f"the KV cache is full: {w['preemptions']:.0f} preemptions in {w['seconds']:.0f} s (running requests "
+            f"evicted and recomputed), usage up to {w['kv_usage_max']:.0%}",
+            _pick(w, "preemptions", "kv_usage_max", "kv_usage_mean", "running_mean", "waiting_mean"),
+            "kvcache.memory_gb",
+            "give the KV cache more memory (kvcache.memory_gb, or memory_fraction on a GPU); kvcache.dtype = "
+            "\"fp8\" holds twice the tokens; a shorter model.max_model_len or fewer scheduler.max_num_seqs "
+            "admit fewer at once",
+        ))
+    # (the batch held at its cap: full nearly all the time, a reading between a request's end and the next's
+    # start aside)
+    held = w["running_mean"] >= 0.75 * w["running_max"]
+    small = waiting and held and w["running_max"] <= SMALL_BATCH and w["kv_usage_max"] < 0.8 and w["mfu"] < 0.2
+    if small:
+        findings.append(Finding(
+            "batch_too_small",
+            f"requests wait ({w['waiting_mean']:.1f} on average) while the batch stays at "
+            f"{w['running_max']:.0f} running, the KV cache {w['kv_usage_max']:.0%} used and compute "
+            f"{w['mfu']:.1%} used: a cap on the batch, not the hardware, limits throughput",
+            _pick(w, "running_max", "waiting_mean", "kv_usage_max", "mfu", "mbu", "tokens_per_step"),
+            "scheduler.max_num_seqs",
+            "raise scheduler.max_num_seqs (and scheduler.max_num_batched_tokens if steps fill their token budget): "
+            "a decode step costs nearly the same for one request as for dozens",
+        ))
+    if w["parallel_steps"] >= 10 and max(w["comm_share"], w["comm_share_max_group"]) >= COMM_SHARE:
+        findings.append(Finding(
+            "communication_bound",
+            f"the workers spend {w['comm_share']:.0%} of each step in collectives and transfers "
+            f"({w['comm_ms']:.1f} ms to {w['compute_ms']:.1f} ms of compute; {w['comm_share_max_group']:.0%} in the "
+            f"busiest TP group of {w['tensor_parallel_size']:.0f}), {w['collectives_per_step']:.0f} collectives "
+            f"of {w['collective_mb_per_step']:.2f} MB a step",
+            _pick(w, "comm_share", "comm_share_max_group", "comm_ms", "compute_ms", "collectives_per_step",
+                  "collective_mb_per_step", "tensor_parallel_size", "pipeline_parallel_size", "parallel_steps"),
+            "parallel.tensor_parallel_size",
+            "fewer tensor-parallel ranks (use the devices as data-parallel replicas or pipeline stages instead: "
+            "parallel.data_parallel_size, parallel.pipeline_parallel_size) or a faster interconnect; "
+            "`conveyor simulate --interconnect` estimates each",
+        ))
+    if w["pipeline_parallel_size"] > 1 and w["parallel_steps"] >= 10 and w["bubble_fraction"] >= BUBBLE_FRACTION:
+        findings.append(Finding(
+            "pipeline_bubbles",
+            f"the pipeline's {w['pipeline_parallel_size']:.0f} stages wait {w['bubble_fraction']:.0%} of their time "
+            f"for the stage before (the slowest stage computes {w['stage_imbalance']:.2f}x the fastest) with "
+            f"{w['running_mean']:.1f} requests running",
+            _pick(w, "bubble_fraction", "stage_imbalance", "pipeline_parallel_size", "running_mean", "waiting_mean",
+                  "parallel_steps"),
+            "parallel.pipeline_parallel_size",
+            "more requests in flight fill the stages (each stage works on its own batch: too few requests leave "
+            "stages idle), fewer stages (parallel.pipeline_parallel_size), or, with stages unequal, layers "
+            "rebalanced among them",
+        ))
+    if w["steps"] >= 20 and w["host_fraction"] >= HOST_SHARE:
+        findings.append(Finding(
+            "host_overhead",
+            f"{w['host_fraction']:.0%} of each step is spent outside the forward pass: scheduling "
+            f"{w['schedule_fraction']:.0%}, sampling {w['sample_fraction']:.0%}, recording the results "
+            f"{w['update_fraction']:.0%}, at {w['tokens_per_step']:.1f} tokens a step",
+            _pick(w, "host_fraction", "schedule_fraction", "sample_fraction", "update_fraction", "tokens_per_step",
+                  "running_mean", "steps_per_second"),
+            "scheduler.max_num_seqs",
+            "the device waits for the host between forward passes: larger batches share each step's fixed host "
+            "work among more tokens (scheduler.max_num_seqs, more concurrent requests); fewer per-token extras "
+            "(logprobs, stop strings, penalties) shorten sampling and recording",
+        ))
+    if waiting and not small and not findings:
+        findings.append(Finding(
+            "queueing",
+            f"requests queue: {w['waiting_mean']:.1f} waiting on average (up to {w['waiting_max']:.0f}), "
+            f"{w['rejected']:.0f} refused, {w['queue_time_mean_s']:.2f} s in the queue on average, with "
+            f"{w['running_mean']:.0f} running and the device busy {w['busy_fraction']:.0%} of the time",
+            _pick(w, "waiting_mean", "waiting_max", "rejected", "queue_time_mean_s", "ttft_mean_s", "running_mean",
+                  "busy_fraction", "mfu", "mbu"),
+            "parallel.data_parallel_size",
+            "the server is at its capacity: more replicas (parallel.data_parallel_size, or more servers behind a "
+            "balancer) or a faster device; quant.plugin = \"int8\" makes each decode step read half the bytes",
+        ))
+    prompts_among_decodes = w["prompt_tokens"] > 0 and w["itl_count"] >= 20
+    if prompts_among_decodes and w["itl_p50_s"] > 0 and w["itl_p99_s"] > ITL_SPREAD * w["itl_p50_s"]:
+        findings.append(Finding(
+            "prefill_interference",
+            f"decodes stall behind prompt chunks: ITL P99 {w['itl_p99_s'] * 1e3:.0f} ms is "
+            f"{w['itl_p99_s'] / w['itl_p50_s']:.1f}x the P50 {w['itl_p50_s'] * 1e3:.0f} ms while "
+            f"{w['prompt_tokens']:.0f} prompt tokens ran in the same steps",
+            _pick(w, "itl_p50_s", "itl_p99_s", "prompt_tokens", "generated_tokens", "tokens_per_step"),
+            "scheduler.max_num_batched_tokens",
+            "lower scheduler.max_num_batched_tokens: prompts go in smaller chunks, so each step that carries "
+            "one delays the running decodes less (time to first token grows a little)",
+        ))
+    if w["mfu"] >= 0.5:
+        findings.append(Finding(
+            "compute_bound",
+            f"steps run at {w['mfu']:.0%} of the device's FLOP/s",
+            _pick(w, "mfu", "mbu", "tokens_per_step", "busy_fraction"),
+            "parallel.tensor_parallel_size",
+            "the matmuls are near the device's peak: split them over devices (parallel.tensor_parallel_size) or "
+            "use faster arithmetic (quant.plugin = \"fp8\" on GPUs with fp8 units)",
+        ))
+    elif w["mbu"] >= 0.6:
+        findings.append(Finding(
+            "bandwidth_bound",
+            f"steps read memory at {w['mbu']:.0%} of the device's bandwidth",
+            _pick(w, "mbu", "mfu", "tokens_per_step", "running_mean"),
+            "quant.plugin",
+            "each step is bound by reading the weights and the KV cache: quant.plugin = \"int8\" halves the "
+            "weights' bytes, kvcache.dtype = \"fp8\" the cache's; a larger batch shares each read among more tokens",
+        ))
+    return findings
+
+
+def diagnose(readings: list[Reading], seconds: float) -> Diagnosis:
+    window = summarize(readings, seconds)
+    findings = checklist(window)
+    if findings:
+        verdict = findings[0].regime
+    elif window["steps"] == 0:
+        verdict = "idle"
+    else:
+        verdict = "healthy"
+    return Diagnosis(seconds, verdict, findings, window)
