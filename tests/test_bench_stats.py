@@ -9,11 +9,11 @@ import pytest
 
 from conveyor.bench.arrivals import arrival_gaps, arrival_times
 from conveyor.bench.command import _server_view
-from conveyor.bench.load import metric_samples
 from conveyor.bench.parallel import parallel_view
 from conveyor.bench.report import run_table
 from conveyor.bench.stats import RequestRecord, meets_slos, percentiles, summarize
 from conveyor.messages import KVCacheStats, SchedulerStats, StepStats
+from conveyor.perf.readings import metric_samples
 from conveyor.serving.metrics import ServerMetrics
 
 

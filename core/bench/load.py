@@ -7,17 +7,17 @@ import itertools
 import json
 import math
 import time
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import anyio
 import httpx
 import msgspec
-from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.samples import Sample
 
 from conveyor.bench.arrivals import arrival_times
 from conveyor.bench.stats import RequestRecord
+from conveyor.perf.readings import metric_samples
 
 
 class BenchRequest(msgspec.Struct):
@@ -55,12 +55,6 @@ async def served_model(client: httpx.AsyncClient, url: str) -> str:
     response = await client.get(f"{base_url(url)}/v1/models")
     response.raise_for_status()
     return response.json()["data"][0]["id"]
-
-
-def metric_samples(text: str) -> Iterator[Sample]:
-    """Every sample of a Prometheus text exposition."""
-    for family in text_string_to_metric_families(text):
-        yield from family.samples
 
 
 async def scrape_metrics(client: httpx.AsyncClient, url: str) -> list[Sample]:

@@ -18,7 +18,7 @@ else:  # pragma: no cover
 
 import httpx
 
-from conveyor.bench.load import metric_samples
+from conveyor.perf.readings import metric_samples
 
 STARTUP_TIMEOUT = 300.0
 

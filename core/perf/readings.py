@@ -4,11 +4,14 @@ checklist looks at over an interval (``summarize``: rates, means, histogram quan
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 
 from prometheus_client.parser import text_string_to_metric_families
+from prometheus_client.samples import Sample
 
 
-def _samples(text: str):
+def metric_samples(text: str) -> Iterator[Sample]:
+    """Every sample of a Prometheus text exposition."""
     for family in text_string_to_metric_families(text):
         yield from family.samples
 
@@ -18,7 +21,7 @@ Reading = dict[tuple[str, tuple[tuple[str, str], ...]], float]
 
 def read_metrics(text: str) -> Reading:
     """A Prometheus exposition as {(name, sorted labels): value}."""
-    return {(s.name, tuple(sorted(s.labels.items()))): s.value for s in _samples(text)}
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value for s in metric_samples(text)}
 
 
 def _total(reading: Reading, name: str) -> float:
