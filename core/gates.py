@@ -27,6 +27,9 @@ class AdmissionGate:
     """
 
     status: ClassVar[RequestStatus]
+    # the request's field a refusal is about (a ``SamplingParams`` field, or "model" for the adapter), sent with
+    # the 400 so that a transport can name its own field
+    param: ClassVar[str | None] = None
 
     def holds(self, request: Request) -> bool:
         """Whether the request waits here; called once, as it reaches this gate (start what it waits for)."""

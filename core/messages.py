@@ -70,6 +70,8 @@ class RequestOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fals
     # (the first one is for prompt position prompt_logprobs_start)
     prompt_logprobs: list[TokenLogprob] | None = None
     prompt_logprobs_start: int = 0
+    # for a rejected request, the field at fault where one is ("structured": its language does not compile)
+    error_param: str | None = None
 
 
 class SchedulerStats(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):

@@ -183,14 +183,16 @@ class Scheduler:
         self.gates.append(gate)
         self.held[gate.status] = []
 
-    def _pass_gates(self, request: Request, first: int) -> None:
+    def _pass_gates(self, request: Request, first: int) -> bool:
+        """True when the request is queued to run, False when a gate holds it."""
         for gate in self.gates[first:]:
             if gate.holds(request):
                 request.status = gate.status
                 self.held[gate.status].append(request)
-                return
+                return False
         request.status = RequestStatus.WAITING
         self._enqueue(request)
+        return True
 
     def release(self, idle: bool = True) -> list[RequestOutput]:
         """Move the requests the gates let go on (to the next gate, then the waiting queue); end those a gate
@@ -200,7 +202,8 @@ class Scheduler:
             idle: no step is in flight on the workers.
 
         Returns:
-            The final error output (400) of each refused request.
+            The final error output (400) of each refused request, and an empty output for each request that
+            passed its last gate (the engine took it: a frontend holding a response's status for it may send it).
         """
         outputs = []
         for index, gate in enumerate(self.gates):
@@ -210,12 +213,14 @@ class Scheduler:
             ready, refused = gate.release(list(held), idle)
             for request in ready:
                 held.remove(request)
-                self._pass_gates(request, index + 1)
+                if self._pass_gates(request, index + 1):
+                    outputs.append(RequestOutput(request.request_id))
             for request, error in refused:
                 self._remove(request, FinishReason.ERROR)
                 self.counters.num_rejected += 1
                 outputs.append(RequestOutput(request.request_id, finish_reason=FinishReason.ERROR.value, error=error,
-                                             error_status=400, num_prompt_tokens=request.num_prompt_tokens))
+                                             error_status=400, num_prompt_tokens=request.num_prompt_tokens,
+                                             error_param=gate.param))
         return outputs
 
     def wants_idle(self) -> bool:

@@ -2,12 +2,14 @@
 
 A request's ``SamplingParams.structured`` names a language: a JSON schema,
 any JSON object, a regex, a choice of strings or an EBNF grammar. The
-frontend checks that it parses (``check``: a 400 names the problem before
-the request is queued). The engine core compiles it against the model's
-vocabulary off the step loop (a thread; compiled grammars are cached), keeps
-one matcher per request, and before each step that samples for such a
-request fills that request's row of a token bitmask; the worker's sampler
-masks the logits with it. Each sampled token advances the matcher.
+engine core compiles it against the model's vocabulary off the step loop (a
+thread; compiled grammars are cached): that compile is the one parse a
+request gets, and one that fails ends the request with a 400 naming what
+does not compile. The frontend never parses a language: xgrammar imports
+torch, which the serving process never loads. The engine keeps one matcher
+per request, and before each step that samples for such a request fills
+that request's row of a token bitmask; the worker's sampler masks the
+logits with it. Each sampled token advances the matcher.
 
 NOTE: xgrammar over llguidance (both from PyPI; benchmarks/structured.py
 measures them on tests/data/json_schemas.json with SmolLM2's vocabulary):
@@ -19,7 +21,6 @@ cache and the thread hide here).
 
 from __future__ import annotations
 
-import functools
 import json
 import re
 from typing import TYPE_CHECKING
@@ -36,36 +37,6 @@ if TYPE_CHECKING:
 
 def _choice_regex(choices: list[str]) -> str:
     return "|".join(f"({re.escape(c)})" for c in choices)
-
-
-def check(spec: StructuredOutput) -> None:
-    """Parse the language without the vocabulary (fast; a language checked before is not parsed again: the
-    HTTP route and the frontend both check a request).
-
-    Raises:
-        ValueError: the schema, regex or grammar does not parse; the message says where.
-    """
-    if spec.json is not None or spec.regex is not None or spec.grammar is not None:
-        error = _parse_error(spec.json, spec.regex, spec.grammar)
-        if error is not None:
-            raise ValueError(error)
-
-
-@functools.lru_cache(maxsize=256)
-def _parse_error(schema: str | None, regex: str | None, grammar: str | None) -> str | None:
-    import xgrammar as xgr
-
-    try:
-        if schema is not None:
-            xgr.Grammar.from_json_schema(_schema_text(schema), any_whitespace=False)
-        elif regex is not None:
-            xgr.Grammar.from_regex(regex)
-        else:
-            xgr.Grammar.from_ebnf(grammar)
-    except (RuntimeError, ValueError) as e:
-        kind = "JSON schema" if schema is not None else "regex" if regex is not None else "grammar"
-        return f"the {kind} cannot be compiled: {str(e).strip()}"
-    return None
 
 
 def _schema_text(schema: str) -> str:
@@ -97,10 +68,23 @@ class Grammars:
         self.vocab_size = vocab_size
 
     def compile(self, spec: StructuredOutput) -> xgrammar.CompiledGrammar:
-        """The language against the vocabulary (cached: the same spec compiles once)."""
+        """The language against the vocabulary (cached: the same spec compiles once).
+
+        Raises:
+            ValueError: the schema, regex or grammar does not compile; the message names which, and where.
+        """
+        if spec.json is not None:
+            _schema_text(spec.json)  # (says what is wrong in words of its own)
+        try:
+            return self._compile(spec)
+        except (RuntimeError, ValueError) as e:
+            kind = "JSON schema" if spec.json is not None else "regex" if spec.regex is not None else "grammar"
+            raise ValueError(f"the {kind} cannot be compiled: {str(e).strip()}") from None
+
+    def _compile(self, spec: StructuredOutput) -> xgrammar.CompiledGrammar:
         compiler = self.compiler
         if spec.json is not None:
-            return compiler.compile_json_schema(_schema_text(spec.json), any_whitespace=False)
+            return compiler.compile_json_schema(spec.json, any_whitespace=False)
         if spec.json_object:
             return compiler.compile_builtin_json_grammar()
         if spec.regex is not None:

@@ -39,7 +39,8 @@ class RequestError(Exception):
 
 
 class Chunk(msgspec.Struct):
-    """What one engine output added to one sequence."""
+    """What one engine output added to one sequence (possibly nothing: the first chunk of a request a gate held,
+    e.g. while its grammar compiled, says the engine took it)."""
 
     # text that is now final (may be empty while a character or a stop string is pending)
     text: str

@@ -69,7 +69,8 @@ def test_an_abort_ends_a_held_request_and_tells_its_gate():
 
 
 def test_gates_pass_in_order_and_a_refused_request_ends_with_400():
-    """A request held by the first gate reaches the second only once the first lets it go; a request the
+    """A request held by the first gate reaches the second only once the first lets it go, and past the last
+    one it gets an empty output (the engine took it: a frontend may send a response's status); a request the
     second refuses ends with its error and the HTTP status 400, counted as rejected."""
     scheduler = create_scheduler()
     first = Countdown(RequestStatus.WAITING_FOR_ADAPTER, lambda r: r.request_id in ("both", "bad"), steps=1)
@@ -85,7 +86,9 @@ def test_gates_pass_in_order_and_a_refused_request_ends_with_400():
     assert both.status == bad.status == RequestStatus.WAITING_FOR_GRAMMAR
     batch, outputs = fake_step(scheduler)
     assert batch.requests == [both]
-    [refusal] = outputs[:1]
+    accepted, refusal = outputs[:2]  # (the gates' outputs come first)
+    assert (accepted.request_id, accepted.new_token_ids, accepted.finish_reason, accepted.error) == (
+        "both", [], None, None)
     assert (refusal.request_id, refusal.finish_reason, refusal.error, refusal.error_status) == (
         "bad", "error", "bad refused", 400)
     assert bad.is_finished and "bad" not in scheduler.requests

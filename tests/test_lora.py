@@ -19,7 +19,8 @@ from conveyor import native
 from conveyor.llm import LLM
 from conveyor.model.checkpoint import open_checkpoint
 from conveyor.model.llama import LlamaModel
-from conveyor.model.lora import Adapters, read_adapter_config
+from conveyor.model.lora import Adapters
+from conveyor.model.lora_config import read_adapter_config
 from conveyor.model.lora_kernels import lora_add, lora_reference
 from conveyor.plugins.quant.none import NoQuant
 from conveyor.sampling import SamplingParams
@@ -43,10 +44,13 @@ def tiny(tmp_path_factory, tokenizer):
     from peft import LoraConfig, get_peft_model
 
     torch.manual_seed(0)
-    base = transformers.LlamaForCausalLM(transformers.LlamaConfig(**TINY, initializer_range=0.1)).eval()
+    # (SmolLM2's whole vocabulary and room for its chat template's system prompt: text and chat prompts fit)
+    config = transformers.LlamaConfig(**{**TINY, "vocab_size": tokenizer.vocab_size, "max_position_embeddings": 512}, initializer_range=0.1)
+    base = transformers.LlamaForCausalLM(config).eval()
     root = tmp_path_factory.mktemp("lora")
     base.save_pretrained(root / "base")
     tokenizer.hf.save(str(root / "base" / "tokenizer.json"))
+    (root / "base" / "chat_template.jinja").write_text(tokenizer.chat_template)
     adapters = {}
     for seed, (name, config) in enumerate(ADAPTERS.items(), start=1):
         torch.manual_seed(seed)
@@ -218,7 +222,7 @@ def server(tiny, tmp_path_factory):
 path = "{base_path}"
 name = "tiny"
 dtype = "float32"
-max_model_len = 128
+max_model_len = 512
 
 [lora]
 max_loras = 2
@@ -445,3 +449,40 @@ def test_a_request_waits_for_a_slot_and_unloading_lets_running_requests_finish(t
     for response in ran:
         assert response.status_code == 200, response.text
         assert response.json()["choices"][0]["text"] == under_a3
+
+
+def test_the_serving_process_never_maps_libtorch(tiny, server):
+    """``conveyor serve``'s own process (the transports and the frontend; the engine runs in a child) serves
+    structured output (a schema that compiles, a regex that does not, streamed), a call forced by tool_choice, an
+    adapter loaded at runtime and used, /metrics and the dashboard, and never maps libtorch: /proc/PID/maps names
+    no libtorch file, where the engine's does."""
+    _, _, adapters = tiny
+    client = openai.OpenAI(base_url=f"{server.http}/v1", api_key=KEY, max_retries=0, timeout=120)
+    http = httpx.Client(base_url=server.http, headers=AUTH, timeout=120)
+    schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
+    reply = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Hi"}], max_tokens=4,
+                                           response_format={"type": "json_schema",
+                                                            "json_schema": {"name": "n", "schema": schema}})
+    assert reply.choices[0].message.content.startswith("{"), reply
+    with pytest.raises(openai.BadRequestError, match="the regex cannot be compiled"):
+        list(client.completions.create(model="tiny", prompt="Hi", max_tokens=4, stream=True,
+                                       extra_body={"guided_regex": "([a-z]"}))
+    tool = {"type": "function", "function": {"name": "add", "parameters": schema}}
+    call = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Add"}], tools=[tool],
+                                          tool_choice={"type": "function", "function": {"name": "add"}}, max_tokens=8)
+    assert call.choices[0].finish_reason in ("tool_calls", "length"), call
+    load = http.post("/v1/load_lora_adapter", json={"lora_name": "a3", "lora_path": str(adapters["a3"][0])})
+    assert load.status_code == 200, load.text
+    try:
+        assert client.completions.create(model="a3", prompt="Hi", max_tokens=2).model == "a3"
+    finally:
+        http.post("/v1/unload_lora_adapter", json={"lora_name": "a3"})
+    for path in ("/metrics", "/dashboard", "/dashboard/data", "/v1/models", "/health"):
+        assert http.get(path).status_code == 200, path
+
+    def libtorch(pid: int) -> list[str]:
+        with open(f"/proc/{pid}/maps") as maps:
+            return sorted({line.split()[-1] for line in maps if "libtorch" in line})
+
+    assert libtorch(server.engine_pid), "the engine maps libtorch: this check would see it"
+    assert libtorch(server.process.pid) == []

@@ -215,15 +215,17 @@ def test_guided_fields_and_json_object_through_the_server(openai_client):
     ids=["bad-regex", "bad-grammar", "bad-regex-in-structured-outputs"],
 )
 def test_a_regex_or_grammar_that_does_not_compile_is_a_400_naming_it(default_server, field, value, words):
-    """OpenAI's JSON error saying what does not compile, refused before it is queued (no request reaches the
-    engine to end there in an error)."""
+    """OpenAI's JSON error saying what does not compile and naming the field, streamed or not: the engine's
+    compile refuses it before it runs (the only parse it gets), and a stream's status waits for that, so it is a
+    400 there too, not an error event after a 200. Refused, not counted as a request that ended in an error."""
     errors = default_server.num_finished("error")
-    body = {"prompt": "Hi", "max_tokens": 4, field: value}
-    response = httpx.post(f"{default_server.http}/v1/completions", json=body, timeout=60)
-    assert response.status_code == 400, response.text
-    assert response.headers["content-type"].startswith("application/json")
-    error = response.json()["error"]
-    assert words in error["message"] and error["code"] == 400, error
+    for stream in (False, True):
+        body = {"prompt": "Hi", "max_tokens": 4, field: value, "stream": stream}
+        response = httpx.post(f"{default_server.http}/v1/completions", json=body, timeout=60)
+        assert response.status_code == 400, response.text
+        assert response.headers["content-type"].startswith("application/json")
+        error = response.json()["error"]
+        assert words in error["message"] and error["code"] == 400 and error["param"] == field, error
     assert default_server.num_finished("error") == errors
 
 

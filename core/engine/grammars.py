@@ -2,7 +2,9 @@
 
 A request with ``params.structured`` waits at this scheduler gate
 (``WAITING_FOR_GRAMMAR``) while its grammar compiles (off the step loop, in
-one thread), then goes on to the waiting queue with a matcher.
+one thread), then goes on to the waiting queue with a matcher; one whose
+language does not compile ends there with a 400 (the frontend never parses
+a language: this compile is the check).
 Before a step samples for it, its matcher fills its row of the step's token
 bitmask; after the step, the sampled token advances the matcher.
 
@@ -28,6 +30,7 @@ if TYPE_CHECKING:
 
 class GrammarRequests(AdmissionGate):
     status = RequestStatus.WAITING_FOR_GRAMMAR
+    param = "structured"
 
     def __init__(self, config: Config, vocab_size: int):
         self.config = config
@@ -79,8 +82,10 @@ class GrammarRequests(AdmissionGate):
             try:
                 self.matchers[request.request_id] = self.grammars.matcher(future.result())
                 ready.append(request)
-            except Exception as e:  # noqa: BLE001 - a grammar that does not compile fails its request (400)
-                failed.append((request, f"structured output: the grammar cannot be compiled: {e}"))
+            except ValueError as e:  # the language does not compile: the request ends with a 400 saying why
+                failed.append((request, f"structured output: {e}"))
+            except Exception as e:  # noqa: BLE001 - the grammar engine could not start: every structured request
+                failed.append((request, f"structured output: the grammar engine failed: {type(e).__name__}: {e}"))
         return ready, failed
 
     def forget(self, request: Request) -> None:

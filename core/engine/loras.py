@@ -21,6 +21,7 @@ from conveyor.request import Request, RequestStatus
 
 class LoraSlots(AdmissionGate):
     status = RequestStatus.WAITING_FOR_ADAPTER
+    param = "model"
 
     def __init__(self, executor: Executor, max_loras: int, requests: Mapping[str, Request]):
         """

@@ -4,7 +4,9 @@ GPUs come from NVIDIA's datasheets (dense figures: the datasheets' tensor
 core numbers marked "with sparsity" halved). A CPU is measured: a 2048-cubed
 matmul per dtype on all threads and the read bandwidth of summing a 512 MiB
 tensor, once per CPU model, feature flags and thread count
-(``conveyor profile``), then cached under the cache directory.
+(``conveyor profile``), then cached under the cache directory. torch is
+imported only where a device is measured or named: the serving process
+imports this module and never loads torch.
 """
 
 from __future__ import annotations
@@ -16,7 +18,6 @@ import time
 from pathlib import Path
 
 import msgspec
-import torch
 
 logger = logging.getLogger("conveyor")
 
@@ -84,6 +85,8 @@ def gpu_peaks(device_name: str) -> DevicePeaks | None:
 
 def _cpu_key() -> str:
     """The CPU model, its feature flags and torch's threads: what a measured profile holds for."""
+    import torch
+
     digest = hashlib.sha1(platform.processor().encode())
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -96,6 +99,8 @@ def _cpu_key() -> str:
 
 def measure_cpu() -> DevicePeaks:
     """Measure this CPU now (a few seconds; 512 MiB for the bandwidth)."""
+    import torch
+
     from conveyor.perf.floors import matmul_flops, median_seconds
 
     x = torch.ones(2**27, dtype=torch.float32)
@@ -141,6 +146,8 @@ def cpu_peaks(cache_root: Path, measure: bool = True) -> DevicePeaks | None:
 def device_peaks(device: str, cache_root: Path) -> DevicePeaks | None:
     """The peaks of ``device`` ("cpu", "cuda:0"); None for a GPU the table lacks."""
     if device.startswith("cuda"):
+        import torch
+
         name = torch.cuda.get_device_name(torch.device(device))
         peaks = gpu_peaks(name)
         if peaks is None:

@@ -101,7 +101,7 @@ class EngineFrontend:
         Raises:
             RequestError: 400, LoRA is off, the name is taken or not allowed, or the directory is not an adapter.
         """
-        from conveyor.model.lora import read_adapter_config
+        from conveyor.model.lora_config import read_adapter_config
 
         if not self.lora.max_loras:
             raise RequestError("LoRA is off on this server ([lora] max_loras = 0)", 400, "lora_name")
@@ -168,13 +168,6 @@ class EngineFrontend:
             raise RequestError(
                 f"the prompt has {num_prompt} tokens; max_model_len={limit} leaves no room for output", 400, "prompt"
             )
-        if params.structured is not None:
-            from conveyor.structured import check
-
-            try:
-                check(params.structured)
-            except ValueError as e:
-                raise RequestError(f"response_format: {e}", 400, "response_format") from None
         if params.max_tokens is not None and num_prompt + params.max_tokens > limit:
             raise RequestError(
                 f"the prompt ({num_prompt} tokens) + max_tokens ({params.max_tokens}) = "
@@ -209,8 +202,9 @@ class EngineFrontend:
                 began = True
                 async for output in outputs:
                     if output.error is not None:
-                        reason = "error"
-                        raise RequestError(output.error, output.error_status or 500)
+                        status = output.error_status or 500
+                        reason = "rejected" if status < 500 else "error"  # (the engine refused it: not a run)
+                        raise RequestError(output.error, status, output.error_param)
                     now = time.perf_counter()
                     if output.new_token_ids:
                         if last_token is None:
@@ -243,7 +237,7 @@ class EngineFrontend:
             raise RequestError(str(e), e.status) from None
         finally:
             self.metrics.dashboard.answered(request_id)
-            if began:
+            if began and reason != "rejected":
                 outcome = reason or "abort"
                 self.metrics.request_done(outcome, time.perf_counter() - start, num_output)
 

@@ -12,7 +12,6 @@ engine processes behind a router (``DPClient``) instead of one (``MPClient``).
 
 from __future__ import annotations
 
-import importlib
 import logging
 import signal
 import sys
@@ -61,9 +60,6 @@ async def serve(config_path: str | Path | None, overrides: Mapping[str, Any] | N
         async with anyio.create_task_group() as tg:
             # Transports first: a busy port fails at once, and /health answers 503 while the model loads.
             urls = [await tg.start(transport.serve, frontend) for transport in transports]
-            # the grammar engine takes a second or two to import: off the event loop, while the model loads
-            # (the first structured-output request checks its schema with it)
-            tg.start_soon(anyio.to_thread.run_sync, importlib.import_module, "xgrammar")
             logger.info("starting the engine process")
             ready = await tg.start(engine.run)
             _print_banner(model_name, config.kvcache.plugin, ready, urls)

@@ -81,29 +81,43 @@ class _Server(uvicorn.Server):
 
 
 class EventStream:
-    """An SSE response fed by ``produce(emit)``; the client leaving cancels the producer."""
+    """An SSE response fed by ``produce(emit, begin)``: ``begin()`` sends the status (200) and the headers, as the
+    first ``emit`` does, and an error raised before that is a JSON error response with its own status. The client
+    leaving cancels the producer."""
 
-    def __init__(self, produce: Callable[[Emit], Awaitable[None]]):
+    def __init__(self, produce: Callable[[Emit, Callable[[], Awaitable[None]]], Awaitable[None]]):
         self.produce = produce
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         headers = [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache"),
                    (b"x-accel-buffering", b"no")]
-        await send({"type": "http.response.start", "status": 200, "headers": headers})
+        started = False
+
+        async def begin() -> None:
+            nonlocal started
+            if not started:
+                started = True
+                await send({"type": "http.response.start", "status": 200, "headers": headers})
 
         async def emit(event: dict[str, Any]) -> None:
+            await begin()
             body = b"data: " + msgspec.json.encode(event) + b"\n\n"
             await send({"type": "http.response.body", "body": body, "more_body": True})
 
         try:
-            finished = await until_disconnect(receive, self.produce(emit))
-        except RequestError as e:  # after the 200 went out, an error is an event
-            await emit(api.error_body(e.message, e.status, e.param))
+            finished = await until_disconnect(receive, self.produce(emit, begin))
+        except RequestError as e:
+            if not started:
+                await error_response(e)(scope, receive, send)
+                return
+            await emit(api.error_body(e.message, e.status, e.param))  # after the 200 went out, an error is an event
             finished = True
         except OSError:  # the connection broke while sending
             return
-        if finished:
-            await send({"type": "http.response.body", "body": b"data: [DONE]\n\n", "more_body": False})
+        if not finished:
+            return
+        await begin()
+        await send({"type": "http.response.body", "body": b"data: [DONE]\n\n", "more_body": False})
 
 
 async def until_disconnect(receive: Receive, work: Awaitable[Any]) -> bool:

@@ -215,6 +215,15 @@ def structured_output(request: CompletionRequest | ChatCompletionRequest) -> Str
     return next(iter(given.values()), None)
 
 
+def structured_field(request: CompletionRequest | ChatCompletionRequest) -> str | None:
+    """The field that asked for structured output (``structured_output`` allows one), if one did."""
+    fmt = request.response_format
+    if fmt is not None and fmt.type in ("json_object", "json_schema"):
+        return "response_format"
+    fields = ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs")
+    return next((field for field in fields if getattr(request, field) is not None), None)
+
+
 def _structured(kind: str, value: Any, field: str) -> StructuredOutput:
     if kind == "json":
         return StructuredOutput(json=value if isinstance(value, str) else json.dumps(value))

@@ -9,9 +9,9 @@ from typing import Any
 from conveyor.messages import LoraAdapter
 from conveyor.plugins.transport import openai_api as api
 from conveyor.plugins.transport.tool_calls import Tools
-from conveyor.transport import Chunk, Frontend
+from conveyor.transport import Chunk, Frontend, RequestError
 
-# sends one server-sent event (a JSON object)
+# sends one server-sent event (a JSON object); the first sends the response's status and headers before it
 Emit = Callable[[dict[str, Any]], Awaitable[None]]
 
 
@@ -53,8 +53,13 @@ class Call:
             self.finish_reasons[index] = chunk.finish_reason
             self.num_cached_tokens = max(self.num_cached_tokens, chunk.num_cached_tokens)
 
-        await self.frontend.run_choices(self.prompt_ids, self.params, self.body.n, request_id=self.id,
-                                        priority=self.body.priority, on_chunk=collect, lora=self.lora)
+        try:
+            await self.frontend.run_choices(self.prompt_ids, self.params, self.body.n, request_id=self.id,
+                                            priority=self.body.priority, on_chunk=collect, lora=self.lora)
+        except RequestError as e:  # the engine refused the language: name the field that carried it
+            if e.param == "structured":
+                e.param = api.structured_field(self.body) or "tools"
+            raise
 
     def usage(self) -> dict[str, Any]:
         return api.usage(len(self.prompt_ids), sum(map(len, self.token_ids)), self.num_cached_tokens)
@@ -91,10 +96,11 @@ class Call:
             return {"role": "assistant", "content": content}, self.finish_reasons[index]
         return {"role": "assistant", "content": content, "tool_calls": calls}, "tool_calls"
 
-    async def _stream_whole(self, emit: Emit, extra: dict[str, Any]) -> None:
+    async def _stream_whole(self, emit: Emit, extra: dict[str, Any],
+                            on_chunk: Callable[[int, Chunk], Awaitable[None]]) -> None:
         """Tools active: each choice's reply, read for calls, in one delta once it is complete."""
         chunk_object, model = "chat.completion.chunk", self.model
-        await self.run()
+        await self.run(on_chunk)
         for i in range(self.body.n):
             message, finish_reason = self._message(i)
             delta = {"content": message["content"]} if message["content"] else {}
@@ -104,25 +110,40 @@ class Call:
             await emit(api.envelope(self.id, chunk_object, model, [{"index": i, "delta": delta, "logprobs": logprobs,
                                                                     "finish_reason": finish_reason}], **extra))
 
-    async def stream(self, emit: Emit) -> None:
+    async def stream(self, emit: Emit, begin: Callable[[], Awaitable[None]]) -> None:
+        """The call as server-sent chunk objects (``begin()`` sends the response's status and headers)."""
         include_usage = self.body.stream_options is not None and self.body.stream_options.include_usage
         chunk_object = "chat.completion.chunk" if self.chat else "text_completion"
         model = self.model
         extra = {"usage": None} if include_usage else {}
-        if self.chat:  # the role comes first, as OpenAI sends it
-            for i in range(self.body.n):
+        opened = False
+
+        async def open_stream(*_: Any) -> None:
+            # The status, then a chat's roles, as OpenAI sends them first. Under structured output they wait for
+            # the engine to take the request: it compiles the language first, and one that does not compile is a
+            # 400 like any other bad request, not an event after a 200.
+            nonlocal opened
+            if opened:
+                return
+            opened = True
+            await begin()
+            for i in range(self.body.n if self.chat else 0):
                 choice = {"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                           "finish_reason": None}
                 await emit(api.envelope(self.id, chunk_object, model, [choice], **extra))
-            if self.tools is not None:
-                await self._stream_whole(emit, extra)
-                if include_usage:
-                    await emit(api.envelope(self.id, chunk_object, model, [], usage=self.usage()))
-                return
+
+        if self.params.structured is None:
+            await open_stream()
+        if self.tools is not None:
+            await self._stream_whole(emit, extra, open_stream)
+            if include_usage:
+                await emit(api.envelope(self.id, chunk_object, model, [], usage=self.usage()))
+            return
 
         async def on_chunk(index: int, chunk: Chunk) -> None:
-            if not chunk.text and chunk.finish_reason is None and self.params.logprobs is None:
-                return  # nothing to show yet (a character or a stop string is pending)
+            await open_stream()
+            if not chunk.text and chunk.finish_reason is None and (self.params.logprobs is None or not chunk.token_ids):
+                return  # nothing to show yet (the engine took the request, or a character or a stop string is pending)
             choice: dict[str, Any] = {"index": index}
             if self.chat:
                 choice["delta"] = {"content": chunk.text} if chunk.text else {}
