@@ -1,6 +1,7 @@
 """One stream at a time: inter-token latency through `conveyor serve`, next to two floors measured in the same run.
 
     python benchmarks/latency.py [--configs default bf16] [--requests 6] [--tokens 128] [--set KEY=VALUE ...]
+                                 [--async-scheduling off on]
 
 For each config of configs/ (default: the GGUF's blocks kept packed; bf16: every weight expanded to bf16;
 int8: W8A16) it starts
@@ -12,6 +13,8 @@ process while no server runs:
 - bandwidth floor: the bytes of every weight read for one token (the model
   as that config's quant method stores it) over this machine's read bandwidth
   (summing a 1 GiB tensor, best of several);
+- ``--async-scheduling off on``: each config served once per mode of
+  ``[engine] async_scheduling``, in turn, in this run;
 - linear floor: the model's linear layers and output head alone at one
   token (each layer's weights in turn, as a forward pass reads them).
 
@@ -64,8 +67,8 @@ def linear_floor(path: Path, overrides: dict[str, str]) -> tuple[float, int]:
     return seconds, weight_bytes
 
 
-def serve_itl(path: Path, args: argparse.Namespace) -> dict[str, float]:
-    overrides = args.set
+def serve_itl(path: Path, args: argparse.Namespace, extra: list[str]) -> dict[str, float]:
+    overrides = args.set + extra
     with tempfile.TemporaryDirectory() as tmp:
         text = path.read_text().replace("port = 8000", "port = 0")
         server = Server(text, Path(tmp), overrides=overrides, echo=args.verbose).start()
@@ -103,6 +106,8 @@ def main() -> int:
     parser.add_argument("--tokens", type=int, default=128)
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help="a config override for the server and the floors (repeatable)")
+    parser.add_argument("--async-scheduling", nargs="+", default=["auto"], choices=["auto", "on", "off"],
+                        help="serve each config once per mode (default: the config's own)")
     parser.add_argument("--verbose", action="store_true", help="echo the server's output")
     args = parser.parse_args()
     overrides = dict(item.split("=", 1) for item in args.set)
@@ -115,10 +120,12 @@ def main() -> int:
         print(f"[{name}] floors ...", flush=True)
         linear_s, weight_bytes = linear_floor(path, overrides)
         gc.collect()
-        print(f"[{name}] serving {args.requests} requests of {args.tokens} tokens, one at a time ...", flush=True)
-        served = serve_itl(path, args)
-        rows.append((name, weight_bytes, weight_bytes / bandwidth, linear_s, served))
-    bf16_floor = next((bw for name, _, bw, _, _ in rows if name == "bf16"), None)
+        for mode in args.async_scheduling:
+            label = name if args.async_scheduling == ["auto"] else f"{name}, async {mode}"
+            print(f"[{label}] serving {args.requests} requests of {args.tokens} tokens, one at a time ...", flush=True)
+            served = serve_itl(path, args, [f"engine.async_scheduling={mode}"] if mode != "auto" else [])
+            rows.append((label, weight_bytes, weight_bytes / bandwidth, linear_s, served))
+    bf16_floor = next((bw for name, _, bw, _, _ in rows if name.split(",")[0] == "bf16"), None)
     print()
     print("| config | weights MB | bandwidth floor ms | linear floor ms | ITL p50 ms | p90 | p99 | ITL p50 / bw floor "
           "| ITL p50 / bf16 bw floor | TTFT p50 ms |")

@@ -58,6 +58,8 @@ SYSTEMS = {
     "dynamic + paged": ("dynamic.toml", {}),
     "continuous + contiguous": ("contiguous.toml", OFFLINE_DEFAULTS),
     "continuous + paged": ("default.toml", OFFLINE_DEFAULTS),
+    # the default with steps overlapped ([engine] async_scheduling; "auto" leaves it off on a CPU)
+    "continuous + paged, async scheduling": ("default.toml", {**OFFLINE_DEFAULTS, "engine.async_scheduling": "on"}),
     # the default with every weight expanded to bf16 (a quantized GGUF's blocks are kept packed by default)
     "continuous + paged, bf16 weights": ("bf16.toml", OFFLINE_DEFAULTS),
 }

@@ -77,10 +77,12 @@ class _Held:
     table: list[int]
     prompt: list[int] = field(default_factory=list)
     outputs: list[int] = field(default_factory=list)
+    # the token this worker last sampled for it (async scheduling: a ``follows`` entry's input)
+    last_sampled: int = -1
 
 
 class HeldRequests:
-    """A worker's copy of each request's parameters, block table and (penalties) tokens."""
+    """A worker's copy of each request's parameters, block table, (penalties) tokens and last sampled token."""
 
     def __init__(self) -> None:
         self._held: dict[str, _Held] = {}
@@ -107,8 +109,16 @@ class HeldRequests:
                 held.table.extend(entry.block_ids)
                 entry.block_ids = held.table
                 entry.block_offset = 0
+            if entry.follows:
+                entry.token_ids = [held.last_sampled]
             if entry.prompt_token_ids:
                 held.prompt = entry.prompt_token_ids
             if entry.sample and entry.params.has_penalties:
                 held.outputs.extend(entry.output_token_ids)
                 entry.prompt_token_ids, entry.output_token_ids = held.prompt, held.outputs
+
+    def sampled(self, step: StepInput, tokens: list[int | None]) -> None:
+        """Keep each request's token this step sampled (the driver's; other workers sample none)."""
+        for entry, token in zip(step.requests, tokens):
+            if token is not None:
+                self._held[entry.request_id].last_sampled = token

@@ -7,14 +7,17 @@ holds it (``WAITING_FOR_ADAPTER``, ``WAITING_FOR_GRAMMAR``), and asks the gate
 before each step whether it may go on: as vLLM's scheduler keeps requests in
 ``WAITING_FOR_FSM`` and checks ``max_loras`` as it schedules. The engine's
 built-in gates are ``conveyor.engine.loras.LoraSlots`` and
-``conveyor.engine.grammars.GrammarRequests``.
+``conveyor.engine.grammars.GrammarRequests``. ``Gated`` is the scheduler's
+side: it keeps what each gate holds and moves requests on (the base
+``Scheduler`` inherits it).
 """
 
 from __future__ import annotations
 
 from typing import ClassVar
 
-from conveyor.request import Request, RequestStatus
+from conveyor.messages import RequestOutput, SchedulerStats
+from conveyor.request import FinishReason, Request, RequestStatus
 
 
 class AdmissionGate:
@@ -51,3 +54,67 @@ class AdmissionGate:
 
     def forget(self, request: Request) -> None:
         """The request ended, wherever it was (drop what the gate keeps for it)."""
+
+
+class Gated:
+    """The base ``Scheduler``'s side of the gates: the requests each holds, and moving them on."""
+
+    gates: list[AdmissionGate]
+    # the requests each gate holds, by its status
+    held: dict[RequestStatus, list[Request]]
+    counters: SchedulerStats
+
+    def _enqueue(self, request: Request) -> None:
+        raise NotImplementedError
+
+    def _remove(self, request: Request, reason: FinishReason) -> None:
+        raise NotImplementedError
+
+    def add_gate(self, gate: AdmissionGate) -> None:
+        """Make every request added from now on pass ``gate`` (after those added before)."""
+        self.gates.append(gate)
+        self.held[gate.status] = []
+
+    def _pass_gates(self, request: Request, first: int) -> bool:
+        """True when the request is queued to run, False when a gate holds it."""
+        for gate in self.gates[first:]:
+            if gate.holds(request):
+                request.status = gate.status
+                self.held[gate.status].append(request)
+                return False
+        request.status = RequestStatus.WAITING
+        self._enqueue(request)
+        return True
+
+    def release(self, idle: bool = True) -> list[RequestOutput]:
+        """Move the requests the gates let go on (to the next gate, then the waiting queue); end those a gate
+        refuses. The engine calls this before each ``schedule``.
+
+        Args:
+            idle: no step is in flight on the workers.
+
+        Returns:
+            The final error output (400) of each refused request, and an empty output for each request that
+            passed its last gate (the engine took it: a frontend holding a response's status for it may send it).
+        """
+        outputs = []
+        for index, gate in enumerate(self.gates):
+            held = self.held[gate.status]
+            if not held:
+                continue
+            ready, refused = gate.release(list(held), idle)
+            for request in ready:
+                held.remove(request)
+                if self._pass_gates(request, index + 1):
+                    outputs.append(RequestOutput(request.request_id))
+            for request, error in refused:
+                self._remove(request, FinishReason.ERROR)
+                self.counters.num_rejected += 1
+                outputs.append(RequestOutput(request.request_id, finish_reason=FinishReason.ERROR.value, error=error,
+                                             error_status=400, num_prompt_tokens=request.num_prompt_tokens,
+                                             error_param=gate.param))
+        return outputs
+
+    def wants_idle(self) -> bool:
+        """Whether a gate would release a request if no step were in flight."""
+        return any(held and gate.wants_idle(held) for gate, held in zip(self.gates, self.held.values()))

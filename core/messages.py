@@ -223,6 +223,9 @@ class ScheduledRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=F
     lora_slot: int = -1
     # the index in the request's table of block_ids[0]
     block_offset: int = 0
+    # async scheduling: its one input token (token_ids is [-1]) is the one the worker sampled for it in the step
+    # before, which the engine has not seen yet
+    follows: bool = False
 
 
 class StepInput(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):

@@ -54,6 +54,7 @@ class Request:
         "max_total_tokens",
         "num_cached_tokens",
         "num_computed_tokens",
+        "num_in_flight_tokens",
         "num_prompt_logprobs",
         "output_token_ids",
         "params",
@@ -98,8 +99,11 @@ class Request:
         self.queued_at = 0.0
         # with params.prompt_logprobs: prompt positions whose logprobs went out (recomputing never repeats them)
         self.num_prompt_logprobs = 0
-        # in a step the workers have not finished (pipeline parallelism keeps several in flight)
-        self.in_flight = False
+        # steps holding it that the workers have not finished (pipeline stages keep several batches in flight,
+        # each request in one; async scheduling schedules a request again while its last step runs)
+        self.in_flight = 0
+        # tokens it computes in those steps (its next step starts after them)
+        self.num_in_flight_tokens = 0
         # speculative decoding: tokens proposed to follow the last one, checked in the next step
         self.draft_token_ids: list[int] = []
         # the LoRA adapter it runs under (None: the base model)

@@ -26,7 +26,7 @@ from typing import Annotated, ClassVar
 import msgspec
 
 from conveyor.batch import ScheduledBatch, WaitingQueue
-from conveyor.gates import AdmissionGate
+from conveyor.gates import AdmissionGate, Gated
 from conveyor.kvcache import KVCacheManager, PrefixMatch
 from conveyor.messages import RequestOutput, SchedulerStats, TokenLogprob
 from conveyor.request import FinishReason, Request, RequestRejected, RequestStatus
@@ -41,13 +41,14 @@ class SchedulerOptions(msgspec.Struct, forbid_unknown_fields=True):
     max_waiting: Annotated[int, msgspec.Meta(ge=1)] = 1024
 
 
-class Scheduler:
+class Scheduler(Gated):
     """Decides, step by step, which requests run and with how many tokens."""
 
     name: ClassVar[str]
     Options: ClassVar[type[msgspec.Struct]] = SchedulerOptions
-    # Whether ``schedule`` may be called while earlier batches are still in flight (pipeline parallelism):
-    # it must then leave out requests with ``in_flight`` set and never preempt them. The base class's
+    # Whether ``schedule`` may be called while earlier batches are still in flight (pipeline parallelism,
+    # async scheduling): it must then leave out requests with ``in_flight`` set unless ``follows`` says they
+    # go on, start those after their ``num_in_flight_tokens``, and never preempt them. The base class's
     # ``schedule`` does; a scheduler that overrides it says False unless it does too.
     pipelined: ClassVar[bool] = True
 
@@ -77,6 +78,8 @@ class Scheduler:
         self.clock = time.monotonic
         # batches the engine keeps in flight (pipeline parallelism): each takes about this share of the requests
         self.pipeline_depth = 1
+        # async scheduling (the engine sets it): a request whose step is in flight may be in the next one too
+        self.async_steps = False
 
     @classmethod
     def max_running(cls, options: msgspec.Struct) -> int | None:
@@ -94,6 +97,20 @@ class Scheduler:
         """The running request to preempt when memory runs out (default: the newest not in flight); None
         when every one is in a batch the workers have not finished."""
         return next((r for r in reversed(self.running) if not r.in_flight), None)
+
+    def follows(self, request: Request) -> bool:
+        """Async scheduling: whether a running request whose last step is still on the workers goes in this
+        step too, after it: the rest of its prompt, or the token that step samples. Not under a penalty, a
+        grammar or prompt logprobs (the next step needs that token on the engine's side first), after a step
+        that checks drafts, or where that step may end it by length."""
+        if not self.async_steps or request.in_flight > 1:
+            return False
+        params = request.params
+        if params.has_penalties or params.structured is not None or params.prompt_logprobs is not None:
+            return False
+        if request.num_in_flight_tokens < request.num_uncomputed_tokens:
+            return True
+        return not request.draft_token_ids and request.num_tokens + 1 < request.max_total_tokens
 
     def can_admit(self, request: Request) -> bool:
         """Whether ``request``, first in the waiting queue, may start this step, budget and memory
@@ -126,13 +143,15 @@ class Scheduler:
         for request in list(self.running):
             if budget == 0 or len(scheduled) >= max_requests:
                 break
-            if request.status != RequestStatus.RUNNING or request.in_flight:
+            if request.status != RequestStatus.RUNNING or (request.in_flight and not self.follows(request)):
                 continue  # preempted earlier in this step, or its last step is not back yet
-            n = min(request.num_uncomputed_tokens, self.chunk_limit(budget))
-            if n == request.num_uncomputed_tokens == 1 and request.draft_token_ids:
+            ahead = request.num_in_flight_tokens
+            # (no known token left: the one its step in flight samples, which the worker feeds in)
+            n = min(max(request.num_uncomputed_tokens - ahead, 1), self.chunk_limit(budget))
+            if not ahead and n == request.num_uncomputed_tokens == 1 and request.draft_token_ids:
                 del request.draft_token_ids[budget - 1 :]  # (the drafts the budget holds are checked)
                 n += len(request.draft_token_ids)
-            while not self.kvcache.allocate(request, n):
+            while not self.kvcache.allocate(request, ahead + n):
                 victim = self.pick_victim()
                 if victim is None or victim.in_flight:
                     break  # nothing can give memory now: the request waits for a later step
@@ -177,55 +196,6 @@ class Scheduler:
             raise RequestRejected(reason)
         self.requests[request.request_id] = request
         self._pass_gates(request, 0)
-
-    def add_gate(self, gate: AdmissionGate) -> None:
-        """Make every request added from now on pass ``gate`` (after those added before)."""
-        self.gates.append(gate)
-        self.held[gate.status] = []
-
-    def _pass_gates(self, request: Request, first: int) -> bool:
-        """True when the request is queued to run, False when a gate holds it."""
-        for gate in self.gates[first:]:
-            if gate.holds(request):
-                request.status = gate.status
-                self.held[gate.status].append(request)
-                return False
-        request.status = RequestStatus.WAITING
-        self._enqueue(request)
-        return True
-
-    def release(self, idle: bool = True) -> list[RequestOutput]:
-        """Move the requests the gates let go on (to the next gate, then the waiting queue); end those a gate
-        refuses. The engine calls this before each ``schedule``.
-
-        Args:
-            idle: no step is in flight on the workers.
-
-        Returns:
-            The final error output (400) of each refused request, and an empty output for each request that
-            passed its last gate (the engine took it: a frontend holding a response's status for it may send it).
-        """
-        outputs = []
-        for index, gate in enumerate(self.gates):
-            held = self.held[gate.status]
-            if not held:
-                continue
-            ready, refused = gate.release(list(held), idle)
-            for request in ready:
-                held.remove(request)
-                if self._pass_gates(request, index + 1):
-                    outputs.append(RequestOutput(request.request_id))
-            for request, error in refused:
-                self._remove(request, FinishReason.ERROR)
-                self.counters.num_rejected += 1
-                outputs.append(RequestOutput(request.request_id, finish_reason=FinishReason.ERROR.value, error=error,
-                                             error_status=400, num_prompt_tokens=request.num_prompt_tokens,
-                                             error_param=gate.param))
-        return outputs
-
-    def wants_idle(self) -> bool:
-        """Whether a gate would release a request if no step were in flight."""
-        return any(held and gate.wants_idle(held) for gate, held in zip(self.gates, self.held.values()))
 
     @property
     def num_waiting(self) -> int:

@@ -201,6 +201,7 @@ def _build(raw: dict[str, Any], origin: _Origin, registry: PluginRegistry | None
         else:
             specs[kind] = _plugin_spec(value or {}, kind, default, kind, origin, registry)
     _check_batch_invariant(tables, origin)
+    _check_async_scheduling(tables, origin)
     config = Config(**tables, **specs, plugins=list(plugins), source=origin.source)
     config._registry = registry
     return config
@@ -224,6 +225,20 @@ def _check_batch_invariant(tables: dict[str, Any], origin: _Origin) -> None:
         if conflict:
             raise ConfigError(f"{origin.of(table, key)}: [{table}] {key} = {value} cannot run with [engine] "
                               f"batch_invariant = true; allowed with it: {allowed}")
+
+
+def _check_async_scheduling(tables: dict[str, Any], origin: _Origin) -> None:
+    """A step's sampled token is the next step's input on the worker that sampled it: one worker only."""
+    engine, parallel = tables["engine"], tables["parallel"]
+    if engine.async_scheduling != "on":
+        return
+    for key in ("tensor_parallel_size", "pipeline_parallel_size"):
+        value = getattr(parallel, key)
+        if value > 1:
+            raise ConfigError(f"{origin.of('parallel', key)}: [parallel] {key} = {value} cannot run with [engine] "
+                              "async_scheduling = 'on' (one worker feeds each step the tokens it sampled; "
+                              "pipeline stages overlap their steps already); allowed with it: 1, or "
+                              "async_scheduling = 'auto' or 'off'")
 
 
 def _plugin_spec(

@@ -79,6 +79,11 @@ class EngineConfig(msgspec.Struct, forbid_unknown_fields=True):
     # number of rows, and every token attends as a decode does. Costs throughput (README, "Batch-invariant
     # mode"); one worker, no speculative decoding, no LoRA, decode steps not compiled.
     batch_invariant: bool = False
+    # overlapped steps: while the worker runs step N the engine core schedules step N+1 (a request's next input
+    # is the token step N samples, which the worker feeds in itself) and publishes step N-1's outputs. "auto":
+    # on where it measured faster (README, "Async scheduling"); "on" needs one worker (tensor_parallel_size =
+    # pipeline_parallel_size = 1: pipeline stages overlap their steps already).
+    async_scheduling: Literal["auto", "on", "off"] = "auto"
 
     def __post_init__(self) -> None:
         if (self.speculative == "draft") != bool(self.draft_model):

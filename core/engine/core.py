@@ -109,13 +109,33 @@ class EngineCore:
         self.peak_bytes_per_second = peaks.bytes_per_second * devices if peaks else 0.0
         # the last step scheduled nothing although requests are pending (a batching scheduler collecting)
         self._collecting = False
-        # steps on the workers, oldest first: up to one per pipeline stage where the scheduler allows
+        # steps on the workers, oldest first: up to one per pipeline stage where the scheduler allows, or two
+        # under async scheduling (the next one waits on the workers while the engine updates the last)
         self._in_flight: deque[InFlight] = deque()
         self.max_in_flight = self.executor.max_in_flight if self.scheduler.pipelined else 1
         self.scheduler.pipeline_depth = self.max_in_flight
         if self.max_in_flight < self.executor.max_in_flight:
             logger.warning("scheduler %r runs one batch at a time: %d pipeline stages will idle in turn",
                            self.scheduler.name, self.executor.max_in_flight)
+        self.async_scheduling = self._async_scheduling()
+        if self.async_scheduling:
+            self.max_in_flight = 2
+            self.scheduler.async_steps = True
+            self.executor.overlap_steps()
+
+    def _async_scheduling(self) -> bool:
+        """Whether steps overlap: ``[engine] async_scheduling``, where one worker runs them under a scheduler
+        that may schedule while a step is in flight ("auto": on CUDA, where the host's work per step is a
+        large share of it; README, "Async scheduling", has the CPU's numbers)."""
+        mode = self.config.engine.async_scheduling
+        if mode == "off" or self.config.parallel.world_size > 1:
+            return False  # (the config refuses "on" there)
+        if not self.scheduler.pipelined:
+            if mode == "on":
+                logger.warning("scheduler %r runs one batch at a time: async scheduling is off",
+                               self.scheduler.name)
+            return False
+        return mode == "on" or self.info.device.startswith("cuda")
 
     def shutdown(self) -> None:
         """Stop the workers."""
@@ -181,8 +201,8 @@ class EngineCore:
         return COLLECT_WAIT if self._collecting else 0.0
 
     def step(self) -> tuple[list[RequestOutput], StepStats | None]:
-        """Run one step: submit batches while the pipeline has room (one, without pipeline parallelism),
-        then take the oldest one's tokens.
+        """Run one step: submit batches while the pipeline has room (one per stage; under async scheduling
+        two, the second scheduled while the first runs), then take the oldest one's tokens.
 
         Returns:
             What every affected request produced, and the step's stats (None
@@ -205,8 +225,9 @@ class EngineCore:
             raise
         except Exception as e:  # a failed step fails its requests, not the engine
             logger.exception("step failed; ending its %d requests with an error", len(flight.batch))
-            for request in flight.batch.requests:
-                request.in_flight = False
+            for request, n in zip(flight.batch.requests, flight.batch.num_tokens):
+                request.in_flight -= 1
+                request.num_in_flight_tokens -= n
             error = f"{type(e).__name__}: {e}"
             return released + self.scheduler.abort([r.request_id for r in flight.batch.requests], error), None
         executed = time.perf_counter()
@@ -225,8 +246,9 @@ class EngineCore:
             1 for r in batch.requests[: batch.num_decodes] if r.num_output_tokens and r.num_uncomputed_tokens == 1
         )
         step = self._step_input(batch)
-        for request in batch.requests:
-            request.in_flight = True
+        for request, n in zip(batch.requests, batch.num_tokens):
+            request.in_flight += 1
+            request.num_in_flight_tokens += n
         self._in_flight.append(InFlight(batch, step, num_decode, time.perf_counter() - start))
         self.executor.submit(step)
         return True
@@ -234,8 +256,9 @@ class EngineCore:
     def _update(self, flight: InFlight, result: RunnerOutput) -> list[RequestOutput]:
         """Hand a step's tokens to the scheduler, the grammars and the proposer; what the requests produced."""
         batch = flight.batch
-        for request in batch.requests:
-            request.in_flight = False
+        for request, n in zip(batch.requests, batch.num_tokens):
+            request.in_flight -= 1
+            request.num_in_flight_tokens -= n
         outputs = self.scheduler.update(batch, result.sampled, result.logprobs, result.accepted,
                                         result.accepted_logprobs)
         if self.grammars.matchers:
@@ -317,8 +340,14 @@ class EngineCore:
         for request, n in zip(batch.requests, batch.num_tokens):
             if request.first_scheduled_time is None:
                 request.first_scheduled_time = now
-            start = request.num_computed_tokens
+            start = request.num_computed_tokens + request.num_in_flight_tokens  # (after its steps in flight)
             params = request.params
+            if start == request.num_tokens:  # async: its input is the token its step in flight samples
+                entry = ScheduledRequest(request.request_id, start, [-1], sample=True, follows=True,
+                                         lora_slot=-1 if self.loras is None else self.loras.slot(request))
+                self.sent.fill(entry, request, self.kvcache.block_ids(request), False)
+                requests.append(entry)
+                continue
             known = min(n, request.num_tokens - start)  # (the rest are draft tokens, to be checked)
             drafts = request.draft_token_ids[: n - known]
             entry = ScheduledRequest(

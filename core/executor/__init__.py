@@ -8,7 +8,9 @@ worker and brings back what the driver (the worker that samples) computed.
 machine and ``ray`` runs them as Ray actors, both over torch.distributed.
 Each implements ``collective_rpc`` and its own start and stop; ``mp`` and
 ``ray`` also keep up to ``pipeline_parallel_size`` steps in flight
-(``submit`` / ``collect``). The engine core and the scheduler do not change.
+(``submit`` / ``collect``); under async scheduling ``uniproc`` runs each
+step on a thread of its own, so that the engine core works while it runs.
+The engine core and the scheduler do not change.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from __future__ import annotations
 import logging
 from abc import ABC, abstractmethod
 from collections import deque
+from concurrent.futures import Future
 from typing import Any, ClassVar
 
 import msgspec
@@ -62,8 +65,8 @@ class Executor(ABC):
         """Start the workers (each chooses its device and attention backend; nothing is loaded yet)."""
         self.config = config
         self.registry = registry
-        # steps submitted and not collected: their outputs (or what they raised), in order
-        self._done: deque[RunnerOutput | BaseException] = deque()
+        # steps submitted and not collected: their outputs (or what they raised, or the step running), in order
+        self._done: deque[RunnerOutput | BaseException | Future[RunnerOutput]] = deque()
 
     @property
     def driver_rank(self) -> int:
@@ -116,6 +119,11 @@ class Executor(ABC):
         """Run one step on every worker; what the driver sampled comes back, with every worker's times."""
         return merge_outputs(self.collective_rpc("execute", step), self.driver_rank)
 
+    def overlap_steps(self) -> None:
+        """Async scheduling: from now on ``submit`` returns while the step runs, where the executor can (the
+        engine core schedules the next step meanwhile). Steps still run one after another, in order. (Here:
+        nothing changes; ``uniproc`` runs them on its worker's thread.)"""
+
     def submit(self, step: StepInput) -> None:
         """Start a step; ``collect`` returns the outputs of submitted steps in order. (Here: run it now.)"""
         try:
@@ -134,6 +142,8 @@ class Executor(ABC):
             Exception: the step failed (its requests fail; the workers go on).
         """
         done = self._done.popleft()
+        if isinstance(done, Future):
+            return done.result()  # (raises what the step raised)
         if isinstance(done, BaseException):
             raise done
         return done
@@ -149,6 +159,9 @@ class PipelinedExecutor(Executor):
         self._seq = 0
         # handles of the steps submitted and not collected, oldest first
         self._in_flight: deque[Any] = deque()
+
+    def overlap_steps(self) -> None:
+        """The workers run elsewhere: ``submit`` returns at once already."""
 
     @property
     def max_in_flight(self) -> int:

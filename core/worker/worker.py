@@ -214,8 +214,10 @@ class Worker:
 
     def execute(self, step: StepInput) -> RunnerOutput:
         assert self.runner is not None, "init_kv_cache comes before execute"
-        self.held.apply(step)  # (each entry whole again: parameters, block table, penalty tokens)
-        return self.runner.execute(step)
+        self.held.apply(step)  # (each entry whole again: parameters, block table, penalty tokens, input token)
+        output = self.runner.execute(step)
+        self.held.sampled(step, output.sampled)
+        return output
 
     def add_lora(self, slot: int, path: str) -> str:
         """Load the LoRA adapter at ``path`` into ``slot``; returns why it cannot be ("" when loaded)."""

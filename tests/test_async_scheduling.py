@@ -1,0 +1,152 @@
+"""Async scheduling (``[engine] async_scheduling``): while the worker runs step N the engine schedules step N+1,
+whose input for a decoding request is the token step N samples (the worker feeds it in). Against the same
+engine with it off: the same tokens and logprobs, bit for bit in batch-invariant mode, for 64 mixed requests
+with stop strings, a JSON schema, penalties, prompt logprobs, prompts in chunks and preemption; for n-gram
+drafts; and for requests aborted while their steps are in flight, with every KV block free after."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+
+from conveyor import LLM
+from conveyor.config import ConfigError, load_config
+from conveyor.engine.core import EngineCore
+from conveyor.messages import EngineRequest
+from conveyor.sampling import SamplingParams, StructuredOutput
+from tests.conftest import CHAT_PROMPTS
+from tests.test_batch_invariant import PROMPTS, assert_identical, workload
+
+CITY = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12}, "population": {"type": "integer"}},
+        "required": ["city", "population"], "additionalProperties": False}
+
+
+class Follows:
+    """Counts the step entries whose input the worker fed in itself (what async scheduling adds)."""
+
+    def __init__(self, engine: EngineCore):
+        self.count = 0
+        submit = engine.executor.submit
+
+        def counted(step):
+            self.count += sum(entry.follows for entry in step.requests)
+            submit(step)
+
+        engine.executor.submit = counted
+
+
+def run(mode: str, overrides: dict, requests: list) -> tuple[list, int, bool]:
+    """The requests at once; their completions, the entries that followed a step in flight, and whether every
+    KV block was free after (``run.counters``: the scheduler's counters)."""
+    with LLM(overrides={"engine.async_scheduling": mode, **overrides}) as llm:
+        assert llm.engine.async_scheduling == (mode == "on")
+        follows = Follows(llm.engine)
+        completions = llm.generate([prompt for prompt, _ in requests], [params for _, params in requests])
+        kv = llm.engine.kvcache
+        run.counters = llm.engine.scheduler.counters
+        return completions, follows.count, kv.num_free_blocks == kv.num_blocks
+
+
+def test_64_mixed_requests_are_bit_identical_with_steps_overlapped():
+    """The fidelity prompts and the batch-invariance workload (greedy and seeded, logprobs, prompt logprobs; fillers
+    with stop strings), a JSON schema and a repetition penalty, 64 requests in steps of at most 64 tokens on a KV
+    cache too small for all: every token and logprob of the greedy and seeded requests equal with async
+    scheduling on and off; a good share of the steps' entries followed a step in flight; the schema's reply
+    parses."""
+    chats = [[{"role": "user", "content": p}] for p in PROMPTS]
+    fidelity = [([{"role": "user", "content": p}], SamplingParams(max_tokens=12, temperature=0, logprobs=2))
+                for p in CHAT_PROMPTS]
+    special = [
+        ([{"role": "user", "content": "Give an example of a city as JSON."}],
+         SamplingParams(max_tokens=40, temperature=0, logprobs=1, structured=StructuredOutput(json=json.dumps(CITY)))),
+        ([{"role": "user", "content": "List fruits, many times."}],
+         SamplingParams(max_tokens=24, temperature=0, logprobs=1, repetition_penalty=1.3)),
+    ]
+    requests = fidelity + special
+    requests += workload(chats, 8, 64 - len(requests), chats)
+    overrides = {"engine.batch_invariant": True, "scheduler.max_num_batched_tokens": 64, "kvcache.num_blocks": 32}
+    sync, none, sync_free = run("off", overrides, requests)
+    overlapped, follows, overlapped_free = run("on", overrides, requests)
+    assert none == 0 and follows > sum(p.max_tokens for _, p in requests) / 4
+    assert sync_free and overlapped_free
+    # (the fillers sample without a seed of their own: from the engine's generator, in the order steps draw)
+    watched = [i for i, (_, p) in enumerate(requests) if p.temperature == 0 or p.seed is not None]
+    assert len(watched) > 40
+    assert_identical([sync[i] for i in watched], [overlapped[i] for i in watched])
+    assert [sync[i].finish_reason for i in watched] == [overlapped[i].finish_reason for i in watched]
+    assert [sync[i].text for i in watched] == [overlapped[i].text for i in watched]
+    json.loads(overlapped[len(fidelity)].text)
+
+
+def test_ngram_drafts_give_the_same_tokens_with_steps_overlapped():
+    """Speculative decoding (n-gram) with async scheduling: a request whose step checks drafts is not followed,
+    and one with drafts proposed while its next step was in flight waits for that step (its drafts go in the
+    one after): drafts are still checked and accepted, and the greedy tokens equal those with it off."""
+    rng = random.Random(3)
+    text = "The cat sat on the mat. The dog sat on the log. "
+    requests = [([{"role": "user", "content": f"Repeat this {rng.randint(2, 4)} times: {text * rng.randint(1, 3)}"}],
+                 SamplingParams(max_tokens=rng.randint(10, 40), temperature=0, logprobs=1, ignore_eos=True))
+                for _ in range(12)]
+    overrides = {"engine.speculative": "ngram"}
+    sync, _, sync_free = run("off", overrides, requests)
+    overlapped, follows, overlapped_free = run("on", overrides, requests)
+    assert follows > 0 and sync_free and overlapped_free
+    assert run.counters.num_accepted_tokens > 0
+    assert [c.token_ids for c in sync] == [c.token_ids for c in overlapped]
+
+
+def engine_run(mode: str, aborted: set[str], abort_at: int) -> tuple[dict[str, list[int]], dict[str, str], bool]:
+    """24 requests through the engine core itself; ``aborted`` ended at step ``abort_at`` (steps in flight under
+    async scheduling). Returns each request's tokens and finish reason, and whether every KV block was free."""
+    config = load_config(None, {"engine.async_scheduling": mode, "engine.batch_invariant": True,
+                                "scheduler.max_num_batched_tokens": 64, "kvcache.num_blocks": 24})
+    engine = EngineCore(config)
+    try:
+        rng = random.Random(5)
+        for i in range(24):
+            prompt = [rng.randrange(100, 20_000) for _ in range(rng.randint(5, 90))]
+            length = 60 if f"r{i}" in aborted else rng.randint(4, 30)
+            params = SamplingParams(max_tokens=length, temperature=0, ignore_eos=True)
+            engine.add_request(EngineRequest(f"r{i}", prompt, params))
+        tokens: dict[str, list[int]] = {f"r{i}": [] for i in range(24)}
+        reasons: dict[str, str] = {}
+        steps = 0
+        while engine.has_unfinished():
+            steps += 1
+            outputs, _ = engine.step()
+            if steps == abort_at:
+                outputs += engine.abort(sorted(aborted))
+            for output in outputs:
+                tokens[output.request_id] += output.new_token_ids
+                if output.finish_reason:
+                    reasons[output.request_id] = output.finish_reason
+        kv = engine.kvcache
+        return tokens, reasons, kv.num_free_blocks == kv.num_blocks
+    finally:
+        engine.shutdown()
+
+
+@pytest.mark.parametrize("abort_at", [4, 30])
+def test_requests_aborted_while_steps_are_in_flight_end_and_the_rest_are_unchanged(abort_at):
+    """Six of 24 requests aborted mid-way (prompt chunks and decodes in flight; preemption on a small cache):
+    they end as aborts, the others give the tokens they give with async scheduling off, and no block leaks."""
+    aborted = {f"r{i}" for i in (0, 3, 7, 11, 16, 22)}
+    sync, sync_reasons, sync_free = engine_run("off", aborted, abort_at)
+    overlapped, reasons, free = engine_run("on", aborted, abort_at)
+    assert sync_free and free
+    for ends in (sync_reasons, reasons):
+        assert {r for r, why in ends.items() if why == "abort"} == aborted
+        assert len(ends) == 24
+    for request_id in sync:
+        if request_id not in aborted:
+            assert overlapped[request_id] == sync[request_id], request_id
+
+
+def test_async_scheduling_on_with_parallel_workers_is_a_config_error_naming_the_key():
+    with pytest.raises(ConfigError, match=r"tensor_parallel_size = 2 cannot run with \[engine\] async_scheduling"):
+        load_config(None, {"engine.async_scheduling": "on", "parallel.tensor_parallel_size": 2})
+    with pytest.raises(ConfigError, match=r"pipeline_parallel_size = 2 cannot run"):
+        load_config(None, {"engine.async_scheduling": "on", "parallel.pipeline_parallel_size": 2})
+    assert load_config(None, {"parallel.tensor_parallel_size": 2}).engine.async_scheduling == "auto"
