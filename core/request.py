@@ -30,6 +30,21 @@ class FinishReason(str, enum.Enum):
     ERROR = "error"
 
 
+def length_error(num_prompt_tokens: int, max_tokens: int | None, max_model_len: int) -> tuple[str, str] | None:
+    """Why a request of this length can never run under ``max_model_len``, and the field at fault ("prompt" or
+    "max_tokens"); None where it can. (The frontend refuses with it before queueing; the scheduler, given no
+    max_tokens, holds every request it takes to the prompt's part of it.)"""
+    if num_prompt_tokens == 0:
+        return "the prompt is empty", "prompt"
+    if num_prompt_tokens >= max_model_len:
+        return (f"the prompt has {num_prompt_tokens} tokens; max_model_len={max_model_len} leaves no room for "
+                "output", "prompt")
+    if max_tokens is not None and num_prompt_tokens + max_tokens > max_model_len:
+        return (f"the prompt ({num_prompt_tokens} tokens) + max_tokens ({max_tokens}) = "
+                f"{num_prompt_tokens + max_tokens} exceeds max_model_len={max_model_len}", "max_tokens")
+    return None
+
+
 class RequestRejected(ValueError):
     """The engine cannot take this request; ``status`` is the HTTP status it maps to."""
 

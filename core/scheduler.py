@@ -29,7 +29,7 @@ from conveyor.batch import ScheduledBatch, WaitingQueue
 from conveyor.gates import AdmissionGate, Gated
 from conveyor.kvcache import KVCacheManager, PrefixMatch
 from conveyor.messages import RequestOutput, SchedulerStats, TokenLogprob
-from conveyor.request import FinishReason, Request, RequestRejected, RequestStatus
+from conveyor.request import FinishReason, Request, RequestRejected, RequestStatus, length_error
 
 
 class SchedulerOptions(msgspec.Struct, forbid_unknown_fields=True):
@@ -203,13 +203,9 @@ class Scheduler(Gated):
         return len(self.waiting) + sum(len(held) for held in self.held.values())
 
     def _never_runs(self, request: Request) -> str | None:
-        if request.num_prompt_tokens == 0:
-            return "the prompt is empty"
-        if request.num_prompt_tokens >= self.max_model_len:
-            return (
-                f"the prompt has {request.num_prompt_tokens} tokens; max_model_len={self.max_model_len} "
-                "leaves no room for output"
-            )
+        problem = length_error(request.num_prompt_tokens, None, self.max_model_len)
+        if problem is not None:
+            return problem[0]
         if not self.kvcache.can_fit([request.max_total_tokens]):
             return (
                 f"the request needs {request.max_total_tokens} tokens of KV cache but the whole cache holds "

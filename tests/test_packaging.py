@@ -70,7 +70,7 @@ def test_the_server_frontend_loads_no_torch():
 import sys
 import conveyor.serving.frontend
 assert "torch" not in sys.modules, "import conveyor.serving.frontend loaded torch"
-import conveyor.serving.server, conveyor.client
+import conveyor.serving.server, conveyor.zmq_client
 from conveyor.config import load_config
 from conveyor.registry import PluginRegistry
 config = load_config({str(REPO / "configs" / "int8.toml")!r}, {{"kvcache.plugin": "contiguous"}})

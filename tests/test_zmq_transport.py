@@ -1,5 +1,5 @@
 """The ZMQ transport on a real server: a raw client written from docs/zmq-protocol.md,
-conveyor.client sync and async, HTTP and ZMQ served at once, and CURVE."""
+conveyor.zmq_client sync and async, HTTP and ZMQ served at once, and CURVE."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import zmq
 import zmq.auth
 from zmq.utils.monitor import recv_monitor_message
 
-from conveyor.client import AsyncClient, Client, ServerError
+from conveyor.zmq_client import AsyncClient, Client, ServerError
 from tests.server import Server
 
 pytestmark = pytest.mark.slow

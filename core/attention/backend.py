@@ -109,11 +109,7 @@ class StepAttention:
     def __init__(self, backend: AttentionBackend, step: StepInput):
         self.backend = backend
         self.storage = backend.storage
-        size = self.storage.block_size
-        slots: list[int] = []
-        for r in step.requests:
-            table = r.block_ids
-            slots.extend(table[p // size] * size + p % size for p in range(r.start, r.start + len(r.token_ids)))
+        slots = slot_mapping(step, self.storage.block_size)
         self.slot_mapping = torch.tensor(slots, dtype=torch.long, device=self.storage.device)
         if backend.batch_invariant:
             self.num_decodes = len(slots)
@@ -146,7 +142,18 @@ class StepAttention:
         return out
 
 
-def _padded_int32(rows: list[list[int]], device: torch.device) -> torch.Tensor:
+def slot_mapping(step: StepInput, block_size: int) -> list[int]:
+    """The KV cache slot of every token the step computes, in order: its block's id * block_size + its offset
+    (the one place slots are made: the eager step and the compiled decode graphs take them from here)."""
+    slots: list[int] = []
+    for r in step.requests:
+        table = r.block_ids
+        slots.extend(table[p // block_size] * block_size + p % block_size
+                     for p in range(r.start, r.start + len(r.token_ids)))
+    return slots
+
+
+def padded_int32(rows: list[list[int]], device: torch.device) -> torch.Tensor:
     """Block tables as one int32 tensor, each row padded with block 0 (never read past its length)."""
     width = max(len(t) for t in rows)
     return torch.tensor([t + [0] * (width - len(t)) for t in rows], dtype=torch.int32, device=device)
@@ -163,7 +170,7 @@ class DecodeTables:
 
     @classmethod
     def build(cls, tables: list[list[int]], context_lens: list[int], device: torch.device) -> DecodeTables:
-        return cls(_padded_int32(tables, device), torch.tensor(context_lens, dtype=torch.int32, device=device))
+        return cls(padded_int32(tables, device), torch.tensor(context_lens, dtype=torch.int32, device=device))
 
 
 @dataclass
@@ -184,4 +191,4 @@ class PrefillTables:
         def int32(values: list[int]) -> torch.Tensor:
             return torch.tensor(values, dtype=torch.int32, device=device)
 
-        return cls(_padded_int32(tables, device), int32(rows), int32(lens), int32(starts), max(lens))
+        return cls(padded_int32(tables, device), int32(rows), int32(lens), int32(starts), max(lens))

@@ -25,7 +25,7 @@ from conveyor.engine.client import EngineClient, EngineUnavailable
 from conveyor.messages import EngineRequest, LoraAdapter
 from conveyor.model.detokenizer import TextStream
 from conveyor.model.tokenizer import ChatTemplateError, Tokenizer
-from conveyor.request import RequestRejected
+from conveyor.request import RequestRejected, length_error
 from conveyor.sampling import SamplingParams
 from conveyor.serving.metrics import ServerMetrics
 from conveyor.transport import Chunk, RequestError
@@ -160,21 +160,9 @@ class EngineFrontend:
             raise RequestError("the server is shutting down", 503)
         if not self.max_model_len:
             raise RequestError("the engine is starting", 503)
-        num_prompt = len(prompt_ids)
-        if num_prompt == 0:
-            raise RequestError("the prompt is empty", 400, "prompt")
-        limit = self.max_model_len
-        if num_prompt >= limit:
-            raise RequestError(
-                f"the prompt has {num_prompt} tokens; max_model_len={limit} leaves no room for output", 400, "prompt"
-            )
-        if params.max_tokens is not None and num_prompt + params.max_tokens > limit:
-            raise RequestError(
-                f"the prompt ({num_prompt} tokens) + max_tokens ({params.max_tokens}) = "
-                f"{num_prompt + params.max_tokens} exceeds max_model_len={limit}",
-                400,
-                "max_tokens",
-            )
+        problem = length_error(len(prompt_ids), params.max_tokens, self.max_model_len)
+        if problem is not None:
+            raise RequestError(problem[0], 400, problem[1])
 
     async def generate(
         self, prompt_ids: list[int], params: SamplingParams, *, request_id: str, priority: int = 0,

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from conveyor.attention.backend import AttentionBackend
+from conveyor.attention.backend import AttentionBackend, padded_int32, slot_mapping
 from conveyor.messages import StepInput
 from conveyor.model.graph_ops import paged_decode_op, register_backend
 from conveyor.model.llama import LlamaModel
@@ -95,17 +95,14 @@ class CompiledDecode:
         size = next(s for s in self.batch_sizes if s >= n)
         self.num_steps += 1
         requests = step.requests
-        bs = self.block_size
         positions = [r.start for r in requests]
         tables = [r.block_ids for r in requests]
         width = max(len(t) for t in tables)
         device = self.input_ids.device
         self.input_ids[:n] = torch.tensor([r.token_ids[0] for r in requests], device=device)
         self.positions[:n] = torch.tensor(positions, device=device)
-        self.slot_mapping[:n] = torch.tensor([t[p // bs] * bs + p % bs for t, p in zip(tables, positions)],
-                                             device=device)
-        self.block_tables[:n, :width] = torch.tensor([t + [0] * (width - len(t)) for t in tables],
-                                                     dtype=torch.int32, device=device)
+        self.slot_mapping[:n] = torch.tensor(slot_mapping(step, self.block_size), device=device)
+        self.block_tables[:n, :width] = padded_int32(tables, device)
         self.context_lens[:n] = torch.tensor(positions, dtype=torch.int32, device=device) + 1
         return self._run(n, size)[:n]
 
