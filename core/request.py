@@ -37,11 +37,13 @@ def length_error(num_prompt_tokens: int, max_tokens: int | None, max_model_len: 
     if num_prompt_tokens == 0:
         return "the prompt is empty", "prompt"
     if num_prompt_tokens >= max_model_len:
-        return (f"the prompt has {num_prompt_tokens} tokens; max_model_len={max_model_len} leaves no room for "
-                "output", "prompt")
+        message = f"the prompt has {num_prompt_tokens} tokens; max_model_len={max_model_len} leaves no room for output"
+        return message, "prompt"
     if max_tokens is not None and num_prompt_tokens + max_tokens > max_model_len:
-        return (f"the prompt ({num_prompt_tokens} tokens) + max_tokens ({max_tokens}) = "
-                f"{num_prompt_tokens + max_tokens} exceeds max_model_len={max_model_len}", "max_tokens")
+        total = num_prompt_tokens + max_tokens
+        message = (f"the prompt ({num_prompt_tokens} tokens) + max_tokens ({max_tokens}) = {total} exceeds "
+                   f"max_model_len={max_model_len}")
+        return message, "max_tokens"
     return None
 
 
