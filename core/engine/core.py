@@ -22,7 +22,7 @@ from conveyor.deltas import SentRequests
 from conveyor.engine.grammars import GrammarRequests
 from conveyor.engine.loras import LoraSlots
 from conveyor.engine.speculative import DraftModelProposer, NgramProposer
-from conveyor.executor import Executor, ExecutorError, build_executor
+from conveyor.executor import Executor, ExecutorError, build_executor, overlaps_steps
 from conveyor.kvcache import DTYPE_BYTES, KVCacheManager
 from conveyor.messages import (
     EngineOutputs,
@@ -124,18 +124,16 @@ class EngineCore:
             self.executor.overlap_steps()
 
     def _async_scheduling(self) -> bool:
-        """Whether steps overlap: ``[engine] async_scheduling``, where one worker runs them under a scheduler
-        that may schedule while a step is in flight ("auto": on CUDA, where the host's work per step is a
-        large share of it; README, "Async scheduling", has the CPU's numbers)."""
-        mode = self.config.engine.async_scheduling
-        if mode == "off" or self.config.parallel.world_size > 1:
-            return False  # (the config refuses "on" there)
+        """Whether steps overlap: where ``[engine] async_scheduling`` asks for it, one worker runs them and the
+        scheduler may schedule while a step is in flight ("auto": on CUDA, where the host's work per step is a
+        large share of it)."""
+        if not overlaps_steps(self.config, self.info.device) or self.config.parallel.world_size > 1:
+            return False  # (the config refuses "on" with several workers)
         if not self.scheduler.pipelined:
-            if mode == "on":
-                logger.warning("scheduler %r runs one batch at a time: async scheduling is off",
-                               self.scheduler.name)
+            if self.config.engine.async_scheduling == "on":
+                logger.warning("scheduler %r runs one batch at a time: async scheduling is off", self.scheduler.name)
             return False
-        return mode == "on" or self.info.device.startswith("cuda")
+        return True
 
     def shutdown(self) -> None:
         """Stop the workers."""
@@ -225,9 +223,7 @@ class EngineCore:
             raise
         except Exception as e:  # a failed step fails its requests, not the engine
             logger.exception("step failed; ending its %d requests with an error", len(flight.batch))
-            for request, n in zip(flight.batch.requests, flight.batch.num_tokens):
-                request.in_flight -= 1
-                request.num_in_flight_tokens -= n
+            _count_in_flight(flight.batch, -1)
             error = f"{type(e).__name__}: {e}"
             return released + self.scheduler.abort([r.request_id for r in flight.batch.requests], error), None
         executed = time.perf_counter()
@@ -246,9 +242,7 @@ class EngineCore:
             1 for r in batch.requests[: batch.num_decodes] if r.num_output_tokens and r.num_uncomputed_tokens == 1
         )
         step = self._step_input(batch)
-        for request, n in zip(batch.requests, batch.num_tokens):
-            request.in_flight += 1
-            request.num_in_flight_tokens += n
+        _count_in_flight(batch, 1)
         self._in_flight.append(InFlight(batch, step, num_decode, time.perf_counter() - start))
         self.executor.submit(step)
         return True
@@ -256,9 +250,7 @@ class EngineCore:
     def _update(self, flight: InFlight, result: RunnerOutput) -> list[RequestOutput]:
         """Hand a step's tokens to the scheduler, the grammars and the proposer; what the requests produced."""
         batch = flight.batch
-        for request, n in zip(batch.requests, batch.num_tokens):
-            request.in_flight -= 1
-            request.num_in_flight_tokens -= n
+        _count_in_flight(batch, -1)
         outputs = self.scheduler.update(batch, result.sampled, result.logprobs, result.accepted,
                                         result.accepted_logprobs)
         if self.grammars.matchers:
@@ -387,3 +379,10 @@ class EngineCore:
             output.prompt_logprobs_start = first + skip
             request.num_prompt_logprobs = first + len(logprobs) - 1
         return outputs
+
+
+def _count_in_flight(batch: ScheduledBatch, sign: int) -> None:
+    """A batch went to the workers (1) or came back (-1): its requests' steps and tokens in flight."""
+    for request, n in zip(batch.requests, batch.num_tokens):
+        request.in_flight += sign
+        request.num_in_flight_tokens += sign * n

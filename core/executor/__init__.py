@@ -122,7 +122,8 @@ class Executor(ABC):
     def overlap_steps(self) -> None:
         """Async scheduling: from now on ``submit`` returns while the step runs, where the executor can (the
         engine core schedules the next step meanwhile). Steps still run one after another, in order. (Here:
-        nothing changes; ``uniproc`` runs them on its worker's thread.)"""
+        nothing changes; ``uniproc`` runs them on its worker's thread; the process executors' workers run
+        elsewhere, so their ``submit`` returns at once already.)"""
 
     def submit(self, step: StepInput) -> None:
         """Start a step; ``collect`` returns the outputs of submitted steps in order. (Here: run it now.)"""
@@ -159,9 +160,6 @@ class PipelinedExecutor(Executor):
         self._seq = 0
         # handles of the steps submitted and not collected, oldest first
         self._in_flight: deque[Any] = deque()
-
-    def overlap_steps(self) -> None:
-        """The workers run elsewhere: ``submit`` returns at once already."""
 
     @property
     def max_in_flight(self) -> int:
@@ -212,6 +210,14 @@ def merge_outputs(outputs: list[RunnerOutput], driver_rank: int) -> RunnerOutput
     driver.ranks = [RankTimes(o.forward_time + o.sample_time, o.comm_time, o.wait_time, o.num_collectives,
                               o.collective_bytes) for o in outputs]
     return driver
+
+
+def overlaps_steps(config: Config, device: str) -> bool:
+    """Whether ``[engine] async_scheduling`` asks for overlapped steps on ``device`` ("cpu", "cuda:0"): "on", or
+    "auto" with CUDA (README, "Async scheduling", has the CPU's numbers). The engine core still needs one worker
+    and a scheduler that schedules while a step is in flight."""
+    mode = config.engine.async_scheduling
+    return mode == "on" or (mode == "auto" and device.startswith("cuda"))
 
 
 def build_executor(config: Config, registry: PluginRegistry) -> Executor:

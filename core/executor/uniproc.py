@@ -6,7 +6,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from conveyor.config import Config
-from conveyor.executor import Executor
+from conveyor.executor import Executor, overlaps_steps
 from conveyor.messages import StepInput
 from conveyor.model.loader import resolve_device
 from conveyor.registry import PluginRegistry
@@ -28,8 +28,7 @@ class UniprocExecutor(Executor):
 
     def __init__(self, config: Config, registry: PluginRegistry):
         super().__init__(config, registry)
-        mode = config.engine.async_scheduling
-        own_thread = mode == "on" or (mode == "auto" and resolve_device(config.model.device).type == "cuda")
+        own_thread = overlaps_steps(config, resolve_device(config.model.device).type)
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="conveyor-worker") if own_thread else None
         self._overlap = False
         self.worker = self._call(Worker, config, registry)

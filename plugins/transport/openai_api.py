@@ -182,6 +182,10 @@ def sampling_params(request: CompletionRequest | ChatCompletionRequest, default_
         raise RequestError(message, 400, param) from None
 
 
+# vLLM's structured-output fields -> the language each names
+GUIDED_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
+
+
 def structured_output(request: CompletionRequest | ChatCompletionRequest) -> StructuredOutput | None:
     """The language the request constrains its output to, from whichever field it used (at most one).
 
@@ -198,10 +202,8 @@ def structured_output(request: CompletionRequest | ChatCompletionRequest) -> Str
         schema = fmt.json_schema.schema
         given["response_format"] = (StructuredOutput(json=json.dumps(schema)) if schema is not None
                                     else StructuredOutput(json_object=True))
-    guided = {"guided_json": ("json", request.guided_json), "guided_regex": ("regex", request.guided_regex),
-              "guided_choice": ("choice", request.guided_choice), "guided_grammar": ("grammar", request.guided_grammar)}
-    for field, (kind, value) in guided.items():
-        if value is not None:
+    for field, kind in GUIDED_FIELDS.items():
+        if (value := getattr(request, field)) is not None:
             given[field] = _structured(kind, value, field)
     if request.structured_outputs is not None:
         chosen = {k: v for k, v in msgspec.structs.asdict(request.structured_outputs).items() if v is not None}
@@ -220,7 +222,7 @@ def structured_field(request: CompletionRequest | ChatCompletionRequest) -> str 
     fmt = request.response_format
     if fmt is not None and fmt.type in ("json_object", "json_schema"):
         return "response_format"
-    fields = ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs")
+    fields = (*GUIDED_FIELDS, "structured_outputs")
     return next((field for field in fields if getattr(request, field) is not None), None)
 
 
