@@ -296,6 +296,11 @@ def test_every_regime_at_its_threshold(regime):
     (DP2 | {"replica_requests_max": 6.9, "replica_requests_min": 2.0}, []),
     (DP2 | {"replica_kv_usage_max": 0.75}, ["dp_imbalance"]),
     (DP2 | {"replica_kv_usage_max": 0.65}, []),
+    # a stalled replica (no step with requests of its own) is named in a window too short for the 10 steps that
+    # call one slow: on a slow device the other replica's long prefills may run only a few steps
+    (DP2 | {"replica_steps_max": 3.0, "replica_steps_min": 0.0}, ["dp_imbalance"]),
+    (DP2 | {"replica_steps_max": 2.0, "replica_steps_min": 0.0}, []),
+    (DP2 | {"replica_steps_max": 9.0, "replica_steps_min": 0.5}, []),
     (DP2 | {"replica_steps_min": 0.0, "waiting_mean": 3.0, "running_max": 64.0, "running_mean": 60.0},
      ["dp_imbalance"]),
     # requests queue behind a host-bound step at a full batch: the host's share is named, not the capacity

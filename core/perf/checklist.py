@@ -5,7 +5,8 @@ The server's dashboard and ``conveyor doctor`` (``conveyor.bench.doctor``, which
 hold are listed):
 
 - **Imbalanced data-parallel replicas**: a replica with requests ran
-  almost no steps (stalled or slow), or the replicas' queues or KV usage
+  no step while another ran a few (stalled), or under a tenth of the
+  busiest one's (slow), or the replicas' queues or KV usage
   lie far apart. ``server.engine_timeout``, or a more even mix.
 - **KV capacity**: requests were preempted to free KV blocks, or the cache
   stayed full while requests waited. More KV memory, or fp8 KV.
@@ -47,6 +48,8 @@ BUBBLE_FRACTION = 0.25
 HOST_SHARE = 0.4
 # a replica with requests that ran under this share of the busiest replica's steps lags (stalled or slow)
 LAGGING_STEPS = 0.1
+# a replica with requests that ran no step while another ran this many is stalled, however short the window
+STALLED_STEPS = 3
 # KV usage apart, on average, between the fullest and the emptiest replica
 KV_USAGE_GAP = 0.5
 
@@ -78,8 +81,9 @@ def checklist(w: dict[str, float]) -> list[Finding]:
     """Every regime of the checklist that holds over the window ``w`` (``summarize``), most pressing first."""
     findings = []
     waiting = w["waiting_mean"] >= 0.5 or w["rejected"] > 0
-    lagging = (w["lagging_replica"] >= 0 and w["replica_steps_max"] >= 10
-               and w["replica_steps_min"] < LAGGING_STEPS * w["replica_steps_max"])
+    stalled = w["replica_steps_min"] == 0 and w["replica_steps_max"] >= STALLED_STEPS
+    slow = w["replica_steps_max"] >= 10 and w["replica_steps_min"] < LAGGING_STEPS * w["replica_steps_max"]
+    lagging = w["lagging_replica"] >= 0 and (stalled or slow)
     queue_apart = w["replica_requests_max"] >= 4 and w["replica_requests_max"] >= 3 * w["replica_requests_min"] + 1
     kv_apart = w["replica_kv_usage_max"] - w["replica_kv_usage_min"] >= KV_USAGE_GAP
     if w["replicas"] > 1 and (lagging or queue_apart or kv_apart):
