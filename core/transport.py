@@ -56,6 +56,8 @@ class Chunk(msgspec.Struct):
     # with params.prompt_logprobs: entries for prompt positions prompt_logprobs_start, prompt_logprobs_start + 1, ...
     prompt_logprobs: list[TokenLogprob] | None = None
     prompt_logprobs_start: int = 0
+    # on the last chunk of a sequence a stop string ended: that string
+    stop_string: str | None = None
 
 
 class Frontend(Protocol):

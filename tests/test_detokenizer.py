@@ -68,3 +68,20 @@ def test_stop_strings_against_a_simple_reference(tokenizer, text, stop):
     expected = full[: full.index(stop)] if stop in full else full
     assert shown == expected
     assert stream.stopped == (stop in full)
+
+
+@settings(max_examples=60, deadline=None)
+@given(text=st.text(alphabet="ab c", min_size=1, max_size=30),
+       stops=st.lists(st.text(alphabet="ab c", min_size=1, max_size=3), min_size=1, max_size=3, unique=True))
+def test_the_stop_string_that_ended_the_text_is_named(tokenizer, text, stops):
+    """Of several stop strings, the one that ended the text is named (Anthropic's stop_sequence): the text stops
+    where it begins, and holds no stop string."""
+    ids = tokenizer.encode(text)
+    full = tokenizer.decode(ids)
+    stream = TextStream(tokenizer, SamplingParams(stop=stops))
+    shown = "".join(stream.add([t]) for t in ids) + stream.add([], final=True)
+    if not any(s in full for s in stops):
+        assert stream.matched is None and shown == full
+        return
+    assert stream.matched in stops and full.startswith(shown + stream.matched)
+    assert not any(s in shown for s in stops)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import threading
 
+import anthropic
 import httpx
 import openai
 import pytest
@@ -167,10 +168,16 @@ def test_oversized_body_without_content_length(http):
                          ids=["missing", "wrong", "no bearer"])
 def test_api_key_required(server, http, headers):
     with httpx.Client(base_url=server.http, headers=headers, timeout=60) as anonymous:
-        for method, path in [("POST", "/v1/chat/completions"), ("POST", "/v1/completions"), ("GET", "/v1/models")]:
-            response = anonymous.request(method, path, json={"messages": MESSAGES, "prompt": "Hi", "max_tokens": 2})
+        for method, path in [("POST", "/v1/chat/completions"), ("POST", "/v1/completions"), ("GET", "/v1/models"),
+                             ("POST", "/v1/responses"), ("GET", "/v1/responses/resp-1")]:
+            response = anonymous.request(method, path, json={"messages": MESSAGES, "prompt": "Hi", "max_tokens": 2,
+                                                             "input": "Hi"})
             error = error_of(response, 401)
             assert "API key" in error["message"]
+        for path in ("/v1/messages", "/v1/messages/count_tokens"):  # in Anthropic's shape
+            response = anonymous.post(path, json={"messages": MESSAGES, "max_tokens": 2})
+            assert response.status_code == 401, response.text
+            assert response.json()["error"]["type"] == "authentication_error", response.text
         # health and metrics stay open to probes and scrapers
         assert anonymous.get("/health").status_code == 200
         assert anonymous.get("/metrics").status_code == 200
@@ -193,6 +200,20 @@ def test_the_server_refuses_to_start_without_the_api_key_it_names(tmp_path, monk
     errors = [line for line in server.lines if line.startswith("error:")]
     assert errors == [f"error: [transport] api_key_env = '{name}': that environment variable is not set"], \
         server.output
+
+
+def test_anthropic_clients_send_the_key_as_x_api_key(server, model, http):
+    with anthropic.Anthropic(base_url=server.http, api_key=KEY, max_retries=0, timeout=60) as client:
+        reply = client.messages.create(model=model, max_tokens=2, messages=MESSAGES)
+        assert reply.usage.output_tokens == 2
+    with anthropic.Anthropic(base_url=server.http, api_key="wrong", max_retries=0) as stranger, \
+            pytest.raises(anthropic.AuthenticationError):
+        stranger.messages.create(model=model, max_tokens=2, messages=MESSAGES)
+    # (x-api-key on the OpenAI routes too: one key, however a client sends it)
+    response = httpx.post(f"{server.http}/v1/completions", headers={"x-api-key": KEY},
+                          json={"prompt": "Hi", "max_tokens": 2}, timeout=60)
+    assert response.status_code == 200, response.text
+    assert_still_serving(http)
 
 
 def test_openai_client_sees_typed_errors(server, client, model, http):

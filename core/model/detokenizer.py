@@ -27,6 +27,8 @@ class TextStream:
         # characters of `text` already returned
         self.num_emitted = 0
         self.stopped = False
+        # the stop string that ended the text (None: none did)
+        self.matched: str | None = None
 
     def add(self, token_ids: list[int], final: bool = False) -> str:
         """Feed new tokens; return the text that is now safe to show.
@@ -60,9 +62,10 @@ class TextStream:
         self.text += piece
         if not self.stops:
             return
-        hits = [i for i in (self.text.find(s, search_from) for s in self.stops) if i >= 0]
+        hits = [(i, s) for s in self.stops if (i := self.text.find(s, search_from)) >= 0]
         if hits:
-            self.text = self.text[: min(hits)]
+            end, self.matched = min(hits)
+            self.text = self.text[:end]
             self.stopped = True
 
     def _held_back(self) -> int:

@@ -216,6 +216,7 @@ class EngineFrontend:
                         output.num_cached_tokens,
                         output.prompt_logprobs,
                         output.prompt_logprobs_start,
+                        text.matched if reason is not None else None,
                     )
                     if reason is not None:
                         return

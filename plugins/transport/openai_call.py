@@ -19,11 +19,12 @@ class Call:
     """One completions or chat completions call, with its n choices."""
 
     def __init__(self, frontend: Frontend, body: Any, prompt_ids: list[int], params: Any, chat: bool,
-                 tools: Tools | None = None, lora: LoraAdapter | None = None):
+                 tools: Tools | None = None, lora: LoraAdapter | None = None, id_prefix: str | None = None):
         """
         Args:
             tools: a chat call's tools; where they are active, replies are read for calls (and streamed whole).
             lora: the LoRA adapter the call's ``model`` names (None: the base model).
+            id_prefix: the call's id begins with it (default: OpenAI's, "chatcmpl" or "cmpl").
         """
         self.frontend = frontend
         self.lora = lora
@@ -34,13 +35,14 @@ class Call:
         self.prompt_ids = prompt_ids
         self.params = params
         self.chat = chat
-        prefix = "chatcmpl" if chat else "cmpl"
-        self.id = frontend.new_request_id(prefix)
+        self.id = frontend.new_request_id(id_prefix or ("chatcmpl" if chat else "cmpl"))
         self.object = "chat.completion" if chat else "text_completion"
         self.texts = [""] * body.n
         self.token_ids: list[list[int]] = [[] for _ in range(body.n)]
         self.logprobs: list[list[Any]] = [[] for _ in range(body.n)]
         self.finish_reasons: list[str | None] = [None] * body.n
+        # the stop string that ended each choice, if one did
+        self.stop_strings: list[str | None] = [None] * body.n
         self.num_cached_tokens = 0
 
     async def run(self, on_chunk: Callable[[int, Chunk], Awaitable[None]] | None = None) -> None:
@@ -51,6 +53,7 @@ class Call:
             self.token_ids[index] += chunk.token_ids
             self.logprobs[index] += chunk.logprobs or []
             self.finish_reasons[index] = chunk.finish_reason
+            self.stop_strings[index] = chunk.stop_string
             self.num_cached_tokens = max(self.num_cached_tokens, chunk.num_cached_tokens)
 
         try:
@@ -78,7 +81,7 @@ class Call:
             choice: dict[str, Any] = {"index": i}
             finish_reason = self.finish_reasons[i]
             if self.chat:
-                choice["message"], finish_reason = self._message(i)
+                choice["message"], finish_reason = self.message(i)
             else:
                 choice["text"] = self.texts[i]
             choice["logprobs"] = self._logprobs(i, self.token_ids[i], self.logprobs[i], 0)
@@ -86,7 +89,7 @@ class Call:
             choices.append(choice)
         return api.envelope(self.id, self.object, self.model, choices, usage=self.usage())
 
-    def _message(self, index: int) -> tuple[dict[str, Any], str | None]:
+    def message(self, index: int) -> tuple[dict[str, Any], str | None]:
         """A chat choice's message (its tool calls read from the text where tools are active), and its
         finish reason ("tool_calls" when it made any)."""
         if self.tools is None:
@@ -102,7 +105,7 @@ class Call:
         chunk_object, model = "chat.completion.chunk", self.model
         await self.run(on_chunk)
         for i in range(self.body.n):
-            message, finish_reason = self._message(i)
+            message, finish_reason = self.message(i)
             delta = {"content": message["content"]} if message["content"] else {}
             if "tool_calls" in message:
                 delta["tool_calls"] = [{"index": j, **call} for j, call in enumerate(message["tool_calls"])]

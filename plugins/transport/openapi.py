@@ -1,10 +1,10 @@
 """The HTTP API as an OpenAPI 3.1 document, served at ``GET /openapi.json``.
 
 The request bodies' schemas come from the msgspec Structs the routes decode
-them with (``openai_api``), narrowed by the ranges the server enforces (from
+them with (``openai_api``, ``responses_api``, ``anthropic_api``), narrowed by the ranges the server enforces (from
 the same constants its checks use) and by what it serves now (model names,
 ``max_model_len``, the vocabulary); responses are described by status, with
-OpenAI's error object for every refusal.
+the API's error object (OpenAI's, or Anthropic's on ``/v1/messages``) for every refusal.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from typing import Any
 
 import msgspec
 
+from conveyor.plugins.transport import anthropic_api, responses_api
 from conveyor.plugins.transport import openai_api as api
 from conveyor.sampling import (
     MAX_CHOICES,
@@ -33,11 +34,18 @@ ERROR = {
                        "param": {"type": ["string", "null"]}, "code": {"type": "integer"}},
     }},
 }
+ANTHROPIC_ERROR = {
+    "type": "object",
+    "required": ["type", "error"],
+    "properties": {"type": {"const": "error"}, "error": {
+        "type": "object", "required": ["type", "message"],
+        "properties": {"type": {"type": "string"}, "message": {"type": "string"}}}},
+}
 # status -> when a route answers it
 REFUSALS = {
     "400": "a field out of range or malformed (param names it)",
     "401": "the API key is missing or wrong (servers with a key)",
-    "404": "no such model",
+    "404": "no such model (or stored response)",
     "413": "the body is over the size limit",
     "429": "the waiting queue is full",
     "503": "the engine is starting, restarting or the server is draining",
@@ -48,8 +56,18 @@ def _json(schema: dict[str, Any], description: str) -> dict[str, Any]:
     return {"description": description, "content": {"application/json": {"schema": schema}}}
 
 
-def _errors(*statuses: str) -> dict[str, Any]:
-    return {status: _json({"$ref": "#/components/schemas/Error"}, REFUSALS[status]) for status in statuses}
+def _errors(*statuses: str, schema: str = "Error") -> dict[str, Any]:
+    return {status: _json({"$ref": f"#/components/schemas/{schema}"}, REFUSALS[status]) for status in statuses}
+
+
+def _narrow(properties: dict[str, Any], limits: dict[str, dict[str, Any]]) -> None:
+    """A struct's properties narrowed to the server's limits (a nullable field stays nullable)."""
+    for field, limit in limits.items():
+        original = properties[field]
+        nullable = {"type": "null"} in original.get("anyOf", [])
+        properties[field] = {"anyOf": [limit, {"type": "null"}]} if nullable else dict(limit)
+        if "default" in original:
+            properties[field]["default"] = original["default"]
 
 
 def _limits(models: list[str], max_model_len: int, vocab_size: int) -> dict[str, dict[str, Any]]:
@@ -107,30 +125,32 @@ def openapi_document(api_key: bool, models: list[str], max_model_len: int, vocab
         max_model_len: the longest prompt + output (0 while the engine starts).
         vocab_size: token ids in a prompt are below it.
     """
-    structs = [api.CompletionRequest, api.ChatCompletionRequest, api.LoadLoraRequest, api.UnloadLoraRequest]
+    structs = [api.CompletionRequest, api.ChatCompletionRequest, api.LoadLoraRequest, api.UnloadLoraRequest,
+               responses_api.ResponsesRequest, anthropic_api.MessagesRequest, anthropic_api.CountTokensRequest]
     refs, components = msgspec.json.schema_components(structs, ref_template="#/components/schemas/{name}")
-    completion, chat, load, unload = refs
+    completion, chat, load, unload, responses, messages, count_tokens = refs
     limits = _limits(models, max_model_len, vocab_size)
     chat_only = {"top_logprobs", "max_completion_tokens", "messages"}
     completion_only = {"logprobs", "prompt", "suffix"}
     for name, fields in (("CompletionRequest", set(limits) - chat_only),
                          ("ChatCompletionRequest", set(limits) - completion_only)):  # (chat's logprobs: a bool)
-        properties = components[name]["properties"]
-        for field in fields:
-            original = properties[field]
-            nullable = {"type": "null"} in original.get("anyOf", [])
-            properties[field] = {"anyOf": [limits[field], {"type": "null"}]} if nullable else dict(limits[field])
-            properties[field]["default"] = original.get("default")
+        _narrow(components[name]["properties"], {field: limits[field] for field in fields})
+    sampling = {field: limits[field] for field in ("model", "temperature", "top_p")}
+    _narrow(components["ResponsesRequest"]["properties"], sampling | {"max_output_tokens": limits["max_tokens"]})
+    _narrow(components["MessagesRequest"]["properties"], sampling | {
+        field: limits[field] for field in ("max_tokens", "top_k")} | {"stop_sequences": limits["stop"]["anyOf"][1]})
+    components["AnthropicError"] = ANTHROPIC_ERROR
     components["Error"] = ERROR
     secured = {"security": [{"bearer": []}]} if api_key else {}
     generated = {"description": "the completion (JSON), or with stream=true server-sent events of chunks",
                  "content": {"application/json": {"schema": {"type": "object"}},
                              "text/event-stream": {"schema": {"type": "string"}}}}
 
-    def post(operation: str, body: dict[str, Any], ok: dict[str, Any], *refusals: str) -> dict[str, Any]:
+    def post(operation: str, body: dict[str, Any], ok: dict[str, Any], *refusals: str,
+             error: str = "Error") -> dict[str, Any]:
         return {"post": {"operationId": operation, **secured,
                          "requestBody": {"required": True, "content": {"application/json": {"schema": body}}},
-                         "responses": {"200": ok, **_errors(*refusals)}}}
+                         "responses": {"200": ok, **_errors(*refusals, schema=error)}}}
 
     def get(operation: str, ok: dict[str, Any], *refusals: str, open_route: bool = False) -> dict[str, Any]:
         return {"get": {"operationId": operation, **({} if open_route else secured),
@@ -141,6 +161,20 @@ def openapi_document(api_key: bool, models: list[str], max_model_len: int, vocab
     paths = {
         "/v1/completions": post("createCompletion", completion, generated, *inference),
         "/v1/chat/completions": post("createChatCompletion", chat, generated, *inference),
+        "/v1/responses": post("createResponse", responses, {**generated, "description": "the response (JSON), or "
+                              "with stream=true its typed server-sent events"}, *inference),
+        "/v1/responses/{response_id}": {
+            "parameters": [{"name": "response_id", "in": "path", "required": True, "schema": {"type": "string"}}],
+            **{method: {"operationId": f"{method}Response", **secured, "responses": {
+                "200": _json({"type": "object"}, "the stored response" if method == "get" else "forgotten"),
+                **_errors("404", *(("401",) if api_key else ()))}} for method in ("get", "delete")},
+        },
+        "/v1/messages": post("createMessage", messages, {**generated, "description": "the message (JSON), or with "
+                             "stream=true Anthropic's server-sent events"}, *inference, error="AnthropicError"),
+        "/v1/messages/count_tokens": post(
+            "countMessageTokens", count_tokens, _json({"type": "object", "required": ["input_tokens"], "properties": {
+                "input_tokens": {"type": "integer"}}}, "the prompt's tokens"),
+            *(code for code in inference if code not in ("429", "503")), error="AnthropicError"),
         "/v1/models": get("listModels", _json({"type": "object"}, "the base model and its LoRA adapters"),
                           *(("401",) if api_key else ())),
         "/health": get("health", _json({"type": "object"}, "the engine is up"), "503", open_route=True),

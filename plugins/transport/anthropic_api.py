@@ -1,0 +1,261 @@
+"""Anthropic's Messages API (``POST /v1/messages``, ``/v1/messages/count_tokens``) over the chat path.
+
+A Messages request becomes a chat completions request (system text, content
+blocks as messages, ``tool_use`` blocks as the assistant's tool calls,
+``tool_result`` blocks as tool messages, Anthropic's tools and
+``tool_choice`` as OpenAI's), runs as one, and its reply is written back as
+a Message: text and ``tool_use`` blocks, ``stop_reason`` ("end_turn",
+"max_tokens", "stop_sequence" with the ``stop_sequence`` that matched,
+"tool_use"), usage; streamed, as Anthropic's named events. Errors take
+Anthropic's shape, ``{"type": "error", "error": {"type", "message"}}``.
+Fields Conveyor does not use (``metadata``, ``cache_control``, ...) are
+accepted and ignored; ``thinking`` blocks of earlier turns are left out of
+the prompt, as Anthropic's own models see them.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Annotated, Any, Literal
+
+import msgspec
+
+from conveyor.plugins.transport import openai_api as api
+from conveyor.plugins.transport.openai_call import Call, Emit
+from conveyor.plugins.transport.tool_calls import FunctionDef, ToolDef
+from conveyor.transport import Chunk, RequestError
+
+Int = api.Int
+
+
+class TextBlock(msgspec.Struct, tag="text", tag_field="type"):
+    text: str
+
+
+class ToolUseBlock(msgspec.Struct, tag="tool_use", tag_field="type"):
+    id: str
+    name: str
+    input: dict[str, Any]
+
+
+class ToolResultBlock(msgspec.Struct, tag="tool_result", tag_field="type"):
+    tool_use_id: str
+    content: str | list[TextBlock] = ""
+    is_error: bool = False
+
+
+class ThinkingBlock(msgspec.Struct, tag="thinking", tag_field="type"):
+    thinking: str
+    signature: str = ""
+
+
+Block = TextBlock | ToolUseBlock | ToolResultBlock | ThinkingBlock
+
+
+class Message(msgspec.Struct):
+    role: Literal["user", "assistant"]
+    content: str | list[Block]
+
+
+class Tool(msgspec.Struct):
+    name: str
+    # JSON Schema of the tool's input
+    input_schema: dict[str, Any]
+    description: str | None = None
+    # client tools only ("custom", or none given)
+    type: Literal["custom"] | None = None
+
+
+class ToolChoice(msgspec.Struct):
+    type: Literal["auto", "any", "tool", "none"]
+    name: str | None = None
+    disable_parallel_tool_use: bool = False
+
+
+class _Conversation(msgspec.Struct, kw_only=True):
+    model: str | None = None
+    messages: Annotated[list[Message], msgspec.Meta(min_length=1)]
+    system: str | list[TextBlock] | None = None
+    tools: list[Tool] | None = None
+    tool_choice: ToolChoice | None = None
+
+
+class CountTokensRequest(_Conversation, kw_only=True):
+    pass
+
+
+class MessagesRequest(_Conversation, kw_only=True):
+    max_tokens: Annotated[int, msgspec.Meta(ge=1, le=2**31 - 1)]
+    stop_sequences: list[str] | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: Int | None = None
+    stream: bool = False
+
+
+def _text(content: str | list[TextBlock]) -> str:
+    return content if isinstance(content, str) else "".join(block.text for block in content)
+
+
+def _messages(request: _Conversation) -> list[dict[str, Any]]:
+    """The conversation as chat completions messages.
+
+    Raises:
+        RequestError: 400 for a block in a role that cannot send it.
+    """
+    messages: list[dict[str, Any]] = []
+    if request.system:
+        messages.append({"role": "system", "content": _text(request.system)})
+    for i, message in enumerate(request.messages):
+        if isinstance(message.content, str):
+            messages.append({"role": message.role, "content": message.content})
+            continue
+        texts, calls = [], []
+        for j, block in enumerate(message.content):
+            where = f"messages[{i}].content[{j}]"
+            if isinstance(block, TextBlock):
+                texts.append(block.text)
+            elif isinstance(block, ToolUseBlock):
+                if message.role != "assistant":
+                    raise RequestError(f"{where}: a tool_use block belongs to an assistant message", 400, where)
+                calls.append({"id": block.id, "type": "function",
+                              "function": {"name": block.name, "arguments": json.dumps(block.input)}})
+            elif isinstance(block, ToolResultBlock):
+                if message.role != "user":
+                    raise RequestError(f"{where}: a tool_result block belongs to a user message", 400, where)
+                content = _text(block.content)
+                messages.append({"role": "tool", "tool_call_id": block.tool_use_id,
+                                 "content": f"Error: {content}" if block.is_error else content})
+        if calls:
+            messages.append({"role": "assistant", "content": "".join(texts) or None, "tool_calls": calls})
+        elif texts or not message.content:
+            messages.append({"role": message.role, "content": "".join(texts)})
+    return messages
+
+
+def _tool_choice(choice: ToolChoice | None) -> str | dict[str, Any] | None:
+    if choice is None:
+        return None
+    if choice.type == "tool":
+        if not choice.name:
+            raise RequestError("tool_choice: type 'tool' needs the tool's name", 400, "tool_choice")
+        return {"type": "function", "function": {"name": choice.name}}
+    return {"auto": "auto", "any": "required", "none": "none"}[choice.type]
+
+
+def to_chat(request: _Conversation) -> api.ChatCompletionRequest:
+    """The chat completions request that runs a Messages (or count_tokens) request.
+
+    Raises:
+        RequestError: 400 naming the field.
+    """
+    tools = [ToolDef("function", FunctionDef(t.name, t.description, t.input_schema)) for t in request.tools or []]
+    fields: dict[str, Any] = {}
+    if isinstance(request, MessagesRequest):
+        fields = {"max_tokens": request.max_tokens, "temperature": request.temperature, "top_p": request.top_p,
+                  "top_k": request.top_k, "stop": request.stop_sequences}
+    return api.ChatCompletionRequest(messages=_messages(request), model=request.model, tools=tools or None,
+                                     tool_choice=_tool_choice(request.tool_choice), **fields)
+
+
+def _stop_reason(finish_reason: str | None, stop_string: str | None) -> str:
+    if finish_reason == "tool_calls":
+        return "tool_use"
+    if finish_reason == "length":
+        return "max_tokens"
+    return "stop_sequence" if stop_string is not None else "end_turn"
+
+
+def _blocks(call: Call) -> tuple[list[dict[str, Any]], str]:
+    """The reply's content blocks and its stop reason."""
+    message, finish_reason = call.message(0)
+    blocks: list[dict[str, Any]] = [{"type": "text", "text": message["content"]}] if message["content"] else []
+    for tool_call in message.get("tool_calls", []):
+        blocks.append({"type": "tool_use", "id": "toolu_" + tool_call["id"].removeprefix("call_"),
+                       "name": tool_call["function"]["name"], "input": json.loads(tool_call["function"]["arguments"])})
+    return blocks, _stop_reason(finish_reason, call.stop_strings[0])
+
+
+def _usage(call: Call) -> dict[str, int]:
+    usage = call.usage()
+    return {"input_tokens": usage["prompt_tokens"], "output_tokens": usage["completion_tokens"],
+            "cache_read_input_tokens": call.num_cached_tokens, "cache_creation_input_tokens": 0}
+
+
+def _message(call: Call, content: list[dict[str, Any]], stop_reason: str | None) -> dict[str, Any]:
+    return {"id": call.id, "type": "message", "role": "assistant", "model": call.model, "content": content,
+            "stop_reason": stop_reason, "stop_sequence": call.stop_strings[0] if stop_reason == "stop_sequence" else None,
+            "usage": _usage(call)}
+
+
+def message(call: Call) -> dict[str, Any]:
+    """The Message object of a finished call."""
+    content, stop_reason = _blocks(call)
+    return _message(call, content, stop_reason)
+
+
+async def stream(call: Call, emit: Emit, begin: Any) -> None:
+    """The call as Anthropic's events: message_start, each content block's start, deltas and stop, message_delta
+    (the stop reason and the output tokens), message_stop. Text streams as it is generated; a reply read for tool
+    calls comes in whole blocks at its end. A structured reply (a forced tool) opens once the engine took it."""
+    opened = False
+    text_open = False
+
+    async def open_stream() -> None:
+        nonlocal opened
+        if not opened:
+            opened = True
+            await begin()
+            await emit({"type": "message_start", "message": _message(call, [], None)})
+            await emit({"type": "ping"})
+
+    async def on_chunk(index: int, chunk: Chunk) -> None:
+        nonlocal text_open
+        await open_stream()
+        if call.tools is not None or not chunk.text:
+            return
+        if not text_open:
+            text_open = True
+            await emit({"type": "content_block_start", "index": 0, "content_block": {"type": "text", "text": ""}})
+        await emit({"type": "content_block_delta", "index": 0, "delta": {"type": "text_delta", "text": chunk.text}})
+
+    if call.params.structured is None:
+        await open_stream()
+    await call.run(on_chunk)
+    await open_stream()
+    content, stop_reason = _blocks(call)
+    if call.tools is None:
+        if text_open:
+            await emit({"type": "content_block_stop", "index": 0})
+    else:
+        for index, block in enumerate(content):
+            if block["type"] == "text":
+                await emit({"type": "content_block_start", "index": index, "content_block": {"type": "text", "text": ""}})
+                await emit({"type": "content_block_delta", "index": index,
+                            "delta": {"type": "text_delta", "text": block["text"]}})
+            else:
+                await emit({"type": "content_block_start", "index": index, "content_block": {**block, "input": {}}})
+                await emit({"type": "content_block_delta", "index": index,
+                            "delta": {"type": "input_json_delta", "partial_json": json.dumps(block["input"])}})
+            await emit({"type": "content_block_stop", "index": index})
+    final = _message(call, content, stop_reason)
+    await emit({"type": "message_delta", "delta": {"stop_reason": stop_reason, "stop_sequence": final["stop_sequence"]},
+                "usage": {"output_tokens": final["usage"]["output_tokens"]}})
+    await emit({"type": "message_stop"})
+
+
+ERROR_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    405: "invalid_request_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    503: "overloaded_error",
+}
+
+
+def error_body(message: str, status: int, param: str | None = None) -> dict[str, Any]:
+    """Anthropic's error object (the field, where one is to blame, named in the message)."""
+    return {"type": "error", "error": {"type": ERROR_TYPES.get(status, "api_error"), "message": message}}

@@ -1,0 +1,156 @@
+"""OpenAI's Responses API on the real server, through the openai client: each answer checked against the same
+conversation sent as chat completions (greedy, so the two agree token for token), a follow-up through the stored
+conversation, a function-tool round trip, a JSON-schema format validated, and the stream's typed events."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import jsonschema
+import openai
+import pytest
+
+WEATHER = {
+    "type": "function",
+    "name": "get_weather",
+    "description": "The current weather in a city.",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 30},
+                                                    "unit": {"enum": ["celsius", "fahrenheit"]}},
+                   "required": ["city", "unit"], "additionalProperties": False},
+}
+QUESTION = "Name three large cities in France and say one thing about each."
+
+
+@pytest.fixture(scope="module")
+def model(openai_client):
+    return openai_client.models.list().data[0].id
+
+
+def chat(openai_client, model, messages, **fields):
+    return openai_client.chat.completions.create(model=model, messages=messages, temperature=0, **fields)
+
+
+def test_text_with_instructions_is_the_chat_completion(openai_client, model):
+    response = openai_client.responses.create(model=model, input=QUESTION, instructions="Answer briefly.",
+                                              temperature=0, max_output_tokens=16)
+    expected = chat(openai_client, model, [{"role": "system", "content": "Answer briefly."},
+                                           {"role": "user", "content": QUESTION}], max_tokens=16)
+    assert response.object == "response" and response.model == model
+    assert response.output_text == expected.choices[0].message.content
+    assert response.status == "incomplete" and response.incomplete_details.reason == "max_output_tokens"
+    assert response.usage.input_tokens == expected.usage.prompt_tokens
+    assert response.usage.output_tokens == 16 == response.usage.total_tokens - response.usage.input_tokens
+
+
+def test_a_follow_up_continues_the_stored_conversation(openai_client, model):
+    first = openai_client.responses.create(model=model, input=[{"role": "user", "content": "Name a city in Italy."}],
+                                           temperature=0, max_output_tokens=10)
+    follow_up = "And one in Spain?"
+    second = openai_client.responses.create(model=model, input=follow_up, previous_response_id=first.id,
+                                            temperature=0, max_output_tokens=10)
+    assert second.previous_response_id == first.id
+    expected = chat(openai_client, model, [{"role": "user", "content": "Name a city in Italy."},
+                                           {"role": "assistant", "content": first.output_text},
+                                           {"role": "user", "content": follow_up}], max_tokens=10)
+    assert second.usage.input_tokens == expected.usage.prompt_tokens
+    assert second.output_text == expected.choices[0].message.content
+    assert openai_client.responses.retrieve(first.id).output_text == first.output_text
+    openai_client.responses.delete(first.id)
+    with pytest.raises(openai.NotFoundError):
+        openai_client.responses.retrieve(first.id)
+    with pytest.raises(openai.BadRequestError) as caught:
+        openai_client.responses.create(model=model, input="Hi", previous_response_id=first.id)
+    assert caught.value.body["param"] == "previous_response_id"
+    # not stored: nothing to follow
+    unstored = openai_client.responses.create(model=model, input="Hi", store=False, max_output_tokens=2)
+    with pytest.raises(openai.NotFoundError):
+        openai_client.responses.retrieve(unstored.id)
+
+
+def test_a_function_tool_round_trip(openai_client, model):
+    question = "What is the weather like in Paris today?"
+    first = openai_client.responses.create(model=model, input=question, tools=[WEATHER], tool_choice="required",
+                                           temperature=0, max_output_tokens=100)
+    (call,) = [item for item in first.output if item.type == "function_call"]
+    assert call.name == "get_weather" and call.call_id
+    jsonschema.validate(json.loads(call.arguments), WEATHER["parameters"])
+    output = '{"temperature": 21, "sky": "clear"}'
+    # the call's output sent back as an item, after the stored conversation
+    second = openai_client.responses.create(
+        model=model, previous_response_id=first.id, tools=[WEATHER], temperature=0, max_output_tokens=8,
+        input=[{"type": "function_call_output", "call_id": call.call_id, "output": output}])
+    tool = {"type": "function", "function": {k: WEATHER[k] for k in ("name", "description", "parameters")}}
+    chat_call = {"id": call.call_id, "type": "function", "function": {"name": call.name, "arguments": call.arguments}}
+    expected = chat(openai_client, model, [{"role": "user", "content": question},
+                                           {"role": "assistant", "content": None, "tool_calls": [chat_call]},
+                                           {"role": "tool", "tool_call_id": call.call_id, "content": output}],
+                    tools=[tool], max_tokens=8)
+    assert second.usage.input_tokens == expected.usage.prompt_tokens
+    assert second.output_text == (expected.choices[0].message.content or "")
+    # the same conversation given whole, as items, needs no stored response
+    items = openai_client.responses.create(
+        model=model, tools=[WEATHER], temperature=0, max_output_tokens=8, store=False,
+        input=[{"role": "user", "content": [{"type": "input_text", "text": question}]},
+               {"type": "function_call", "call_id": call.call_id, "name": call.name, "arguments": call.arguments},
+               {"type": "function_call_output", "call_id": call.call_id, "output": output}])
+    assert items.usage.input_tokens == expected.usage.prompt_tokens
+
+
+def test_a_json_schema_format_gives_a_valid_answer(openai_client, model):
+    schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20},
+                                               "country": {"type": "string", "maxLength": 20}},
+              "required": ["city", "country"], "additionalProperties": False}
+    response = openai_client.responses.create(
+        model=model, input="Give a city and its country as JSON.", max_output_tokens=60, temperature=0,
+        text={"format": {"type": "json_schema", "name": "place", "schema": schema, "strict": True}})
+    assert response.status == "completed"
+    jsonschema.validate(json.loads(response.output_text), schema)
+    assert response.text.format.type == "json_schema"
+
+
+@pytest.mark.parametrize(("max_output_tokens", "last"), [(100, "response.completed"), (3, "response.incomplete")])
+def test_a_stream_is_the_typed_event_sequence_and_the_same_response(openai_client, model, max_output_tokens, last):
+    request = {"model": model, "input": "What is 2+2? Answer with a number.", "temperature": 0, "max_output_tokens": max_output_tokens}
+    whole = openai_client.responses.create(**request)
+    with openai_client.responses.stream(**request) as stream:
+        events = list(stream)
+    kinds = [event.type for event in events]
+    assert kinds[:4] == ["response.created", "response.in_progress", "response.output_item.added",
+                         "response.content_part.added"]
+    assert kinds[-4:] == ["response.output_text.done", "response.content_part.done", "response.output_item.done",
+                          last]
+    assert set(kinds[4:-4]) == {"response.output_text.delta"}
+    deltas = [event.delta for event in events if event.type == "response.output_text.delta"]
+    assert len(deltas) >= 2 and "".join(deltas) == whole.output_text == events[-4].text
+    assert [event.sequence_number for event in events] == list(range(len(events)))
+    final = events[-1].response
+    assert final.id == events[0].response.id and final.output_text == whole.output_text
+    assert final.status == whole.status and final.usage.output_tokens == whole.usage.output_tokens
+    if last == "response.completed":  # (the client's own accumulation, which only a completed response ends)
+        assert stream.get_final_response().output_text == whole.output_text
+
+
+def test_a_streamed_function_call(openai_client, model):
+    with openai_client.responses.stream(model=model, input="Weather in Rome?", tools=[WEATHER],
+                                        tool_choice={"type": "function", "name": "get_weather"},
+                                        temperature=0, max_output_tokens=100) as stream:
+        events = list(stream)
+        final = stream.get_final_response()
+    (call,) = [item for item in final.output if item.type == "function_call"]
+    jsonschema.validate(json.loads(call.arguments), WEATHER["parameters"])
+    done = [e for e in events if e.type == "response.function_call_arguments.done"]
+    assert [e.arguments for e in done] == [call.arguments]
+
+
+def test_bad_requests_name_the_field(default_server):
+    url = f"{default_server.http}/v1/responses"
+    for body, param in (({"input": "Hi", "tools": [{"type": "web_search"}]}, "tools[0].type"),
+                        ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
+                         "input[0].content[0].type"),
+                        ({"input": "Hi", "text": {"format": {"type": "json_schema", "name": "x"}}}, "text.format"),
+                        ({"input": "Hi", "max_output_tokens": 10**6}, "max_output_tokens"),
+                        ({"input": "Hi", "max_output_tokens": 10**6, "stream": True}, "max_output_tokens")):
+        response = httpx.post(url, json=body, timeout=60)
+        assert response.status_code == 400, response.text
+        assert response.json()["error"]["param"] == param, response.text
