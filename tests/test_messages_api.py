@@ -106,14 +106,22 @@ def test_a_stream_is_anthropics_event_sequence_and_the_same_reply(client, model)
     assert final.stop_reason == whole.stop_reason and final.usage.output_tokens == whole.usage.output_tokens
 
 
-def test_a_streamed_tool_use_arrives_as_a_block_with_its_input(client, model):
-    with client.messages.stream(model=model, max_tokens=100, **GREEDY, tools=[WEATHER],
-                                tool_choice={"type": "tool", "name": "get_weather"},
-                                messages=[{"role": "user", "content": "Weather in Rome?"}]) as stream:
+def test_a_streamed_tool_use_streams_its_input(client, model):
+    """The tool's input arrives in several input_json_delta events, which join into the input of the same request
+    unstreamed (greedy)."""
+    request = {"model": model, "max_tokens": 100, **GREEDY, "tools": [WEATHER],
+               "tool_choice": {"type": "tool", "name": "get_weather"},
+               "messages": [{"role": "user", "content": "Weather in Rome?"}]}
+    whole = client.messages.create(**request)
+    with client.messages.stream(**request) as stream:
+        events = list(stream)
         final = stream.get_final_message()
     (use,) = [block for block in final.content if block.type == "tool_use"]
     jsonschema.validate(use.input, WEATHER["input_schema"])
-    assert final.stop_reason == "tool_use"
+    assert final.stop_reason == "tool_use" and use.input == whole.content[0].input
+    pieces = [e.delta.partial_json for e in events if e.type == "content_block_delta"
+              and e.delta.type == "input_json_delta"]
+    assert len(pieces) >= 2 and json.loads("".join(pieces)) == use.input
 
 
 def test_bad_requests_get_anthropics_error_shape(client, default_server, model):

@@ -131,14 +131,19 @@ def test_a_stream_is_the_typed_event_sequence_and_the_same_response(openai_clien
         assert stream.get_final_response().output_text == whole.output_text
 
 
-def test_a_streamed_function_call(openai_client, model):
-    with openai_client.responses.stream(model=model, input="Weather in Rome?", tools=[WEATHER],
-                                        tool_choice={"type": "function", "name": "get_weather"},
-                                        temperature=0, max_output_tokens=100) as stream:
+def test_a_streamed_function_call_streams_its_arguments(openai_client, model):
+    """The arguments arrive in several deltas, which join into those of the same request unstreamed (greedy)."""
+    request = {"model": model, "input": "Weather in Rome?", "tools": [WEATHER], "temperature": 0,
+               "tool_choice": {"type": "function", "name": "get_weather"}, "max_output_tokens": 100}
+    whole = openai_client.responses.create(**request)
+    with openai_client.responses.stream(**request) as stream:
         events = list(stream)
         final = stream.get_final_response()
     (call,) = [item for item in final.output if item.type == "function_call"]
     jsonschema.validate(json.loads(call.arguments), WEATHER["parameters"])
+    assert call.arguments == whole.output[0].arguments
+    deltas = [e.delta for e in events if e.type == "response.function_call_arguments.delta"]
+    assert len(deltas) >= 2 and "".join(deltas) == call.arguments
     done = [e for e in events if e.type == "response.function_call_arguments.done"]
     assert [e.arguments for e in done] == [call.arguments]
 

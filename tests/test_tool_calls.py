@@ -4,13 +4,17 @@ rendering of tools for a template that does not know them, on their own."""
 
 from __future__ import annotations
 
+import itertools
 import json
 
 import jsonschema
 import openai
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from conveyor.plugins.transport.tool_calls import ToolDef, Tools
+from conveyor.plugins.transport.tool_stream import Arguments, CallStart, ReplyReader, Text
 from conveyor.transport import RequestError
 
 WEATHER = {
@@ -72,6 +76,26 @@ def test_the_tool_calling_flow_end_to_end(openai_client, tool_choice):
         assert text and "<tool_call>" not in text
 
 
+def test_a_streamed_call_arrives_as_argument_deltas_that_make_the_returned_call(openai_client):
+    """Arguments stream as they are generated: several deltas, which join into exactly the arguments the same
+    request gets unstreamed (greedy)."""
+    client = openai_client
+    model = client.models.list().data[0].id
+    request = {"model": model, "messages": QUESTION, "tools": [WEATHER], "tool_choice": "required",
+               "temperature": 0, "max_tokens": 100}
+    whole = client.chat.completions.create(**request).choices[0].message.tool_calls[0]
+    deltas, starts = [], []
+    for chunk in client.chat.completions.create(**request, stream=True):
+        for delta in (chunk.choices[0].delta.tool_calls or []) if chunk.choices else []:
+            if delta.id is not None:
+                starts.append((delta.index, delta.id, delta.function.name))
+            if delta.function.arguments:
+                deltas.append(delta.function.arguments)
+    assert [(index, name) for index, _, name in starts] == [(0, "get_weather")]
+    assert len(deltas) >= 2 and "".join(deltas) == whole.function.arguments
+    jsonschema.validate(json.loads("".join(deltas)), WEATHER["function"]["parameters"])
+
+
 def test_bad_tool_choices_are_400s(openai_client):
     client = openai_client
     model = client.models.list().data[0].id
@@ -102,6 +126,68 @@ def test_calls_are_read_from_hermes_blocks_when_the_model_chooses():
         ("get_weather", {"city": "Oslo", "unit": "celsius"}), ("get_time", {"zone": "CET"})]
     assert tools.parse("No call <tool_call>not json</tool_call>") == ("No call <tool_call>not json</tool_call>", [])
     assert Tools(tools_of(WEATHER), "none").parse(text) == (text, [])
+    # parallel_tool_calls=false: the first call only
+    content, calls = Tools(tools_of(WEATHER, TIME), "auto", parallel=False).parse(text)
+    assert content == "Let me check." and [c["function"]["name"] for c in calls] == ["get_weather"]
+
+
+def read_in_pieces(reader: ReplyReader, pieces: list[str]) -> list:
+    parts = []
+    for i, piece in enumerate(pieces):
+        parts += reader.feed(piece, final=i == len(pieces) - 1)
+    return parts
+
+
+CALL_TEXTS = [
+    ('Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo", "unit": "celsius"}}\n'
+     '</tool_call>\n<tool_call>{"name": "get_time", "arguments": {"zone": "C\\"E}T"}}</tool_call> Done.'),
+    'No call <tool_call>not json</tool_call> and <tool_call>{"id": 1}</tool_call> text',
+    '<tool_call>{"arguments": {"a": [1, {"b": "}"}]}, "name": "f"}</tool_call>',
+    '<tool_call>{"name": "f", "parameters": "{\\"a\\": 1}"}</tool_call>',
+    'cut short <tool_call>{"name": "f", "arguments": {"a": 1',
+    'a tag cut short <tool_c',
+]
+
+
+@settings(max_examples=200, deadline=None)
+@given(text=st.sampled_from(CALL_TEXTS), cuts=st.lists(st.integers(0, 200), max_size=12))
+def test_a_reply_read_in_any_pieces_is_read_as_whole(text, cuts):
+    """However the reply's text is split into pieces, the reader finds the same text and calls as from the whole
+    text, and each call's argument deltas join into its arguments."""
+    bounds = sorted({min(c, len(text)) for c in cuts} | {0, len(text)})
+    pieces = [text[a:b] for a, b in itertools.pairwise(bounds)] or [""]
+    whole, split = ReplyReader(True), ReplyReader(True)
+    read_in_pieces(whole, [text])
+    parts = read_in_pieces(split, pieces)
+    assert split.content == whole.content == "".join(p.text for p in parts if isinstance(p, Text))
+    assert [c["function"] for c in split.calls] == [c["function"] for c in whole.calls]
+    for index, call in enumerate(split.calls):
+        assert "".join(p.delta for p in parts if isinstance(p, Arguments) and p.index == index) == \
+            call["function"]["arguments"]
+        assert [p.id for p in parts if isinstance(p, CallStart) and p.index == index] == [call["id"]]
+
+
+def test_what_the_reader_finds_in_each_reply():
+    found = []
+    for text in CALL_TEXTS:
+        reader = ReplyReader(True)
+        reader.feed(text, final=True)
+        found.append((reader.content, [(c["function"]["name"], c["function"]["arguments"]) for c in reader.calls]))
+    assert found == [
+        ("Let me check.Done.", [("get_weather", '{"city": "Oslo", "unit": "celsius"}'),
+                                ("get_time", '{"zone": "C\\"E}T"}')]),
+        ('No call <tool_call>not json</tool_call> and <tool_call>{"id": 1}</tool_call> text', []),
+        ("", [("f", '{"a": [1, {"b": "}"}]}')]),
+        ("", [("f", '{"a": 1}')]),  # (arguments sent as a JSON string: the JSON in it)
+        ("cut short", [("f", '{"a": 1')]),  # (the reply ran out of tokens inside the call)
+        ("a tag cut short <tool_c", []),
+    ]
+    forced = ReplyReader(True, forced=True)
+    read_in_pieces(forced, list('{"name": "get_time", "arguments": {"zone": "UTC"}}'))
+    assert forced.content == "" and forced.calls[0]["function"] == {"name": "get_time", "arguments": '{"zone": "UTC"}'}
+    plain = ReplyReader(False)
+    read_in_pieces(plain, ["<tool_call>", '{"name": "f"}'])
+    assert plain.content == '<tool_call>{"name": "f"}' and plain.calls == []
 
 
 def test_a_template_without_tools_gets_them_in_a_system_message(tokenizer):

@@ -23,6 +23,7 @@ import msgspec
 from conveyor.plugins.transport import openai_api as api
 from conveyor.plugins.transport.openai_call import Call, Emit
 from conveyor.plugins.transport.tool_calls import FunctionDef, ToolDef
+from conveyor.plugins.transport.tool_stream import CallStart, Part, Text
 from conveyor.transport import Chunk, RequestError
 
 Int = api.Int
@@ -166,13 +167,22 @@ def _stop_reason(finish_reason: str | None, stop_string: str | None) -> str:
     return "stop_sequence" if stop_string is not None else "end_turn"
 
 
+def _tool_use_id(call_id: str) -> str:
+    return "toolu_" + call_id.removeprefix("call_")
+
+
 def _blocks(call: Call) -> tuple[list[dict[str, Any]], str]:
     """The reply's content blocks and its stop reason."""
     message, finish_reason = call.message(0)
     blocks: list[dict[str, Any]] = [{"type": "text", "text": message["content"]}] if message["content"] else []
     for tool_call in message.get("tool_calls", []):
-        blocks.append({"type": "tool_use", "id": "toolu_" + tool_call["id"].removeprefix("call_"),
-                       "name": tool_call["function"]["name"], "input": json.loads(tool_call["function"]["arguments"])})
+        arguments = tool_call["function"]["arguments"]
+        try:
+            arguments = json.loads(arguments)
+        except json.JSONDecodeError:  # (cut short by max_tokens: the text as it came)
+            arguments = {"_partial_arguments": arguments}
+        blocks.append({"type": "tool_use", "id": _tool_use_id(tool_call["id"]), "name": tool_call["function"]["name"],
+                       "input": arguments})
     return blocks, _stop_reason(finish_reason, call.stop_strings[0])
 
 
@@ -196,10 +206,11 @@ def message(call: Call) -> dict[str, Any]:
 
 async def stream(call: Call, emit: Emit, begin: Any) -> None:
     """The call as Anthropic's events: message_start, each content block's start, deltas and stop, message_delta
-    (the stop reason and the output tokens), message_stop. Text streams as it is generated; a reply read for tool
-    calls comes in whole blocks at its end. A structured reply (a forced tool) opens once the engine took it."""
+    (the stop reason and the output tokens), message_stop. Text and a tool's input (``input_json_delta``) stream
+    as they are generated. A structured reply (a forced tool) opens once the engine took it."""
     opened = False
-    text_open = False
+    block = -1  # the open content block's index
+    block_type = ""
 
     async def open_stream() -> None:
         nonlocal opened
@@ -209,37 +220,36 @@ async def stream(call: Call, emit: Emit, begin: Any) -> None:
             await emit({"type": "message_start", "message": _message(call, [], None)})
             await emit({"type": "ping"})
 
-    async def on_chunk(index: int, chunk: Chunk) -> None:
-        nonlocal text_open
+    async def start(content_block: dict[str, Any]) -> None:
+        nonlocal block, block_type
+        if block >= 0:
+            await emit({"type": "content_block_stop", "index": block})
+        block, block_type = block + 1, content_block["type"]
+        await emit({"type": "content_block_start", "index": block, "content_block": content_block})
+
+    async def on_chunk(index: int, chunk: Chunk, parts: list[Part]) -> None:
         await open_stream()
-        if call.tools is not None or not chunk.text:
-            return
-        if not text_open:
-            text_open = True
-            await emit({"type": "content_block_start", "index": 0, "content_block": {"type": "text", "text": ""}})
-        await emit({"type": "content_block_delta", "index": 0, "delta": {"type": "text_delta", "text": chunk.text}})
+        for part in parts:
+            if isinstance(part, Text):
+                if block_type != "text":
+                    await start({"type": "text", "text": ""})
+                await emit({"type": "content_block_delta", "index": block,
+                            "delta": {"type": "text_delta", "text": part.text}})
+            elif isinstance(part, CallStart):
+                await start({"type": "tool_use", "id": _tool_use_id(part.id), "name": part.name, "input": {}})
+            else:
+                await emit({"type": "content_block_delta", "index": block,
+                            "delta": {"type": "input_json_delta", "partial_json": part.delta}})
 
     if call.params.structured is None:
         await open_stream()
     await call.run(on_chunk)
     await open_stream()
-    content, stop_reason = _blocks(call)
-    if call.tools is None:
-        if text_open:
-            await emit({"type": "content_block_stop", "index": 0})
-    else:
-        for index, block in enumerate(content):
-            if block["type"] == "text":
-                await emit({"type": "content_block_start", "index": index, "content_block": {"type": "text", "text": ""}})
-                await emit({"type": "content_block_delta", "index": index,
-                            "delta": {"type": "text_delta", "text": block["text"]}})
-            else:
-                await emit({"type": "content_block_start", "index": index, "content_block": {**block, "input": {}}})
-                await emit({"type": "content_block_delta", "index": index,
-                            "delta": {"type": "input_json_delta", "partial_json": json.dumps(block["input"])}})
-            await emit({"type": "content_block_stop", "index": index})
-    final = _message(call, content, stop_reason)
-    await emit({"type": "message_delta", "delta": {"stop_reason": stop_reason, "stop_sequence": final["stop_sequence"]},
+    if block >= 0:
+        await emit({"type": "content_block_stop", "index": block})
+    final = message(call)
+    await emit({"type": "message_delta", "delta": {"stop_reason": final["stop_reason"],
+                                                   "stop_sequence": final["stop_sequence"]},
                 "usage": {"output_tokens": final["usage"]["output_tokens"]}})
     await emit({"type": "message_stop"})
 

@@ -196,7 +196,7 @@ class Routes:
         return Call(self.frontend, body, prompt_ids, params, False, None, self.frontend.adapter(body.model))
 
     def _chat_prompt(self, body: api.ChatCompletionRequest) -> tuple[list[int], Tools]:
-        tools = Tools(body.tools, body.tool_choice)
+        tools = Tools(body.tools, body.tool_choice, body.parallel_tool_calls)
         messages, context = tools.messages(body.messages, self.frontend.tokenizer.chat_template)
         return self.frontend.encode_chat(messages, **context), tools
 

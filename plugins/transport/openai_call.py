@@ -9,10 +9,14 @@ from typing import Any
 from conveyor.messages import LoraAdapter
 from conveyor.plugins.transport import openai_api as api
 from conveyor.plugins.transport.tool_calls import Tools
+from conveyor.plugins.transport.tool_stream import Arguments, CallStart, Part, ReplyReader, Text
 from conveyor.transport import Chunk, Frontend, RequestError
 
 # sends one server-sent event (a JSON object); the first sends the response's status and headers before it
 Emit = Callable[[dict[str, Any]], Awaitable[None]]
+# what a choice's chunk added: the chunk, and the parts of the reply it completed (text, tool calls' starts and
+# their arguments' deltas)
+OnChunk = Callable[[int, Chunk, list[Part]], Awaitable[None]]
 
 
 class Call:
@@ -22,7 +26,7 @@ class Call:
                  tools: Tools | None = None, lora: LoraAdapter | None = None, id_prefix: str | None = None):
         """
         Args:
-            tools: a chat call's tools; where they are active, replies are read for calls (and streamed whole).
+            tools: a chat call's tools; where they are active, replies are read for calls as they are generated.
             lora: the LoRA adapter the call's ``model`` names (None: the base model).
             id_prefix: the call's id begins with it (default: OpenAI's, "chatcmpl" or "cmpl").
         """
@@ -43,12 +47,15 @@ class Call:
         self.finish_reasons: list[str | None] = [None] * body.n
         # the stop string that ended each choice, if one did
         self.stop_strings: list[str | None] = [None] * body.n
+        # each choice's reply read for tool calls (all text where no tools are active)
+        self.readers = [self.tools.reader() if self.tools is not None else ReplyReader(False) for _ in range(body.n)]
         self.num_cached_tokens = 0
 
-    async def run(self, on_chunk: Callable[[int, Chunk], Awaitable[None]] | None = None) -> None:
+    async def run(self, on_chunk: OnChunk | None = None) -> None:
         async def collect(index: int, chunk: Chunk) -> None:
+            parts = self.readers[index].feed(chunk.text, final=chunk.finish_reason is not None)
             if on_chunk is not None:
-                await on_chunk(index, chunk)
+                await on_chunk(index, chunk, parts)
             self.texts[index] += chunk.text
             self.token_ids[index] += chunk.token_ids
             self.logprobs[index] += chunk.logprobs or []
@@ -90,28 +97,12 @@ class Call:
         return api.envelope(self.id, self.object, self.model, choices, usage=self.usage())
 
     def message(self, index: int) -> tuple[dict[str, Any], str | None]:
-        """A chat choice's message (its tool calls read from the text where tools are active), and its
-        finish reason ("tool_calls" when it made any)."""
-        if self.tools is None:
-            return {"role": "assistant", "content": self.texts[index]}, self.finish_reasons[index]
-        content, calls = self.tools.parse(self.texts[index])
-        if not calls:
-            return {"role": "assistant", "content": content}, self.finish_reasons[index]
-        return {"role": "assistant", "content": content, "tool_calls": calls}, "tool_calls"
-
-    async def _stream_whole(self, emit: Emit, extra: dict[str, Any],
-                            on_chunk: Callable[[int, Chunk], Awaitable[None]]) -> None:
-        """Tools active: each choice's reply, read for calls, in one delta once it is complete."""
-        chunk_object, model = "chat.completion.chunk", self.model
-        await self.run(on_chunk)
-        for i in range(self.body.n):
-            message, finish_reason = self.message(i)
-            delta = {"content": message["content"]} if message["content"] else {}
-            if "tool_calls" in message:
-                delta["tool_calls"] = [{"index": j, **call} for j, call in enumerate(message["tool_calls"])]
-            logprobs = self._logprobs(i, self.token_ids[i], self.logprobs[i], 0)
-            await emit(api.envelope(self.id, chunk_object, model, [{"index": i, "delta": delta, "logprobs": logprobs,
-                                                                    "finish_reason": finish_reason}], **extra))
+        """A chat choice's message (its text and tool calls, as read), and its finish reason ("tool_calls" when it
+        made any)."""
+        reader = self.readers[index]
+        if not reader.calls:
+            return {"role": "assistant", "content": reader.content}, self.finish_reasons[index]
+        return {"role": "assistant", "content": reader.content or None, "tool_calls": reader.calls}, "tool_calls"
 
     async def stream(self, emit: Emit, begin: Callable[[], Awaitable[None]]) -> None:
         """The call as server-sent chunk objects (``begin()`` sends the response's status and headers)."""
@@ -121,7 +112,7 @@ class Call:
         extra = {"usage": None} if include_usage else {}
         opened = False
 
-        async def open_stream(*_: Any) -> None:
+        async def open_stream() -> None:
             # The status, then a chat's roles, as OpenAI sends them first. Under structured output they wait for
             # the engine to take the request: it compiles the language first, and one that does not compile is a
             # 400 like any other bad request, not an event after a 200.
@@ -137,26 +128,38 @@ class Call:
 
         if self.params.structured is None:
             await open_stream()
-        if self.tools is not None:
-            await self._stream_whole(emit, extra, open_stream)
-            if include_usage:
-                await emit(api.envelope(self.id, chunk_object, model, [], usage=self.usage()))
-            return
 
-        async def on_chunk(index: int, chunk: Chunk) -> None:
+        async def on_chunk(index: int, chunk: Chunk, parts: list[Part]) -> None:
             await open_stream()
-            if not chunk.text and chunk.finish_reason is None and (self.params.logprobs is None or not chunk.token_ids):
+            wants_logprobs = self.params.logprobs is not None and chunk.token_ids
+            if not parts and chunk.finish_reason is None and not wants_logprobs:
                 return  # nothing to show yet (the engine took the request, or a character or a stop string is pending)
-            choice: dict[str, Any] = {"index": index}
+            finish_reason = chunk.finish_reason
             if self.chat:
-                choice["delta"] = {"content": chunk.text} if chunk.text else {}
+                if finish_reason is not None and self.readers[index].calls:
+                    finish_reason = "tool_calls"
+                fields = [{"delta": _delta(part)} for part in parts] or [{"delta": {}}]
             else:
-                choice["text"] = chunk.text
+                fields = [{"text": chunk.text}]
             offset = len(self.texts[index])
-            choice["logprobs"] = self._logprobs(index, chunk.token_ids, chunk.logprobs or [], offset)
-            choice["finish_reason"] = chunk.finish_reason
-            await emit(api.envelope(self.id, chunk_object, model, [choice], **extra))
+            logprobs = self._logprobs(index, chunk.token_ids, chunk.logprobs or [], offset)
+            for j, field in enumerate(fields):
+                last = j == len(fields) - 1
+                choice = {"index": index, **field, "logprobs": logprobs if j == 0 else None,
+                          "finish_reason": finish_reason if last else None}
+                await emit(api.envelope(self.id, chunk_object, model, [choice], **extra))
 
         await self.run(on_chunk)
         if include_usage:
             await emit(api.envelope(self.id, chunk_object, model, [], usage=self.usage()))
+
+
+def _delta(part: Part) -> dict[str, Any]:
+    """A chat chunk's delta for one part of the reply."""
+    if isinstance(part, Text):
+        return {"content": part.text}
+    if isinstance(part, CallStart):
+        return {"tool_calls": [{"index": part.index, "id": part.id, "type": "function",
+                                "function": {"name": part.name, "arguments": ""}}]}
+    assert isinstance(part, Arguments)
+    return {"tool_calls": [{"index": part.index, "function": {"arguments": part.delta}}]}

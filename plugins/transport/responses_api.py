@@ -26,6 +26,7 @@ import msgspec
 from conveyor.plugins.transport import openai_api as api
 from conveyor.plugins.transport.openai_call import Call, Emit
 from conveyor.plugins.transport.tool_calls import FunctionDef, ToolDef
+from conveyor.plugins.transport.tool_stream import CallStart, Part, Text
 from conveyor.transport import Chunk, RequestError
 
 
@@ -41,12 +42,12 @@ class RefusalPart(msgspec.Struct, tag_field="type", tag="refusal"):
     refusal: str
 
 
-Part = TextPart | OutputTextPart | RefusalPart
+ContentPart = TextPart | OutputTextPart | RefusalPart
 
 
 class MessageItem(msgspec.Struct, tag_field="type", tag="message"):
     role: Literal["user", "assistant", "system", "developer"]
-    content: str | list[Part]
+    content: str | list[ContentPart]
 
 
 class FunctionCallItem(msgspec.Struct, tag_field="type", tag="function_call"):
@@ -57,7 +58,7 @@ class FunctionCallItem(msgspec.Struct, tag_field="type", tag="function_call"):
 
 class FunctionCallOutputItem(msgspec.Struct, tag_field="type", tag="function_call_output"):
     call_id: str
-    output: str | list[Part]
+    output: str | list[ContentPart]
 
 
 class ReasoningItem(msgspec.Struct, tag_field="type", tag="reasoning"):
@@ -107,7 +108,7 @@ class ResponsesRequest(msgspec.Struct, kw_only=True):
     user: str | None = None
 
 
-def _parts_text(content: str | list[Part]) -> str:
+def _parts_text(content: str | list[ContentPart]) -> str:
     if isinstance(content, str):
         return content
     return "".join(part.refusal if isinstance(part, RefusalPart) else part.text for part in content)
@@ -234,7 +235,7 @@ class Reply:
             items.append({"type": "message", "id": self.message_id, "status": "incomplete" if incomplete else "completed",
                           "role": "assistant", "content": [_text_part(message["content"])]})
         for tool_call in message.get("tool_calls", []):
-            items.append({"type": "function_call", "id": "fc_" + tool_call["id"].removeprefix("call_"),
+            items.append({"type": "function_call", "id": _function_call_id(tool_call["id"]),
                           "call_id": tool_call["id"], "name": tool_call["function"]["name"],
                           "arguments": tool_call["function"]["arguments"], "status": "completed"})
         return items
@@ -271,15 +272,13 @@ class Reply:
         return event
 
     async def stream(self, emit: Emit, begin: Any) -> dict[str, Any]:
-        """The call as the Responses API's typed events; returns the final Response. Text streams as it is
-        generated; a reply read for tool calls comes as whole items at its end. A structured reply opens once the
+        """The call as the Responses API's typed events; returns the final Response, its output in the order the
+        items began. Text and a call's arguments stream as they are generated. A structured reply opens once the
         engine took it."""
         call = self.call
         opened = False
-        text = ""
-        message_item = {"type": "message", "id": self.message_id, "status": "in_progress", "role": "assistant",
-                        "content": []}
-        where = {"item_id": self.message_id, "output_index": 0, "content_index": 0}
+        order: list[str] = []  # the items' ids, as they began
+        calls: dict[int, str] = {}  # a call's index -> its item's id
 
         async def open_stream() -> None:
             nonlocal opened
@@ -289,43 +288,56 @@ class Reply:
                 await emit(self.event("response.created", response=self.response([], "in_progress")))
                 await emit(self.event("response.in_progress", response=self.response([], "in_progress")))
 
-        async def on_chunk(index: int, chunk: Chunk) -> None:
-            nonlocal text
+        def where(item_id: str) -> dict[str, Any]:
+            return {"item_id": item_id, "output_index": order.index(item_id)}
+
+        async def on_chunk(index: int, chunk: Chunk, parts: list[Part]) -> None:
             await open_stream()
-            if call.tools is not None or not chunk.text:
-                return
-            if not text:
-                await emit(self.event("response.output_item.added", output_index=0, item=message_item))
-                await emit(self.event("response.content_part.added", **where, part=_text_part("")))
-            text += chunk.text
-            await emit(self.event("response.output_text.delta", **where, delta=chunk.text, logprobs=[]))
+            for part in parts:
+                if isinstance(part, Text):
+                    if self.message_id not in order:
+                        order.append(self.message_id)
+                        await emit(self.event("response.output_item.added", output_index=len(order) - 1, item={
+                            "type": "message", "id": self.message_id, "status": "in_progress", "role": "assistant",
+                            "content": []}))
+                        await emit(self.event("response.content_part.added", **where(self.message_id),
+                                              content_index=0, part=_text_part("")))
+                    await emit(self.event("response.output_text.delta", **where(self.message_id), content_index=0,
+                                          delta=part.text, logprobs=[]))
+                elif isinstance(part, CallStart):
+                    calls[part.index] = _function_call_id(part.id)
+                    order.append(calls[part.index])
+                    await emit(self.event("response.output_item.added", output_index=len(order) - 1, item={
+                        "type": "function_call", "id": calls[part.index], "call_id": part.id, "name": part.name,
+                        "arguments": "", "status": "in_progress"}))
+                else:
+                    await emit(self.event("response.function_call_arguments.delta", **where(calls[part.index]),
+                                          delta=part.delta))
 
         if call.params.structured is None:
             await open_stream()
         await call.run(on_chunk)
         await open_stream()
         final = self.response()
-        for output_index, item in enumerate(final["output"]):
+        items = {item["id"]: item for item in final["output"]}
+        final["output"] = [items[item_id] for item_id in order]
+        for item in final["output"]:
+            at = where(item["id"])
             if item["type"] == "message":
-                if call.tools is not None:  # (whole: the text was read for calls first)
-                    text = item["content"][0]["text"]
-                    await emit(self.event("response.output_item.added", output_index=output_index,
-                                          item=message_item))
-                    await emit(self.event("response.content_part.added", **where, part=_text_part("")))
-                    await emit(self.event("response.output_text.delta", **where, delta=text, logprobs=[]))
-                await emit(self.event("response.output_text.done", **where, text=text, logprobs=[]))
-                await emit(self.event("response.content_part.done", **where, part=_text_part(text)))
+                text = item["content"][0]["text"]
+                await emit(self.event("response.output_text.done", **at, content_index=0, text=text, logprobs=[]))
+                await emit(self.event("response.content_part.done", **at, content_index=0, part=_text_part(text)))
             else:
-                fields = {"item_id": item["id"], "output_index": output_index}
-                await emit(self.event("response.output_item.added", output_index=output_index,
-                                      item={**item, "arguments": "", "status": "in_progress"}))
-                await emit(self.event("response.function_call_arguments.delta", **fields, delta=item["arguments"]))
-                await emit(self.event("response.function_call_arguments.done", **fields, name=item["name"],
+                await emit(self.event("response.function_call_arguments.done", **at, name=item["name"],
                                       arguments=item["arguments"]))
-            await emit(self.event("response.output_item.done", output_index=output_index, item=item))
+            await emit(self.event("response.output_item.done", output_index=at["output_index"], item=item))
         status = "response.incomplete" if final["status"] == "incomplete" else "response.completed"
         await emit(self.event(status, response=final))
         return final
+
+
+def _function_call_id(call_id: str) -> str:
+    return "fc_" + call_id.removeprefix("call_")
 
 
 def _text_part(text: str) -> dict[str, Any]:

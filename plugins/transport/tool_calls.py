@@ -10,21 +10,21 @@ calls are written into the assistant's text in that format.
 ``tool_choice`` "required" or a named function is enforced by structured
 output: the reply must be one call, as JSON matching the tools' parameter
 schemas. With "auto" the model chooses, and ``<tool_call>`` blocks in its
-text are read as calls. "none" shows the tools and reads no call.
+text are read as calls (all of them, or the first with
+``parallel_tool_calls`` false). "none" shows the tools and reads no call.
+Replies are read as they are generated (``tool_stream``), so a call's
+arguments stream as they come.
 """
 
 from __future__ import annotations
 
 import json
-import re
-import uuid
 from typing import Any
 
 import msgspec
 
+from conveyor.plugins.transport.tool_stream import ReplyReader
 from conveyor.transport import RequestError
-
-_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
 
 
 class FunctionDef(msgspec.Struct):
@@ -43,8 +43,11 @@ class ToolDef(msgspec.Struct):
 class Tools:
     """One chat request's tools and its tool_choice."""
 
-    def __init__(self, tools: list[ToolDef] | None, tool_choice: Any):
+    def __init__(self, tools: list[ToolDef] | None, tool_choice: Any, parallel: bool | None = None):
         """
+        Args:
+            parallel: ``parallel_tool_calls`` (None: true, as OpenAI's default).
+
         Raises:
             RequestError: 400 naming the field (a choice without tools, an unknown function, ...).
         """
@@ -69,6 +72,7 @@ class Tools:
                                "'function': {'name': ...}}", 400, "tool_choice")
         # whether the reply is read for calls
         self.active = bool(self.tools) and tool_choice != "none"
+        self.parallel = parallel is not False
 
     def messages(self, messages: list[dict[str, Any]], template: str | None) -> tuple[list[dict[str, Any]], dict]:
         """The conversation and the template variables that show the tools to the model."""
@@ -99,25 +103,17 @@ class Tools:
                   "required": ["name", "arguments"], "additionalProperties": False} for t in self.forced]
         return json.dumps(calls[0] if len(calls) == 1 else {"anyOf": calls})
 
+    def reader(self) -> ReplyReader:
+        """A reader for one reply, which finds its calls as it is generated."""
+        return ReplyReader(self.active, forced=bool(self.forced), parallel=self.parallel)
+
     def parse(self, text: str) -> tuple[str | None, list[dict[str, Any]]]:
-        """A reply -> its text content (None when it is only calls) and its tool calls, OpenAI-shaped."""
-        if not self.active:
-            return text, []
-        found = [text] if self.forced else _CALL.findall(text)
-        calls = []
-        for block in found:
-            try:
-                call = json.loads(block)
-            except json.JSONDecodeError:
-                continue  # (not a call after all: it stays in the text)
-            if isinstance(call, dict) and isinstance(call.get("name"), str):
-                arguments = call.get("arguments", call.get("parameters", {}))
-                calls.append({"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
-                              "function": {"name": call["name"], "arguments": json.dumps(arguments)}})
-        if not calls:
-            return text, []
-        content = "" if self.forced else _CALL.sub("", text).strip()
-        return content or None, calls
+        """A whole reply -> its text content (None when it is only calls) and its tool calls, OpenAI-shaped."""
+        reader = self.reader()
+        reader.feed(text, final=True)
+        if not reader.calls:
+            return reader.content, []
+        return reader.content or None, reader.calls
 
 
 def _with_calls_in_text(message: dict[str, Any]) -> dict[str, Any]:
