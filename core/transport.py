@@ -70,6 +70,8 @@ class Frontend(Protocol):
     metrics: Any
     # the LoRA adapters served, by name
     adapters: dict[str, LoraAdapter]
+    # [model] reasoning_parser: "think", or "" (replies are not split)
+    reasoning_parser: str
 
     @property
     def max_model_len(self) -> int:

@@ -36,6 +36,10 @@ class ModelConfig(msgspec.Struct, forbid_unknown_fields=True):
     # "auto": the weights in path; "dummy": random weights of the shape in path's config.json (benchmarks and
     # checks without the weights; conveyor.model.dummy)
     load_format: Literal["auto", "dummy"] = "auto"
+    # a reasoning model's thinking returned apart from its answer: "think" (the text inside <think>...</think>:
+    # Qwen3, DeepSeek-R1 and its distills, QwQ) as reasoning_content in chat completions, a reasoning item in
+    # Responses, a thinking block in Messages; "" leaves it in the answer
+    reasoning_parser: Literal["", "think"] = ""
 
     @property
     def served_name(self) -> str:

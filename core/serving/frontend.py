@@ -38,10 +38,11 @@ class EngineFrontend:
     """Tokenizes, submits, detokenizes; shared by all transports of a server."""
 
     def __init__(self, engine: EngineClient, tokenizer: Tokenizer, model_name: str, metrics: ServerMetrics,
-                 lora: LoraConfig | None = None):
+                 lora: LoraConfig | None = None, reasoning_parser: str = ""):
         """
         Args:
             lora: the ``[lora]`` table: its adapters are served from the start.
+            reasoning_parser: ``[model] reasoning_parser``: how replies' thinking is told from their answer.
 
         Raises:
             ValueError: an adapter of ``lora`` cannot be served (the message names it and says why).
@@ -50,6 +51,7 @@ class EngineFrontend:
         self.tokenizer = tokenizer
         self.model_name = model_name
         self.metrics = metrics
+        self.reasoning_parser = reasoning_parser
         # set when the server stops taking requests (shutdown)
         self.draining = False
         self._ids = itertools.count()

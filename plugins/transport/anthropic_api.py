@@ -4,7 +4,8 @@ A Messages request becomes a chat completions request (system text, content
 blocks as messages, ``tool_use`` blocks as the assistant's tool calls,
 ``tool_result`` blocks as tool messages, Anthropic's tools and
 ``tool_choice`` as OpenAI's), runs as one, and its reply is written back as
-a Message: text and ``tool_use`` blocks, ``stop_reason`` ("end_turn",
+a Message: a ``thinking`` block (with ``[model] reasoning_parser``), text
+and ``tool_use`` blocks, ``stop_reason`` ("end_turn",
 "max_tokens", "stop_sequence" with the ``stop_sequence`` that matched,
 "tool_use"), usage; streamed, as Anthropic's named events. Errors take
 Anthropic's shape, ``{"type": "error", "error": {"type", "message"}}``.
@@ -23,7 +24,7 @@ import msgspec
 from conveyor.plugins.transport import openai_api as api
 from conveyor.plugins.transport.openai_call import Call, Emit
 from conveyor.plugins.transport.tool_calls import FunctionDef, ToolDef
-from conveyor.plugins.transport.tool_stream import CallStart, Part, Text
+from conveyor.plugins.transport.tool_stream import CallStart, Part, Reasoning, Text
 from conveyor.transport import Chunk, RequestError
 
 Int = api.Int
@@ -92,6 +93,9 @@ class MessagesRequest(_Conversation, kw_only=True):
     top_p: float | None = None
     top_k: Int | None = None
     stream: bool = False
+    # vLLM's extras
+    seed: Int | None = None
+    ignore_eos: bool = False
 
 
 def _text(content: str | list[TextBlock]) -> str:
@@ -154,7 +158,8 @@ def to_chat(request: _Conversation) -> api.ChatCompletionRequest:
     fields: dict[str, Any] = {}
     if isinstance(request, MessagesRequest):
         fields = {"max_tokens": request.max_tokens, "temperature": request.temperature, "top_p": request.top_p,
-                  "top_k": request.top_k, "stop": request.stop_sequences}
+                  "top_k": request.top_k, "stop": request.stop_sequences, "seed": request.seed,
+                  "ignore_eos": request.ignore_eos}
     return api.ChatCompletionRequest(messages=_messages(request), model=request.model, tools=tools or None,
                                      tool_choice=_tool_choice(request.tool_choice), **fields)
 
@@ -174,7 +179,11 @@ def _tool_use_id(call_id: str) -> str:
 def _blocks(call: Call) -> tuple[list[dict[str, Any]], str]:
     """The reply's content blocks and its stop reason."""
     message, finish_reason = call.message(0)
-    blocks: list[dict[str, Any]] = [{"type": "text", "text": message["content"]}] if message["content"] else []
+    blocks: list[dict[str, Any]] = []
+    if message.get("reasoning_content"):
+        blocks.append({"type": "thinking", "thinking": message["reasoning_content"], "signature": ""})
+    if message["content"]:
+        blocks.append({"type": "text", "text": message["content"]})
     for tool_call in message.get("tool_calls", []):
         arguments = tool_call["function"]["arguments"]
         try:
@@ -230,7 +239,12 @@ async def stream(call: Call, emit: Emit, begin: Any) -> None:
     async def on_chunk(index: int, chunk: Chunk, parts: list[Part]) -> None:
         await open_stream()
         for part in parts:
-            if isinstance(part, Text):
+            if isinstance(part, Reasoning):
+                if block_type != "thinking":
+                    await start({"type": "thinking", "thinking": "", "signature": ""})
+                await emit({"type": "content_block_delta", "index": block,
+                            "delta": {"type": "thinking_delta", "thinking": part.text}})
+            elif isinstance(part, Text):
                 if block_type != "text":
                     await start({"type": "text", "text": ""})
                 await emit({"type": "content_block_delta", "index": block,

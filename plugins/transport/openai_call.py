@@ -8,8 +8,10 @@ from typing import Any
 
 from conveyor.messages import LoraAdapter
 from conveyor.plugins.transport import openai_api as api
+from conveyor.plugins.transport.reasoning import OPEN as THINK
+from conveyor.plugins.transport.reasoning import ThinkSplitter
 from conveyor.plugins.transport.tool_calls import Tools
-from conveyor.plugins.transport.tool_stream import Arguments, CallStart, Part, ReplyReader, Text
+from conveyor.plugins.transport.tool_stream import Arguments, CallStart, Part, Reasoning, ReplyReader, Text
 from conveyor.transport import Chunk, Frontend, RequestError
 
 # sends one server-sent event (a JSON object); the first sends the response's status and headers before it
@@ -47,13 +49,29 @@ class Call:
         self.finish_reasons: list[str | None] = [None] * body.n
         # the stop string that ended each choice, if one did
         self.stop_strings: list[str | None] = [None] * body.n
-        # each choice's reply read for tool calls (all text where no tools are active)
-        self.readers = [self.tools.reader() if self.tools is not None else ReplyReader(False) for _ in range(body.n)]
+        # each choice's reply read for its thinking (with a reasoning parser) and tool calls (all text where no
+        # tools are active)
+        self.reasoning = chat and frontend.reasoning_parser == "think" and params.structured is None
+        self.readers = [self._reader() for _ in range(body.n)]
+        # generated tokens that were thinking, by choice
+        self.reasoning_tokens = [0] * body.n
         self.num_cached_tokens = 0
+
+    def _reader(self) -> ReplyReader:
+        thinking = None
+        if self.reasoning:
+            tail = self.frontend.tokenizer.decode(self.prompt_ids[-8:], skip_special_tokens=False)
+            thinking = ThinkSplitter(prompt_opens_thinking=tail.rstrip().endswith(THINK))
+        if self.tools is not None:
+            return self.tools.reader(thinking)
+        return ReplyReader(False, thinking=thinking)
 
     async def run(self, on_chunk: OnChunk | None = None) -> None:
         async def collect(index: int, chunk: Chunk) -> None:
-            parts = self.readers[index].feed(chunk.text, final=chunk.finish_reason is not None)
+            reader = self.readers[index]
+            if reader.thinking is not None and reader.thinking.thinking:
+                self.reasoning_tokens[index] += len(chunk.token_ids)
+            parts = reader.feed(chunk.text, final=chunk.finish_reason is not None)
             if on_chunk is not None:
                 await on_chunk(index, chunk, parts)
             self.texts[index] += chunk.text
@@ -100,9 +118,12 @@ class Call:
         """A chat choice's message (its text and tool calls, as read), and its finish reason ("tool_calls" when it
         made any)."""
         reader = self.readers[index]
+        message: dict[str, Any] = {"role": "assistant", "content": reader.content}
+        if self.reasoning:
+            message["reasoning_content"] = reader.thinking.reasoning or None
         if not reader.calls:
-            return {"role": "assistant", "content": reader.content}, self.finish_reasons[index]
-        return {"role": "assistant", "content": reader.content or None, "tool_calls": reader.calls}, "tool_calls"
+            return message, self.finish_reasons[index]
+        return message | {"content": reader.content or None, "tool_calls": reader.calls}, "tool_calls"
 
     async def stream(self, emit: Emit, begin: Callable[[], Awaitable[None]]) -> None:
         """The call as server-sent chunk objects (``begin()`` sends the response's status and headers)."""
@@ -158,6 +179,8 @@ def _delta(part: Part) -> dict[str, Any]:
     """A chat chunk's delta for one part of the reply."""
     if isinstance(part, Text):
         return {"content": part.text}
+    if isinstance(part, Reasoning):
+        return {"reasoning_content": part.text}
     if isinstance(part, CallStart):
         return {"tool_calls": [{"index": part.index, "id": part.id, "type": "function",
                                 "function": {"name": part.name, "arguments": ""}}]}

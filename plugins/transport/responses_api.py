@@ -6,7 +6,8 @@ and ``function_call_output``) as the conversation, after the stored
 conversation of ``previous_response_id``; function tools, ``tool_choice``,
 ``text.format`` (text, a JSON object, a JSON schema) and
 ``max_output_tokens`` as their chat counterparts. The reply is written back
-as a Response: a message item with ``output_text``, ``function_call`` items,
+as a Response: a reasoning item with the thinking (with ``[model]
+reasoning_parser``), a message item with ``output_text``, ``function_call`` items,
 ``status`` ("incomplete" with ``incomplete_details`` when it ran out of
 tokens) and usage; streamed, as the typed events (``response.created`` ...
 ``response.completed``), each with its ``sequence_number``. With ``store``
@@ -26,7 +27,7 @@ import msgspec
 from conveyor.plugins.transport import openai_api as api
 from conveyor.plugins.transport.openai_call import Call, Emit
 from conveyor.plugins.transport.tool_calls import FunctionDef, ToolDef
-from conveyor.plugins.transport.tool_stream import CallStart, Part, Text
+from conveyor.plugins.transport.tool_stream import CallStart, Part, Reasoning, Text
 from conveyor.transport import Chunk, RequestError
 
 
@@ -106,6 +107,10 @@ class ResponsesRequest(msgspec.Struct, kw_only=True):
     previous_response_id: str | None = None
     metadata: dict[str, str] | None = None
     user: str | None = None
+    # vLLM's extras
+    seed: api.Int | None = None
+    top_k: api.Int | None = None
+    ignore_eos: bool = False
 
 
 def _parts_text(content: str | list[ContentPart]) -> str:
@@ -213,7 +218,8 @@ def to_chat(request: ResponsesRequest, store: ResponseStore) -> tuple[api.ChatCo
     chat = api.ChatCompletionRequest(
         messages=messages, model=request.model, tools=tools or None, tool_choice=choice,
         max_tokens=request.max_output_tokens, temperature=request.temperature, top_p=request.top_p,
-        response_format=response_format, parallel_tool_calls=request.parallel_tool_calls)
+        response_format=response_format, parallel_tool_calls=request.parallel_tool_calls, seed=request.seed,
+        top_k=request.top_k, ignore_eos=request.ignore_eos)
     return chat, conversation
 
 
@@ -225,12 +231,15 @@ class Reply:
         self.request = request
         self.created_at = int(time.time())
         self.message_id = f"msg_{uuid.uuid4().hex}"
+        self.reasoning_id = f"rs_{uuid.uuid4().hex}"
         self.sequence = 0
 
     def items(self) -> list[dict[str, Any]]:
         message, _ = self.call.message(0)
         incomplete = self.call.finish_reasons[0] == "length"
         items = []
+        if message.get("reasoning_content"):
+            items.append(_reasoning_item(self.reasoning_id, message["reasoning_content"]))
         if message["content"]:
             items.append({"type": "message", "id": self.message_id, "status": "incomplete" if incomplete else "completed",
                           "role": "assistant", "content": [_text_part(message["content"])]})
@@ -261,7 +270,7 @@ class Reply:
             "tools": [msgspec.to_builtins(t) for t in request.tools or []], "truncation": "disabled",
             "usage": {"input_tokens": usage["prompt_tokens"],
                       "input_tokens_details": {"cached_tokens": call.num_cached_tokens},
-                      "output_tokens": usage["completion_tokens"], "output_tokens_details": {"reasoning_tokens": 0},
+                      "output_tokens": usage["completion_tokens"], "output_tokens_details": {"reasoning_tokens": call.reasoning_tokens[0]},
                       "total_tokens": usage["total_tokens"]},
             "user": request.user, "metadata": request.metadata or {},
         }
@@ -294,7 +303,14 @@ class Reply:
         async def on_chunk(index: int, chunk: Chunk, parts: list[Part]) -> None:
             await open_stream()
             for part in parts:
-                if isinstance(part, Text):
+                if isinstance(part, Reasoning):
+                    if self.reasoning_id not in order:
+                        order.append(self.reasoning_id)
+                        await emit(self.event("response.output_item.added", output_index=len(order) - 1,
+                                              item={**_reasoning_item(self.reasoning_id, ""), "content": []}))
+                    await emit(self.event("response.reasoning_text.delta", **where(self.reasoning_id),
+                                          content_index=0, delta=part.text))
+                elif isinstance(part, Text):
                     if self.message_id not in order:
                         order.append(self.message_id)
                         await emit(self.event("response.output_item.added", output_index=len(order) - 1, item={
@@ -323,7 +339,10 @@ class Reply:
         final["output"] = [items[item_id] for item_id in order]
         for item in final["output"]:
             at = where(item["id"])
-            if item["type"] == "message":
+            if item["type"] == "reasoning":
+                await emit(self.event("response.reasoning_text.done", **at, content_index=0,
+                                      text=item["content"][0]["text"]))
+            elif item["type"] == "message":
                 text = item["content"][0]["text"]
                 await emit(self.event("response.output_text.done", **at, content_index=0, text=text, logprobs=[]))
                 await emit(self.event("response.content_part.done", **at, content_index=0, part=_text_part(text)))
@@ -338,6 +357,11 @@ class Reply:
 
 def _function_call_id(call_id: str) -> str:
     return "fc_" + call_id.removeprefix("call_")
+
+
+def _reasoning_item(item_id: str, text: str) -> dict[str, Any]:
+    return {"type": "reasoning", "id": item_id, "summary": [], "status": "completed",
+            "content": [{"type": "reasoning_text", "text": text}]}
 
 
 def _text_part(text: str) -> dict[str, Any]:

@@ -103,9 +103,10 @@ class Tools:
                   "required": ["name", "arguments"], "additionalProperties": False} for t in self.forced]
         return json.dumps(calls[0] if len(calls) == 1 else {"anyOf": calls})
 
-    def reader(self) -> ReplyReader:
-        """A reader for one reply, which finds its calls as it is generated."""
-        return ReplyReader(self.active, forced=bool(self.forced), parallel=self.parallel)
+    def reader(self, thinking: Any = None) -> ReplyReader:
+        """A reader for one reply, which finds its calls as it is generated (after ``thinking``, a
+        ``reasoning.ThinkSplitter``, took its thinking out)."""
+        return ReplyReader(self.active, forced=bool(self.forced), parallel=self.parallel, thinking=thinking)
 
     def parse(self, text: str) -> tuple[str | None, list[dict[str, Any]]]:
         """A whole reply -> its text content (None when it is only calls) and its tool calls, OpenAI-shaped."""

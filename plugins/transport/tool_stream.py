@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import json
 import uuid
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 
@@ -38,7 +38,13 @@ class Arguments(NamedTuple):
     delta: str
 
 
-Part = Text | CallStart | Arguments
+class Reasoning(NamedTuple):
+    """A piece of the reply's thinking (where the server has a reasoning parser: ``reasoning``)."""
+
+    text: str
+
+
+Part = Text | CallStart | Arguments | Reasoning
 
 
 class _Call:
@@ -139,14 +145,17 @@ class _Call:
 class ReplyReader:
     """Reads one reply for tool calls, piece by piece (``feed``); ``content`` and ``calls`` hold what it found."""
 
-    def __init__(self, active: bool, forced: bool = False, parallel: bool = True):
+    def __init__(self, active: bool, forced: bool = False, parallel: bool = True, thinking: Any = None):
         """
         Args:
             active: the reply is read for calls (else it is all text).
             forced: the reply is one call object (``tool_choice`` forced it), with no tags.
             parallel: more than one call may be taken (``parallel_tool_calls``); else those after the first are
                 left out.
+            thinking: a ``reasoning.ThinkSplitter`` that takes the reply's thinking out first (its pieces come as
+                ``Reasoning`` parts), or None.
         """
+        self.thinking = thinking
         self.active = active
         self.forced = forced
         self.parallel = parallel
@@ -162,17 +171,21 @@ class ReplyReader:
 
     def feed(self, text: str, final: bool = False) -> list[Part]:
         """The parts that ``text`` (the reply's next piece) completes; ``final``: the reply ends with it."""
+        parts: list[Part] = []
+        if self.thinking is not None:
+            thought, text = self.thinking.feed(text, final)
+            if thought:
+                parts.append(Reasoning(thought))
         if not self.active:
             self.content += text
-            return [Text(text)] if text else []
-        parts: list[Part] = []
+            return parts + [Text(text)] if text else parts
         self._pending += text
         while self._pending:
             call = self._call
             if call is None:  # text, up to the next opening tag
                 start = self._pending.find(OPEN)
                 if start < 0:
-                    keep = 0 if final else _partial_tag(self._pending, OPEN)
+                    keep = 0 if final else partial_tag(self._pending, OPEN)
                     self._text(self._pending[:len(self._pending) - keep], parts)
                     self._pending = self._pending[len(self._pending) - keep:]
                     break
@@ -182,7 +195,7 @@ class ReplyReader:
             elif call.closed:  # a Hermes block's tail, up to its closing tag (nothing follows a forced call)
                 end = -1 if self.forced else self._pending.find(CLOSE)
                 if end < 0:
-                    keep = 0 if self.forced else _partial_tag(self._pending, CLOSE)
+                    keep = 0 if self.forced else partial_tag(self._pending, CLOSE)
                     self._pending = self._pending[len(self._pending) - keep:]
                     break
                 self._pending = self._pending[end + len(CLOSE):]
@@ -247,7 +260,7 @@ class ReplyReader:
             self._space += text
 
 
-def _partial_tag(text: str, tag: str) -> int:
+def partial_tag(text: str, tag: str) -> int:
     """Length of the longest tail of ``text`` that begins ``tag``."""
     for size in range(min(len(text), len(tag) - 1), 0, -1):
         if tag.startswith(text[-size:]):
