@@ -19,7 +19,7 @@ hold are listed):
 - **Pipeline bubbles**: the stages wait 25% or more of their time for the
   stage before. More requests in flight, or fewer stages.
 - **Host overhead**: 40% or more of the steps' time is outside the forward
-  pass (scheduling, sampling, recording). Larger batches.
+  pass (scheduling, sampling, recording). Async scheduling, larger batches.
 - **Queueing**: requests waited (or were refused) with the batch as large as
   the hardware allows, and nothing above explains it. More replicas (or a
   faster device).
@@ -166,8 +166,9 @@ def checklist(w: dict[str, float]) -> list[Finding]:
             _pick(w, "host_fraction", "schedule_fraction", "sample_fraction", "update_fraction", "tokens_per_step",
                   "running_mean", "steps_per_second"),
             "scheduler.max_num_seqs",
-            "the device waits for the host between forward passes: larger batches share each step's fixed host "
-            "work among more tokens (scheduler.max_num_seqs, more concurrent requests); fewer per-token extras "
+            "the device waits for the host between forward passes: engine.async_scheduling = \"on\" schedules "
+            "the next step while the device runs this one; larger batches share each step's fixed host work "
+            "among more tokens (scheduler.max_num_seqs, more concurrent requests); fewer per-token extras "
             "(logprobs, stop strings, penalties) shorten sampling and recording",
         ))
     if waiting and not small and not findings:
