@@ -380,7 +380,7 @@ def assistant_messages(response: dict[str, Any]) -> list[dict[str, Any]]:
 
 # the chat completions fields a Responses request's own fields become
 CHAT_FIELDS = {"max_tokens": "max_output_tokens", "messages": "input", "prompt": "input",
-               "response_format": "text.format", "tools": "tools", "tool_choice": "tool_choice"}
+               "response_format": "text.format"}
 
 
 def in_responses_terms(error: RequestError) -> RequestError:

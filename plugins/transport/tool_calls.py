@@ -23,6 +23,7 @@ from typing import Any
 
 import msgspec
 
+from conveyor.plugins.transport.reasoning import ThinkSplitter
 from conveyor.plugins.transport.tool_stream import ReplyReader
 from conveyor.transport import RequestError
 
@@ -103,7 +104,7 @@ class Tools:
                   "required": ["name", "arguments"], "additionalProperties": False} for t in self.forced]
         return json.dumps(calls[0] if len(calls) == 1 else {"anyOf": calls})
 
-    def reader(self, thinking: Any = None) -> ReplyReader:
+    def reader(self, thinking: ThinkSplitter | None = None) -> ReplyReader:
         """A reader for one reply, which finds its calls as it is generated (after ``thinking``, a
         ``reasoning.ThinkSplitter``, took its thinking out)."""
         return ReplyReader(self.active, forced=bool(self.forced), parallel=self.parallel, thinking=thinking)

@@ -18,7 +18,10 @@ from __future__ import annotations
 
 import json
 import uuid
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
+
+if TYPE_CHECKING:
+    from conveyor.plugins.transport.reasoning import ThinkSplitter
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 
@@ -145,7 +148,8 @@ class _Call:
 class ReplyReader:
     """Reads one reply for tool calls, piece by piece (``feed``); ``content`` and ``calls`` hold what it found."""
 
-    def __init__(self, active: bool, forced: bool = False, parallel: bool = True, thinking: Any = None):
+    def __init__(self, active: bool, forced: bool = False, parallel: bool = True,
+                 thinking: ThinkSplitter | None = None):
         """
         Args:
             active: the reply is read for calls (else it is all text).
