@@ -17,6 +17,7 @@ from conveyor.engine.core import EngineCore
 from conveyor.messages import EngineRequest
 from conveyor.sampling import SamplingParams, StructuredOutput
 from tests.conftest import CHAT_PROMPTS
+from tests.helpers import assert_same_or_near_tie
 from tests.test_batch_invariant import PROMPTS, assert_identical, workload
 
 CITY = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12}, "population": {"type": "integer"}},
@@ -83,18 +84,22 @@ def test_64_mixed_requests_are_bit_identical_with_steps_overlapped():
 def test_ngram_drafts_give_the_same_tokens_with_steps_overlapped():
     """Speculative decoding (n-gram) with async scheduling: a request whose step checks drafts is not followed,
     and one with drafts proposed while its next step was in flight waits for that step (its drafts go in the
-    one after): drafts are still checked and accepted, and the greedy tokens equal those with it off."""
+    one after): drafts are still checked and accepted, and the greedy tokens equal those with it off (up to a near
+    tie)."""
     rng = random.Random(3)
     text = "The cat sat on the mat. The dog sat on the log. "
     requests = [([{"role": "user", "content": f"Repeat this {rng.randint(2, 4)} times: {text * rng.randint(1, 3)}"}],
-                 SamplingParams(max_tokens=rng.randint(10, 40), temperature=0, logprobs=1, ignore_eos=True))
+                 SamplingParams(max_tokens=rng.randint(10, 40), temperature=0, logprobs=5, ignore_eos=True))
                 for _ in range(12)]
-    overrides = {"engine.speculative": "ngram"}
+    overrides = {"engine.speculative": "ngram", "model.dtype": "float32"}
     sync, _, sync_free = run("off", overrides, requests)
     overlapped, follows, overlapped_free = run("on", overrides, requests)
     assert follows > 0 and sync_free and overlapped_free
     assert run.counters.num_accepted_tokens > 0
-    assert [c.token_ids for c in sync] == [c.token_ids for c in overlapped]
+    # (without batch invariance, which n-gram drafts cannot run under, steps of other shapes may flip a near tie;
+    # in float32 that is all they can flip)
+    for i, (a, b) in enumerate(zip(sync, overlapped)):
+        assert_same_or_near_tie(a, b, f"request {i}")
 
 
 def engine_run(mode: str, aborted: set[str], abort_at: int) -> tuple[dict[str, list[int]], dict[str, str], bool]:
