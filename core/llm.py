@@ -31,7 +31,7 @@ from conveyor.model.tokenizer import load_tokenizer
 from conveyor.sampling import SamplingParams
 from conveyor.serving.frontend import EngineFrontend
 from conveyor.serving.metrics import ServerMetrics
-from conveyor.transport import RequestError
+from conveyor.transport import RequestError, embedding_floats, unit_length
 
 if sys.version_info < (3, 11):
     from exceptiongroup import BaseExceptionGroup
@@ -55,6 +55,8 @@ class Completion(msgspec.Struct):
     # seconds from the call to generate() to this prompt's first token, and to its last
     time_to_first_token: float = 0.0
     latency: float = 0.0
+    # with SamplingParams.pooling: the prompt's embedding (the final hidden states pooled, not normalized)
+    embedding: list[float] | None = None
 
 
 # Offline, throughput beats the latency of any one request: a larger step budget than the server's
@@ -188,6 +190,18 @@ class LLM:
                 error = error.exceptions[0]
             raise (ValueError if error.status < 500 else RuntimeError)(error.message) from None
 
+    def embed(self, prompts: Prompt | Sequence[Prompt], normalize: bool = True,
+              pooling: str | None = None) -> list[list[float]]:
+        """One embedding per prompt: its final hidden states pooled (``pooling``: "last" or "mean"; None: the
+        config's ``[model] pooling``), scaled to length 1 where ``normalize``.
+
+        Raises:
+            ValueError: a prompt the engine refuses (too long, empty, ...).
+        """
+        params = SamplingParams(max_tokens=1, temperature=0, pooling=pooling or self.config.model.pooling)
+        vectors = [c.embedding for c in self.generate(prompts, params)]
+        return [unit_length(v) if normalize else v for v in vectors]
+
     async def _generate(self, prompt_ids: list[list[int]], params: list[SamplingParams],
                         adapters: list[LoraAdapter | None]) -> list[Completion]:
         results: list[Completion | None] = [None] * len(prompt_ids)
@@ -199,6 +213,7 @@ class LLM:
             tokens: list[int] = []
             logprobs: list[TokenLogprob] = []
             prompt_logprobs: list[TokenLogprob] = []
+            embedding = None
             first_token = None
             reason = "abort"
             chunks = self.frontend.generate(prompt_ids[index], params[index], request_id=request_id,
@@ -212,6 +227,8 @@ class LLM:
                     logprobs += chunk.logprobs or []
                     prompt_logprobs += chunk.prompt_logprobs or []
                     reason = chunk.finish_reason or reason
+                    if chunk.embedding:
+                        embedding = embedding_floats(chunk.embedding, normalize=False)
             p = params[index]
             results[index] = Completion(
                 "".join(text), tokens, reason, prompt_ids[index],
@@ -219,6 +236,7 @@ class LLM:
                 prompt_logprobs=prompt_logprobs if p.prompt_logprobs is not None else None,
                 time_to_first_token=first_token or 0.0,
                 latency=time.perf_counter() - start,
+                embedding=embedding,
             )
 
         async with anyio.create_task_group() as engine:

@@ -72,6 +72,8 @@ class RequestOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fals
     prompt_logprobs_start: int = 0
     # for a rejected request, the field at fault where one is ("structured": its language does not compile)
     error_param: str | None = None
+    # with params.pooling: the embedding, float32 little-endian [hidden_size] (the request's last output)
+    embedding: bytes = b""
 
 
 class SchedulerStats(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
@@ -257,6 +259,9 @@ class RunnerOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=False
     accepted_logprobs: list[list[TokenLogprob] | None] = []
     # speculative decoding with a draft model: per entry, the tokens it proposes to follow this step's
     draft_token_ids: list[list[int]] = []
+    # per entry when any request's pooling finished this step: its embedding (float32 little-endian
+    # [hidden_size], the final hidden states pooled), else None
+    embeddings: list[bytes | None] = []
     # seconds: building inputs + the forward pass, and sampling
     forward_time: float = 0.0
     sample_time: float = 0.0

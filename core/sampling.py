@@ -12,6 +12,8 @@ MAX_STOP_TOKEN_IDS = 64
 MAX_CHOICES = 256
 # presence and frequency penalties lie in [-MAX_PENALTY, MAX_PENALTY] (OpenAI's range)
 MAX_PENALTY = 2.0
+# SamplingParams.pooling: "" generates tokens
+POOLING = ("", "last", "mean")
 
 
 class StructuredOutput(msgspec.Struct, omit_defaults=True, forbid_unknown_fields=True, frozen=True):
@@ -77,6 +79,10 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, forbid_unknown_fields=T
     skip_special_tokens: bool = True
     # constrain the output to a JSON schema, a regex, a choice or a grammar
     structured: StructuredOutput | None = None
+    # an embedding instead of tokens: the prompt's final hidden states pooled, "last" (the last token's) or
+    # "mean" (every token's; such a request is computed in full: it does not use the prefix cache); the
+    # request ends after its prompt with the vector (float32) and no token
+    pooling: str = ""
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -104,6 +110,8 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, forbid_unknown_fields=T
                f"stop has {len(self.stop)} strings; at most {MAX_STOP_STRINGS} are allowed")
         _check(all(len(s) <= MAX_STOP_STRING_CHARS for s in self.stop),
                f"stop strings may have at most {MAX_STOP_STRING_CHARS} characters each")
+        _check(self.pooling in POOLING, f"pooling={self.pooling!r} must be one of {', '.join(map(repr, POOLING))}")
+        _check(not self.pooling or self.structured is None, "pooling takes no structured output")
         _check(all(t >= 0 for t in self.stop_token_ids), "stop_token_ids must be >= 0")
         _check(len(self.stop_token_ids) <= MAX_STOP_TOKEN_IDS,
                f"stop_token_ids has {len(self.stop_token_ids)} ids; at most {MAX_STOP_TOKEN_IDS} are allowed")

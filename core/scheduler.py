@@ -102,7 +102,7 @@ class Scheduler(Gated):
         """Async scheduling: whether a running request whose last step is still on the workers goes in this
         step too, after it: the rest of its prompt, or the token that step samples. Not under a penalty, a
         grammar or prompt logprobs (the next step needs that token on the engine's side first), after a step
-        that checks drafts, or where that step may end it by length."""
+        that checks drafts, or where that step may end it by length or by its embedding."""
         if not self.async_steps or request.in_flight > 1:
             return False
         params = request.params
@@ -110,7 +110,7 @@ class Scheduler(Gated):
             return False
         if request.num_in_flight_tokens < request.num_uncomputed_tokens:
             return True
-        return not request.draft_token_ids and request.num_tokens + 1 < request.max_total_tokens
+        return not params.pooling and not request.draft_token_ids and request.num_tokens + 1 < request.max_total_tokens
 
     def can_admit(self, request: Request) -> bool:
         """Whether ``request``, first in the waiting queue, may start this step, budget and memory
@@ -227,8 +227,10 @@ class Scheduler(Gated):
         Returns:
             The tokens it computes this step; 0, changing nothing, when memory is short.
         """
-        # A request that wants every prompt logprob computes every prompt token.
-        prefix = self.kvcache.match_prefix(request) if request.params.prompt_logprobs is None else PrefixMatch()
+        # A request that wants every prompt logprob, or every token's hidden state, computes every prompt token.
+        params = request.params
+        whole = params.prompt_logprobs is not None or params.pooling == "mean"
+        prefix = PrefixMatch() if whole else self.kvcache.match_prefix(request)
         n = min(request.num_tokens - prefix.num_tokens, max_tokens)
         if n < 1 or not self.kvcache.allocate(request, n, prefix):
             return 0

@@ -10,7 +10,10 @@ its protocol.
 
 from __future__ import annotations
 
+import math
+import sys
 from abc import ABC, abstractmethod
+from array import array
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, ClassVar, Protocol
 
@@ -58,6 +61,23 @@ class Chunk(msgspec.Struct):
     prompt_logprobs_start: int = 0
     # on the last chunk of a sequence a stop string ended: that string
     stop_string: str | None = None
+    # with params.pooling, on the last chunk: the embedding (float32 little-endian [hidden_size])
+    embedding: bytes = b""
+
+
+def embedding_floats(vector: bytes, normalize: bool) -> list[float]:
+    """``Chunk.embedding`` as floats, scaled to length 1 where ``normalize``."""
+    values = array("f")
+    values.frombytes(vector)
+    if sys.byteorder == "big":
+        values.byteswap()
+    return unit_length(values.tolist()) if normalize else values.tolist()
+
+
+def unit_length(values: list[float]) -> list[float]:
+    """``values`` scaled to length 1 (a zero vector stays as it is)."""
+    norm = math.sqrt(math.fsum(v * v for v in values))
+    return [v / norm for v in values] if norm > 0 else values
 
 
 class Frontend(Protocol):
@@ -72,6 +92,8 @@ class Frontend(Protocol):
     adapters: dict[str, LoraAdapter]
     # [model] reasoning_parser: "think", or "" (replies are not split)
     reasoning_parser: str
+    # [model] pooling: how /v1/embeddings pools the hidden states ("last" or "mean")
+    pooling: str
 
     @property
     def max_model_len(self) -> int:

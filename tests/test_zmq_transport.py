@@ -3,9 +3,11 @@ conveyor.zmq_client sync and async, HTTP and ZMQ served at once, and CURVE."""
 
 from __future__ import annotations
 
+from array import array
 from contextlib import aclosing
 
 import anyio
+import httpx
 import msgspec
 import pytest
 import zmq
@@ -117,6 +119,17 @@ def test_raw_client_from_the_protocol_document(server, keys, tokenizer):
     logprobs = [lp for c in chunks for lp in c.get("logprobs") or []]
     assert [lp["token_id"] for lp in logprobs] == token_ids
     assert all(len(lp["top_ids"]) == 2 and lp["top_ids"][0] == lp["token_id"] for lp in logprobs)  # greedy
+
+    # an embedding (params.pooling) comes in the last chunk, as HTTP's /v1/embeddings computes it
+    socket.send_multipart([b"generate", msgspec.msgpack.encode(
+        {"request_id": "e1", "prompt": "The sea is", "params": {"max_tokens": 1, "pooling": "last"}})])
+    assert socket.poll(60_000)
+    kind, body = socket.recv_multipart()
+    final = msgspec.msgpack.decode(body)
+    assert kind == b"chunk" and final["finish_reason"] == "stop" and not final["token_ids"], final
+    vector = array("f", final["embedding"]).tolist()
+    served = httpx.post(f"{server.http}/v1/embeddings", json={"input": "The sea is", "normalize": False}).json()
+    assert len(vector) == 576 and vector == pytest.approx(served["data"][0]["embedding"], abs=1e-2)
 
     # a malformed message gets an error naming the problem, and the socket keeps working
     socket.send_multipart([b"generate", msgspec.msgpack.encode({"request_id": "r2", "prompt": "hi", "params": {"tempreature": 1}})])

@@ -40,6 +40,9 @@ class ModelConfig(msgspec.Struct, forbid_unknown_fields=True):
     # Qwen3, DeepSeek-R1 and its distills, QwQ) as reasoning_content in chat completions, a reasoning item in
     # Responses, a thinking block in Messages; "" leaves it in the answer
     reasoning_parser: Literal["", "think"] = ""
+    # /v1/embeddings: the final hidden states pooled to one vector per input, "last" (the last token's) or
+    # "mean" (the mean of every token's)
+    pooling: Literal["last", "mean"] = "last"
 
     @property
     def served_name(self) -> str:

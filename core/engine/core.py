@@ -259,6 +259,21 @@ class EngineCore:
             self.proposer.propose(batch.requests, result)
         if result.prompt_logprobs:
             outputs = self._add_prompt_logprobs(batch, flight.step, result, outputs)
+        if result.embeddings:
+            outputs += self._embedded(batch, result.embeddings)
+        return outputs
+
+    def _embedded(self, batch: ScheduledBatch, embeddings: list[bytes | None]) -> list[RequestOutput]:
+        """End the requests whose embedding the step returned, each with an output that carries it."""
+        outputs = []
+        for request, embedding in zip(batch.requests, embeddings):
+            if embedding is None or request.is_finished:
+                continue
+            self.scheduler.finish(request, FinishReason.STOP)
+            outputs.append(RequestOutput(request.request_id, finish_reason=FinishReason.STOP.value,
+                                         num_prompt_tokens=request.num_prompt_tokens,
+                                         num_cached_tokens=request.num_cached_tokens,
+                                         queue_time=request.queue_time, embedding=embedding))
         return outputs
 
     def _step_stats(self, flight: InFlight, result: RunnerOutput, executed: float) -> StepStats:

@@ -38,11 +38,12 @@ class EngineFrontend:
     """Tokenizes, submits, detokenizes; shared by all transports of a server."""
 
     def __init__(self, engine: EngineClient, tokenizer: Tokenizer, model_name: str, metrics: ServerMetrics,
-                 lora: LoraConfig | None = None, reasoning_parser: str = ""):
+                 lora: LoraConfig | None = None, reasoning_parser: str = "", pooling: str = "last"):
         """
         Args:
             lora: the ``[lora]`` table: its adapters are served from the start.
             reasoning_parser: ``[model] reasoning_parser``: how replies' thinking is told from their answer.
+            pooling: ``[model] pooling``: how embeddings pool the hidden states.
 
         Raises:
             ValueError: an adapter of ``lora`` cannot be served (the message names it and says why).
@@ -52,6 +53,7 @@ class EngineFrontend:
         self.model_name = model_name
         self.metrics = metrics
         self.reasoning_parser = reasoning_parser
+        self.pooling = pooling
         # set when the server stops taking requests (shutdown)
         self.draining = False
         self._ids = itertools.count()
@@ -219,6 +221,7 @@ class EngineFrontend:
                         output.prompt_logprobs,
                         output.prompt_logprobs_start,
                         text.matched if reason is not None else None,
+                        output.embedding,
                     )
                     if reason is not None:
                         return

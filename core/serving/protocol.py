@@ -65,6 +65,8 @@ class StreamChunk(msgspec.Struct):
     finish_reason: str | None = None
     # on the last chunk
     usage: Usage | None = None
+    # with params.pooling, on the last chunk: the embedding, float32 little-endian (else empty)
+    embedding: bytes = b""
 
 
 class ErrorReply(msgspec.Struct):

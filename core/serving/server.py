@@ -53,7 +53,8 @@ async def serve(config_path: str | Path | None, overrides: Mapping[str, Any] | N
     engine = _engine_client(config, log_level)
     metrics = _metrics(engine, model_name)
     try:
-        frontend = EngineFrontend(engine, tokenizer, model_name, metrics, config.lora, config.model.reasoning_parser)
+        frontend = EngineFrontend(engine, tokenizer, model_name, metrics, config.lora, config.model.reasoning_parser,
+                                  config.model.pooling)
     except ValueError as e:
         raise ConfigError(f"{config.source}: {e}") from None
     try:

@@ -81,12 +81,13 @@ class CompiledDecode:
 
     def accepts(self, step: StepInput) -> bool:
         """Whether this step runs in a graph: single-token decodes only, no more than the largest batch size,
-        no prompt logprobs, no LoRA adapter (a graph holds no adapter terms)."""
+        no prompt logprobs, no LoRA adapter (a graph holds no adapter terms), no embedding."""
         requests = step.requests
         return (
             0 < len(requests) <= self.batch_sizes[-1]
             and step.num_decodes == len(requests)
-            and all(len(r.token_ids) == 1 and not r.prompt_logprob_token_ids and r.lora_slot < 0 for r in requests)
+            and all(len(r.token_ids) == 1 and not r.prompt_logprob_token_ids and r.lora_slot < 0
+                    and not r.params.pooling for r in requests)
         )
 
     def run(self, step: StepInput) -> torch.Tensor:

@@ -34,6 +34,8 @@ class ModelRunner:
         self.adapters = adapters
         self.drafter = drafter
         self.device = model.device
+        # pooling = "mean": per request, the sum of its hidden states so far, and their count
+        self._sums: dict[str, tuple[torch.Tensor, int]] = {}
 
     @torch.inference_mode()
     def execute(self, step: StepInput) -> RunnerOutput:
@@ -48,6 +50,8 @@ class ModelRunner:
         """
         began = time.perf_counter()
         self.sampler.forget(step.finished_request_ids)
+        for request_id in step.finished_request_ids:
+            self._sums.pop(request_id, None)
         if self.adapters is not None:
             self.adapters.prepare([(r.lora_slot, len(r.token_ids)) for r in step.requests])
         if self.compiled is not None and self.compiled.accepts(step):
@@ -64,11 +68,14 @@ class ModelRunner:
         sample_rows: list[int] = []
         sampled_entries: list[int] = []
         prompt_rows: list[tuple[int, int, int]] = []  # (entry, first row, rows)
+        pooled_rows: list[tuple[int, int, int]] = []  # (entry, first row, rows): requests that want an embedding
         for i, request in enumerate(step.requests):
             first = len(input_ids)
             input_ids.extend(request.token_ids)
             positions.extend(range(request.start, request.start + len(request.token_ids)))
-            if request.sample:
+            if request.params.pooling:
+                pooled_rows.append((i, first, len(request.token_ids)))
+            elif request.sample:
                 sample_rows.extend(range(len(input_ids) - 1 - len(request.draft_token_ids), len(input_ids)))
                 sampled_entries.append(i)
             if request.prompt_logprob_token_ids:
@@ -92,6 +99,8 @@ class ModelRunner:
             logits = model.compute_logits(hidden[torch.tensor(sample_rows, device=self.device)])
         if not group.placement.driver:
             return self._timed(RunnerOutput([], []), began)
+        if pooled_rows:
+            output.embeddings = self._pool(hidden, step.requests, pooled_rows)
         output = self._sample(step, logits, sampled_entries, output, began)
         if self.drafter is not None:
             drafting = time.perf_counter()
@@ -149,6 +158,30 @@ class ModelRunner:
         output.comm_time, output.wait_time = counts.comm_time, counts.wait_time
         output.num_collectives, output.collective_bytes = counts.num_collectives, counts.collective_bytes
         return output
+
+    def _pool(self, hidden: torch.Tensor, requests: list[ScheduledRequest],
+              pooled_rows: list[tuple[int, int, int]]) -> list[bytes | None]:
+        """The embeddings of the pooling requests whose prompt this step finished (float32 bytes), None for the
+        other entries; a "mean" request's earlier chunks are summed as they pass (from zero at position 0,
+        which a recomputation after preemption starts from again)."""
+        embeddings: list[bytes | None] = [None] * len(requests)
+        for i, first, rows in pooled_rows:
+            request = requests[i]
+            states = hidden[first : first + rows].float()
+            if request.params.pooling == "mean":
+                total, count = self._sums.pop(request.request_id, (None, 0)) if request.start else (None, 0)
+                total = states.sum(0) if total is None else total + states.sum(0)
+                count += rows
+                if not request.sample:
+                    self._sums[request.request_id] = (total, count)
+                    continue
+                vector = total / count
+            elif request.sample:
+                vector = states[-1]
+            else:
+                continue
+            embeddings[i] = vector.cpu().numpy().astype("<f4").tobytes()
+        return embeddings
 
     def _prompt_logprobs(
         self, hidden: torch.Tensor, requests: list[ScheduledRequest], prompt_rows: list[tuple[int, int, int]]

@@ -14,7 +14,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.requests import Request
 from starlette.responses import FileResponse, Response
 
-from conveyor.plugins.transport import anthropic_api, responses_api
+from conveyor.plugins.transport import anthropic_api, embeddings_api, responses_api
 from conveyor.plugins.transport import openai_api as api
 from conveyor.plugins.transport.openai_call import Call, Emit
 from conveyor.plugins.transport.openapi import openapi_document
@@ -284,3 +284,38 @@ class Routes:
         except RequestError as e:
             return error_response(e, ANTHROPIC)
         return json_response({"input_tokens": len(prompt_ids)})
+
+    async def embeddings(self, request: Request) -> Response:
+        """OpenAI's embeddings (``embeddings_api``)."""
+        if (denied := self._check_key(request)) is not None:
+            return denied
+        try:
+            body = await self._parse(request, embeddings_api.EmbeddingRequest)
+            done: dict[str, Any] = {}
+
+            async def run() -> None:
+                done.update(await embeddings_api.embed(self.frontend, body, self.frontend.pooling))
+
+            if not await until_disconnect(request.receive, run()):
+                return Response(status_code=499)
+        except RequestError as e:
+            return error_response(e)
+        return json_response(done)
+
+    async def tokenize(self, request: Request) -> Response:
+        """vLLM's ``/tokenize``: a text's or a conversation's token ids."""
+        return await self._answer(request, embeddings_api.TokenizeRequest, embeddings_api.tokenize)
+
+    async def detokenize(self, request: Request) -> Response:
+        """vLLM's ``/detokenize``: token ids' text."""
+        return await self._answer(request, embeddings_api.DetokenizeRequest, embeddings_api.detokenize)
+
+    async def _answer(self, request: Request, kind: type[msgspec.Struct],
+                      answer: Callable[[Frontend, Any], dict[str, Any]]) -> Response:
+        """A route answered at once from its parsed body (no engine work)."""
+        if (denied := self._check_key(request)) is not None:
+            return denied
+        try:
+            return json_response(answer(self.frontend, await self._parse(request, kind)))
+        except RequestError as e:
+            return error_response(e)

@@ -13,7 +13,7 @@ from typing import Any
 
 import msgspec
 
-from conveyor.plugins.transport import anthropic_api, responses_api
+from conveyor.plugins.transport import anthropic_api, embeddings_api, responses_api
 from conveyor.plugins.transport import openai_api as api
 from conveyor.sampling import (
     MAX_CHOICES,
@@ -126,9 +126,10 @@ def openapi_document(api_key: bool, models: list[str], max_model_len: int, vocab
         vocab_size: token ids in a prompt are below it.
     """
     structs = [api.CompletionRequest, api.ChatCompletionRequest, api.LoadLoraRequest, api.UnloadLoraRequest,
-               responses_api.ResponsesRequest, anthropic_api.MessagesRequest, anthropic_api.CountTokensRequest]
+               responses_api.ResponsesRequest, anthropic_api.MessagesRequest, anthropic_api.CountTokensRequest,
+               embeddings_api.EmbeddingRequest, embeddings_api.TokenizeRequest, embeddings_api.DetokenizeRequest]
     refs, components = msgspec.json.schema_components(structs, ref_template="#/components/schemas/{name}")
-    completion, chat, load, unload, responses, messages, count_tokens = refs
+    completion, chat, load, unload, responses, messages, count_tokens, embedding, tokenize, detokenize = refs
     limits = _limits(models, max_model_len, vocab_size)
     chat_only = {"top_logprobs", "max_completion_tokens", "messages"}
     completion_only = {"logprobs", "prompt", "suffix"}
@@ -139,6 +140,13 @@ def openapi_document(api_key: bool, models: list[str], max_model_len: int, vocab
     _narrow(components["ResponsesRequest"]["properties"], sampling | {"max_output_tokens": limits["max_tokens"]})
     _narrow(components["MessagesRequest"]["properties"], sampling | {
         field: limits[field] for field in ("max_tokens", "top_k")} | {"stop_sequences": limits["stop"]["anyOf"][1]})
+    token_ids = limits["prompt"]["anyOf"][1]
+    text = {"type": "string", "minLength": 1}
+    _narrow(components["EmbeddingRequest"]["properties"], {"model": limits["model"], "input": {"anyOf": [
+        text, token_ids, {"type": "array", "minItems": 1, "maxItems": embeddings_api.MAX_INPUTS, "items": text},
+        {"type": "array", "minItems": 1, "maxItems": embeddings_api.MAX_INPUTS, "items": token_ids}]}})
+    _narrow(components["TokenizeRequest"]["properties"], {"model": limits["model"], "messages": limits["messages"]})
+    _narrow(components["DetokenizeRequest"]["properties"], {"model": limits["model"], "tokens": token_ids})
     components["AnthropicError"] = ANTHROPIC_ERROR
     components["Error"] = ERROR
     secured = {"security": [{"bearer": []}]} if api_key else {}
@@ -175,6 +183,12 @@ def openapi_document(api_key: bool, models: list[str], max_model_len: int, vocab
             "countMessageTokens", count_tokens, _json({"type": "object", "required": ["input_tokens"], "properties": {
                 "input_tokens": {"type": "integer"}}}, "the prompt's tokens"),
             *(code for code in inference if code not in ("429", "503")), error="AnthropicError"),
+        "/v1/embeddings": post("createEmbedding", embedding, _json({"type": "object", "required": ["data"]},
+                               "one vector per input ([model] pooling)"), *inference),
+        "/tokenize": post("tokenize", tokenize, _json({"type": "object", "required": ["count", "tokens"]},
+                          "the token ids"), *(code for code in inference if code not in ("429", "503"))),
+        "/detokenize": post("detokenize", detokenize, _json({"type": "object", "required": ["prompt"]},
+                            "the text"), *(code for code in inference if code not in ("429", "503"))),
         "/v1/models": get("listModels", _json({"type": "object"}, "the base model and its LoRA adapters"),
                           *(("401",) if api_key else ())),
         "/health": get("health", _json({"type": "object"}, "the engine is up"), "503", open_route=True),

@@ -184,7 +184,8 @@ def _chunk(request_id: str, chunk: Any) -> protocol.StreamChunk:
     usage = None
     if chunk.finish_reason is not None:
         usage = protocol.Usage(chunk.num_prompt_tokens, chunk.num_output_tokens, chunk.num_cached_tokens)
-    return protocol.StreamChunk(request_id, chunk.text, chunk.token_ids, logprobs, chunk.finish_reason, usage)
+    return protocol.StreamChunk(request_id, chunk.text, chunk.token_ids, logprobs, chunk.finish_reason, usage,
+                                chunk.embedding)
 
 
 @hookimpl
