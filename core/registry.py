@@ -10,8 +10,11 @@ the classes it registers are kept by kind and name.
 from __future__ import annotations
 
 import importlib
+import importlib.util
+import sys
 import typing
 from collections.abc import Iterable
+from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 import msgspec
@@ -79,10 +82,7 @@ class PluginRegistry:
             if not self.pm.is_blocked(module_name):
                 self.pm.register(importlib.import_module(module_name), module_name)
         for module_name in modules:
-            try:
-                module = importlib.import_module(module_name)
-            except ImportError as e:
-                raise PluginError(f"{source}: plugins = [{module_name!r}] cannot be imported: {e}") from None
+            module = _import_listed(module_name, source)
             if self.pm.get_plugin(module_name) is None:
                 self.pm.register(module, module_name)
         self.pm.check_pending()
@@ -170,6 +170,25 @@ class PluginRegistry:
                     default = field.default if field.default is not msgspec.NODEFAULT else "(required)"
                     lines.append(f"      {field.encode_name} = {default!r}  ({_type_name(field.type)})")
         return "\n".join(lines)
+
+
+def _import_listed(module_name: str, source: str) -> Any:
+    """A module the config's ``plugins`` list names: from sys.path, else from the config file's folder.
+
+    Raises:
+        PluginError: it cannot be imported (naming where it was looked for).
+    """
+    folder = Path(source).resolve().parent if Path(source).is_file() else None
+    top = module_name.split(".")[0]
+    if folder is not None and str(folder) not in sys.path and importlib.util.find_spec(top) is None \
+            and ((folder / f"{top}.py").is_file() or (folder / top).is_dir()):
+        sys.path.append(str(folder))
+    try:
+        return importlib.import_module(module_name)
+    except ImportError as e:
+        where = f"on sys.path and beside the config in {folder}" if folder is not None else "on sys.path"
+        raise PluginError(f"{source}: plugins = [{module_name!r}] cannot be imported: {e} (looked for {where}; "
+                          "install the package, or set PYTHONPATH)") from None
 
 
 def _type_name(tp: Any) -> str:

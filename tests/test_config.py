@@ -95,7 +95,8 @@ def keys_of(struct: type[msgspec.Struct], *left_out: str) -> str:
         ('[[transport]]\nplugin = "http"\nhost = 1\n', ConfigError,
          "[transport.0] host = 1: Expected `str`, got `int`"),
         ('plugins = ["no_such_module_xyz"]\n', PluginError,
-         "plugins = ['no_such_module_xyz'] cannot be imported: No module named 'no_such_module_xyz'"),
+         ("plugins = ['no_such_module_xyz'] cannot be imported: No module named 'no_such_module_xyz' (looked for "
+          "on sys.path and beside the config in {folder}; install the package, or set PYTHONPATH)")),
     ],
 )
 def test_bad_config_is_one_line_naming_file_and_key(tmp_path, text, error, expected):
@@ -111,6 +112,7 @@ def test_bad_config_is_one_line_naming_file_and_key(tmp_path, text, error, expec
         "tables": keys_of(Config, "source"),  # (the file it came from, not a key)
         "dtypes": ", ".join(repr(d) for d in dtypes),
         "schedulers": ", ".join(repr(name) for name in registry.names("scheduler")),
+        "folder": tmp_path.resolve(),
     }
     path = write(tmp_path, text)
     with pytest.raises(error) as info:
@@ -198,3 +200,16 @@ def test_offline_llm_takes_a_larger_step_budget_where_the_config_sets_none(tmp_p
     assert _with_offline_defaults(path, {}).scheduler.options.max_num_batched_tokens == 384
     path.write_text("[model]\ndtype = 'float32'\n")
     assert _with_offline_defaults(path, {}).scheduler.options.max_num_batched_tokens == budget
+
+
+def test_a_plugin_module_beside_the_config_is_found(tmp_path, monkeypatch):
+    """``plugins = ["mod"]`` imports mod.py from the config's folder when it is not on sys.path."""
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    (tmp_path / "beside_the_config_sjf.py").write_text(
+        "from conveyor.hookspecs import hookimpl\n"
+        "from conveyor.scheduler import Scheduler\n\n"
+        "class Beside(Scheduler):\n    name = 'beside'\n\n"
+        "@hookimpl\ndef conveyor_register_schedulers(register):\n    register(Beside)\n")
+    config = load_config(write(tmp_path, 'plugins = ["beside_the_config_sjf"]\n[scheduler]\nplugin = "beside"\n'))
+    assert config.scheduler.plugin == "beside"
+    assert PluginRegistry.of(config).get("scheduler", "beside").__module__ == "beside_the_config_sjf"
