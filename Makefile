@@ -6,7 +6,7 @@ PIP    := $(PY) -m pip --quiet --disable-pip-version-check
 STAMP  := $(VENV)/.conveyor-setup
 CONFIG ?= configs/default.toml
 
-.PHONY: setup serve test bench clean
+.PHONY: setup serve test bench docs clean
 
 setup: $(STAMP)
 
@@ -33,5 +33,10 @@ test: setup
 bench: setup
 	$(PY) benchmarks/serving.py --out bench-results
 
+# The documentation site in site/ (the configuration reference written again from the code first).
+docs: setup
+	$(PY) -m conveyor.config.reference > docs/configuration.md
+	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict
+
 clean:
-	rm -rf $(VENV) build *.egg-info core/*.egg-info
+	rm -rf $(VENV) build site *.egg-info core/*.egg-info

@@ -64,7 +64,7 @@ class EngineConfig(msgspec.Struct, forbid_unknown_fields=True):
     attention: Literal["auto", "cpu", "torch", "triton"] = "auto"
     # decode steps through torch.compile (inductor), one graph per batch size in compile_batch_sizes (a step
     # of decodes runs in the smallest that holds it, padded); prefill and mixed steps stay eager. "auto":
-    # on CUDA; off on a CPU, where eager with the C++ kernels measured as fast (README). "on" compiles on a
+    # on CUDA; off on a CPU, where eager with the C++ kernels measured as fast (docs/performance.md). "on" compiles on a
     # CPU too; "off" never. Needs an attention backend over block tables ("cpu" or "triton") and one worker.
     compile: Literal["auto", "on", "off"] = "auto"
     # batch sizes compiled at start-up (capped at [scheduler] max_num_seqs, which is added when missing)
@@ -76,19 +76,20 @@ class EngineConfig(msgspec.Struct, forbid_unknown_fields=True):
     speculative: Literal["off", "ngram", "draft"] = "off"
     # tokens proposed per request and step
     num_speculative_tokens: Annotated[int, msgspec.Meta(ge=1, le=16)] = 4
-    # lengths of the n-gram looked up, longest first
+    # the longest n-gram looked up (then shorter ones, down to ngram_min)
     ngram_max: Annotated[int, msgspec.Meta(ge=1)] = 4
+    # the shortest n-gram looked up
     ngram_min: Annotated[int, msgspec.Meta(ge=1)] = 2
     # speculative = "draft": the draft model (a path as [model] path takes), with the same vocabulary
     draft_model: str = ""
     # batch-invariant mode: a request's tokens and logprobs are bit-identical whatever else is in its steps
     # (alone or among many, its prompt in any chunks, preempted or not): every matmul runs in blocks of a fixed
-    # number of rows, and every token attends as a decode does. Costs throughput (README, "Batch-invariant
-    # mode"); one worker, no speculative decoding, no LoRA, decode steps not compiled.
+    # number of rows, and every token attends as a decode does. Costs throughput (docs/correctness.md,
+    # "Batch-invariant mode"); one worker, no speculative decoding, no LoRA, decode steps not compiled.
     batch_invariant: bool = False
     # overlapped steps: while the worker runs step N the engine core schedules step N+1 (a request's next input
     # is the token step N samples, which the worker feeds in itself) and publishes step N-1's outputs. "auto":
-    # on where it measured faster (README, "Async scheduling"); "on" needs one worker (tensor_parallel_size =
+    # on where it measured faster (docs/performance.md, "Async scheduling"); "on" needs one worker (tensor_parallel_size =
     # pipeline_parallel_size = 1: pipeline stages overlap their steps already).
     async_scheduling: Literal["auto", "on", "off"] = "auto"
 
@@ -154,7 +155,7 @@ class LoraConfig(msgspec.Struct, forbid_unknown_fields=True):
     # for an adapter not held waits until a slot frees (the least recently used adapter no request holds
     # goes first)
     max_loras: Annotated[int, msgspec.Meta(ge=0, le=64)] = 0
-    # the largest adapter rank; the slots are this wide (memory: see README "LoRA adapters")
+    # the largest adapter rank; the slots are this wide (memory: docs/lora.md)
     max_lora_rank: Annotated[int, msgspec.Meta(ge=1, le=256)] = 16
     # adapters served from start-up: name -> directory (adapter_config.json, adapter_model.safetensors);
     # requests choose one with "model": "NAME" or "BASE:NAME"

@@ -16,7 +16,7 @@ if TYPE_CHECKING:
 class NoQuantOptions(msgspec.Struct, forbid_unknown_fields=True):
     # CPU, bfloat16: MB of memory for a second copy of the linear weights that a C++ kernel streams for
     # decode steps faster than oneDNN's prepacked layout: with AMX, laid out as AMX tiles for steps of up
-    # to 64 tokens; with AVX-512 BF16 only, row-major for steps of one token (README, "Fast steps"). Layers
+    # to 64 tokens; with AVX-512 BF16 only, row-major for steps of one token (docs/performance.md, "Fast steps"). Layers
     # get copies in order until the budget is spent; 0 keeps none. Ignored elsewhere.
     cpu_decode_copy_mb: Annotated[float, msgspec.Meta(ge=0)] = 1024.0
 
