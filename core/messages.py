@@ -74,6 +74,9 @@ class RequestOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fals
     error_param: str | None = None
     # with params.pooling: the embedding, float32 little-endian [hidden_size] (the request's last output)
     embedding: bytes = b""
+    # structured output, on the last output: the answer was brought to a close (the grammar's completion forced
+    # as max_tokens ran out), so that it parses
+    grammar_closed: bool = False
 
 
 class SchedulerStats(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):

@@ -35,6 +35,16 @@ if TYPE_CHECKING:
     from conveyor.model.tokenizer import Tokenizer
 
 
+# the characters a shortest completion tries, closers first: what ends a string, an object or an array, then
+# the shortest values and separators, then the rest (a pattern that needs them)
+CLOSING_ORDER = ('"}]0,: ' + "abcdefghijklmnopqrstuvwxyz" + "ABCDEFGHIJKLMNOPQRSTUVWXYZ" + "123456789"
+                 + "-.+_@/\\\n\t{[()<>=!?#$%&*;'`^|~")
+# the first characters of CLOSING_ORDER, each tried for whether it completes the grammar at once
+CLOSERS = 8
+# the longest completion looked for, in characters
+MAX_CLOSING_CHARS = 512
+
+
 def _choice_regex(choices: list[str]) -> str:
     return "|".join(f"({re.escape(c)})" for c in choices)
 
@@ -66,6 +76,7 @@ class Grammars:
                                                   stop_token_ids=sorted(tokenizer.eos_token_ids) or None)
         self.compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=True)
         self.vocab_size = vocab_size
+        self.tokenizer = tokenizer
 
     def compile(self, spec: StructuredOutput) -> xgrammar.CompiledGrammar:
         """The language against the vocabulary (cached: the same spec compiles once).
@@ -98,6 +109,41 @@ class Grammars:
         import xgrammar as xgr
 
         return xgr.GrammarMatcher(compiled)
+
+    def closing(self, matcher: xgrammar.GrammarMatcher) -> list[int] | None:
+        """The tokens of a short text that completes the grammar from the matcher's state (the matcher is left
+        as it is), or None when none is found. Built a character at a time: the grammar's forced text where
+        there is one, else a character that completes it, else the first that ``CLOSING_ORDER`` allows
+        (closers and the shortest values first: for JSON this closes what is open with the least it may)."""
+        state = matcher.fork()
+        text: list[str] = []
+        size = 0
+        while not state.is_completed():
+            if size > MAX_CLOSING_CHARS:
+                return None
+            forced = state.find_jump_forward_string()
+            if forced:
+                state.accept_string(forced)
+                text.append(forced)
+                size += len(forced)
+                continue
+            allowed = None
+            for index, char in enumerate(CLOSING_ORDER):
+                if allowed is not None and index >= CLOSERS:
+                    break  # (past the closers: the first character allowed will do)
+                trial = state.fork()
+                if not trial.accept_string(char):
+                    continue
+                if trial.is_completed():
+                    allowed = trial, char
+                    break
+                allowed = allowed or (trial, char)
+            if allowed is None:
+                return None
+            state = allowed[0]
+            text.append(allowed[1])
+            size += 1
+        return self.tokenizer.encode("".join(text), add_special_tokens=False) if text else []
 
     def bitmask(self, matchers: list[xgrammar.GrammarMatcher]) -> torch.Tensor:
         """``[len(matchers), ceil(vocab / 32)]`` int32: bit t of a row is set where token t may come next."""

@@ -63,6 +63,8 @@ class Chunk(msgspec.Struct):
     stop_string: str | None = None
     # with params.pooling, on the last chunk: the embedding (float32 little-endian [hidden_size])
     embedding: bytes = b""
+    # structured output, on the last chunk: the answer was closed to fit max_tokens (RequestOutput.grammar_closed)
+    grammar_closed: bool = False
 
 
 def embedding_floats(vector: bytes, normalize: bool) -> list[float]:

@@ -231,11 +231,10 @@ def test_a_regex_or_grammar_that_does_not_compile_is_a_400_naming_it(default_ser
 
 @pytest.fixture(scope="module")
 def zmq_server(tmp_path_factory):
-    """The default model served over HTTP and the ZMQ transport."""
+    """The default model served over the ZMQ transport alone."""
     from tests.server import Server
 
-    config = '[server]\nstatus_interval = 0\n\n[[transport]]\nplugin = "http"\nport = 0\n\n' \
-             '[[transport]]\nplugin = "zmq"\naddress = "tcp://127.0.0.1:*"\n'
+    config = '[server]\nstatus_interval = 0\n\n[[transport]]\nplugin = "zmq"\naddress = "tcp://127.0.0.1:*"\n'
     server = Server(config, tmp_path_factory.mktemp("structured_zmq")).start()
     yield server
     assert server.stop() == 0, server.output
@@ -244,9 +243,12 @@ def zmq_server(tmp_path_factory):
 def test_structured_output_over_zmq(zmq_server):
     """``params.structured`` as docs/zmq-protocol.md writes it (a map with one language; a schema as JSON text),
     five languages and two that do not compile sent at once on one socket: each reply is in its language, each
-    bad one an ``error`` with status 400 naming what does not compile."""
+    bad one an ``error`` with status 400 naming what does not compile. (The server lists no HTTP table: its
+    banner says that it serves no HTTP.)"""
     import msgspec
     import zmq
+
+    assert "No HTTP: the config's [[transport]] tables replace the default one" in zmq_server.output
 
     requests = {
         "regex": ("Who is 42?", {"regex": WHO_RE}),
@@ -286,3 +288,49 @@ def test_structured_output_over_zmq(zmq_server):
     for rid, words in [("bad-regex", "the regex cannot be compiled"), ("bad-grammar", "the grammar cannot be compiled")]:
         kind, error = replies[rid]
         assert kind == b"error" and error["status"] == 400 and words in error["message"], error
+
+
+CITY_POPULATION = {"type": "object", "properties": {"name": {"type": "string"}, "country": {"type": "string"},
+                                                     "population": {"type": "integer"}},
+                   "required": ["name", "country", "population"]}
+POPULATION_PROMPT = [{"role": "user", "content": "Give the name, country and exact population of New York as JSON."}]
+
+
+def test_an_answer_is_closed_within_max_tokens_and_parses(llm_fp32):
+    """An unbounded integer and strings, which SmolLM2 runs on until max_tokens (e.g. a population of ever more
+    digits): greedy and sampled with max_tokens 64, and the 30 schemas at a budget a third of their usual
+    length wherever their shortest answer fits it: every answer parses and validates (jsonschema)."""
+    schema = StructuredOutput(json=json.dumps(CITY_POPULATION))
+    params = [SamplingParams(max_tokens=64, temperature=t, seed=seed, structured=schema)
+              for t, seed in [(0.0, None)] + [(1.0, s) for s in range(6)]]
+    outputs = llm_fp32.generate([POPULATION_PROMPT] * len(params), params)
+    for output in outputs:
+        assert len(output.token_ids) <= 64
+        jsonschema.validate(json.loads(output.text), CITY_POPULATION)
+    grammars = llm_fp32.engine.grammars.grammars
+    fitting, budgets = [], []
+    for s in SCHEMAS:
+        shortest = grammars.closing(grammars.matcher(grammars.compile(StructuredOutput(json=json.dumps(s["schema"])))))
+        budget = max(8, len(shortest) + 1)
+        if budget <= 48:
+            fitting.append(s)
+            budgets.append(budget + 6)
+    assert len(fitting) >= 20
+    params = [SamplingParams(max_tokens=b, temperature=1.0, seed=3, structured=StructuredOutput(json=json.dumps(
+        s["schema"]))) for s, b in zip(fitting, budgets)]
+    for s, output in zip(fitting, llm_fp32.generate([ask(s["name"]) for s in fitting], params)):
+        jsonschema.validate(json.loads(output.text), s["schema"])
+
+
+def test_a_closed_answer_says_so(openai_client):
+    """The chat completion of an answer closed to fit max_tokens carries grammar_closed: true."""
+    for seed in range(8):
+        reply = openai_client.chat.completions.create(
+            model="smollm2-135m-instruct", messages=POPULATION_PROMPT, max_tokens=20, temperature=1.0, seed=seed,
+            response_format={"type": "json_schema", "json_schema": {"name": "city", "schema": CITY_POPULATION}})
+        choice = reply.choices[0]
+        jsonschema.validate(json.loads(choice.message.content), CITY_POPULATION)
+        if (choice.model_extra or {}).get("grammar_closed"):
+            assert reply.usage.completion_tokens <= 20
+            return
+    pytest.fail("no answer of 20 tokens needed closing")

@@ -255,6 +255,10 @@ class EngineCore:
                                         result.accepted_logprobs)
         if self.grammars.matchers:
             self._end_grammars(batch, result.sampled, outputs)
+        if self.grammars.closed:
+            for output in outputs:
+                output.grammar_closed = output.finish_reason is not None and output.request_id in self.grammars.closed
+            self.grammars.closed &= self.grammars.matchers.keys()
         if self.proposer is not None:
             self.proposer.propose(batch.requests, result)
         if result.prompt_logprobs:
@@ -369,7 +373,7 @@ class EngineCore:
         step = StepInput(requests, batch.num_decodes, finished)
         if self.grammars.matchers:
             step.grammar_rows, step.bitmask = self.grammars.bitmask(
-                [e.request_id if e.sample else None for e in requests])
+                [r if e.sample else None for r, e in zip(batch.requests, requests)])
         return step
 
     def _add_prompt_logprobs(

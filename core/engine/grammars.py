@@ -8,6 +8,15 @@ a language: this compile is the check).
 Before a step samples for it, its matcher fills its row of the step's token
 bitmask; after the step, the sampled token advances the matcher.
 
+An answer under a grammar must also end within ``max_tokens``: a small model
+can stay inside an unbounded integer or string until the budget runs out and
+return text that does not parse. So as the budget runs down, the tokens of a
+short completion of the grammar from where the answer stands
+(``Grammars.closing``) are counted, at checks that come closer together as
+the budget nears them; once only those tokens (and the stop token) are left,
+they are forced, one a step: the answer completes the grammar whenever the
+budget allows it to, and its output says it was closed.
+
 The grammar engine is set up in that thread when the first structured
 request comes (as vLLM does): reading the tokenizer's vocabulary and importing
 xgrammar take about 4.5 s for SmolLM2's GGUF on a 2-core CPU, which that
@@ -17,7 +26,9 @@ one never pays it.
 
 from __future__ import annotations
 
+from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from conveyor.config import Config
@@ -26,6 +37,22 @@ from conveyor.request import Request, RequestStatus
 
 if TYPE_CHECKING:
     from conveyor.structured import Grammars
+
+
+# tokens kept in hand when an answer's closing is forced: one token may open several levels of nesting before
+# the next check counts them
+CLOSING_MARGIN = 3
+# from this many tokens of slack on, the completion is counted again at every step
+CLOSING_EVERY_STEP = 32
+
+
+@dataclass
+class _Closing:
+    """One request's closing: the tokens forced from here on (once they are due), and the budget left at which
+    its completion is counted again."""
+
+    forced: deque[int] = field(default_factory=deque)
+    check_at: int | None = None  # None: at the next step
 
 
 class GrammarRequests(AdmissionGate):
@@ -41,6 +68,10 @@ class GrammarRequests(AdmissionGate):
         self.compiling: dict[str, Future] = {}
         # request id -> the matcher of a request the scheduler holds
         self.matchers: dict[str, object] = {}
+        # request id -> how its answer is brought to a close within its max_tokens
+        self.closings: dict[str, _Closing] = {}
+        # requests whose answer is being closed (their last output says so; the engine prunes the ended)
+        self.closed: set[str] = set()
 
     def _build(self) -> Grammars:
         from conveyor.model.tokenizer import load_tokenizer
@@ -81,6 +112,7 @@ class GrammarRequests(AdmissionGate):
             del self.compiling[request.request_id]
             try:
                 self.matchers[request.request_id] = self.grammars.matcher(future.result())
+                self.closings[request.request_id] = _Closing()
                 ready.append(request)
             except ValueError as e:  # the language does not compile: the request ends with a 400 saying why
                 failed.append((request, f"structured output: {e}"))
@@ -94,15 +126,44 @@ class GrammarRequests(AdmissionGate):
         if future is not None:
             future.cancel()
         self.matchers.pop(request.request_id, None)
+        self.closings.pop(request.request_id, None)
 
-    def bitmask(self, request_ids: list[str | None]) -> tuple[list[int], bytes]:
-        """For the entries of a step that sample (their ids; None for the others): the entries under a grammar,
-        and their rows of the token bitmask (int32, little-endian)."""
-        rows = [i for i, request_id in enumerate(request_ids) if request_id in self.matchers]
+    def bitmask(self, requests: list[Request | None]) -> tuple[list[int], bytes]:
+        """For the entries of a step that sample (their requests; None for the others): the entries under a
+        grammar, and their rows of the token bitmask (int32, little-endian); a row whose answer is being closed
+        allows only its next forced token."""
+        rows = [i for i, request in enumerate(requests) if request is not None and request.request_id in self.matchers]
         if not rows:
             return [], b""
-        mask = self.grammars.bitmask([self.matchers[request_ids[i]] for i in rows])
+        mask = self.grammars.bitmask([self.matchers[requests[i].request_id] for i in rows])
+        for row, i in enumerate(rows):
+            token = self._forced(requests[i])
+            if token is not None:
+                mask[row] = 0
+                bit = 1 << (token % 32)
+                mask[row, token // 32] = bit - (1 << 32) if bit >= 1 << 31 else bit
         return rows, mask.numpy().tobytes()
+
+    def _forced(self, request: Request) -> int | None:
+        """The token the request must take now for its answer to complete the grammar within its budget."""
+        closing = self.closings[request.request_id]
+        if closing.forced:
+            return closing.forced[0]
+        left = request.max_total_tokens - request.num_tokens  # (this step's token included)
+        if closing.check_at is not None and left > closing.check_at:
+            return None
+        closing.check_at = None
+        tokens = self.grammars.closing(self.matchers[request.request_id])
+        if not tokens:  # complete already (the stop token may come), or no completion found from here (e.g.
+            return None  # inside a character of several bytes): looked for again at the next step
+        slack = left - len(tokens) - 1 - CLOSING_MARGIN  # (one token more for the stop token)
+        if slack <= 0:
+            closing.forced.extend(tokens)
+            self.closed.add(request.request_id)
+            return tokens[0]
+        if slack > CLOSING_EVERY_STEP:
+            closing.check_at = left - slack // 4  # (a completion grows by a few tokens a token at most)
+        return None
 
     def advance(self, requests: list[Request], sampled: list[int | None]) -> list[Request]:
         """Feed each request its sampled token; returns the requests whose grammar is complete (ended by its
@@ -112,6 +173,9 @@ class GrammarRequests(AdmissionGate):
             matcher = self.matchers.get(request.request_id)
             if matcher is None or token is None or request.is_finished:
                 continue
+            forced = self.closings[request.request_id].forced
+            if forced and forced[0] == token:
+                forced.popleft()
             if not matcher.accept_token(token) or matcher.is_terminated():
                 ended.append(request)
         return ended

@@ -222,6 +222,7 @@ class EngineFrontend:
                         output.prompt_logprobs_start,
                         text.matched if reason is not None else None,
                         output.embedding,
+                        output.grammar_closed,
                     )
                     if reason is not None:
                         return

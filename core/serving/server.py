@@ -179,4 +179,7 @@ def _print_banner(model_name: str, kv_layout: str, ready: EngineReady, urls: lis
                 "\"content\": \"What is the capital of France?\"}]}'"
             ),
         ]
+    else:
+        lines.append("No HTTP: the config's [[transport]] tables replace the default one; add a table with "
+                     "plugin = \"http\" to serve it beside them")
     print("\n".join(lines), flush=True)

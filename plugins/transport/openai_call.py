@@ -49,6 +49,8 @@ class Call:
         self.finish_reasons: list[str | None] = [None] * body.n
         # the stop string that ended each choice, if one did
         self.stop_strings: list[str | None] = [None] * body.n
+        # structured output: whether each choice's answer was closed to fit max_tokens (Chunk.grammar_closed)
+        self.grammar_closed = [False] * body.n
         # each choice's reply read for its thinking (with a reasoning parser) and tool calls (all text where no
         # tools are active)
         self.reasoning = chat and frontend.reasoning_parser == "think" and params.structured is None
@@ -79,6 +81,7 @@ class Call:
             self.logprobs[index] += chunk.logprobs or []
             self.finish_reasons[index] = chunk.finish_reason
             self.stop_strings[index] = chunk.stop_string
+            self.grammar_closed[index] = chunk.grammar_closed
             self.num_cached_tokens = max(self.num_cached_tokens, chunk.num_cached_tokens)
 
         try:
@@ -111,6 +114,8 @@ class Call:
                 choice["text"] = self.texts[i]
             choice["logprobs"] = self._logprobs(i, self.token_ids[i], self.logprobs[i], 0)
             choice["finish_reason"] = finish_reason
+            if self.grammar_closed[i]:
+                choice["grammar_closed"] = True
             choices.append(choice)
         return api.envelope(self.id, self.object, self.model, choices, usage=self.usage())
 
@@ -168,6 +173,8 @@ class Call:
                 last = j == len(fields) - 1
                 choice = {"index": index, **field, "logprobs": logprobs if j == 0 else None,
                           "finish_reason": finish_reason if last else None}
+                if last and chunk.grammar_closed:
+                    choice["grammar_closed"] = True
                 await emit(api.envelope(self.id, chunk_object, model, [choice], **extra))
 
         await self.run(on_chunk)
