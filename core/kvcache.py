@@ -7,6 +7,34 @@ reuse the blocks of a prefix computed before (``match_prefix``), and says
 which blocks hold a request (``block_ids``). It is bookkeeping only, with no
 tensors: the workers allocate the pool that ``layout`` describes and compute
 attention over it.
+
+The contract a layout keeps with the scheduler, in the order a request meets it:
+
+- At admission (a new request, or a preempted one coming back with
+  ``num_computed_tokens = 0``), the scheduler calls ``match_prefix`` and then, in
+  the same step with nothing in between, ``allocate(request, n, prefix)``.
+  Requests with ``params.prompt_logprobs`` or ``params.pooling == "mean"`` need
+  every prompt token computed: for them it skips ``match_prefix`` and passes an
+  empty ``PrefixMatch``.
+- Every later step that computes ``n`` more tokens calls ``allocate(request, n)``
+  first. Then ``request.num_computed_tokens`` tokens are computed and stored (the
+  step before finished): a layout that caches prefixes makes the full blocks
+  among them findable here (there is no other "tokens computed" hook), and may
+  give back blocks that fall wholly behind ``spec.sliding_window`` of the next
+  query (``block_ids`` then still lists a block id in their place: the spare
+  block ``num_blocks``, which no kernel reads).
+- ``free`` comes once when the request finishes, is aborted or preempted; a
+  layout may register its full computed blocks then too.
+
+A layout may read these ``Request`` fields and nothing else: ``request_id``,
+``status`` (``WAITING`` at a first admission, ``PREEMPTED`` at a re-admission),
+``num_computed_tokens``, ``num_tokens`` and ``num_prompt_tokens``,
+``max_total_tokens`` (the most it grows to), ``token_ids(start, end)`` /
+``all_token_ids()`` (prompt and outputs so far), ``cache_salt`` (the prefix
+cache's namespace: the LoRA adapter) and ``params``.
+
+Any block size the options allow works with every attention backend (torch,
+C++ CPU, Triton): they index the block table per token.
 """
 
 from __future__ import annotations
@@ -104,11 +132,16 @@ class KVCacheManager(ABC):
     name: ClassVar[str]
     Options: ClassVar[type[msgspec.Struct]] = KVCacheOptions
 
-    def __init__(self, options: msgspec.Struct, spec: KVCacheSpec, free_memory: int | None):
-        """
+    def __init__(self, options: msgspec.Struct, spec: KVCacheSpec, free_memory: int | None = None):
+        """Size the pool: set ``num_blocks`` and ``block_size`` (``blocks_in_budget`` turns the memory budget
+        into blocks; ``log_capacity`` logs the result as the built-in layouts do).
+
         Args:
             options: an instance of ``Options``.
-            spec: what the model stores per token (``cache_dtype`` "auto"; a layout may store fp8).
+            spec: what the model stores per token, with ``cache_dtype`` "auto". A layout that honours
+                ``options.dtype`` (every ``KVCacheOptions`` has it) passes
+                ``msgspec.structs.replace(spec, cache_dtype=options.dtype)`` on to this method: the workers
+                then store fp8 with its scales, and ``bytes_per_token`` (so the budget) counts them.
             free_memory: bytes the device has free once the weights are loaded, or None where that is
                 not measured (CPU: the configured budget applies).
         """
@@ -131,19 +164,38 @@ class KVCacheManager(ABC):
     @property
     @abstractmethod
     def num_free_blocks(self) -> int:
-        """Blocks no request holds (cached prefix blocks count: they are reused when needed)."""
+        """Blocks no request holds (cached prefix blocks count: they are reused when needed).
+
+        Returns:
+            0 .. ``num_blocks``; ``usage()`` and /metrics' free blocks come from it.
+        """
 
     @abstractmethod
     def can_fit(self, sizes: Sequence[int]) -> bool:
-        """Whether requests growing to these numbers of tokens fit in the empty
-        cache together (a request that never fits is rejected at admission)."""
+        """Whether requests growing to these numbers of tokens fit in the empty cache together.
+
+        Args:
+            sizes: tokens each request grows to at most (``max_total_tokens``).
+
+        Returns:
+            False for a request that can never fit: the scheduler rejects it at admission (400).
+        """
 
     def match_prefix(self, request: Request) -> PrefixMatch:
         """Find the longest start of the request's tokens already in the cache.
 
-        Reserves nothing: pass the result to ``allocate`` in the same step.
-        Layouts without prefix caching find nothing. Tokens match only under the same
-        ``request.cache_salt`` (their KV depends on it too: the request's LoRA adapter).
+        Matching runs over ``request.all_token_ids()``: a preempted request's own outputs may match too. It
+        must leave at least the last token unmatched (its logits pick the next token; a match that covers
+        every token never gets a step). Tokens match only under the same ``request.cache_salt`` (their KV
+        depends on it too: the request's LoRA adapter). Layouts without prefix caching find nothing.
+
+        Args:
+            request: a request being admitted.
+
+        Returns:
+            The matched tokens (a multiple of ``block_size``) and their blocks. Nothing is reserved: the
+            scheduler passes the result to ``allocate`` right after, in the same step, before any other
+            allocation, so matched blocks cannot be evicted in between.
         """
         return PrefixMatch()
 
@@ -164,18 +216,43 @@ class KVCacheManager(ABC):
 
     @abstractmethod
     def free(self, request: Request) -> None:
-        """Release everything held for ``request`` (finished, aborted or preempted)."""
+        """Release everything held for ``request`` (finished, aborted or preempted).
+
+        Args:
+            request: a request this manager allocated for; called once for it (a preempted one is
+                allocated for again from scratch when it comes back).
+        """
 
     @abstractmethod
     def block_ids(self, request: Request) -> list[int]:
-        """The blocks holding ``request``'s tokens, in order (after this step's ``allocate``)."""
+        """The blocks holding ``request``'s tokens, in order (after this step's ``allocate``).
+
+        Args:
+            request: a running request.
+
+        Returns:
+            Block ids in ``0 .. num_blocks - 1`` (or ``num_blocks``, the spare, for a block given back behind
+            a sliding window), covering every position up to ``num_computed_tokens`` + this step's tokens.
+        """
 
     @abstractmethod
     def stats(self) -> KVCacheStats:
-        """The blocks now, and the layout's counters."""
+        """The blocks now, and the layout's counters.
+
+        Returns:
+            A ``KVCacheStats``; a layout leaves at 0 what it does not have. The prefix-cache counters are
+            cumulative and count each prompt once, at its first admission (``status`` ``WAITING``), so
+            that hit tokens never exceed the prompt tokens served: ``num_prefix_query_tokens`` its tokens,
+            ``num_prefix_hit_tokens`` those matched; ``num_evictions`` counts a cached block reused for
+            another request's tokens, when it is handed out.
+        """
 
     def usage(self) -> float:
-        """Fraction of the blocks in use, 0..1."""
+        """How full the cache is.
+
+        Returns:
+            The fraction of the blocks in use, 0..1 (from ``num_free_blocks``).
+        """
         return 1.0 - self.num_free_blocks / self.num_blocks
 
 

@@ -78,6 +78,9 @@ class QuantMethod(ABC):
         Args:
             weight: ``[out_features, in_features]`` float32, on the CPU (the whole weight).
             columns: the input features this worker multiplies.
+
+        Returns:
+            The tensors to store, on ``self.device``, as ``prepare`` returns them for those columns.
         """
         return self.prepare(weight[:, columns].contiguous())
 
@@ -98,7 +101,14 @@ class QuantMethod(ABC):
     def packed_table(self, params: Params) -> PackedWeight | None:
         """What ``prepare_packed`` kept of a one-part weight, as a ``PackedWeight`` in the layout it is kept in
         (where that is one ``conveyor.model.ggml`` dequantizes): a tied embedding then looks its rows up in the
-        head's bytes instead of holding the table twice. None: nothing to share."""
+        head's bytes instead of holding the table twice.
+
+        Args:
+            params: what ``prepare_packed`` returned for a one-part weight.
+
+        Returns:
+            The kept weight, or None (the default): nothing to share.
+        """
         return None
 
     @abstractmethod
@@ -114,11 +124,24 @@ class QuantMethod(ABC):
         """
 
     def num_bytes(self, params: Params) -> int:
-        """Bytes the stored tensors occupy."""
+        """Bytes the stored tensors occupy.
+
+        Args:
+            params: what ``prepare`` (or ``prepare_packed``) returned.
+
+        Returns:
+            The sum over the tensors (the default), for the banner and /metrics.
+        """
         return sum(t.numel() * t.element_size() for t in params.values())
 
     def formats(self, params: Params) -> dict[str, int]:
         """The bytes of one layer's params by the format they are kept in (the banner and /metrics say it);
-        "copies" for second copies that a step reads instead of the first. The default: all under the method's
-        name."""
+        "copies" for second copies that a step reads instead of the first.
+
+        Args:
+            params: what ``prepare`` (or ``prepare_packed``) returned.
+
+        Returns:
+            Bytes by format name; the default: ``{self.name: self.num_bytes(params)}``.
+        """
         return {self.name: self.num_bytes(params)}

@@ -4,6 +4,7 @@ configuration reference generated from the code, with a doc line for every key."
 
 from __future__ import annotations
 
+import inspect
 import os
 import subprocess
 import sys
@@ -13,7 +14,12 @@ import msgspec
 import pytest
 
 from conveyor.config.reference import CORE_TABLES, reference_markdown, undocumented
+from conveyor.gates import AdmissionGate
+from conveyor.kvcache import KVCacheManager
+from conveyor.quant import QuantMethod
 from conveyor.registry import PluginRegistry
+from conveyor.scheduler import Scheduler
+from conveyor.transport import Transport
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -59,3 +65,87 @@ def test_the_site_builds_strict(tmp_path):
     assert (tmp_path / "site" / "configuration" / "index.html").exists()
     api = (tmp_path / "site" / "api" / "index.html").read_text()
     assert "match_prefix" in api and "KVCacheManager" in api  # (the docstrings made it in)
+
+
+def _methods(cls):
+    for name, member in cls.__dict__.items():
+        function = member.fget if isinstance(member, property) else getattr(member, "__func__", member)
+        if (not name.startswith("_") or name == "__init__") and inspect.isfunction(function):
+            yield name, function, isinstance(member, property)
+
+
+@pytest.mark.parametrize("cls", [KVCacheManager, QuantMethod, Scheduler, Transport, AdmissionGate],
+                         ids=lambda c: c.__name__)
+def test_every_base_class_method_has_a_docstring(cls):
+    assert [name for name, function, _ in _methods(cls) if not inspect.getdoc(function)] == []
+
+
+@pytest.mark.parametrize("cls", [KVCacheManager, QuantMethod], ids=lambda c: c.__name__)
+def test_the_methods_a_layout_or_quant_method_implements_say_their_args_and_returns(cls):
+    missing = []
+    for name, function, is_property in _methods(cls):
+        doc, signature = inspect.getdoc(function), inspect.signature(function)
+        if any(p not in ("self", "cls") for p in signature.parameters) and "Args:" not in doc:
+            missing.append(f"{name}: Args")
+        returns = signature.return_annotation not in (None, "None", inspect.Signature.empty)
+        if returns and name != "__init__" and not is_property and "Returns:" not in doc:
+            missing.append(f"{name}: Returns")
+    assert missing == []
+
+
+def test_the_grafana_dashboard_reads_only_metrics_the_server_exports():
+    """docs/grafana/conveyor.json: valid JSON whose every query names series that /metrics renders."""
+    import json
+    import re
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from conveyor.serving.metrics import ServerMetrics
+
+    dashboard = json.loads((REPO / "docs" / "grafana" / "conveyor.json").read_text())
+    exprs = [target["expr"] for panel in dashboard["panels"] for target in panel["targets"]]
+    wanted = {name for expr in exprs for name in re.findall(r"conveyor_[a-z_]+", expr)}
+    metrics = ServerMetrics("m")
+    metrics.request_done("stop", 1.0, 5)  # (requests by finish reason show once one has finished)
+    rendered = metrics.render(True, 0).decode()
+    exported = {sample.name for family in text_string_to_metric_families(rendered) for sample in family.samples}
+    assert len(wanted) >= 12 and wanted <= exported, wanted - exported
+
+
+def _code_blocks(page: str, language: str) -> list[str]:
+    import re
+
+    return re.findall(rf"```{language}\n(.*?)```", (REPO / "docs" / page).read_text(), re.S)
+
+
+def test_the_zmq_pages_config_example_loads_and_builds_as_pasted(tmp_path):
+    """docs/zmq-protocol.md's first TOML block, pasted into a file: it loads, serves HTTP beside ZeroMQ, and its
+    transports build (CURVE stays commented out until the key files exist)."""
+    from conveyor.config import load_config
+
+    path = tmp_path / "zmq.toml"
+    path.write_text(_code_blocks("zmq-protocol.md", "toml")[0])
+    config = load_config(path)
+    assert [spec.plugin for spec in config.transport] == ["http", "zmq"]
+    registry = PluginRegistry.of(config)
+    for spec in config.transport:
+        registry.build("transport", spec)
+
+
+def test_the_plugin_pages_quant_example_keeps_the_bias_and_imports_no_torch(tmp_path):
+    """docs/plugins.md's quant method, saved as a module: importing it loads no torch; it registers, and its
+    linear is ``F.linear`` with the bias it was given."""
+    (tmp_path / "my_quant.py").write_text(next(b for b in _code_blocks("plugins.md", "python") if "HalfWeights" in b))
+    check = (
+        "import sys; import my_quant; assert 'torch' not in sys.modules, 'torch imported'\n"
+        "import torch, torch.nn.functional as F\n"
+        "from conveyor.registry import PluginRegistry\n"
+        "cls = PluginRegistry(['my_quant']).get('quant', 'half')\n"
+        "method = cls(None, torch.float32, torch.device('cpu'))\n"
+        "w, b, x = torch.randn(6, 8), torch.randn(6), torch.randn(3, 8)\n"
+        "expected = F.linear(x, w.to(torch.bfloat16).float(), b)\n"
+        "torch.testing.assert_close(method.linear(x, method.prepare(w, b)), expected)\n"
+    )
+    result = subprocess.run([sys.executable, "-c", check], cwd=tmp_path, capture_output=True, text=True,
+                            timeout=300, check=False, env={**os.environ, "PYTHONPATH": str(tmp_path)})
+    assert result.returncode == 0, result.stderr[-2000:]

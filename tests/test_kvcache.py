@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from conveyor.plugins.kvcache.contiguous import ContiguousKVCache, ContiguousOptions
 from conveyor.plugins.schedulers.continuous import ContinuousOptions, ContinuousScheduler
+from conveyor.request import Request
+from conveyor.sampling import SamplingParams
 from tests.factories import assert_no_leak, create_kvcache, create_request, create_spec, fake_step, run_to_completion
 
 
@@ -113,4 +115,24 @@ def test_a_sliding_window_bounds_the_blocks_a_request_holds():
     fake_step(scheduler)
     assert second.num_cached_tokens == 28  # the first 7 blocks: freed behind the window, still cached
     run_to_completion(scheduler)
+    assert_no_leak(kvcache)
+
+
+def test_prefix_cache_counters_count_each_prompt_once_under_preemption():
+    """Queried and hit tokens are the prompts' (each counted at its first admission): a preempted request that
+    finds its own blocks again on re-admission adds nothing, so hits never pass the prompt tokens served."""
+    kvcache = create_kvcache(num_blocks=10, block_size=4)
+    scheduler = ContinuousScheduler(ContinuousOptions(), kvcache, 256)
+    system = list(range(900, 912))  # 3 shared blocks
+    requests = []
+    for i in range(4):
+        request = Request(f"r{i}", system + [i + 1, i + 2], SamplingParams(max_tokens=12, temperature=0,
+                                                                            ignore_eos=True), 256)
+        requests.append(request)
+        scheduler.add(request)
+    run_to_completion(scheduler)
+    assert scheduler.stats().num_preemptions > 0
+    stats = kvcache.stats()
+    assert stats.num_prefix_query_tokens == sum(r.num_prompt_tokens for r in requests)
+    assert stats.num_prefix_hit_tokens == sum(r.num_cached_tokens for r in requests) <= stats.num_prefix_query_tokens
     assert_no_leak(kvcache)

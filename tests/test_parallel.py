@@ -11,7 +11,7 @@ import pytest
 from conveyor import LLM, SamplingParams
 from conveyor.config import ConfigError, ParallelConfig, load_config
 from conveyor.worker.parallel import Placement, check_divisible
-from tests.conftest import CHAT_PROMPTS, NUM_TOKENS
+from tests.conftest import CHAT_PROMPTS, NUM_TOKENS, REPO
 from tests.helpers import assert_matches_reference, assert_same_or_near_tie
 from tests.test_model import tiny_hf_model
 
@@ -88,6 +88,25 @@ def test_a_split_that_does_not_divide_names_the_numbers():
     assert "MLP width 30" in check_divisible(Placement(0, 4, 1), 8, 2, 128, 30, (64, 30))  # (an expert's)
     assert "exceeds the model's 2 layers" in check_divisible(Placement(0, 1, 3), 8, 2, 128, 2)
     assert check_divisible(Placement(0, 3, 1), 9, 3, 1536, 30) is None
+    # the sizes that split it: SmolLM2's 9 heads, 3 KV heads and 1,536 MLP columns take 1 and 3 (9 not: 1536 % 9)
+    assert check_divisible(Placement(0, 2, 1), 9, 3, 1536, 30).endswith("allowed: tensor_parallel_size = 1 | 3")
+    assert check_divisible(Placement(0, 3, 1), 8, 2, 128, 30).endswith("= 1 | 2 | 4 | 8")
+
+
+def test_serve_refuses_a_split_before_any_worker_starts():
+    """``conveyor serve`` with a tensor-parallel size the default model cannot take: one line naming the sizes
+    that work, exit 1 (the workers never start)."""
+    import subprocess
+    import sys
+
+    result = subprocess.run([sys.executable, "-m", "conveyor", "serve", "configs/default.toml", "--set",
+                             "parallel.tensor_parallel_size=2"], capture_output=True, text=True, timeout=300,
+                            check=False, cwd=REPO)
+    assert result.returncode == 1
+    errors = [line for line in (result.stdout + result.stderr).splitlines() if line.startswith("error:")]
+    assert errors == [("error: configs/default.toml: [parallel] tensor_parallel_size = 2 does not divide the model's"
+                       " 9 attention heads; allowed: tensor_parallel_size = 1 | 3")]
+    assert "Traceback" not in result.stderr and "workers ready" not in result.stdout
     assert check_divisible(Placement(0, 4, 1), 8, 2, 128, 30) is None  # KV heads copied
 
 

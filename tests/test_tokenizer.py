@@ -158,3 +158,20 @@ def test_a_template_that_refuses_the_conversation_says_why(tokenizer):
     gemma = Tokenizer(tokenizer.hf, {"chat_template": FAMILY_TEMPLATES["gemma"]})
     with pytest.raises(ChatTemplateError, match="roles must alternate"):
         gemma.apply_chat_template([{"role": "user", "content": "a"}, {"role": "user", "content": "b"}])
+
+
+def test_a_model_directory_without_its_files_is_a_config_error_naming_the_key(tmp_path):
+    """What a new user meets first: each missing file named with the [model] key that fixes it, before the
+    engine starts (load_tokenizer runs in the frontend first)."""
+    import json
+
+    from conveyor.config import ConfigError, ModelConfig
+    from conveyor.model.tokenizer import load_tokenizer
+
+    with pytest.raises(ConfigError, match=r"^mine.toml: \[model\] path = '.*': the directory has no config.json"):
+        load_tokenizer(ModelConfig(path=str(tmp_path)), "mine.toml")
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"]}))
+    with pytest.raises(ConfigError, match=r"no tokenizer.json in the directory; set \[model\] tokenizer to"):
+        load_tokenizer(ModelConfig(path=str(tmp_path)), "mine.toml")
+    with pytest.raises(ConfigError, match=r"^mine.toml: \[model\] tokenizer = 'nowhere': no tokenizer.json there"):
+        load_tokenizer(ModelConfig(path=str(tmp_path), tokenizer="nowhere"), "mine.toml")

@@ -138,6 +138,17 @@ def test_raw_client_from_the_protocol_document(server, keys, tokenizer):
     assert kind == b"error"
     error = msgspec.msgpack.decode(body)
     assert error["status"] == 400 and "tempreature" in error["message"]
+    assert error["request_id"] == "r2"  # (the id the refused message carried comes back)
+    socket.send_multipart([b"generat", msgspec.msgpack.encode({"request_id": "r3", "prompt": "hi"})])
+    assert socket.poll(60_000)
+    kind, body = socket.recv_multipart()
+    error = msgspec.msgpack.decode(body)
+    assert kind == b"error" and error["request_id"] == "r3"
+    assert error["message"] == "unknown message type 'generat'; expected one of: generate, abort, health", error
+    socket.send_multipart([b"generate"])
+    assert socket.poll(60_000)
+    error = msgspec.msgpack.decode(socket.recv_multipart()[1])
+    assert error["request_id"] is None and "got 1" in error["message"], error
     socket.send_multipart([b"health", msgspec.msgpack.encode({})])
     assert socket.poll(60_000)
     kind, body = socket.recv_multipart()

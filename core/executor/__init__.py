@@ -23,7 +23,7 @@ from typing import Any, ClassVar
 
 import msgspec
 
-from conveyor.config import Config
+from conveyor.config import Config, ConfigError
 from conveyor.kvcache import KVCacheLayout, KVCacheSpec
 from conveyor.messages import RankTimes, RunnerOutput, StepInput
 from conveyor.model.spec import ModelSpec
@@ -221,8 +221,14 @@ def overlaps_steps(config: Config, device: str) -> bool:
 
 
 def build_executor(config: Config, registry: PluginRegistry) -> Executor:
-    """The executor ``[parallel] executor`` names (``auto``: uniproc for one worker, else mp)."""
+    """The executor ``[parallel] executor`` names (``auto``: uniproc for one worker, else mp).
+
+    Raises:
+        ConfigError: the model cannot be split as ``[parallel]`` asks (before any worker starts).
+    """
     name = config.parallel.executor_name
+    if name != "uniproc":
+        _check_split(config)
     if name == "uniproc":
         from conveyor.executor.uniproc import UniprocExecutor
 
@@ -234,3 +240,17 @@ def build_executor(config: Config, registry: PluginRegistry) -> Executor:
     from conveyor.executor.ray import RayExecutor
 
     return RayExecutor(config, registry)
+
+
+def _check_split(config: Config) -> None:
+    """Refuse a split the model's shape does not allow, naming the sizes that work, before workers start (each
+    would fail alone, after loading)."""
+    from conveyor.model.loader import open_model
+    from conveyor.worker.parallel import Placement, check_divisible
+
+    spec = open_model(config.model, config.source).spec
+    experts = tuple(w for w in (spec.moe_intermediate_size, spec.shared_expert_intermediate_size) if w)
+    problem = check_divisible(Placement.of(config.parallel, 0), spec.num_heads, spec.num_kv_heads,
+                              spec.intermediate_size, spec.num_layers, experts)
+    if problem is not None:
+        raise ConfigError(f"{config.source}: [parallel] {problem}")

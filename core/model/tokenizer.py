@@ -247,7 +247,11 @@ def load_tokenizer(config: ModelConfig, source: str = "<config>") -> Tokenizer:
     from conveyor.model.checkpoint import ModelNotFoundError, resolve_model_path
 
     if config.tokenizer:
-        return Tokenizer.load(Path(config.path), config.tokenizer)
+        try:
+            return Tokenizer.load(Path(config.path), config.tokenizer)
+        except FileNotFoundError:
+            raise ConfigError(f"{source}: [model] tokenizer = {config.tokenizer!r}: no tokenizer.json there "
+                              "(name the file, or a directory that holds one)") from None
     try:
         path = resolve_model_path(config.path)
     except ModelNotFoundError as e:
@@ -256,4 +260,11 @@ def load_tokenizer(config: ModelConfig, source: str = "<config>") -> Tokenizer:
         from conveyor.model.gguf_file import GGUFFile
 
         return Tokenizer.load(path, gguf_fields=GGUFFile(path).fields)
-    return Tokenizer.load(path)
+    if path.is_dir() and not (path / "config.json").is_file() and config.load_format != "dummy":
+        raise ConfigError(f"{source}: [model] path = {config.path!r}: the directory has no config.json (a Hugging "
+                          "Face model directory holds config.json, *.safetensors and tokenizer.json)")
+    try:
+        return Tokenizer.load(path)
+    except FileNotFoundError:
+        raise ConfigError(f"{source}: [model] path = {config.path!r}: no tokenizer.json in the directory; set "
+                          "[model] tokenizer to a tokenizer.json (or a directory that holds one)") from None

@@ -93,9 +93,20 @@ class Placement:
 
 def check_divisible(placement: Placement, num_heads: int, num_kv_heads: int, intermediate_size: int,
                     num_layers: int, expert_widths: tuple[int, ...] = ()) -> str | None:
-    """Why this model cannot be split ``tp_size`` x ``pp_size`` ways (None when it can); ``expert_widths``: the
-    MLP widths of a mixture's experts (and shared expert), split like the dense MLP's."""
-    tp = placement.tp_size
+    """Why this model cannot be split ``tp_size`` x ``pp_size`` ways, with the tensor-parallel sizes that can
+    (None when it can); ``expert_widths``: the MLP widths of a mixture's experts (and shared expert), split like
+    the dense MLP's."""
+    problem = _split_problem(placement.tp_size, placement.pp_size, num_heads, num_kv_heads, intermediate_size,
+                             num_layers, expert_widths)
+    if problem is None or not problem.startswith("tensor"):
+        return problem
+    sizes = [tp for tp in range(1, num_heads + 1) if _split_problem(
+        tp, 1, num_heads, num_kv_heads, intermediate_size, num_layers, expert_widths) is None]
+    return f"{problem}; allowed: tensor_parallel_size = {' | '.join(map(str, sizes))}"
+
+
+def _split_problem(tp: int, pp: int, num_heads: int, num_kv_heads: int, intermediate_size: int,
+                   num_layers: int, expert_widths: tuple[int, ...]) -> str | None:
     if num_heads % tp:
         return f"tensor_parallel_size = {tp} does not divide the model's {num_heads} attention heads"
     if num_kv_heads % tp and tp % num_kv_heads:
@@ -104,8 +115,8 @@ def check_divisible(placement: Placement, num_heads: int, num_kv_heads: int, int
     for width in (intermediate_size, *expert_widths):
         if width % tp:
             return f"tensor_parallel_size = {tp} does not divide the model's MLP width {width}"
-    if num_layers < placement.pp_size:
-        return f"pipeline_parallel_size = {placement.pp_size} exceeds the model's {num_layers} layers"
+    if num_layers < pp:
+        return f"pipeline_parallel_size = {pp} exceeds the model's {num_layers} layers"
     return None
 
 

@@ -14,7 +14,7 @@ import msgspec
 from conveyor.hookspecs import hookimpl
 from conveyor.kvcache import KVCacheManager, KVCacheOptions, KVCacheSpec, PrefixMatch, blocks_in_budget, log_capacity
 from conveyor.messages import KVCacheStats
-from conveyor.request import Request
+from conveyor.request import Request, RequestStatus
 
 
 class PagedOptions(KVCacheOptions, forbid_unknown_fields=True):
@@ -122,7 +122,8 @@ class PagedKVCache(KVCacheManager):
                 self.ref_counts[block] += 1
             digest = self.block_digests[claimed[-1]] if claimed else request.cache_salt
             table = self.tables[request.request_id] = _Table(list(claimed), digest)
-            if self.options.enable_prefix_caching:
+            if self.options.enable_prefix_caching and request.status == RequestStatus.WAITING:
+                # (a prompt counts once: a preempted request that finds its own blocks again is no cache hit)
                 self.num_prefix_queries += request.num_tokens
                 self.num_prefix_hits += len(claimed) * self.block_size
         else:

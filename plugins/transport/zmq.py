@@ -94,15 +94,20 @@ class ZMQTransport(Transport):
                   frames: list[bytes]) -> None:
         identity = frames[0]
         reply = _Replier(socket, identity)
-        if len(frames) != 3 or frames[1] not in protocol.CLIENT_DECODERS:
-            kinds = ", ".join(k.decode() for k in protocol.CLIENT_MESSAGES)
-            tg.start_soon(reply.error, None, 400, f"expected two frames: a message type ({kinds}) and a msgpack map")
+        kinds = ", ".join(k.decode() for k in protocol.CLIENT_MESSAGES)
+        if len(frames) != 3:
+            tg.start_soon(reply.error, None, 400, f"expected two frames, a message type ({kinds}) and a msgpack map;"
+                                                  f" got {len(frames) - 1}")
             return
         kind = frames[1]
+        if kind not in protocol.CLIENT_DECODERS:
+            tg.start_soon(reply.error, _request_id(frames[2]), 400,
+                          f"unknown message type {kind.decode(errors='replace')!r}; expected one of: {kinds}")
+            return
         try:
             body = protocol.CLIENT_DECODERS[kind].decode(frames[2])
         except (msgspec.DecodeError, ValueError) as e:
-            tg.start_soon(reply.error, None, 400, f"bad {kind.decode()} message: {e}")
+            tg.start_soon(reply.error, _request_id(frames[2]), 400, f"bad {kind.decode()} message: {e}")
             return
         if kind == b"health":
             health = protocol.HealthReply(frontend.healthy, frontend.model_name, frontend.max_model_len,
@@ -162,6 +167,16 @@ class ZMQTransport(Transport):
                 await reply.send(b"chunk", protocol.StreamChunk(rid, finish_reason="abort", usage=usage))
         finally:
             self._running.pop((reply.identity, rid), None)
+
+
+def _request_id(body: bytes) -> str | None:
+    """The request_id a message that could not be taken carries, where it is a map with a string one."""
+    try:
+        message = msgspec.msgpack.decode(body)
+    except msgspec.DecodeError:
+        return None
+    request_id = message.get("request_id") if isinstance(message, dict) else None
+    return request_id if isinstance(request_id, str) else None
 
 
 class _Replier:
