@@ -1,10 +1,13 @@
 """The example plugin packages for the kinds beside the scheduler (examples/conveyor-int4, a quantization method;
-examples/conveyor-stack-kv, a KV cache layout): pip-installed, found through their entry points, and serving the
-real SmolLM2 together, under fp8 KV storage and preemption; the int4 matmul against its own float weights."""
+examples/conveyor-stack-kv, a KV cache layout; examples/conveyor-jsonl, a transport): pip-installed, found through
+their entry points, and serving the real SmolLM2 together, under fp8 KV storage and preemption, the transport's
+replies against the OpenAI API of the same server; the int4 matmul against its own float weights."""
 
 from __future__ import annotations
 
 import importlib
+import json
+import socket
 import subprocess
 import sys
 
@@ -16,7 +19,7 @@ from conveyor.registry import PluginRegistry
 from tests.conftest import REPO
 from tests.server import Server
 
-PACKAGES = ("conveyor-int4", "conveyor-stack-kv")
+PACKAGES = ("conveyor-int4", "conveyor-stack-kv", "conveyor-jsonl")
 
 
 @pytest.fixture(scope="module")
@@ -37,6 +40,7 @@ def test_entry_points_register_both(installed, monkeypatch):
     registry = PluginRegistry()
     assert registry.get("quant", "int4").__module__ == "conveyor_int4"
     assert registry.get("kvcache", "stack").__module__ == "conveyor_stack_kv"
+    assert registry.get("transport", "jsonl").__module__ == "conveyor_jsonl"
     assert registry.origins["quant", "int4"] == "conveyor-int4 0.1.0"
 
 
@@ -82,6 +86,10 @@ status_interval = 0.0
 [[transport]]
 plugin = "http"
 port = 0
+
+[[transport]]
+plugin = "jsonl"
+port = 0
 """
     server = Server(config, tmp_path, env={"PYTHONPATH": str(installed)}).start()
     try:
@@ -104,6 +112,22 @@ port = 0
         assert server.metric("conveyor_weight_bytes", format="int4") == linears // 2 + linears // 32 * 2
         assert "KV cache (stack): 16 blocks x 16 tokens" in server.output
         assert "(quant int4: int4 59.7 MB" in server.output
+        # the transport: the same greedy text as the OpenAI API, then a refusal as a line, on one connection
+        completion = client.completions.create(model="smollm2-135m-instruct", prompt="The capital of France is",
+                                               max_tokens=12, temperature=0)
+        host, port = server.url("jsonl").removeprefix("jsonl://").rsplit(":", 1)
+        with socket.create_connection((host, int(port)), timeout=120) as connection:
+            lines = connection.makefile("rw")
+            lines.write(json.dumps({"prompt": "The capital of France is", "max_tokens": 12, "temperature": 0}) + "\n")
+            lines.write(json.dumps({"prompt": "hi", "max_tokens": 10**6}) + "\n")
+            lines.flush()
+            replies = []
+            while not replies or "finish_reason" not in replies[-1]:
+                replies.append(json.loads(lines.readline()))
+            refusal = json.loads(lines.readline())
+        assert "".join(r["text"] for r in replies) == completion.choices[0].text
+        assert replies[-1]["usage"]["completion_tokens"] == completion.usage.completion_tokens
+        assert refusal["status"] == 400 and "max_model_len" in refusal["error"]
         health = httpx.get(f"{server.http}/health")
         assert health.status_code == 200
     finally:
