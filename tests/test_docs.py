@@ -149,3 +149,11 @@ def test_the_plugin_pages_quant_example_keeps_the_bias_and_imports_no_torch(tmp_
     result = subprocess.run([sys.executable, "-c", check], cwd=tmp_path, capture_output=True, text=True,
                             timeout=300, check=False, env={**os.environ, "PYTHONPATH": str(tmp_path)})
     assert result.returncode == 0, result.stderr[-2000:]
+
+
+def test_each_operating_tool_has_a_heading_of_its_own():
+    import re
+
+    headings = re.findall(r"^## (.+)$", (REPO / "docs" / "observability.md").read_text(), re.M)
+    for tool in ("The doctor", "The live dashboard", "Simulate", "Plan", "Grafana"):
+        assert tool in headings, headings
