@@ -244,11 +244,14 @@ def build_executor(config: Config, registry: PluginRegistry) -> Executor:
 
 def _check_split(config: Config) -> None:
     """Refuse a split the model's shape does not allow, naming the sizes that work, before workers start (each
-    would fail alone, after loading)."""
+    would fail alone, after loading). A checkpoint this process cannot open is left to the workers."""
     from conveyor.model.loader import open_model
     from conveyor.worker.parallel import Placement, check_divisible
 
-    spec = open_model(config.model, config.source).spec
+    try:
+        spec = open_model(config.model, config.source).spec
+    except Exception:  # noqa: BLE001 - a checkpoint this process cannot read: each worker reports why it cannot
+        return
     experts = tuple(w for w in (spec.moe_intermediate_size, spec.shared_expert_intermediate_size) if w)
     problem = check_divisible(Placement.of(config.parallel, 0), spec.num_heads, spec.num_kv_heads,
                               spec.intermediate_size, spec.num_layers, experts)
