@@ -243,8 +243,8 @@ DP2 = {"replicas": 2.0, "replica_steps_max": 100.0, "replica_steps_min": 90.0, "
 # regime: (the window's changes that make it hold, the same changes just short of its threshold)
 REGIMES = {
     "kv_capacity": ({"preemptions": 1.0}, {"kv_usage_max": 0.94, "waiting_mean": 3.0, "running_max": 64.0}),
-    "batch_too_small": ({"waiting_mean": 3.0, "running_max": 8.0, "running_mean": 8.0},
-                        {"waiting_mean": 3.0, "running_max": 8.0, "running_mean": 5.9}),
+    "batch_too_small": ({"waiting_mean": 3.0, "running_max": 8.0, "running_mean": 8.0, "mfu": 0.3},
+                        {"waiting_mean": 3.0, "running_max": 8.0, "running_mean": 5.9, "mfu": 0.3}),
     "queueing": ({"waiting_mean": 0.5, "running_max": 64.0, "running_mean": 60.0},
                  {"waiting_mean": 0.49, "running_max": 64.0, "running_mean": 60.0}),
     "prefill_interference": ({"prompt_tokens": 2048.0, "itl_p99_s": 0.0601},

@@ -39,6 +39,9 @@ from conveyor.perf.readings import Reading, summarize
 ITL_SPREAD = 3.0
 # a running batch this small while requests wait leaves a CPU's or a GPU's matmuls mostly idle
 SMALL_BATCH = 8
+# MFU from which steps are compute-bound; below it a capped batch leaves compute to spare (a 2-core CPU
+# whose matmul peak is low already shows 0.2-0.3 at a batch of 2 decodes, where a larger batch still pays)
+COMPUTE_BOUND = 0.5
 # share of a multi-worker step's time in collectives and transfers above which parallelism costs more than it
 # splits (Megatron-LM keeps tensor parallelism inside a node for this reason)
 COMM_SHARE = 0.3
@@ -118,7 +121,8 @@ def checklist(w: dict[str, float]) -> list[Finding]:
     # (the batch held at its cap: full nearly all the time, a reading between a request's end and the next's
     # start aside)
     held = w["running_mean"] >= 0.75 * w["running_max"]
-    small = waiting and held and w["running_max"] <= SMALL_BATCH and w["kv_usage_max"] < 0.8 and w["mfu"] < 0.2
+    small = (waiting and held and w["running_max"] <= SMALL_BATCH and w["kv_usage_max"] < 0.8
+             and w["mfu"] < COMPUTE_BOUND)
     if small:
         findings.append(Finding(
             "batch_too_small",
@@ -195,7 +199,7 @@ def checklist(w: dict[str, float]) -> list[Finding]:
             "lower scheduler.max_num_batched_tokens: prompts go in smaller chunks, so each step that carries "
             "one delays the running decodes less (time to first token grows a little)",
         ))
-    if w["mfu"] >= 0.5:
+    if w["mfu"] >= COMPUTE_BOUND:
         findings.append(Finding(
             "compute_bound",
             f"steps run at {w['mfu']:.0%} of the device's FLOP/s",
