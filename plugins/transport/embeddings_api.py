@@ -120,6 +120,8 @@ async def embed(frontend: Frontend, body: EmbeddingRequest, pooling: str) -> dic
         raise refused[0]
     data = []
     for index, vector in enumerate(vectors):
+        if not vector:  # (aborted: the server is draining)
+            raise RequestError(f"input[{index}] ended without its embedding", 503)
         values = embedding_floats(vector, body.normalize)
         if body.dimensions is not None and body.dimensions != len(values):
             raise RequestError(f"dimensions={body.dimensions}: this model's embeddings have {len(values)}",
