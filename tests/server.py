@@ -53,7 +53,7 @@ class Server(BenchServer):
 
 def http_config(**server: object) -> str:
     """A config serving HTTP on a free port, with extra ``[server]`` keys."""
-    lines = ["[server]", "status_interval = 1.0"] + [f"{k} = {_toml(v)}" for k, v in server.items()]
+    lines = ["[server]"] + [f"{k} = {_toml(v)}" for k, v in {"status_interval": 1.0, **server}.items()]
     return "\n".join(lines) + '\n\n[[transport]]\nplugin = "http"\nport = 0\n'
 
 

@@ -16,7 +16,7 @@ import pytest
 from conveyor.llm import LLM
 from conveyor.sampling import SamplingParams
 from tests.factories import assert_no_leak
-from tests.server import Server
+from tests.server import Server, http_config
 
 WORDS = ["<unk>", "<s>", "</s>", "sun", "rain", "snow", "wind", "cloud", "fog", "hail", "storm", "sky", "sea", "hill"]
 SENTENCES = ["sun", "rain snow wind", " ".join(WORDS[3:] * 3), " ".join(reversed(WORDS[3:] * 4))]
@@ -105,13 +105,7 @@ dtype = "float32"
 max_model_len = 64
 pooling = "last"
 
-[server]
-status_interval = 0.0
-
-[[transport]]
-plugin = "http"
-port = 0
-"""
+""" + http_config(status_interval=0.0)
     server = Server(config, tmp_path_factory.mktemp("embeddings")).start()
     assert httpx.get(f"{server.http}/v1/models").json()["data"][0]["id"] == MODEL
     yield server

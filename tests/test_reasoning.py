@@ -16,7 +16,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from conveyor.plugins.transport.reasoning import ThinkSplitter
-from tests.server import Server
+from tests.server import Server, http_config
 
 WORDS = ["<unk>", "<|im_start|>", "<|im_end|>", "<think>", "</think>", "user", "assistant", "system",
          "sun", "rain", "snow", "wind", "cloud", "fog"]
@@ -60,13 +60,7 @@ dtype = "float32"
 max_model_len = 256
 reasoning_parser = "think"
 
-[server]
-status_interval = 0.0
-
-[[transport]]
-plugin = "http"
-port = 0
-"""
+""" + http_config(status_interval=0.0)
     server = Server(config, tmp_path_factory.mktemp("thinking")).start()
     yield server
     assert server.stop() == 0, server.output

@@ -214,8 +214,8 @@ def merge_outputs(outputs: list[RunnerOutput], driver_rank: int) -> RunnerOutput
 
 def overlaps_steps(config: Config, device: str) -> bool:
     """Whether ``[engine] async_scheduling`` asks for overlapped steps on ``device`` ("cpu", "cuda:0"): "on", or
-    "auto" with CUDA (docs/performance.md, "Async scheduling", has the CPU's numbers). The engine core still needs one worker
-    and a scheduler that schedules while a step is in flight."""
+    "auto" with CUDA (docs/performance.md, "Async scheduling", has the CPU's numbers). The engine core still
+    needs one worker and a scheduler that schedules while a step is in flight."""
     mode = config.engine.async_scheduling
     return mode == "on" or (mode == "auto" and device.startswith("cuda"))
 

@@ -167,8 +167,12 @@ class ModelRunner:
         embeddings: list[bytes | None] = [None] * len(requests)
         for i, first, rows in pooled_rows:
             request = requests[i]
-            states = hidden[first : first + rows].float()
-            if request.params.pooling == "mean":
+            if request.params.pooling == "last":
+                if not request.sample:
+                    continue  # (an earlier chunk: only the prompt's last row counts)
+                vector = hidden[first + rows - 1].float()
+            else:
+                states = hidden[first : first + rows].float()
                 total, count = self._sums.pop(request.request_id, (None, 0)) if request.start else (None, 0)
                 total = states.sum(0) if total is None else total + states.sum(0)
                 count += rows
@@ -176,10 +180,6 @@ class ModelRunner:
                     self._sums[request.request_id] = (total, count)
                     continue
                 vector = total / count
-            elif request.sample:
-                vector = states[-1]
-            else:
-                continue
             embeddings[i] = vector.cpu().numpy().astype("<f4").tobytes()
         return embeddings
 

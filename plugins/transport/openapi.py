@@ -165,6 +165,7 @@ def openapi_document(api_key: bool, models: list[str], max_model_len: int, vocab
                         "responses": {"200": ok, **_errors(*refusals)}}}
 
     inference = ("400", "404", "413", "429", "503") + (("401",) if api_key else ())
+    no_engine = tuple(code for code in inference if code not in ("429", "503"))  # (answered without the engine)
     lora_status = {"type": "object", "properties": {"lora_name": {"type": "string"}, "status": {"type": "string"}}}
     paths = {
         "/v1/completions": post("createCompletion", completion, generated, *inference),
@@ -182,13 +183,13 @@ def openapi_document(api_key: bool, models: list[str], max_model_len: int, vocab
         "/v1/messages/count_tokens": post(
             "countMessageTokens", count_tokens, _json({"type": "object", "required": ["input_tokens"], "properties": {
                 "input_tokens": {"type": "integer"}}}, "the prompt's tokens"),
-            *(code for code in inference if code not in ("429", "503")), error="AnthropicError"),
+            *no_engine, error="AnthropicError"),
         "/v1/embeddings": post("createEmbedding", embedding, _json({"type": "object", "required": ["data"]},
                                "one vector per input ([model] pooling)"), *inference),
         "/tokenize": post("tokenize", tokenize, _json({"type": "object", "required": ["count", "tokens"]},
-                          "the token ids"), *(code for code in inference if code not in ("429", "503"))),
+                          "the token ids"), *no_engine),
         "/detokenize": post("detokenize", detokenize, _json({"type": "object", "required": ["prompt"]},
-                            "the text"), *(code for code in inference if code not in ("429", "503"))),
+                            "the text"), *no_engine),
         "/v1/models": get("listModels", _json({"type": "object"}, "the base model and its LoRA adapters"),
                           *(("401",) if api_key else ())),
         "/health": get("health", _json({"type": "object"}, "the engine is up"), "503", open_route=True),
