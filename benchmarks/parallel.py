@@ -1,6 +1,6 @@
-"""One engine, split or replicated: TP=1, TP=3, PP=2, DP=2 and Ray, each serving the same mixed workload.
+"""One engine, split or replicated: TP=1, TP=3 (steps in turn and overlapped), PP=2, DP=2 and Ray, each serving the same mixed workload.
 
-    python benchmarks/parallel.py [--setups tp1 tp3 pp2 dp2 ray-tp3] [--num-requests 32]
+    python benchmarks/parallel.py [--setups tp1 tp3 tp3-async pp2 dp2 ray-tp3] [--num-requests 32]
                                   [--out bench-results/parallel]
 
 For each setup it starts `conveyor serve` (SmolLM2, bf16) on a free port,
@@ -28,21 +28,22 @@ from pathlib import Path
 from conveyor.bench.server import Server
 
 CONFIG = '[server]\nstatus_interval = 0\n\n[[transport]]\nplugin = "http"\nport = 0\n'
-# setup -> [parallel] keys (SmolLM2's 9 query and 3 KV heads split 3 ways, not 2)
+# setup -> config keys (SmolLM2's 9 query and 3 KV heads split 3 ways, not 2)
 SETUPS: dict[str, dict[str, object]] = {
     "tp1": {},
-    "tp3": {"tensor_parallel_size": 3},
-    "pp2": {"pipeline_parallel_size": 2},
-    "dp2": {"data_parallel_size": 2},
-    "ray-tp3": {"tensor_parallel_size": 3, "executor": "ray"},
+    "tp3": {"parallel.tensor_parallel_size": 3},
+    "tp3-async": {"parallel.tensor_parallel_size": 3, "engine.async_scheduling": "on"},
+    "pp2": {"parallel.pipeline_parallel_size": 2},
+    "dp2": {"parallel.data_parallel_size": 2},
+    "ray-tp3": {"parallel.tensor_parallel_size": 3, "parallel.executor": "ray"},
 }
 
 
-def run_setup(name: str, parallel: dict[str, object], args: argparse.Namespace, out: Path) -> dict:
+def run_setup(name: str, keys: dict[str, object], args: argparse.Namespace, out: Path) -> dict:
     overrides = ["engine.num_threads=1", "server.status_interval=0"]
-    overrides += [f"parallel.{key}={value}" for key, value in parallel.items()]
+    overrides += [f"{key}={value}" for key, value in keys.items()]
     print(f"== {name}: conveyor serve --set {' --set '.join(overrides)}", file=sys.stderr, flush=True)
-    env = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"} if parallel.get("executor") == "ray" else {}
+    env = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"} if keys.get("parallel.executor") == "ray" else {}
     with tempfile.TemporaryDirectory() as tmp:
         server = Server(CONFIG, Path(tmp), overrides=overrides, env=env).start()
         try:

@@ -10,6 +10,11 @@ The executor encodes each step with msgpack, as the mp and Ray executors do, and
 ``HeldRequests`` rebuilds it whole; the whole message is encoded again for the comparison. Prints the
 bytes of the decode steps (every request decoding, contexts ``--context`` and more).
 
+Worker inputs: the last decode step, whole, is written into the runner's input buffers
+(``conveyor.worker.inputs``: ids, positions, slots, tables and context lengths computed in numpy over
+whole arrays) and, beside it, built the way the runner built it before, token by token in Python lists
+turned into tensors; both timed here (median of 200, CPU).
+
 Time (``--tp N``, N > 0): the same requests through ``[parallel] executor = "mp"`` with N worker processes
 over a small model of random weights (``load_format = "dummy"``: 4 layers of 256, so that what a step
 costs besides its matmuls shows), once as sent and once with every entry whole (the engine forgets what
@@ -26,6 +31,7 @@ import time
 from pathlib import Path
 
 import msgspec
+import torch
 
 from conveyor.bench.costs import weight_bytes
 from conveyor.bench.simulator import SimulatedExecutor, hardware_costs, resolve_model
@@ -36,6 +42,7 @@ from conveyor.kvcache import DTYPE_BYTES
 from conveyor.messages import EngineRequest, StepInput
 from conveyor.registry import PluginRegistry
 from conveyor.sampling import SamplingParams
+from conveyor.worker.inputs import InputBuffers
 
 
 class MeasuredExecutor(SimulatedExecutor):
@@ -53,12 +60,48 @@ class MeasuredExecutor(SimulatedExecutor):
         self.held.apply(received)
         whole = msgspec.msgpack.encode(received)
         self.sizes.append((step.num_decodes, len(sent), len(whole)))
+        if step.num_decodes == len(step.requests):
+            self.last_decode = received
         return super().execute(step)
 
 
 SMALL = {"architectures": ["LlamaForCausalLM"], "vocab_size": 4096, "hidden_size": 256, "intermediate_size": 512,
          "num_hidden_layers": 4, "num_attention_heads": 8, "num_key_value_heads": 4, "rope_theta": 10000.0,
          "rms_norm_eps": 1e-5, "max_position_embeddings": 4096, "tie_word_embeddings": False}
+
+
+class Planner:
+    """An attention backend's planning, as the kernels over block tables take it (the default)."""
+
+    batch_invariant = False
+    storage = None
+
+    def plan_decodes(self, tables):
+        return tables
+
+
+def inputs_in_lists(step: StepInput, block_size: int) -> tuple:
+    """A step's inputs built as the runner did before the buffers: per token in Python, then tensors."""
+    ids, positions, slots = [], [], []
+    for r in step.requests:
+        ids.extend(r.token_ids)
+        positions.extend(range(r.start, r.start + len(r.token_ids)))
+        slots.extend(r.block_ids[p // block_size] * block_size + p % block_size
+                     for p in range(r.start, r.start + len(r.token_ids)))
+    tables = [r.block_ids for r in step.requests]
+    width = max(len(t) for t in tables)
+    return (torch.tensor(ids), torch.tensor(positions), torch.tensor(slots),
+            torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32),
+            torch.tensor([r.start + 1 for r in step.requests], dtype=torch.int32))
+
+
+def median_ms(fn, repeat: int = 200) -> float:
+    times = []
+    for _ in range(repeat):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times) * 1e3
 
 
 def decode_step_ms(args, whole: bool) -> float:
@@ -133,6 +176,12 @@ def main() -> None:
     print(f"  first step (every prompt):  {first[1]:>9,} bytes sent, {first[2]:>9,} whole")
     print(f"  decode steps ({len(decodes)}), median: {sent:>9,.0f} bytes sent, {whole:>9,.0f} whole "
           f"({whole / sent:.1f}x fewer; {sent / args.running:.1f} bytes a request)", flush=True)
+    step, block_size = executor.last_decode, config.kvcache.options.block_size
+    buffers = InputBuffers(block_size, torch.device("cpu"))
+    planner = Planner()
+    print(f"  worker inputs of a decode step (median): {median_ms(lambda: buffers.prepare(step, planner)):.3f} ms "
+          f"in the buffers, {median_ms(lambda: inputs_in_lists(step, block_size)):.3f} ms in Python lists",
+          flush=True)
     if args.tp:
         print(f"decode step through the mp executor, TP={args.tp}, a 4-layer model of width 256, one thread a "
               "worker (median):", flush=True)

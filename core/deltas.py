@@ -117,6 +117,17 @@ class HeldRequests:
                 held.outputs.extend(entry.output_token_ids)
                 entry.prompt_token_ids, entry.output_token_ids = held.prompt, held.outputs
 
+    def followed(self, step: StepInput) -> list[int]:
+        """The last sampled token of each entry that ``follows`` a step in flight, in order (-1 where this worker
+        sampled none: a TP worker other than the driver)."""
+        return [self._held[e.request_id].last_sampled for e in step.requests if e.follows]
+
+    def take_followed(self, step: StepInput, tokens: list[int]) -> None:
+        """Keep ``tokens`` (the driver's ``followed``) as those entries' last sampled tokens."""
+        entries = (e for e in step.requests if e.follows)
+        for entry, token in zip(entries, tokens):
+            self._held[entry.request_id].last_sampled = token
+
     def sampled(self, step: StepInput, tokens: list[int | None]) -> None:
         """Keep each request's token this step sampled (the driver's; other workers sample none)."""
         for entry, token in zip(step.requests, tokens):

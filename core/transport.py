@@ -136,7 +136,9 @@ class Frontend(Protocol):
         """
 
     def check(self, prompt_ids: list[int], params: SamplingParams) -> None:
-        """Refuse what the model cannot do (400) and new work while starting or draining (503).
+        """Refuse what the model cannot do (400) and new work while starting or draining (503). A transport
+        calls it once per request, before ``generate`` and before it answers the client, so that a refusal
+        is an error response, not an error after the first bytes of a stream.
 
         Raises:
             RequestError: naming the limit.
@@ -168,7 +170,8 @@ class Frontend(Protocol):
         lora: LoraAdapter | None = None,
     ) -> AsyncIterator[Chunk]:
         """Run one sequence (under ``lora``, from ``adapter()``); yield its chunks until the one with a
-        finish_reason.
+        finish_reason. ``check`` it first: this refuses only new work while starting or draining (the engine
+        refuses a prompt too long for it in an error chunk's stead).
 
         Iterate it inside ``contextlib.aclosing``: leaving early aborts the request.
 

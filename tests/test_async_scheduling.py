@@ -19,6 +19,7 @@ from conveyor.sampling import SamplingParams, StructuredOutput
 from tests.conftest import CHAT_PROMPTS
 from tests.helpers import assert_same_or_near_tie
 from tests.test_batch_invariant import PROMPTS, assert_identical, workload
+from tests.test_parallel import tiny_llama  # noqa: F401 - a fixture
 
 CITY = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12}, "population": {"type": "integer"}},
         "required": ["city", "population"], "additionalProperties": False}
@@ -149,9 +150,34 @@ def test_requests_aborted_while_steps_are_in_flight_end_and_the_rest_are_unchang
             assert overlapped[request_id] == sync[request_id], request_id
 
 
-def test_async_scheduling_on_with_parallel_workers_is_a_config_error_naming_the_key():
-    with pytest.raises(ConfigError, match=r"tensor_parallel_size = 2 cannot run with \[engine\] async_scheduling"):
-        load_config(None, {"engine.async_scheduling": "on", "parallel.tensor_parallel_size": 2})
-    with pytest.raises(ConfigError, match=r"pipeline_parallel_size = 2 cannot run"):
+def test_async_scheduling_on_with_pipeline_stages_is_a_config_error_naming_the_key():
+    with pytest.raises(ConfigError, match=r"pipeline_parallel_size = 2 cannot run with \[engine\] async_scheduling"):
         load_config(None, {"engine.async_scheduling": "on", "parallel.pipeline_parallel_size": 2})
-    assert load_config(None, {"parallel.tensor_parallel_size": 2}).engine.async_scheduling == "auto"
+    assert load_config(None, {"engine.async_scheduling": "on", "parallel.tensor_parallel_size": 2})
+    assert load_config(None, {"parallel.pipeline_parallel_size": 2}).engine.async_scheduling == "auto"
+
+
+@pytest.mark.slow
+def test_tensor_parallel_workers_take_the_tokens_their_driver_fed_in(tiny_llama):  # noqa: F811
+    """TP=2 over the mp executor: with steps overlapped, the driver's sampled tokens reach its peer (a rank that
+    took its own stale token would embed another input and the two halves of every matmul would disagree):
+    greedy tokens and logprobs equal those with async scheduling off, with prompts in chunks and most decode
+    entries following a step in flight."""
+    prompts = [[5, 17, 3, 88, 41, 2, 9, 60, 1, 33], [60, 1, 33, 97], [7] * 12, list(range(40, 70))]
+    params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True, logprobs=3)
+    results = {}
+    for mode in ("off", "on"):
+        overrides = {"model.path": str(tiny_llama), "model.dtype": "float32", "model.max_model_len": 128,
+                     "parallel.tensor_parallel_size": 2, "kvcache.memory_gb": 0.05,
+                     "scheduler.max_num_batched_tokens": 16, "engine.async_scheduling": mode}
+        with LLM(overrides=overrides) as llm:
+            assert llm.engine.async_scheduling == (mode == "on")
+            follows = Follows(llm.engine)
+            results[mode] = (llm.generate(prompts, params), follows.count)
+    (sync, _), (overlapped, count) = results["off"], results["on"]
+    assert count >= len(prompts) * params.max_tokens // 2
+    for a, b in zip(overlapped, sync):
+        assert a.token_ids == b.token_ids
+        for x, y in zip(a.logprobs, b.logprobs):
+            assert x.top_ids == y.top_ids
+            assert x.top_logprobs == pytest.approx(y.top_logprobs, abs=1e-4)

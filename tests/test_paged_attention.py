@@ -16,6 +16,7 @@ from conveyor.messages import ScheduledRequest, StepInput
 from conveyor.plugins.kvcache.paged import PagedKVCache, PagedOptions
 from conveyor.request import Request
 from conveyor.sampling import SamplingParams
+from conveyor.worker.inputs import InputBuffers
 from tests.helpers import reference_attention
 
 pytestmark = pytest.mark.usefixtures("random_seed")
@@ -31,7 +32,8 @@ def step_attention(cache: PagedKVCache, backend, batch: list[tuple[Request, int]
         ScheduledRequest(r.request_id, r.num_computed_tokens, [0] * n, cache.block_ids(r), SamplingParams())
         for r, n in batch
     ]
-    return StepAttention(backend, StepInput(requests, num_decodes))
+    buffers = InputBuffers(cache.block_size, backend.storage.device, tokens=1, rows=1, width=1)  # (they grow)
+    return buffers.prepare(StepInput(requests, num_decodes), backend).attention
 
 
 def fp8_round_trip(x: torch.Tensor) -> torch.Tensor:

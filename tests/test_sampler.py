@@ -77,7 +77,7 @@ def test_top_p_nucleus_equals_numpy_even_past_the_candidate_window(top_p):
     flat = torch.softmax(torch.randn(5000) * 0.3, dim=0)
     peaked = torch.softmax(torch.randn(5000) * 6.0, dim=0)
     probs = torch.stack([flat, peaked])
-    kept = apply_top_p(probs, [top_p, top_p]) > 0
+    kept = apply_top_p(probs, torch.tensor([[top_p], [top_p]], dtype=torch.float64)) > 0
     for row in range(2):
         expected = reference_distribution(np.log(probs[row].double().numpy()), SamplingParams(top_p=top_p)) > 0
         assert np.array_equal(kept[row].numpy(), expected)

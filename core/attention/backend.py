@@ -11,7 +11,6 @@ K and V through the slot mapping before calling the backend.
 
 from __future__ import annotations
 
-import itertools
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -20,7 +19,6 @@ from typing import Any, ClassVar
 import torch
 
 from conveyor.attention.storage import KVStorage
-from conveyor.messages import StepInput
 from conveyor.model.spec import LayerAttention
 
 
@@ -61,25 +59,14 @@ class AttentionBackend(ABC):
         # (a pipeline stage with fewer layers than the first leaves the cache's last ones unused)
         self.layers = layers + [LayerAttention(spec.head_dim**-0.5)] * (spec.num_layers - len(layers))
 
-    @abstractmethod
-    def plan_decodes(self, tables: list[list[int]], context_lens: list[int]) -> Any:
-        """What ``decode`` needs for this step's decodes.
+    def plan_decodes(self, tables: DecodeTables) -> Any:
+        """What ``decode`` needs for this step's decodes (default: their tables, as kernels over block tables
+        take them; called once a step, before the layers)."""
+        return tables
 
-        Args:
-            tables: each decode's block ids.
-            context_lens: each decode's keys, its new token included.
-        """
-
-    @abstractmethod
-    def plan_prefills(self, tables: list[list[int]], starts: list[int], lens: list[int], first_row: int) -> Any:
-        """What ``prefill`` needs for this step's prompt chunks.
-
-        Args:
-            tables: each chunk's block ids.
-            starts: position of each chunk's first token (tokens before it are cached).
-            lens: tokens in each chunk.
-            first_row: row of the first chunk in q (chunks follow the decodes, back to back).
-        """
+    def plan_prefills(self, tables: PrefillTables) -> Any:
+        """What ``prefill`` needs for this step's prompt chunks (default: their tables; once a step)."""
+        return tables
 
     @abstractmethod
     def decode(self, layer: int, q: torch.Tensor, plan: Any, out: torch.Tensor) -> None:
@@ -103,33 +90,24 @@ class StepAttention:
 
     A batch-invariant backend gets every token as a decode (a prompt chunk's token at position p attends over
     the p + 1 keys cached by then, its own stored first): a token's attention is then the same arithmetic
-    whether it decodes alone, in a batch, or sits anywhere in a prompt chunk of any length.
+    whether it decodes alone, in a batch, or sits anywhere in a prompt chunk of any length. The runner's
+    ``InputBuffers`` (conveyor.worker.inputs) build its tensors.
     """
 
-    def __init__(self, backend: AttentionBackend, step: StepInput):
+    def __init__(self, backend: AttentionBackend, slot_mapping: torch.Tensor, decodes: DecodeTables | None,
+                 prefills: PrefillTables | None):
+        """
+        Args:
+            slot_mapping: ``[T]`` the KV cache slot of every token the step computes, in order.
+            decodes: the decodes' tables (the first rows), None without any.
+            prefills: the prompt chunks' tables (the rows after the decodes), None without any.
+        """
         self.backend = backend
         self.storage = backend.storage
-        slots = slot_mapping(step, self.storage.block_size)
-        self.slot_mapping = torch.tensor(slots, dtype=torch.long, device=self.storage.device)
-        if backend.batch_invariant:
-            self.num_decodes = len(slots)
-            self.decode_plan = backend.plan_decodes(
-                [r.block_ids for r in step.requests for _ in r.token_ids],
-                [p + 1 for r in step.requests for p in range(r.start, r.start + len(r.token_ids))],
-            ) if slots else None
-            self.prefill_plan = None
-            return
-        self.num_decodes = step.num_decodes
-        decodes, chunks = step.requests[: step.num_decodes], step.requests[step.num_decodes :]
-        self.decode_plan = None
-        if decodes:
-            self.decode_plan = backend.plan_decodes([r.block_ids for r in decodes], [r.start + 1 for r in decodes])
-        self.prefill_plan = None
-        if chunks:
-            self.prefill_plan = backend.plan_prefills(
-                [r.block_ids for r in chunks], [r.start for r in chunks], [len(r.token_ids) for r in chunks],
-                step.num_decodes,
-            )
+        self.slot_mapping = slot_mapping
+        self.num_decodes = 0 if decodes is None else decodes.context_lens.shape[0]
+        self.decode_plan = None if decodes is None else backend.plan_decodes(decodes)
+        self.prefill_plan = None if prefills is None else backend.plan_prefills(prefills)
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         self.storage.write(layer, self.slot_mapping, k, v)
@@ -142,53 +120,24 @@ class StepAttention:
         return out
 
 
-def slot_mapping(step: StepInput, block_size: int) -> list[int]:
-    """The KV cache slot of every token the step computes, in order: its block's id * block_size + its offset
-    (the one place slots are made: the eager step and the compiled decode graphs take them from here)."""
-    slots: list[int] = []
-    for r in step.requests:
-        table = r.block_ids
-        slots.extend(table[p // block_size] * block_size + p % block_size
-                     for p in range(r.start, r.start + len(r.token_ids)))
-    return slots
-
-
-def padded_int32(rows: list[list[int]], device: torch.device) -> torch.Tensor:
-    """Block tables as one int32 tensor, each row padded with block 0 (never read past its length)."""
-    width = max(len(t) for t in rows)
-    return torch.tensor([t + [0] * (width - len(t)) for t in rows], dtype=torch.int32, device=device)
-
-
 @dataclass
 class DecodeTables:
-    """Decodes as kernels over block tables take them."""
+    """Decodes as kernels over block tables take them (a row's entries past its context are any blocks)."""
 
-    # [B, max_blocks] int32
+    # [B, max_blocks] int32, contiguous
     tables: torch.Tensor
     # [B] int32, keys per sequence
     context_lens: torch.Tensor
-
-    @classmethod
-    def build(cls, tables: list[list[int]], context_lens: list[int], device: torch.device) -> DecodeTables:
-        return cls(padded_int32(tables, device), torch.tensor(context_lens, dtype=torch.int32, device=device))
 
 
 @dataclass
 class PrefillTables:
     """Prompt chunks as kernels over block tables take them: ``[S]`` int32 each, and the longest chunk."""
 
+    # [S, max_blocks] int32, contiguous
     tables: torch.Tensor
+    # each chunk's first row in the step's q
     rows: torch.Tensor
     lens: torch.Tensor
     starts: torch.Tensor
     max_len: int
-
-    @classmethod
-    def build(cls, tables: list[list[int]], starts: list[int], lens: list[int], first_row: int,
-              device: torch.device) -> PrefillTables:
-        rows = list(itertools.accumulate(lens[:-1], initial=first_row))
-
-        def int32(values: list[int]) -> torch.Tensor:
-            return torch.tensor(values, dtype=torch.int32, device=device)
-
-        return cls(padded_int32(tables, device), int32(rows), int32(lens), int32(starts), max(lens))

@@ -111,7 +111,9 @@ class CpuAttention(TorchAttention):
         q = torch.randn(new, 3 * num_kv_heads, head_dim).to(self.storage.dtype)
         out = torch.empty_like(q)
         table = list(range(num_blocks))
-        kernel_plan = PrefillTables.build([table], [start], [new], 0, self.storage.device)
+        kernel_plan = PrefillTables(torch.tensor([table], dtype=torch.int32), torch.tensor([0], dtype=torch.int32),
+                                    torch.tensor([new], dtype=torch.int32), torch.tensor([start], dtype=torch.int32),
+                                    new)
         slots = torch.arange(start + new)
 
         def kernel() -> None:
@@ -124,8 +126,8 @@ class CpuAttention(TorchAttention):
 
         return _best_seconds(kernel) < _best_seconds(sdpa)
 
-    def plan_decodes(self, tables: list[list[int]], context_lens: list[int]) -> DecodeTables:
-        return DecodeTables.build(tables, context_lens, self.storage.device)
+    def plan_decodes(self, tables: DecodeTables) -> DecodeTables:
+        return tables
 
     def decode(self, layer: int, q: torch.Tensor, plan: DecodeTables, out: torch.Tensor) -> None:
         k_cache, v_cache, k_scale, v_scale = self.storage.layer(layer)
@@ -133,10 +135,8 @@ class CpuAttention(TorchAttention):
         native.paged_decode_attention(q, k_cache, v_cache, plan.tables, plan.context_lens, self.storage.block_size,
                                       k_scale, v_scale, out, params.scale, params.window, params.softcap)
 
-    def plan_prefills(self, tables: list[list[int]], starts: list[int], lens: list[int], first_row: int):
-        if not self.prefill_kernel:
-            return super().plan_prefills(tables, starts, lens, first_row)
-        return PrefillTables.build(tables, starts, lens, first_row, self.storage.device)
+    def plan_prefills(self, tables: PrefillTables):
+        return tables if self.prefill_kernel else super().plan_prefills(tables)
 
     def prefill(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan, out: torch.Tensor) -> None:
         if not self.prefill_kernel:

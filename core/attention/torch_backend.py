@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from conveyor.attention.backend import AttentionBackend, DecodeTables
+from conveyor.attention.backend import AttentionBackend, DecodeTables, PrefillTables
 from conveyor.attention.ops import causal_attention, decode_attention
 from conveyor.attention.storage import dequantize
 from conveyor.model.invariant import INVARIANT_ROWS
@@ -38,22 +38,22 @@ class TorchAttention(AttentionBackend):
     def unavailable(cls, device: torch.device) -> str | None:
         return None
 
-    def plan_decodes(self, tables: list[list[int]], context_lens: list[int]) -> list | DecodeTables:
+    def plan_decodes(self, tables: DecodeTables) -> list | DecodeTables:
         if self.batch_invariant:
-            return DecodeTables.build(tables, context_lens, self.storage.device)
+            return tables
         device, size = self.storage.device, self.storage.block_size
-        order = sorted(range(len(tables)), key=lambda i: len(tables[i]))
-        num_groups = min(MAX_DECODE_GROUPS, -(-len(tables) // MIN_DECODE_GROUP))
+        context_lens = tables.context_lens.tolist()
+        order = sorted(range(len(context_lens)), key=context_lens.__getitem__)
+        num_groups = min(MAX_DECODE_GROUPS, -(-len(order) // MIN_DECODE_GROUP))
         groups = []
         for g in range(num_groups):
-            rows = order[g * len(tables) // num_groups : (g + 1) * len(tables) // num_groups]
-            width = len(tables[rows[-1]])
-            padded = [tables[i] + [0] * (width - len(tables[i])) for i in rows]
-            # NOTE: index_select over whole blocks is ~4x faster than advanced indexing on CPU.
-            blocks = torch.tensor(padded, dtype=torch.long, device=device).flatten()
-            context = torch.tensor([context_lens[i] for i in rows], device=device)
+            rows = torch.tensor(order[g * len(order) // num_groups : (g + 1) * len(order) // num_groups], device=device)
+            width = -(-context_lens[order[(g + 1) * len(order) // num_groups - 1]] // size)
+            # NOTE: index_select over whole blocks is ~4x faster than advanced indexing on CPU. (Entries past a
+            # row's own blocks are blocks of the pool, masked out by its context length.)
+            blocks = tables.tables[rows, :width].long().flatten()
             positions = torch.arange(width * size, device=device)
-            groups.append((torch.tensor(rows, device=device), blocks, positions, context.unsqueeze(1)))
+            groups.append((rows, blocks, positions, tables.context_lens[rows].unsqueeze(1)))
         return groups
 
     def decode(self, layer: int, q: torch.Tensor, plan: list | DecodeTables, out: torch.Tensor) -> None:
@@ -121,18 +121,16 @@ class TorchAttention(AttentionBackend):
         gathered_scales = scales.view(num_kv_heads, num_blocks, -1).index_select(1, blocks).view(shape[:-1])
         return dequantize(gathered, gathered_scales, dtype)
 
-    def plan_prefills(self, tables: list[list[int]], starts: list[int], lens: list[int], first_row: int) -> list:
+    def plan_prefills(self, tables: PrefillTables) -> list:
         device, size = self.storage.device, self.storage.block_size
         # (first row, rows, first position, slots of the whole context or None when it starts at 0)
         chunks = []
-        row = first_row
-        for table, start, n in zip(tables, starts, lens):
+        for i, (row, n, start) in enumerate(zip(tables.rows.tolist(), tables.lens.tolist(), tables.starts.tolist())):
             context_slots = None
             if start > 0:
-                blocks = torch.tensor(table, dtype=torch.long, device=device)
+                blocks = tables.tables[i, : -(-(start + n) // size)].long()
                 context_slots = (blocks.unsqueeze(1) * size + torch.arange(size, device=device)).flatten()[: start + n]
             chunks.append((row, n, start, context_slots))
-            row += n
         return chunks
 
     def prefill(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: list,

@@ -38,9 +38,6 @@ class TritonAttention(AttentionBackend):
             k_cache, v_cache = k_cache.view(torch.float8_e4m3fn), v_cache.view(torch.float8_e4m3fn)
         return k_cache, v_cache, k_scale, v_scale
 
-    def plan_decodes(self, tables: list[list[int]], context_lens: list[int]) -> DecodeTables:
-        return DecodeTables.build(tables, context_lens, self.storage.device)
-
     def decode(self, layer: int, q: torch.Tensor, plan: DecodeTables, out: torch.Tensor) -> None:
         from conveyor.attention.kernels import paged_decode_attention
 
@@ -48,10 +45,6 @@ class TritonAttention(AttentionBackend):
         params = self.layers[layer]
         paged_decode_attention(q, k_cache, v_cache, plan.tables, plan.context_lens, self.storage.block_size,
                                k_scale, v_scale, out, params.scale, params.window, params.softcap)
-
-    def plan_prefills(self, tables: list[list[int]], starts: list[int], lens: list[int],
-                      first_row: int) -> PrefillTables:
-        return PrefillTables.build(tables, starts, lens, first_row, self.storage.device)
 
     def prefill(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: PrefillTables,
                 out: torch.Tensor) -> None:

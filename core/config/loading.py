@@ -228,17 +228,14 @@ def _check_batch_invariant(tables: dict[str, Any], origin: _Origin) -> None:
 
 
 def _check_async_scheduling(tables: dict[str, Any], origin: _Origin) -> None:
-    """A step's sampled token is the next step's input on the worker that sampled it: one worker only."""
+    """Pipeline stages overlap their steps already; a step's sampled token is the next step's input on the
+    stage that sampled it, the last, while the first stage takes it in."""
     engine, parallel = tables["engine"], tables["parallel"]
-    if engine.async_scheduling != "on":
-        return
-    for key in ("tensor_parallel_size", "pipeline_parallel_size"):
-        value = getattr(parallel, key)
-        if value > 1:
-            raise ConfigError(f"{origin.of('parallel', key)}: [parallel] {key} = {value} cannot run with [engine] "
-                              "async_scheduling = 'on' (one worker feeds each step the tokens it sampled; "
-                              "pipeline stages overlap their steps already); allowed with it: 1, or "
-                              "async_scheduling = 'auto' or 'off'")
+    if engine.async_scheduling == "on" and parallel.pipeline_parallel_size > 1:
+        raise ConfigError(f"{origin.of('parallel', 'pipeline_parallel_size')}: [parallel] pipeline_parallel_size = "
+                          f"{parallel.pipeline_parallel_size} cannot run with [engine] async_scheduling = 'on' "
+                          "(pipeline stages overlap their steps already); allowed with it: 1, or "
+                          "async_scheduling = 'auto' or 'off'")
 
 
 def _plugin_spec(

@@ -89,8 +89,8 @@ class EngineConfig(msgspec.Struct, forbid_unknown_fields=True):
     batch_invariant: bool = False
     # overlapped steps: while the worker runs step N the engine core schedules step N+1 (a request's next input
     # is the token step N samples, which the worker feeds in itself) and publishes step N-1's outputs. "auto":
-    # on where it measured faster (docs/performance.md, "Async scheduling"); "on" needs one worker (tensor_parallel_size =
-    # pipeline_parallel_size = 1: pipeline stages overlap their steps already).
+    # on where it measured faster (docs/performance.md, "Async scheduling"); "on" needs pipeline_parallel_size = 1
+    # (pipeline stages overlap their steps already); with tensor parallelism the driver shares the tokens it fed in.
     async_scheduling: Literal["auto", "on", "off"] = "auto"
 
     def __post_init__(self) -> None:

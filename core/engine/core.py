@@ -124,11 +124,11 @@ class EngineCore:
             self.executor.overlap_steps()
 
     def _async_scheduling(self) -> bool:
-        """Whether steps overlap: where ``[engine] async_scheduling`` asks for it, one worker runs them and the
-        scheduler may schedule while a step is in flight ("auto": on CUDA, where the host's work per step is a
+        """Whether steps overlap: where ``[engine] async_scheduling`` asks for it, one pipeline stage runs them
+        and the scheduler may schedule while a step is in flight ("auto": on CUDA, where the host's work per step is a
         large share of it)."""
-        if not overlaps_steps(self.config, self.info.device) or self.config.parallel.world_size > 1:
-            return False  # (the config refuses "on" with several workers)
+        if not overlaps_steps(self.config, self.info.device) or self.config.parallel.pipeline_parallel_size > 1:
+            return False  # (pipeline stages overlap their steps already; the config refuses "on" with them)
         if not self.scheduler.pipelined:
             if self.config.engine.async_scheduling == "on":
                 logger.warning("scheduler %r runs one batch at a time: async scheduling is off", self.scheduler.name)

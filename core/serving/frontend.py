@@ -160,13 +160,16 @@ class EngineFrontend:
 
     def check(self, prompt_ids: list[int], params: SamplingParams) -> None:
         """Refuse what the model cannot do (400) and new work while starting or draining (503)."""
+        self._refuse_new_work()
+        problem = length_error(len(prompt_ids), params.max_tokens, self.max_model_len)
+        if problem is not None:
+            raise RequestError(problem[0], 400, problem[1])
+
+    def _refuse_new_work(self) -> None:
         if self.draining:
             raise RequestError("the server is shutting down", 503)
         if not self.max_model_len:
             raise RequestError("the engine is starting", 503)
-        problem = length_error(len(prompt_ids), params.max_tokens, self.max_model_len)
-        if problem is not None:
-            raise RequestError(problem[0], 400, problem[1])
 
     async def generate(
         self, prompt_ids: list[int], params: SamplingParams, *, request_id: str, priority: int = 0,
@@ -180,7 +183,7 @@ class EngineFrontend:
         Raises:
             RequestError: refused (400/429/503), or the engine failed it (5xx).
         """
-        self.check(prompt_ids, params)
+        self._refuse_new_work()  # (the request itself was checked by its transport; the engine refuses it too)
         start = time.perf_counter()
         request = EngineRequest(request_id, prompt_ids, params, priority, time.time(), self._eos_token_ids, lora)
         text = TextStream(self.tokenizer, params)

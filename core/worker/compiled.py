@@ -2,10 +2,11 @@
 
 A step whose requests are all single-token decodes (the steady state of a
 busy server) runs in the graph of the smallest compiled batch size that holds
-it. Its inputs are written in place into the buffers (token, position, slot,
-block table row, context length); the rows past its requests are padding
-that writes and reads the KV storage's pad block, which no request owns.
-Prefill and mixed steps run eagerly.
+it. Its inputs are written in place into the runner's input buffers
+(``conveyor.worker.inputs``: token, position, slot, block table row, context
+length); the rows past its requests are padding that writes and reads the KV
+storage's pad block, which no request owns. Prefill and mixed steps run
+eagerly, over the same buffers.
 """
 
 from __future__ import annotations
@@ -17,10 +18,11 @@ from pathlib import Path
 
 import torch
 
-from conveyor.attention.backend import AttentionBackend, padded_int32, slot_mapping
+from conveyor.attention.backend import AttentionBackend
 from conveyor.messages import StepInput
 from conveyor.model.graph_ops import paged_decode_op, register_backend
 from conveyor.model.llama import LlamaModel
+from conveyor.worker.inputs import InputBuffers
 
 logger = logging.getLogger("conveyor")
 
@@ -40,21 +42,17 @@ class CompiledDecode:
         self.backend_number = register_backend(attention)
         self.batch_sizes = sorted(set(batch_sizes))
         storage = attention.storage
-        self.block_size = storage.block_size
         self.pad_slot = storage.pad_block * storage.block_size
         rows, width = self.batch_sizes[-1], -(-max_model_len // storage.block_size)
-        device = model.device
-        self.input_ids = torch.zeros(rows, dtype=torch.long, device=device)
-        self.positions = torch.zeros(rows, dtype=torch.long, device=device)
-        self.slot_mapping = torch.full((rows,), self.pad_slot, dtype=torch.long, device=device)
-        self.block_tables = torch.full((rows, width), storage.pad_block, dtype=torch.int32, device=device)
-        self.context_lens = torch.ones(rows, dtype=torch.int32, device=device)
+        # the runner's input buffers too; they hold the largest batch and the longest table from the start
+        self.inputs = InputBuffers(storage.block_size, model.device, tokens=rows, rows=rows, width=width,
+                                   pad_block=storage.pad_block)
         # One graph per batch size. Dynamo keeps graphs per code object, shared by every instance of this
         # class in the process (each guarded by its own model), so each instance adds its own room.
         torch._dynamo.config.recompile_limit += len(self.batch_sizes) + 1
         # on CUDA each graph is also captured as a CUDA graph (inductor's cudagraph trees) and replayed: one
         # launch per step instead of one per kernel
-        mode = "reduce-overhead" if device.type == "cuda" else "default"
+        mode = "reduce-overhead" if model.device.type == "cuda" else "default"
         self.forward = torch.compile(self._forward, fullgraph=True, dynamic=False, mode=mode)
         # steps run in a graph (start-up's compiling passes not counted)
         self.num_steps = 0
@@ -95,25 +93,17 @@ class CompiledDecode:
         n = len(step.requests)
         size = next(s for s in self.batch_sizes if s >= n)
         self.num_steps += 1
-        requests = step.requests
-        positions = [r.start for r in requests]
-        tables = [r.block_ids for r in requests]
-        width = max(len(t) for t in tables)
-        device = self.input_ids.device
-        self.input_ids[:n] = torch.tensor([r.token_ids[0] for r in requests], device=device)
-        self.positions[:n] = torch.tensor(positions, device=device)
-        self.slot_mapping[:n] = torch.tensor(slot_mapping(step, self.block_size), device=device)
-        self.block_tables[:n, :width] = padded_int32(tables, device)
-        self.context_lens[:n] = torch.tensor(positions, dtype=torch.int32, device=device) + 1
+        self.inputs.write(step)
         return self._run(n, size)[:n]
 
     def _run(self, n: int, size: int) -> torch.Tensor:
         # rows n .. size pad the batch: they must not write over a request's slots (an earlier, larger step
         # left its rows there)
-        self.slot_mapping[n:size] = self.pad_slot
-        self.block_tables[n:size, 0] = self.attention.storage.pad_block
-        self.context_lens[n:size] = 1
-        self.input_ids[n:size] = 0
-        self.positions[n:size] = 0
-        return self.forward(self.input_ids[:size], self.positions[:size], self.slot_mapping[:size],
-                            self.block_tables[:size], self.context_lens[:size])
+        inputs = self.inputs
+        inputs.slot_mapping.array[n:size] = self.pad_slot
+        inputs.block_tables.array[n:size, 0] = self.attention.storage.pad_block
+        inputs.context_lens.array[n:size] = 1
+        inputs.input_ids.array[n:size] = 0
+        inputs.positions.array[n:size] = 0
+        return self.forward(inputs.input_ids.view(size), inputs.positions.view(size), inputs.slot_mapping.view(size),
+                            inputs.block_tables.view(size), inputs.context_lens.view(size))

@@ -20,11 +20,10 @@ n-gram drafts.
 
 from __future__ import annotations
 
-import torch
-
-from conveyor.attention.backend import AttentionBackend, StepAttention
+from conveyor.attention.backend import AttentionBackend
 from conveyor.messages import RunnerOutput, ScheduledRequest, StepInput
 from conveyor.model.llama import LlamaModel
+from conveyor.worker.inputs import InputBuffers
 
 
 def scratch_blocks_per_row(k: int, block_size: int) -> int:
@@ -49,20 +48,20 @@ class Drafter:
         self.per_row = scratch_blocks_per_row(k, self.block_size)
         self.first_scratch_block = first_scratch_block
         self.max_rows = max_rows
+        self.inputs = InputBuffers(self.block_size, model.device, pad_block=attention.storage.pad_block)
 
-    def propose(self, step: StepInput, input_ids: torch.Tensor, positions: torch.Tensor,
-                output: RunnerOutput) -> list[list[int]]:
+    def propose(self, step: StepInput, output: RunnerOutput) -> list[list[int]]:
         """Fill the draft's cache with the step's tokens and propose ``k`` tokens after each sampled one.
 
         Args:
-            input_ids, positions: the step's flat batch, as the target ran it.
             output: the target's tokens (``sampled``, and ``accepted`` drafts where there were any).
 
         Returns:
             Per entry of the step, the proposals ([] where nothing was sampled).
         """
         model = self.model
-        model.forward(input_ids, positions, StepAttention(self.attention, step))
+        inputs = self.inputs.prepare(step, self.attention)
+        model.forward(inputs.input_ids, inputs.positions, inputs.attention)
         rows: list[tuple[int, ScheduledRequest, int, int]] = []  # (entry, request, next position, token)
         for i, (request, token) in enumerate(zip(step.requests, output.sampled)):
             if token is None:
@@ -87,10 +86,9 @@ class Drafter:
         for j in range(self.k):
             batch = StepInput([ScheduledRequest(request.request_id, position + j, [token], table, request.params)
                                for (_, request, position, _), token, table in zip(rows, tokens, tables)], len(rows))
-            ids = torch.tensor(tokens, dtype=torch.long, device=self.model.device)
-            places = torch.tensor([position + j for _, _, position, _ in rows], dtype=torch.long,
-                                  device=self.model.device)
-            logits = self.model.compute_logits(self.model.forward(ids, places, StepAttention(self.attention, batch)))
+            inputs = self.inputs.prepare(batch, self.attention)
+            logits = self.model.compute_logits(self.model.forward(inputs.input_ids, inputs.positions,
+                                                                  inputs.attention))
             tokens = logits.argmax(dim=-1).tolist()
             for (entry, *_), token in zip(rows, tokens):
                 proposals[entry].append(token)

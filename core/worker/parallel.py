@@ -221,6 +221,16 @@ class ParallelGroup:
         self._collective(logits, lambda: dist.gather(logits, parts, dst=first, group=self.tp_group))
         return torch.cat(parts, dim=-1)[:, :vocab_size] if parts is not None else None
 
+    def broadcast_tokens(self, tokens: list[int]) -> list[int]:
+        """The TP group's rank 0's ``tokens`` on every rank of the group (each passes a list of the same length;
+        only rank 0's values count): async scheduling feeds a step the tokens its driver sampled."""
+        if self.placement.tp_size == 1 or not tokens:
+            return tokens
+        x = torch.tensor(tokens, dtype=torch.long, device="cuda" if self.cuda else "cpu")  # (NCCL: the current GPU)
+        first = self.placement.rank - self.placement.tp_rank
+        self._collective(x, lambda: dist.broadcast(x, src=first, group=self.tp_group))
+        return x.tolist()
+
     def send_next(self, x: torch.Tensor) -> None:
         """Hand activations to the same TP rank of the next stage."""
         x = x.contiguous()

@@ -6,12 +6,13 @@ import time
 
 import torch
 
-from conveyor.attention.backend import AttentionBackend, StepAttention
+from conveyor.attention.backend import AttentionBackend
 from conveyor.messages import RunnerOutput, ScheduledRequest, StepInput, TokenLogprob
 from conveyor.model.llama import LlamaModel
 from conveyor.model.lora import Adapters
 from conveyor.worker.compiled import CompiledDecode
 from conveyor.worker.drafter import Drafter
+from conveyor.worker.inputs import InputBuffers
 from conveyor.worker.sampler import Sampler, token_logprobs
 
 
@@ -34,6 +35,9 @@ class ModelRunner:
         self.adapters = adapters
         self.drafter = drafter
         self.device = model.device
+        # the step's input tensors (the compiled graphs take them too)
+        self.inputs = compiled.inputs if compiled is not None else InputBuffers(
+            attention.storage.block_size, self.device, pad_block=attention.storage.pad_block)
         # pooling = "mean": per request, the sum of its hidden states so far, and their count
         self._sums: dict[str, tuple[torch.Tensor, int]] = {}
 
@@ -61,8 +65,7 @@ class ModelRunner:
                 logits = logits[torch.tensor(rows, device=self.device)]
             output = RunnerOutput([None] * len(step.requests), [None] * len(step.requests))
             return self._sample(step, logits if rows else None, rows, output, began)
-        input_ids: list[int] = []
-        positions: list[int] = []
+        rows = 0
         # rows of the hidden states whose logits are needed: the last row of each sampled request (and the
         # rows before it that predict its draft tokens), and the rows of requests that asked for prompt logprobs
         sample_rows: list[int] = []
@@ -70,23 +73,20 @@ class ModelRunner:
         prompt_rows: list[tuple[int, int, int]] = []  # (entry, first row, rows)
         pooled_rows: list[tuple[int, int, int]] = []  # (entry, first row, rows): requests that want an embedding
         for i, request in enumerate(step.requests):
-            first = len(input_ids)
-            input_ids.extend(request.token_ids)
-            positions.extend(range(request.start, request.start + len(request.token_ids)))
+            first, rows = rows, rows + len(request.token_ids)
             if request.params.pooling:
                 pooled_rows.append((i, first, len(request.token_ids)))
             elif request.sample:
-                sample_rows.extend(range(len(input_ids) - 1 - len(request.draft_token_ids), len(input_ids)))
+                sample_rows.extend(range(rows - 1 - len(request.draft_token_ids), rows))
                 sampled_entries.append(i)
             if request.prompt_logprob_token_ids:
                 prompt_rows.append((i, first, len(request.prompt_logprob_token_ids)))
         model, group = self.model, self.model.group
         carried = None
         if not model.first_stage:
-            carried = group.recv_prev((2, len(input_ids), model.spec.hidden_size), model.dtype, self.device)
-        ids = torch.tensor(input_ids, dtype=torch.long, device=self.device)
-        places = torch.tensor(positions, dtype=torch.long, device=self.device)
-        hidden = model.forward(ids, places, StepAttention(self.attention, step), carried)
+            carried = group.recv_prev((2, rows, model.spec.hidden_size), model.dtype, self.device)
+        inputs = self.inputs.prepare(step, self.attention)
+        hidden = model.forward(inputs.input_ids, inputs.positions, inputs.attention, carried)
         if not model.last_stage:
             group.send_next(hidden)
             return self._timed(RunnerOutput([], []), began)
@@ -104,7 +104,7 @@ class ModelRunner:
         output = self._sample(step, logits, sampled_entries, output, began)
         if self.drafter is not None:
             drafting = time.perf_counter()
-            output.draft_token_ids = self.drafter.propose(step, ids, places, output)
+            output.draft_token_ids = self.drafter.propose(step, output)
             output.forward_time += time.perf_counter() - drafting
         return output
 

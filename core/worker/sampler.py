@@ -9,11 +9,15 @@ before falling back to a full sort.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from conveyor.messages import ScheduledRequest, TokenLogprob
+from conveyor.sampling import SamplingParams
+from conveyor.worker.inputs import Buffer, grown
 
 # candidates examined for the top-p nucleus before sorting the whole row
 TOP_P_CANDIDATES = 256
@@ -29,6 +33,8 @@ class Sampler:
         self.generator = torch.Generator().manual_seed(seed)
         # request id -> the generator of a request with a seed of its own (it lives as long as the request)
         self.generators: dict[str, torch.Generator] = {}
+        # the sampled rows' parameters as tensors, in buffers kept from step to step (made on the first step)
+        self.buffers: SamplingBuffers | None = None
 
     def forget(self, request_ids: Iterable[str]) -> None:
         """Drop what is kept for requests that ended."""
@@ -80,7 +86,9 @@ class Sampler:
         return token_list, entries
 
     def _sample_random(self, logits: torch.Tensor, requests: list[ScheduledRequest]) -> torch.Tensor:
-        probs = filtered_probs(logits, [r.params for r in requests])
+        if self.buffers is None or self.buffers.device != logits.device:
+            self.buffers = SamplingBuffers(logits.device)
+        probs = filtered_probs(logits, self.buffers.tensors([r.params for r in requests]))
         uniform = torch.rand(len(requests), 1, generator=self.generator, dtype=torch.float64)
         for i, request in enumerate(requests):
             if request.params.seed is not None:
@@ -118,7 +126,7 @@ class Sampler:
             taken = next((i for i, (d, t) in enumerate(zip(drafts, targets)) if d != t), len(drafts))
             tokens = [*drafts[:taken], targets[taken]]
         else:
-            probs = filtered_probs(logits, [params] * len(logits)).double()
+            probs = filtered_probs(logits, SamplingTensors.of([params] * len(logits), logits.device)).double()
             probs = probs / probs.sum(dim=-1, keepdim=True)
             tokens = []
             for draft in drafts:
@@ -135,23 +143,69 @@ class Sampler:
         return tokens, token_logprobs(logprobs, tokens, params.logprobs)
 
 
-def filtered_probs(logits: torch.Tensor, params: list) -> torch.Tensor:
+@dataclass
+class SamplingTensors:
+    """Rows' sampling parameters as tensors; None where no row uses that filter."""
+
+    # [N, 1] logits' dtype
+    temperature: torch.Tensor | None
+    # [N] int64, 0: the whole row
+    top_k: torch.Tensor | None
+    # [N, 1] float64
+    top_p: torch.Tensor | None
+    # [N, 1] float32
+    min_p: torch.Tensor | None
+
+    @classmethod
+    def of(cls, params: Sequence[SamplingParams], device: torch.device) -> SamplingTensors:
+        """Fresh tensors (``SamplingBuffers.tensors`` writes a step's rows into buffers it keeps instead)."""
+        return SamplingBuffers(device, len(params)).tensors(params)
+
+
+class SamplingBuffers:
+    """Buffers for the sampled rows' parameters, written in place each step (grown when a step has more rows)."""
+
+    def __init__(self, device: torch.device, rows: int = 64):
+        self.device = device
+        self._allocate(max(rows, 1))
+
+    def _allocate(self, rows: int) -> None:
+        self.rows = rows
+        self.temperature = Buffer((rows,), torch.float32, self.device)
+        self.top_k = Buffer((rows,), torch.long, self.device)
+        self.top_p = Buffer((rows,), torch.float64, self.device)
+        self.min_p = Buffer((rows,), torch.float32, self.device)
+
+    def tensors(self, params: Sequence[SamplingParams]) -> SamplingTensors:
+        n = len(params)
+        if n > self.rows:
+            self._allocate(grown(self.rows, n))
+        temperature, top_k, top_p, min_p = (self.temperature.array[:n], self.top_k.array[:n], self.top_p.array[:n],
+                                            self.min_p.array[:n])
+        temperature[:] = np.fromiter((p.temperature for p in params), np.float32, n)
+        top_k[:] = np.fromiter((max(0, p.top_k) for p in params), np.int64, n)
+        top_p[:] = np.fromiter((p.top_p for p in params), np.float64, n)
+        min_p[:] = np.fromiter((p.min_p for p in params), np.float32, n)
+        return SamplingTensors(
+            self.temperature.view(n).unsqueeze(1) if (temperature != 1).any() else None,
+            self.top_k.view(n) if top_k.any() else None,
+            self.top_p.view(n).unsqueeze(1) if (top_p < 1).any() else None,
+            self.min_p.view(n).unsqueeze(1) if min_p.any() else None,
+        )
+
+
+def filtered_probs(logits: torch.Tensor, params: SamplingTensors) -> torch.Tensor:
     """Each row's sampling distribution under its params (temperature, top-k, top-p, min-p); rows are not
     renormalized after the filters (``inverse_cdf`` takes them as they are)."""
-    device = logits.device
-    if any(p.temperature != 1 for p in params):
-        temperature = torch.tensor([p.temperature for p in params], dtype=logits.dtype, device=device).unsqueeze(1)
-        logits = logits / temperature
-    top_k = [max(0, p.top_k) for p in params]
-    if any(top_k):
-        logits = apply_top_k(logits, top_k)
+    if params.temperature is not None:
+        logits = logits / params.temperature.to(logits.dtype)
+    if params.top_k is not None:
+        logits = apply_top_k(logits, params.top_k)
     probs = torch.softmax(logits, dim=-1)
-    top_p = [p.top_p for p in params]
-    if any(p < 1 for p in top_p):
-        probs = apply_top_p(probs, top_p)
-    min_p = [p.min_p for p in params]
-    if any(min_p):
-        threshold = torch.tensor(min_p, dtype=probs.dtype, device=device).unsqueeze(1) * probs.max(dim=-1, keepdim=True).values
+    if params.top_p is not None:
+        probs = apply_top_p(probs, params.top_p)
+    if params.min_p is not None:
+        threshold = params.min_p.to(probs.dtype) * probs.max(dim=-1, keepdim=True).values
         probs = probs.masked_fill(probs < threshold, 0.0)
     return probs
 
@@ -201,17 +255,16 @@ def _below(target: torch.Tensor, total: torch.Tensor) -> torch.Tensor:
     return torch.minimum(target, torch.nextafter(total, torch.zeros_like(total)))
 
 
-def apply_top_k(logits: torch.Tensor, top_k: list[int]) -> torch.Tensor:
-    """Mask all but each row's k largest logits (k = 0: keep all)."""
-    k = torch.tensor([k if k else logits.shape[1] for k in top_k], device=logits.device).clamp(max=logits.shape[1])
+def apply_top_k(logits: torch.Tensor, top_k: torch.Tensor) -> torch.Tensor:
+    """Mask all but each row's k largest logits (``top_k [N]``; k = 0: keep all)."""
+    k = torch.where(top_k > 0, top_k, logits.shape[1]).clamp(max=logits.shape[1])
     values = logits.topk(int(k.max()), dim=-1).values
     kth = values.gather(1, (k - 1).unsqueeze(1))
     return logits.masked_fill(logits < kth, float("-inf"))
 
 
-def apply_top_p(probs: torch.Tensor, top_p: list[float]) -> torch.Tensor:
-    """Zero all but each row's nucleus: the most likely tokens whose mass reaches top_p."""
-    p = torch.tensor(top_p, dtype=torch.float64, device=probs.device).unsqueeze(1)
+def apply_top_p(probs: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+    """Zero all but each row's nucleus: the most likely tokens whose mass reaches its top_p (``p [N, 1]`` float64)."""
     total = probs.double().sum(dim=-1, keepdim=True)
     values = probs.topk(min(TOP_P_CANDIDATES, probs.shape[1]), dim=-1).values.double()
     threshold = _nucleus_threshold(values, total, p)

@@ -214,6 +214,9 @@ class Worker:
 
     def execute(self, step: StepInput) -> RunnerOutput:
         assert self.runner is not None, "init_kv_cache comes before execute"
+        if self.placement.tp_size > 1 and any(entry.follows for entry in step.requests):
+            # async scheduling: the driver sampled the tokens these entries take in; its TP peers learn them here
+            self.held.take_followed(step, self.group.broadcast_tokens(self.held.followed(step)))
         self.held.apply(step)  # (each entry whole again: parameters, block table, penalty tokens, input token)
         output = self.runner.execute(step)
         self.held.sampled(step, output.sampled)

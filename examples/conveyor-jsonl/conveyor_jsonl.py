@@ -65,6 +65,7 @@ class JSONLines(Transport):
                 raise RequestError("each line is a JSON object with a string prompt", 400, "prompt")
             params = msgspec.convert({k: v for k, v in body.items() if k != "prompt"}, SamplingParams)
             prompt_ids = frontend.encode(body["prompt"])
+            frontend.check(prompt_ids, params)
             chunks = frontend.generate(prompt_ids, params, request_id=frontend.new_request_id("jsonl"))
             async with aclosing(chunks):
                 async for chunk in chunks:

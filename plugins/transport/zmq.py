@@ -141,6 +141,7 @@ class ZMQTransport(Transport):
                         prompt_ids = frontend.encode_chat(request.messages)
                     else:
                         prompt_ids = frontend.encode(request.prompt)
+                    frontend.check(prompt_ids, request.params)
                     lora = frontend.adapter(request.model)
                     internal_id = f"zmq-{reply.identity.hex()}-{rid}"
                     chunks = frontend.generate(prompt_ids, request.params, request_id=internal_id,
