@@ -88,3 +88,10 @@ def test_the_cpu_kernels_build_where_a_compiler_is_found():
     from conveyor import native
 
     assert native.load(), "the CPU kernels did not build: see the warning above"
+
+
+def test_every_module_of_core_and_plugins_stays_under_400_lines():
+    """A module that grows past 400 lines holds two jobs: split it by what it holds."""
+    long = {str(path.relative_to(REPO)): n for path in sorted([*REPO.glob("core/**/*.py"), *REPO.glob("plugins/**/*.py")])
+            if (n := len(path.read_text().splitlines())) > 400}
+    assert not long, long

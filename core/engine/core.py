@@ -21,6 +21,7 @@ from conveyor.config import Config
 from conveyor.deltas import SentRequests
 from conveyor.engine.grammars import GrammarRequests
 from conveyor.engine.loras import LoraSlots
+from conveyor.engine.prompt_logprobs import add_prompt_logprobs
 from conveyor.engine.speculative import DraftModelProposer, NgramProposer
 from conveyor.executor import Executor, ExecutorError, build_executor, overlaps_steps
 from conveyor.kvcache import DTYPE_BYTES, KVCacheManager
@@ -262,7 +263,7 @@ class EngineCore:
         if self.proposer is not None:
             self.proposer.propose(batch.requests, result)
         if result.prompt_logprobs:
-            outputs = self._add_prompt_logprobs(batch, flight.step, result, outputs)
+            outputs = add_prompt_logprobs(batch, flight.step, result, outputs)
         if result.embeddings:
             outputs += self._embedded(batch, result.embeddings)
         return outputs
@@ -375,29 +376,6 @@ class EngineCore:
             step.grammar_rows, step.bitmask = self.grammars.bitmask(
                 [r if e.sample else None for r, e in zip(batch.requests, requests)])
         return step
-
-    def _add_prompt_logprobs(
-        self, batch: ScheduledBatch, step: StepInput, result: RunnerOutput, outputs: list[RequestOutput]
-    ) -> list[RequestOutput]:
-        """Attach each request's new prompt logprobs to its output (one made if the step sampled nothing);
-        positions sent before (a recomputation after preemption) are not sent again."""
-        by_id = {o.request_id: o for o in outputs}
-        for request, entry, logprobs in zip(batch.requests, step.requests, result.prompt_logprobs):
-            if not logprobs:
-                continue
-            first = entry.start + 1  # the prompt position row 0 predicts
-            skip = max(0, request.num_prompt_logprobs + 1 - first)
-            if skip >= len(logprobs):
-                continue
-            output = by_id.get(request.request_id)
-            if output is None:
-                output = by_id[request.request_id] = RequestOutput(request.request_id,
-                                                                   num_prompt_tokens=request.num_prompt_tokens)
-                outputs.append(output)
-            output.prompt_logprobs = logprobs[skip:]
-            output.prompt_logprobs_start = first + skip
-            request.num_prompt_logprobs = first + len(logprobs) - 1
-        return outputs
 
 
 def _count_in_flight(batch: ScheduledBatch, sign: int) -> None:
