@@ -147,7 +147,7 @@ class Sampler:
 class SamplingTensors:
     """Rows' sampling parameters as tensors; None where no row uses that filter."""
 
-    # [N, 1] logits' dtype
+    # [N, 1] float32
     temperature: torch.Tensor | None
     # [N] int64, 0: the whole row
     top_k: torch.Tensor | None
