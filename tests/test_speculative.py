@@ -15,7 +15,7 @@ from conveyor import LLM
 from conveyor.engine.speculative import propose_ngram
 from conveyor.messages import ScheduledRequest
 from conveyor.sampling import SamplingParams
-from conveyor.worker.sampler import Sampler, SamplingTensors, filtered_probs
+from conveyor.worker.sampler import Sampler, SamplingBuffers, filtered_probs
 from tests.conftest import CHAT_PROMPTS, hf_greedy
 from tests.helpers import assert_matches_reference, assert_same_or_near_tie
 
@@ -47,7 +47,7 @@ def test_sampled_tokens_keep_the_models_distribution(params):
     torch.manual_seed(0)
     logits = torch.randn(3, 8) * 1.5
     drafts = [int(logits[0].argsort()[-2]), 3]  # a likely but not the likeliest first token
-    probs = filtered_probs(logits, SamplingTensors.of([params] * 3, logits.device)).double()
+    probs = filtered_probs(logits, SamplingBuffers(logits.device).tensors([params] * 3)).double()
     probs = probs / probs.sum(-1, keepdim=True)
     results = draws(Sampler(seed=1), logits, drafts, params, 20_000)
     first = np.bincount([r[0] for r in results], minlength=8)

@@ -95,7 +95,7 @@ class InputBuffers:
         or per token with ``every_token``, each token then a decode over what is cached up to it).
 
         Returns:
-            The step's tokens, each request's tokens and start, and each token's request.
+            The step's tokens, and each request's tokens, start and first row.
         """
         requests = step.requests
         n = len(requests)
@@ -127,17 +127,18 @@ class InputBuffers:
         total, lens, starts, first_rows = self.write(step, every_token)
         slots = self.slot_mapping.view(total)
         decodes = prefills = None
-        num_decodes = total if every_token else step.num_decodes
-        if num_decodes:
-            decodes = DecodeTables(self.block_tables.view(num_decodes), self.context_lens.view(num_decodes))
         n = len(step.requests)
+        num_decodes = total if every_token else step.num_decodes
+        tables = self.block_tables.view(total if every_token else n)  # (one copy to the device for both parts)
+        if num_decodes:
+            decodes = DecodeTables(tables[:num_decodes], self.context_lens.view(num_decodes))
         if not every_token and num_decodes < n:
             chunks = slice(num_decodes, n)
             count = n - num_decodes
             self.chunk_rows.array[:count] = first_rows[chunks]
             self.chunk_lens.array[:count] = lens[chunks]
             self.chunk_starts.array[:count] = starts[chunks]
-            prefills = PrefillTables(self.block_tables.view(n)[num_decodes:], self.chunk_rows.view(count),
+            prefills = PrefillTables(tables[num_decodes:], self.chunk_rows.view(count),
                                      self.chunk_lens.view(count), self.chunk_starts.view(count), int(lens[chunks].max()))
         attention = StepAttention(backend, slots, decodes, prefills)
         return StepTensors(self.input_ids.view(total), self.positions.view(total), attention)

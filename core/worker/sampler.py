@@ -86,14 +86,18 @@ class Sampler:
         return token_list, entries
 
     def _sample_random(self, logits: torch.Tensor, requests: list[ScheduledRequest]) -> torch.Tensor:
-        if self.buffers is None or self.buffers.device != logits.device:
-            self.buffers = SamplingBuffers(logits.device)
-        probs = filtered_probs(logits, self.buffers.tensors([r.params for r in requests]))
+        probs = filtered_probs(logits, self._tensors(logits.device, [r.params for r in requests]))
         uniform = torch.rand(len(requests), 1, generator=self.generator, dtype=torch.float64)
         for i, request in enumerate(requests):
             if request.params.seed is not None:
                 uniform[i, 0] = self._uniform(request)
         return inverse_cdf(probs, uniform.to(logits.device))
+
+    def _tensors(self, device: torch.device, params: list[SamplingParams]) -> SamplingTensors:
+        """The rows' parameters as tensors, in the buffers this sampler keeps for ``device``."""
+        if self.buffers is None or self.buffers.device != device:
+            self.buffers = SamplingBuffers(device)
+        return self.buffers.tensors(params)
 
     def _uniform(self, request: ScheduledRequest) -> float:
         """One draw in [0, 1) from the request's own generator (a seed of its own) or the shared one."""
@@ -126,7 +130,7 @@ class Sampler:
             taken = next((i for i, (d, t) in enumerate(zip(drafts, targets)) if d != t), len(drafts))
             tokens = [*drafts[:taken], targets[taken]]
         else:
-            probs = filtered_probs(logits, SamplingTensors.of([params] * len(logits), logits.device)).double()
+            probs = filtered_probs(logits, self._tensors(logits.device, [params] * len(logits))).double()
             probs = probs / probs.sum(dim=-1, keepdim=True)
             tokens = []
             for draft in drafts:
@@ -155,11 +159,6 @@ class SamplingTensors:
     top_p: torch.Tensor | None
     # [N, 1] float32
     min_p: torch.Tensor | None
-
-    @classmethod
-    def of(cls, params: Sequence[SamplingParams], device: torch.device) -> SamplingTensors:
-        """Fresh tensors (``SamplingBuffers.tensors`` writes a step's rows into buffers it keeps instead)."""
-        return SamplingBuffers(device, len(params)).tensors(params)
 
 
 class SamplingBuffers:
