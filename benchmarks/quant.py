@@ -11,8 +11,8 @@ generate ``--decode-tokens`` each (ignore_eos); the rate counts the tokens
 after every request's first, over the time after the last first token.
 Quality: teacher-forced over the first 2,048 tokens of tests/data/GPL-3.txt
 against the fp32 model (perplexity change and next-token top-1 agreement).
-Also prints the CPU matmul paths side by side (the choices behind
-``cpu_int8_max_rows`` and fp8's CPU path).
+Also prints the CPU matmul paths side by side (the int8 method as it runs here: Q8_0 blocks through the C++
+kernel where it builds; the torch paths behind ``cpu_int8_max_rows`` and fp8's CPU path).
 
 ``--kernels``: only the packed GGUF kernel, every path built here (``conveyor.native.ggml_linear_path``)
 against bf16 ``F.linear`` over the same layers dequantized: the default model's 30 layers of linear weights,
@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from conveyor import LLM, SamplingParams
 from conveyor.bench.quality import agreement, perplexity, teacher_forced
 from conveyor.model.formats import quantize_fp8
-from conveyor.plugins.quant.int8 import quantize_int8
+from conveyor.plugins.quant.int8 import Int8WeightOnly, quantize_int8
 
 TEXT = Path(__file__).resolve().parent.parent / "tests" / "data" / "GPL-3.txt"
 METHODS = {
@@ -77,10 +77,15 @@ def cpu_paths() -> None:
     scale_bf16 = scale.bfloat16()
     w_bf16 = w.bfloat16()
     print("\nCPU matmul paths, [M, 576] x [576, 3072] in bf16, microseconds:")
-    print(f"{'M':>5} {'bf16':>7} {'int8pack':>9} {'int8 dequant':>13} {'fp8 dequant':>12} {'fp8 scaled_mm':>14}")
+    int8 = Int8WeightOnly(None, torch.bfloat16, torch.device("cpu"))
+    int8_params = int8.prepare(w)
+    int8_name = "int8 Q8_0" if "q8_0" in int8_params else "int8 method"
+    print(f"{'M':>5} {'bf16':>7} {int8_name:>10} {'int8pack':>9} {'int8 dequant':>13} {'fp8 dequant':>12}"
+          f" {'fp8 scaled_mm':>14}")
     for m in (1, 4, 8, 16, 32, 64, 128, 256):
         x = torch.randn(m, 576).bfloat16()
         bf16 = time_it(lambda: F.linear(x, w_bf16))
+        method = time_it(lambda: int8.linear(x, int8_params))
         packed = time_it(lambda: torch._weight_int8pack_mm(x, q, scale_bf16))
         dequant = time_it(lambda: F.linear(x, q.to(torch.bfloat16) * scale_bf16[:, None]))
         fp8_dequant = time_it(lambda: F.linear(x, f.to(torch.bfloat16) * fscale.bfloat16()[:, None]))
@@ -90,7 +95,7 @@ def cpu_paths() -> None:
             return torch._scaled_mm(xq, f.t(), scale_a=xs[:, None], scale_b=fscale[None, :], out_dtype=x.dtype)
 
         fp8_scaled = time_it(scaled)
-        print(f"{m:>5} {bf16 * 1e6:>7.0f} {packed * 1e6:>9.0f} {dequant * 1e6:>13.0f} {fp8_dequant * 1e6:>12.0f}"
+        print(f"{m:>5} {bf16 * 1e6:>7.0f} {method * 1e6:>10.0f} {packed * 1e6:>9.0f} {dequant * 1e6:>13.0f} {fp8_dequant * 1e6:>12.0f}"
               f" {fp8_scaled * 1e6:>14.0f}")
 
 

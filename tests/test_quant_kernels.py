@@ -84,31 +84,68 @@ def test_weight_quantizers_round_to_nearest():
     assert rel[w.abs() > fscale[:, None] * 2**-6].max() <= 2**-4 + 1e-6
 
 
-@pytest.mark.parametrize("in_features", [128, 100])  # int8pack needs K % 32 == 0; 100 takes the other path
+@pytest.mark.parametrize("in_features", [128, 100])  # int8pack and Q8_0 blocks need K % 32 == 0; 100 takes the other path
 @pytest.mark.parametrize("rows", [1, 64])  # below and above cpu_int8_max_rows
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("method", ["int8", "fp8-w8a16", "fp8-w8a8"])
-def test_cpu_paths_match_reference(method, dtype, rows, in_features):
+@pytest.mark.parametrize("method", ["int8-q8_0", "int8-torch", "fp8-w8a16", "fp8-w8a8"])
+def test_cpu_paths_match_reference(monkeypatch, method, dtype, rows, in_features):
+    """int8-q8_0: Q8_0 blocks through the C++ kernel (the activations rounded to int8 per 32 values; chosen where
+    the kernel has its VNNI path, forced here), int8-torch: the torch paths; each against the per-channel int8
+    weight worked out here."""
+    from conveyor import native
+    from conveyor.plugins.quant import int8
     from conveyor.plugins.quant.fp8 import FP8, FP8Options
     from conveyor.plugins.quant.int8 import Int8Options, Int8WeightOnly
 
     cpu = torch.device("cpu")
-    if method == "int8":
+    blocks = method == "int8-q8_0" and in_features % 32 == 0
+    if method == "int8-q8_0" and not native.load():
+        pytest.skip("the C++ kernels do not build here")
+    monkeypatch.setattr(int8, "q8_0_kernel", lambda: method == "int8-q8_0")
+    if method.startswith("int8"):
         quant = Int8WeightOnly(Int8Options(cpu_int8_max_rows=32), dtype, cpu)
     else:
         quant = FP8(FP8Options(activations="fp8" if method == "fp8-w8a8" else "bf16"), dtype, cpu)
     weight, bias = torch.randn(70, in_features), torch.randn(70)
     params = quant.prepare(weight, bias)
+    assert ("q8_0" in params) == blocks
     x = torch.randn(rows, in_features).to(dtype)
     out = quant.linear(x, params)
     x_ref = x.double()
     if method == "fp8-w8a8":
         scale = x_ref.abs().amax(dim=1, keepdim=True) / 448
         x_ref = (x_ref / scale).to(torch.float8_e4m3fn).double() * scale
-    w = params["qweight"].double() * params["scale"].double()[:, None]
+    if method.startswith("int8"):
+        scale = weight.double().abs().amax(dim=1) / 127
+        if blocks:  # (the scale a Q8_0 block stores: float16)
+            scale = scale.half().double()
+        w = (weight.double() / scale[:, None]).round().clamp(-127, 127) * scale[:, None]
+    else:
+        w = params["qweight"].double() * params["scale"].double()[:, None]
     expected = x_ref @ w.T + bias.to(dtype).double()
     assert out.dtype == dtype
-    assert relative_error(out, expected) < (2e-2 if dtype == torch.bfloat16 else 1e-5)
+    # (x rounded to int8 per 32 values: at most 1/254 of each block's largest value)
+    tolerance = 2e-2 if dtype == torch.bfloat16 else 1e-2 if blocks else 1e-5
+    assert relative_error(out, expected) < tolerance
+
+
+def test_cpu_int8_shards_keep_their_rows_scale(monkeypatch):
+    """A row-parallel int8 layer split in two column shards (Q8_0 blocks each) sums to the whole layer's product."""
+    from conveyor import native
+    from conveyor.plugins.quant import int8
+    from conveyor.plugins.quant.int8 import Int8WeightOnly
+
+    if not native.load():
+        pytest.skip("the C++ kernels do not build here")
+    monkeypatch.setattr(int8, "q8_0_kernel", lambda: True)
+    quant = Int8WeightOnly(None, torch.float32, torch.device("cpu"))
+    weight, x = torch.randn(50, 128), torch.randn(3, 128)
+    whole = quant.linear(x, quant.prepare(weight))
+    halves = [quant.prepare_input_shard(weight, cols) for cols in (slice(0, 64), slice(64, 128))]
+    assert all("q8_0" in h and h["q8_0"].shape == (50, 2 * 34) for h in halves)
+    parts = quant.linear(x[:, :64], halves[0]) + quant.linear(x[:, 64:], halves[1])
+    # (each shard's rows carry the whole row's scale: the same products, summed in another order)
+    torch.testing.assert_close(parts, whole, rtol=1e-5, atol=1e-5)
 
 
 def test_cpu_fp8_upcast_is_exact_for_every_value():

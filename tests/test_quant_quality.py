@@ -8,8 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from conveyor import LLM
+from conveyor import LLM, native
 from conveyor.bench.quality import agreement, perplexity, teacher_forced
+from conveyor.plugins.quant import int8
 
 pytestmark = pytest.mark.slow
 
@@ -18,6 +19,9 @@ NUM_TOKENS = 2047  # (and one generated token: the default max_model_len, that o
 # (perplexity increase over fp32 allowed, top-1 agreement required)
 BOUNDS = {
     "int8": ({"quant.plugin": "int8"}, 0.015, 0.95),
+    # int8 as Q8_0 blocks (where the C++ kernel has its VNNI path; forced here) rounds the activations to int8
+    # per 32 values as well (W8A8): measured +0.60% and 94.97% (W8A16 through torch: +0.61%, 96.29%)
+    "int8-q8_0": ({"quant.plugin": "int8"}, 0.015, 0.94),
     "fp8": ({"quant.plugin": "fp8"}, 0.03, 0.89),
     "fp8-kv": ({"kvcache.dtype": "fp8"}, 0.03, 0.90),
     # the file's own Q4_1 blocks, against the fp32 model dequantized from them: only the activations' rounding
@@ -47,8 +51,12 @@ def reference(text_ids, llm_fp32):
 
 
 @pytest.mark.parametrize("method", list(BOUNDS))
-def test_quality_against_fp32(method, text_ids, reference):
+def test_quality_against_fp32(monkeypatch, method, text_ids, reference):
     overrides, max_ppl_increase, min_agreement = BOUNDS[method]
+    if method.startswith("int8"):
+        if method == "int8-q8_0" and not native.load():
+            pytest.skip("the C++ kernels do not build here")
+        monkeypatch.setattr(int8, "q8_0_kernel", lambda: method == "int8-q8_0")
     ref_logprobs, ref_predictions = reference
     logprobs, predictions = teacher_forced(make_llm(**overrides), text_ids)
     ref_ppl, ppl = perplexity(ref_logprobs), perplexity(logprobs)
@@ -70,8 +78,9 @@ def test_int8_and_fp8_weights_take_about_half_of_bf16():
     bf16 = LLM(overrides={"model.max_model_len": 256, "kvcache.num_blocks": 16, "quant.plugin": "none"})
     for method in ("int8", "fp8"):
         quantized = LLM(overrides={"model.max_model_len": 256, "kvcache.num_blocks": 16, "quant.plugin": method})
-        # the quantized layers: one byte per weight plus a scale per output channel
-        assert linear_bytes(quantized) <= 0.52 * linear_bytes(bf16), method
+        # the quantized layers: one byte per weight plus a scale per output channel (int8 where the C++ kernel has
+        # its VNNI path: Q8_0 blocks, that scale in float16 once per 32 values: 34 bytes where bf16 takes 64)
+        assert linear_bytes(quantized) <= 0.54 * linear_bytes(bf16), method
         # the whole model (the tied embedding stays bf16)
         ratio = quantized.engine.info.weight_bytes / bf16.engine.info.weight_bytes
         assert ratio <= 0.65, (method, ratio)

@@ -1,12 +1,23 @@
-"""``int8``: weight-only int8 (W8A16), symmetric, one scale per output channel.
+"""``int8``: int8 weights, symmetric, one scale per output channel; bf16 activations (W8A16), or int8 ones per
+32 values inside the CPU kernel where it takes Q8_0 blocks (W8A8).
 
-Each linear weight is stored as int8 with ``scale = max|w_row| / 127``; the
-activations stay in the model dtype. Decode reads half the bytes of bf16.
-On CUDA the product runs in a Triton kernel that converts the weight tile in
-registers. On CPU, small batches use ``torch._weight_int8pack_mm`` (int8
-weights straight into the matmul), larger ones dequantize and use the bf16
-matmul, which is faster there; the switch-over row count is an option,
-chosen by measurement (benchmarks/quant.py).
+Each linear weight is stored as int8 with ``scale = max|w_row| / 127``. Decode reads half the bytes of bf16.
+
+- On a CPU with AVX-512 VNNI where the C++ kernels build, the weight is kept as GGUF's Q8_0 blocks (32 int8
+  values and a float16 scale, here each block carrying its row's scale, rounded to float16 before the values
+  are) and multiplied by the packed-block kernel (``conveyor.native.ggml_linear``): the activations rounded to
+  int8 per 32 values (at most 1/254 of a block's largest) and integer dot products, each unpacked block reused
+  for every row of a step (VPDPBUSD), so int8 keeps its speed at any batch instead of dequantizing past a few
+  rows. 1.06 bytes a weight (the scales).
+- Other CPUs take ``torch._weight_int8pack_mm`` (int8 weights straight into the matmul): up to
+  ``cpu_int8_max_rows`` rows where the model dtype has a fast dense matmul (oneDNN's bf16 path: AVX-512), past
+  them a dequantized copy and that matmul; at every row count where it has none (AVX2 alone: bf16 emulated).
+- On CUDA the product runs in a Triton kernel that converts the weight tile in registers.
+
+NOTE: 2-core AMD EPYC with AVX2 alone, SmolLM2's gate_up shape ([M, 576] x [576, 3072], bf16 activations,
+``python benchmarks/quant.py``, us): int8pack 88 / 861 / 3,225 at 1 / 16 / 64 rows, Q8_0 blocks in the AVX2
+tiles 113 / 1,198 / 5,251, dequantized bf16 788 / 3,513 / 13,823, bf16 weights 191 / 3,067 / 12,984. (The
+kernel's AVX2 path has no batched GEMM for Q8_0: VPMADDUBSW saturates on its bytes.)
 """
 
 from __future__ import annotations
@@ -23,41 +34,77 @@ if TYPE_CHECKING:
 
 INT8_MAX = 127.0
 # NOTE: torch._weight_int8pack_mm (CPU) crashes or miscomputes unless in_features is a multiple of 32;
-# other layers take the dequantizing path.
+# other layers take the dequantizing path. The Q8_0 blocks need the same multiple.
 INT8PACK_K_MULTIPLE = 32
 
 
 class Int8Options(msgspec.Struct, forbid_unknown_fields=True):
-    # CPU: batches of up to this many tokens multiply the int8 weights directly; larger ones dequantize first
+    # CPU without the packed-block kernel's VNNI path: batches of up to this many tokens multiply the int8 weights
+    # directly; larger ones dequantize first where the model dtype has a fast dense matmul (AVX-512), else they
+    # too multiply directly
     cpu_int8_max_rows: Annotated[int, msgspec.Meta(ge=0)] = 16
 
 
-def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Round-to-nearest per-row int8: ``weight ~= q * scale[:, None]``."""
+def quantize_int8(weight: torch.Tensor, scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Round-to-nearest per-row int8: ``weight ~= q * scale[:, None]``; ``scale``: given (else max|row| / 127)."""
     import torch
 
-    scale = (weight.abs().amax(dim=1) / INT8_MAX).clamp_min(1e-12)
-    q = torch.round(weight / scale[:, None]).clamp(-INT8_MAX, INT8_MAX).to(torch.int8)
+    if scale is None:
+        scale = (weight.abs().amax(dim=1) / INT8_MAX).clamp_min(1e-12)
+    q = torch.round(weight / scale.clamp_min(1e-30)[:, None]).clamp(-INT8_MAX, INT8_MAX).to(torch.int8)
     return q, scale
 
 
+def q8_0_blocks(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """int8 ``[N, K]`` with a float16-exact scale per row -> ``uint8 [N, K / 32 * 34]`` Q8_0 blocks."""
+    import torch
+
+    n, k = q.shape
+    d = scale.to(torch.float16).view(torch.uint8).reshape(n, 1, 2).expand(n, k // 32, 2)
+    values = q.view(torch.uint8).reshape(n, k // 32, 32)
+    return torch.cat([d, values], dim=-1).reshape(n, -1).contiguous()
+
+
 class Int8WeightOnly(QuantMethod):
-    """int8 weights with per-channel scales, model-dtype activations."""
+    """int8 weights with per-channel scales."""
 
     name = "int8"
     Options = Int8Options
 
+    def __init__(self, options: Int8Options | None, dtype: torch.dtype, device: torch.device):
+        from conveyor.model.formats import prepacks
+
+        super().__init__(options, dtype, device)
+        # whether the model dtype has a fast dense matmul here (else int8pack takes every row count)
+        self.fast_dense = prepacks(device, dtype)
+
     def prepare(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> Params:
-        return self._params(*quantize_int8(weight.float()), bias)
+        q, scale, blocks = self._quantize(weight.float())
+        return self._params(q, scale, blocks, bias)
 
     def prepare_input_shard(self, weight: torch.Tensor, columns: slice) -> Params:
-        q, scale = quantize_int8(weight.float())
-        return self._params(q[:, columns], scale)
+        q, scale, blocks = self._quantize(weight.float())
+        return self._params(q[:, columns], scale, blocks)
 
-    def _params(self, q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None) -> Params:
-        params = {"qweight": q.to(self.device).contiguous(), "scale": scale.to(self.device)}
-        if self.device.type == "cpu":
-            params["scale_model_dtype"] = scale.to(self.dtype)
+    def _quantize(self, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, bool]:
+        """The int8 values, the scales, and whether they go into Q8_0 blocks here (then each scale is rounded
+        to float16 before the values are rounded against it)."""
+        import torch
+
+        if self.device.type != "cpu" or weight.shape[1] % INT8PACK_K_MULTIPLE or not q8_0_kernel():
+            return *quantize_int8(weight), False
+        scale = (weight.abs().amax(dim=1) / INT8_MAX).to(torch.float16).float()
+        if not scale.isfinite().all():  # (weights past float16's range times 127: never in a real model)
+            return *quantize_int8(weight), False
+        return *quantize_int8(weight, scale), True
+
+    def _params(self, q: torch.Tensor, scale: torch.Tensor, blocks: bool, bias: torch.Tensor | None = None) -> Params:
+        if blocks and q.shape[1] % INT8PACK_K_MULTIPLE == 0:  # (a shard's columns may not fall on blocks)
+            params = {"q8_0": q8_0_blocks(q, scale)}
+        else:
+            params = {"qweight": q.to(self.device).contiguous(), "scale": scale.to(self.device)}
+            if self.device.type == "cpu":
+                params["scale_model_dtype"] = scale.to(self.dtype)
         if bias is not None:
             params["bias"] = bias.to(device=self.device, dtype=self.dtype)
         return params
@@ -66,17 +113,31 @@ class Int8WeightOnly(QuantMethod):
         import torch
         import torch.nn.functional as F
 
+        bias = params.get("bias")
+        if "q8_0" in params:
+            from conveyor import native
+            from conveyor.model.ggml import TYPE_IDS
+
+            return native.ggml_linear(x, params["q8_0"], TYPE_IDS["Q8_0"], bias)
         q = params["qweight"]
         if x.device.type == "cuda":
             from conveyor.plugins.quant.kernels import w8a16_matmul
 
             y = w8a16_matmul(x, q, params["scale"])
-        elif x.shape[0] <= self.options.cpu_int8_max_rows and q.shape[1] % INT8PACK_K_MULTIPLE == 0:
+        elif q.shape[1] % INT8PACK_K_MULTIPLE == 0 and (
+                x.shape[0] <= self.options.cpu_int8_max_rows or not self.fast_dense):
             y = torch._weight_int8pack_mm(x.contiguous(), q, params["scale_model_dtype"])
         else:
             y = F.linear(x, q.to(x.dtype) * params["scale_model_dtype"][:, None])
-        bias = params.get("bias")
         return y if bias is None else y + bias
+
+
+def q8_0_kernel() -> bool:
+    """Whether the packed-block kernel has its AVX-512 VNNI path here (where Q8_0 blocks beat int8pack)."""
+    from conveyor import native
+    from conveyor.plugins.quant.gguf import kernels_built
+
+    return kernels_built() and native.ggml_linear_path() == "avx512_vnni"
 
 
 @hookimpl
