@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from conveyor import LLM, SamplingParams
+from conveyor import LLM, SamplingParams, native
 from conveyor.bench.quality import agreement, perplexity, teacher_forced
 from conveyor.model.formats import quantize_fp8
 from conveyor.plugins.quant.int8 import Int8WeightOnly, quantize_int8
@@ -80,8 +80,9 @@ def cpu_paths() -> None:
     int8 = Int8WeightOnly(None, torch.bfloat16, torch.device("cpu"))
     int8_params = int8.prepare(w)
     int8_name = "int8 Q8_0" if "q8_0" in int8_params else "int8 method"
+    fp8_kernel = native.load() and native.fp8_linear_supported()
     print(f"{'M':>5} {'bf16':>7} {int8_name:>10} {'int8pack':>9} {'int8 dequant':>13} {'fp8 dequant':>12}"
-          f" {'fp8 scaled_mm':>14}")
+          f" {'fp8 scaled_mm':>14} {'fp8 kernel':>11}")
     for m in (1, 4, 8, 16, 32, 64, 128, 256):
         x = torch.randn(m, 576).bfloat16()
         bf16 = time_it(lambda: F.linear(x, w_bf16))
@@ -95,8 +96,9 @@ def cpu_paths() -> None:
             return torch._scaled_mm(xq, f.t(), scale_a=xs[:, None], scale_b=fscale[None, :], out_dtype=x.dtype)
 
         fp8_scaled = time_it(scaled)
+        fp8_own = time_it(lambda: native.fp8_linear(x, f, fscale)) if fp8_kernel else float("nan")
         print(f"{m:>5} {bf16 * 1e6:>7.0f} {method * 1e6:>10.0f} {packed * 1e6:>9.0f} {dequant * 1e6:>13.0f} {fp8_dequant * 1e6:>12.0f}"
-              f" {fp8_scaled * 1e6:>14.0f}")
+              f" {fp8_scaled * 1e6:>14.0f} {fp8_own * 1e6:>11.0f}")
 
 
 def ggml_kernels(row_counts: list[int]) -> None:

@@ -19,6 +19,7 @@ pytestmark = pytest.mark.usefixtures("random_seed")
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TOLERANCE = {torch.float32: 1e-5 if DEVICE == "cpu" else 2e-3, torch.float16: 2e-3, torch.bfloat16: 1e-2}
+TOLERANCE_CPU = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}
 SHAPES = [(1, 200, 90), (7, 130, 33), (33, 77, 150)]  # (M, K, N)
 
 
@@ -87,11 +88,11 @@ def test_weight_quantizers_round_to_nearest():
 @pytest.mark.parametrize("in_features", [128, 100])  # int8pack and Q8_0 blocks need K % 32 == 0; 100 takes the other path
 @pytest.mark.parametrize("rows", [1, 64])  # below and above cpu_int8_max_rows
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("method", ["int8-q8_0", "int8-torch", "fp8-w8a16", "fp8-w8a8"])
+@pytest.mark.parametrize("method", ["int8-q8_0", "int8-torch", "fp8-w8a16", "fp8-w8a16-torch", "fp8-w8a8"])
 def test_cpu_paths_match_reference(monkeypatch, method, dtype, rows, in_features):
     """int8-q8_0: Q8_0 blocks through the C++ kernel (the activations rounded to int8 per 32 values; chosen where
     the kernel has its VNNI path, forced here), int8-torch: the torch paths; each against the per-channel int8
-    weight worked out here."""
+    weight worked out here. fp8-w8a16: the C++ kernel at every row count (forced), -torch: dequantized."""
     from conveyor import native
     from conveyor.plugins.quant import int8
     from conveyor.plugins.quant.fp8 import FP8, FP8Options
@@ -106,6 +107,10 @@ def test_cpu_paths_match_reference(monkeypatch, method, dtype, rows, in_features
         quant = Int8WeightOnly(Int8Options(cpu_int8_max_rows=32), dtype, cpu)
     else:
         quant = FP8(FP8Options(activations="fp8" if method == "fp8-w8a8" else "bf16"), dtype, cpu)
+    if method.startswith("fp8-w8a16"):  # (the C++ kernel where it builds, or the dequantizing path)
+        if method == "fp8-w8a16" and not native.fp8_linear_supported():
+            pytest.skip("the C++ fp8 kernel does not build here")
+        quant.kernel, quant.fast_dense = method == "fp8-w8a16", True
     weight, bias = torch.randn(70, in_features), torch.randn(70)
     params = quant.prepare(weight, bias)
     assert ("q8_0" in params) == blocks
@@ -146,6 +151,29 @@ def test_cpu_int8_shards_keep_their_rows_scale(monkeypatch):
     parts = quant.linear(x[:, :64], halves[0]) + quant.linear(x[:, 64:], halves[1])
     # (each shard's rows carry the whole row's scale: the same products, summed in another order)
     torch.testing.assert_close(parts, whole, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 5])
+@pytest.mark.parametrize("in_features", [203, 64])
+def test_cpu_fp8_kernel_matches_reference(rows, in_features):
+    """The C++ kernel (tiles of two rows and four columns, K's tail past the last eight, a column tail) against
+    float64 over the upcast weights; every finite e4m3 byte converted exactly."""
+    from conveyor import native
+    from conveyor.model.formats import quantize_fp8
+
+    if not native.fp8_linear_supported():
+        pytest.skip("the C++ fp8 kernel does not build here")
+    q, scale = quantize_fp8(torch.randn(70, in_features))
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        x, bias = torch.randn(rows, in_features).to(dtype), torch.randn(70).to(dtype)
+        out = native.fp8_linear(x, q, scale, bias)
+        expected = x.double() @ (q.double() * scale.double()[:, None]).T + bias.double()
+        assert out.dtype == dtype and relative_error(out, expected) < TOLERANCE_CPU[dtype]
+    every = torch.arange(256, dtype=torch.uint8)
+    every = every[(every & 0x7F) != 0x7F].view(torch.float8_e4m3fn)  # (0x7f, 0xff: NaN)
+    # (row i of the identity picks value i of each of five weight rows)
+    values = native.fp8_linear(torch.eye(len(every)), every.repeat(5, 1), torch.ones(5))
+    assert torch.equal(values, every.float()[:, None].expand(-1, 5))
 
 
 def test_cpu_fp8_upcast_is_exact_for_every_value():

@@ -1,5 +1,5 @@
 """C++ kernels for CPUs (``csrc/``): paged attention (decode; prefill where the CPU has AVX-512 BF16),
-the fused element-wise layers, and linear layers over bf16 weights and over GGUF's quantized blocks.
+the fused element-wise layers, and linear layers over bf16 weights, over GGUF's quantized blocks and over fp8 weights.
 
 They are built with torch's extension builder for the CPU this runs on, the
 first time they are needed (10-30 s; ``make setup`` does it ahead), and kept
@@ -276,3 +276,17 @@ def store_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.T
     """``k_cache[:, slot_mapping] = k.transpose(0, 1)`` and the same for v: caches ``[Hkv, slots, D]``,
     ``k``, ``v`` ``[T, Hkv, D]`` (unit stride along D), ``slot_mapping`` int64 ``[T]``."""
     _ops().store_kv(k_cache, v_cache, slot_mapping, k, v)
+
+
+def fp8_linear_supported() -> bool:
+    """Whether ``fp8_linear`` runs on this CPU (AVX2, FMA and F16C)."""
+    return load() and bool(torch.ops.conveyor_cpu.fp8_linear_supported())
+
+
+def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None
+               ) -> torch.Tensor:
+    """``x @ (weight * scale[:, None]).T (+ bias)`` for ``x [M, K]`` (float32, bfloat16 or float16), ``weight``
+    float8 e4m3 ``[N, K]`` and ``scale`` float32 ``[N]``, the weight converted in registers."""
+    out = x.new_empty(x.shape[0], weight.shape[0])
+    _ops().fp8_linear(x.contiguous(), weight, scale, bias, out)
+    return out

@@ -1,8 +1,11 @@
 """``fp8``: float8 e4m3 weights with one scale per output channel.
 
 ``activations = "bf16"`` (W8A16) keeps activations in the model dtype and
-upcasts the weight (in registers on CUDA; by dequantizing on CPU, which has
-no fp8 conversion in hardware: there fp8 saves memory, not time).
+upcasts the weight in registers: in a Triton kernel on CUDA, in a C++ kernel
+on a CPU with AVX2 (``csrc/fp8_linear.cpp``: a CPU has no fp8 arithmetic, so
+the bytes become float32 there), up to ``cpu_kernel_max_rows`` rows where the
+model dtype has a fast dense matmul (past them a dequantized copy and that
+matmul) and at every row count where it has none.
 ``activations = "fp8"`` (W8A8) also quantizes each token's activations to
 e4m3 with a dynamic scale and multiplies on fp8 matrix units: CUDA compute
 capability 8.9 or newer (Ada, Hopper). ``"auto"`` picks W8A8 where the
@@ -11,7 +14,7 @@ hardware has fp8 units and W8A16 elsewhere.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Annotated, Literal
 
 import msgspec
 
@@ -25,6 +28,10 @@ if TYPE_CHECKING:
 class FP8Options(msgspec.Struct, forbid_unknown_fields=True):
     # "auto": fp8 activations (W8A8) on CUDA >= 8.9, else the model dtype (W8A16)
     activations: Literal["auto", "bf16", "fp8"] = "auto"
+    # CPU, W8A16: batches of up to this many tokens multiply the fp8 weights in the C++ kernel (converted in
+    # registers); larger ones dequantize first where the model dtype has a fast dense matmul (AVX-512), else
+    # they take the kernel too
+    cpu_kernel_max_rows: Annotated[int, msgspec.Meta(ge=0)] = 16
 
 
 def upcast(q: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -62,6 +69,15 @@ class FP8(QuantMethod):
         if mode == "fp8" and device.type == "cuda" and not has_fp8_units(device):
             raise ValueError("[quant] activations = 'fp8' needs a GPU with fp8 matrix units (compute capability >= 8.9)")
         self.w8a8 = mode == "fp8"
+        self.kernel = self.fast_dense = False
+        if device.type == "cpu" and not self.w8a8:
+            from conveyor import native
+            from conveyor.model.formats import prepacks
+
+            # the C++ kernel (converting the weights in registers), and whether the model dtype has a fast dense
+            # matmul here (else the kernel takes every row count)
+            self.kernel = native.load() and native.fp8_linear_supported()
+            self.fast_dense = prepacks(device, dtype)
 
     def prepare(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> Params:
         from conveyor.model.formats import quantize_fp8
@@ -94,6 +110,10 @@ class FP8(QuantMethod):
         elif self.w8a8:
             xq, x_scale = quantize_fp8(x)
             y = torch._scaled_mm(xq, q.t(), scale_a=x_scale[:, None], scale_b=scale[None, :], out_dtype=x.dtype)
+        elif self.kernel and (x.shape[0] <= self.options.cpu_kernel_max_rows or not self.fast_dense):
+            from conveyor import native
+
+            return native.fp8_linear(x, q, scale, params.get("bias"))
         else:
             y = F.linear(x, upcast(q, x.dtype) * scale[:, None].to(x.dtype))
         bias = params.get("bias")
