@@ -28,6 +28,7 @@ if TYPE_CHECKING:
 DEFAULT_PLUGINS: tuple[str, ...] = (
     "conveyor.plugins.quant.none",
     "conveyor.plugins.quant.int8",
+    "conveyor.plugins.quant.int4",
     "conveyor.plugins.quant.fp8",
     "conveyor.plugins.quant.gguf",
     "conveyor.plugins.kvcache.paged",

@@ -162,6 +162,15 @@ def test_cli_reports_config_errors_in_one_line(tmp_path, text, fragment):
     assert len(lines) == 1 and lines[0].startswith(f"error: {path}") and fragment in lines[0], result.stderr
 
 
+def test_int4_config_takes_its_block_and_names_the_allowed_ones(tmp_path):
+    config = load_config(REPO / "configs" / "int4.toml")
+    assert config.quant.plugin == "int4" and config.quant.options.block == "Q4_1"
+    path = tmp_path / "int4.toml"
+    path.write_text('[quant]\nplugin = "int4"\nblock = "Q4_K"\n')
+    with pytest.raises(ConfigError, match=r"int4.toml.*\[quant\] block = 'Q4_K': allowed: 'Q4_1', 'Q4_0'"):
+        load_config(path)
+
+
 @pytest.mark.parametrize("name", ["static", "dynamic", "contiguous", "default"])
 def test_every_showcase_config_loads(name):
     config = load_config(REPO / "configs" / f"{name}.toml")

@@ -38,10 +38,10 @@ def test_entry_points_register_both(installed, monkeypatch):
     monkeypatch.syspath_prepend(str(installed))
     importlib.invalidate_caches()
     registry = PluginRegistry()
-    assert registry.get("quant", "int4").__module__ == "conveyor_int4"
+    assert registry.get("quant", "int4_groups").__module__ == "conveyor_int4"
     assert registry.get("kvcache", "stack").__module__ == "conveyor_stack_kv"
     assert registry.get("transport", "jsonl").__module__ == "conveyor_jsonl"
-    assert registry.origins["quant", "int4"] == "conveyor-int4 0.1.0"
+    assert registry.origins["quant", "int4_groups"] == "conveyor-int4 0.1.0"
 
 
 def test_int4_weights_round_to_their_group_scale(installed, monkeypatch):
@@ -51,7 +51,7 @@ def test_int4_weights_round_to_their_group_scale(installed, monkeypatch):
 
     monkeypatch.syspath_prepend(str(installed))
     importlib.invalidate_caches()
-    cls = PluginRegistry().get("quant", "int4")
+    cls = PluginRegistry().get("quant", "int4_groups")
     method = cls(cls.Options(group_size=16), torch.float32, torch.device("cpu"))
     torch.manual_seed(0)
     weight, bias = torch.randn(24, 64), torch.randn(24)
@@ -72,7 +72,7 @@ def test_int4_weights_round_to_their_group_scale(installed, monkeypatch):
 def test_both_serve_smollm2_with_fp8_kv_and_preemption(installed, tmp_path):
     config = """
 [quant]
-plugin = "int4"
+plugin = "int4_groups"
 
 [kvcache]
 plugin = "stack"
@@ -109,9 +109,9 @@ port = 0
         assert server.metric("conveyor_kv_cache_usage_ratio") == 0
         # SmolLM2's linear weights (30 layers of q, k, v, o, gate, up, down) as int4 with a bf16 scale per 32
         linears = 30 * (576 * (576 + 2 * 192) + 576 * 576 + 3 * 576 * 1536)
-        assert server.metric("conveyor_weight_bytes", format="int4") == linears // 2 + linears // 32 * 2
+        assert server.metric("conveyor_weight_bytes", format="int4_groups") == linears // 2 + linears // 32 * 2
         assert "KV cache (stack): 16 blocks x 16 tokens" in server.output
-        assert "(quant int4: int4 59.7 MB" in server.output
+        assert "(quant int4_groups: int4_groups 59.7 MB" in server.output
         # the transport: the same greedy text as the OpenAI API, then a refusal as a line, on one connection
         completion = client.completions.create(model="smollm2-135m-instruct", prompt="The capital of France is",
                                                max_tokens=12, temperature=0)

@@ -232,17 +232,19 @@ def test_an_unsupported_gguf_is_refused_naming_what_is_supported(tmp_path, what)
         open_checkpoint(path)
 
 
-@pytest.mark.parametrize("method", ["int8", "fp8"])
+@pytest.mark.parametrize("method", ["int8", "fp8", "int4"])
 def test_quantized_weights_of_each_family_stay_close(family, method):
-    """int8 (per-channel) and fp8 (e4m3) weights, experts included: logits near the float32 model's (mean
-    relative error), and the linear weights (experts and all) really stored at one byte."""
+    """int8 (per-channel), fp8 (e4m3) and int4 (Q4_1 blocks) weights, experts included: logits near the float32
+    model's (mean relative error), and the linear weights (experts and all) really stored at a byte or less."""
     from conveyor.plugins.quant.fp8 import FP8, FP8Options
+    from conveyor.plugins.quant.int4 import Int4
     from conveyor.plugins.quant.int8 import Int8Options, Int8WeightOnly
 
     name, _, path = family
     cpu = torch.device("cpu")
-    quant = Int8WeightOnly(Int8Options(), torch.float32, cpu) if method == "int8" else FP8(FP8Options(),
-                                                                                             torch.float32, cpu)
+    quant = {"int8": lambda: Int8WeightOnly(Int8Options(), torch.float32, cpu),
+             "fp8": lambda: FP8(FP8Options(), torch.float32, cpu),
+             "int4": lambda: Int4(None, torch.float32, cpu)}[method]()
     ckpt = open_checkpoint(path)
     full = LlamaModel(ckpt, NoQuant(None, torch.float32, cpu), torch.float32, cpu, 128)
     quantized = LlamaModel(ckpt, quant, torch.float32, cpu, 128)
@@ -257,7 +259,7 @@ def test_quantized_weights_of_each_family_stay_close(family, method):
     print(f"{name} {method}: mean logit error {error:.3%}, top-1 agreement {agree:.0%}")
     # (tiny random models have small logits: these relative errors run 1-5% for int8 and 5-11% for fp8 here;
     # a layer whose weights are misplaced or left out gives errors near 100%)
-    assert error < {"int8": 0.08, "fp8": 0.2}[method], error
+    assert error < {"int8": 0.08, "fp8": 0.2, "int4": 0.5}[method], error
     linear_bytes = sum(lin.num_bytes() for layer in quantized.layers for lin in layer.linears())
     full_bytes = sum(lin.num_bytes() for layer in full.layers for lin in layer.linears())
     assert linear_bytes < 0.3 * full_bytes  # one byte per weight (+ scales) against four

@@ -189,9 +189,10 @@ def test_smollm2_tp3_matches_one_worker_and_transformers(smollm2_tp3, llm_fp32, 
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("method", ["int8", "fp8"])
+@pytest.mark.parametrize("method", ["int8", "fp8", "int4"])
 def test_quantized_weights_split_over_workers_compute_what_one_worker_does(tiny_llama, method):
     """Each worker keeps its rows with their scales (QKV, gate/up) or its columns with the whole row's
-    scale (o_proj, down): the same numbers as one worker (tiny Llama, TP=2)."""
+    scale (o_proj, down; int4: the blocks of its columns, whose scales are their own): the same numbers as one
+    worker (tiny Llama, TP=2)."""
     extra = {"quant.plugin": method}
     assert_same_logits(tiny_run(tiny_llama, 2, 1, extra), tiny_run(tiny_llama, 1, 1, extra), f"{method} TP=2")

@@ -183,3 +183,35 @@ def test_cpu_fp8_upcast_is_exact_for_every_value():
     finite = ~every.float().isnan()
     for dtype in (torch.float32, torch.bfloat16):
         assert torch.equal(upcast(every, dtype)[finite], every.to(dtype)[finite])
+
+
+@pytest.mark.parametrize("block", ["Q4_1", "Q4_0"])
+@pytest.mark.parametrize("rows", [1, 17])
+def test_cpu_int4_blocks_round_each_weight_and_multiply_them(block, rows):
+    """int4 rounds each weight to within half its block's step (Q4_1: (max - min) / 15 over the block's 32
+    values; Q4_0: max|w| / 8, a step at its clamped end) as the gguf package's reference quantizer does, and
+    multiplies those weights
+    (five blocks a row: the kernels' repacking pads an odd count); against float64."""
+    from gguf import GGMLQuantizationType, quants
+
+    from conveyor.plugins.quant.int4 import Int4, Int4Options
+
+    quant = Int4(Int4Options(block=block), torch.float32, torch.device("cpu"))
+    weight, bias = torch.randn(40, 160), torch.randn(40)
+    params = quant.prepare(weight, bias)
+    assert set(quant.formats(params)) == {block, "float32"}  # (the blocks, and the bias)
+    kept = torch.from_numpy(quants.dequantize(quants.quantize(weight.numpy(), GGMLQuantizationType[block]),
+                                              GGMLQuantizationType[block])).double()
+    blocks = weight.double().reshape(40, 5, 32)
+    if block == "Q4_1":
+        step = (blocks.amax(-1) - blocks.amin(-1)) / 15
+        bound = step / 2
+    else:  # (-8 steps reach the largest magnitude, +7 only 7/8 of it: values past that clamp, within a step)
+        step = blocks.abs().amax(-1) / 8
+        bound = step
+    # (and the float16 rounding of the scale, times up to 15 steps)
+    assert ((kept.reshape(40, 5, 32) - blocks).abs() <= (bound * 1.01 + step * 15 * 2**-11)[..., None]).all()
+    x = torch.randn(rows, 160)
+    expected = x.double() @ kept.T + bias.double()
+    # (x rounded to int8 per 32 values where the C++ kernels run)
+    assert relative_error(quant.linear(x, params), expected) < 1e-2

@@ -27,7 +27,7 @@ def test_builtins_register_through_the_public_hooks():
 
 def test_unknown_name_lists_what_is_installed():
     registry = PluginRegistry(load_entry_points=False)
-    with pytest.raises(KeyError, match=r"quant method 'int3' is not available .* installed: 'auto', 'fp8', 'gguf', 'int8', 'none'"):
+    with pytest.raises(KeyError, match=r"quant method 'int3' is not available .* installed: 'auto', 'fp8', 'gguf', 'int4', 'int8', 'none'"):
         registry.get("quant", "int3")
 
 
@@ -105,7 +105,7 @@ def test_a_class_without_options_is_refused(tmp_path, monkeypatch):
 
 def test_blocked_builtin_is_not_loaded():
     registry = PluginRegistry(blocked=["conveyor.plugins.quant.none"], load_entry_points=False)
-    assert registry.names("quant") == ["auto", "fp8", "gguf", "int8"]
+    assert registry.names("quant") == ["auto", "fp8", "gguf", "int4", "int8"]
 
 
 def test_describe_lists_options_with_defaults_and_types():

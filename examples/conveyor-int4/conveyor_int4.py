@@ -28,7 +28,7 @@ class Int4Options(msgspec.Struct, forbid_unknown_fields=True):
 class Int4(QuantMethod):
     """Group-wise symmetric int4 weights, unpacked to the model dtype for each matmul."""
 
-    name = "int4"
+    name = "int4_groups"  # (the built-in int4 keeps GGUF blocks for the kernels)
     Options = Int4Options
 
     def prepare(self, weight, bias=None):
