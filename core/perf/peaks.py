@@ -106,7 +106,12 @@ def measure_cpu() -> DevicePeaks:
     x = torch.ones(2**27, dtype=torch.float32)
     bandwidth = x.nbytes / min(median_seconds(x.sum, 3) for _ in range(3))
     del x
-    flops = {dtype: matmul_flops(getattr(torch, dtype)) for dtype in ("bfloat16", "float32")}
+    flops = {"float32": matmul_flops(torch.float32)}
+    # NOTE: without 16-bit arithmetic (AVX2 alone) a 2048-cubed bfloat16 matmul takes about a minute (0.29
+    # GFLOP/s on an AMD EPYC), and a server that measured it at start-up missed a 300 s start-up deadline; a
+    # 256-cubed one says as much in a tenth of a second
+    probe = matmul_flops(torch.bfloat16, size=256)
+    flops["bfloat16"] = probe if probe < flops["float32"] / 10 else matmul_flops(torch.bfloat16)
     flops["float16"] = flops["bfloat16"]
     name = platform.processor() or platform.machine()
     try:
