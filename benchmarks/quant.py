@@ -12,7 +12,8 @@ after every request's first, over the time after the last first token.
 Quality: teacher-forced over the first 2,048 tokens of tests/data/GPL-3.txt
 against the fp32 model (perplexity change and next-token top-1 agreement).
 Also prints the CPU matmul paths side by side (the int8 method as it runs here: Q8_0 blocks through the C++
-kernel where it builds; the torch paths behind ``cpu_int8_max_rows`` and fp8's CPU path).
+kernel where it has its VNNI path, else int8pack; the torch paths behind ``cpu_int8_max_rows``; fp8's paths,
+its C++ kernel among them).
 
 ``--kernels``: only the packed GGUF kernel, every path built here (``conveyor.native.ggml_linear_path``)
 against bf16 ``F.linear`` over the same layers dequantized: the default model's 30 layers of linear weights,
@@ -97,8 +98,8 @@ def cpu_paths() -> None:
 
         fp8_scaled = time_it(scaled)
         fp8_own = time_it(lambda: native.fp8_linear(x, f, fscale)) if fp8_kernel else float("nan")
-        print(f"{m:>5} {bf16 * 1e6:>7.0f} {method * 1e6:>10.0f} {packed * 1e6:>9.0f} {dequant * 1e6:>13.0f} {fp8_dequant * 1e6:>12.0f}"
-              f" {fp8_scaled * 1e6:>14.0f} {fp8_own * 1e6:>11.0f}")
+        print(f"{m:>5} {bf16 * 1e6:>7.0f} {method * 1e6:>10.0f} {packed * 1e6:>9.0f} {dequant * 1e6:>13.0f}"
+              f" {fp8_dequant * 1e6:>12.0f} {fp8_scaled * 1e6:>14.0f} {fp8_own * 1e6:>11.0f}")
 
 
 def ggml_kernels(row_counts: list[int]) -> None:

@@ -85,7 +85,8 @@ def test_weight_quantizers_round_to_nearest():
     assert rel[w.abs() > fscale[:, None] * 2**-6].max() <= 2**-4 + 1e-6
 
 
-@pytest.mark.parametrize("in_features", [128, 100])  # int8pack and Q8_0 blocks need K % 32 == 0; 100 takes the other path
+# (int8pack and Q8_0 blocks need K % 32 == 0; 100 takes the other path)
+@pytest.mark.parametrize("in_features", [128, 100])
 @pytest.mark.parametrize("rows", [1, 64])  # below and above cpu_int8_max_rows
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("method", ["int8-q8_0", "int8-torch", "fp8-w8a16", "fp8-w8a16-torch", "fp8-w8a8"])

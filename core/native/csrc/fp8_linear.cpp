@@ -96,7 +96,8 @@ void run(const T* x, const uint8_t* w, const float* scale, const T* bias, T* out
   std::vector<float> xf(M * K);
   for (int64_t i = 0; i < M * K; ++i) xf[i] = to_float(x[i]);
   // About eight chunks a thread, in whole tiles: a thread slowed by a shared core takes fewer of them.
-  const int64_t chunk = std::max<int64_t>(kColumns, (N / (8 * at::get_num_threads()) + kColumns - 1) / kColumns * kColumns);
+  const int64_t per_thread = N / (8 * at::get_num_threads());
+  const int64_t chunk = std::max<int64_t>(kColumns, (per_thread + kColumns - 1) / kColumns * kColumns);
   run_work_queue((N + chunk - 1) / chunk, 0, [&](int64_t item, float*) {
     float sums[kRows][kColumns];
     const int64_t n_end = std::min(N, (item + 1) * chunk);
