@@ -167,6 +167,8 @@ class PluginRegistry:
                 doc = (cls.__doc__ or "").strip().splitlines()
                 summary = f" — {doc[0]}" if doc else ""
                 lines.append(f"  {name}  [{self.origins[kind, name]}]{summary}")
+                if formats := sorted(getattr(cls, "packed_formats", ())):  # (a quant method's stored formats)
+                    lines.append(f"      keeps checkpoints' {', '.join(formats)} weights as stored")
                 for field in msgspec.structs.fields(cls.Options):
                     default = field.default if field.default is not msgspec.NODEFAULT else "(required)"
                     lines.append(f"      {field.encode_name} = {default!r}  ({_type_name(field.type)})")

@@ -196,3 +196,38 @@ def test_quantized_weights_split_over_workers_compute_what_one_worker_does(tiny_
     worker (tiny Llama, TP=2)."""
     extra = {"quant.plugin": method}
     assert_same_logits(tiny_run(tiny_llama, 2, 1, extra), tiny_run(tiny_llama, 1, 1, extra), f"{method} TP=2")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stored", ["Q4_K", "fp8"])
+def test_stored_quantized_weights_split_along_whole_blocks_compute_what_one_worker_does(tmp_path, tokenizer,
+                                                                                        stored):
+    """A K-quant GGUF (blocks of 256 values: o_proj's and down's columns cut at 256 and 512, each worker keeps
+    its blocks as the file has them) and a compressed-tensors fp8 checkpoint (each worker keeps its rows' scales,
+    or the whole rows' for its columns): TP=2 computes TP=1's tokens and logits. (The block kernels round each
+    32 activations to int8, and the workers' partial sums round differently in float32 from one worker's sum:
+    a value at a rounding edge may round the other way, which moves a logprob by up to about a hundredth
+    here; a block cut or scaled wrong moves them by far more.)"""
+    import gguf
+
+    from tests.gguf_writer import write_gguf
+    from tests.kquants import quantize
+    from tests.test_hf_quant import compressed_tensors_checkpoint
+
+    model = tiny_hf_model("llama", vocab_size=98, hidden_size=512, intermediate_size=1024, num_attention_heads=8,
+                          num_key_value_heads=4)
+    tokenizer.hf.save(str(tmp_path / "tokenizer.json"))
+    if stored == "Q4_K":
+        path = tmp_path / "tiny-Q4_K.gguf"
+        write_gguf(path, model, gguf.GGMLQuantizationType.Q4_K, quantize)
+    else:
+        path = compressed_tensors_checkpoint(tmp_path / "tiny-fp8", model, "FP8_DYNAMIC")
+    extra = {"model.tokenizer": str(tmp_path / "tokenizer.json")}
+    split, single = tiny_run(path, 2, 1, extra), tiny_run(path, 1, 1, extra)
+    if stored == "fp8":  # (float32 activations: nothing rounded but the sums)
+        assert_same_logits(split, single, "fp8 TP=2")
+        return
+    for a, b in zip(split, single):
+        assert_same_or_near_tie(a, b, f"{stored} TP=2")
+        for x, y in zip(a.prompt_logprobs[1:], b.prompt_logprobs[1:]):
+            assert x.top_logprobs == pytest.approx(y.top_logprobs, abs=0.05), f"{stored} TP=2"

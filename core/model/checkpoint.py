@@ -3,7 +3,8 @@
 ``model.path`` is a ``.gguf`` file, a Hugging Face directory (config.json and
 *.safetensors), or an alias of a model shipped in a Python package. Tensors
 are read lazily and returned as float32 under Hugging Face names, so a model
-never needs the whole checkpoint in memory twice.
+never needs the whole checkpoint in memory twice; quantized ones (GGUF blocks, Hugging Face int4, int8 and
+fp8 checkpoints) can also be read as stored (``packed``).
 """
 
 from __future__ import annotations
@@ -73,8 +74,8 @@ class Checkpoint(ABC):
             return tensor.split(sizes)[index]
 
     def packed(self, name: str) -> PackedWeight | None:
-        """The 2-D tensor of a Hugging Face name as the checkpoint stores it, where that is a quantized block
-        format (GGUF's); None where it is stored as floats, not on its own (a part of a fused tensor, one
+        """The 2-D tensor of a Hugging Face name as the checkpoint stores it, where that is a quantized format
+        (GGUF's blocks; a Hugging Face quantized checkpoint's, turned into those or fp8 rows); None where it is stored as floats, not on its own (a part of a fused tensor, one
         expert of a stacked one) or not at all: read it with ``get``."""
         return None
 
@@ -153,28 +154,56 @@ def open_checkpoint(path: str | Path) -> Checkpoint:
 
 
 class SafetensorsCheckpoint(Checkpoint):
-    """A Hugging Face directory: config.json + one or more *.safetensors."""
+    """A Hugging Face directory: config.json + one or more *.safetensors (float, or quantized by
+    compressed-tensors, GPTQ or AWQ: ``conveyor.model.hf_quant``).
+
+    Raises:
+        UnsupportedQuantization: the checkpoint is quantized in a way not served (the message says which are).
+    """
 
     def __init__(self, path: Path):
         from safetensors import safe_open
+
+        from conveyor.model.hf_quant import quantized_weights
 
         config_file = path / "config.json"
         if not config_file.is_file():
             raise ModelNotFoundError(f"model directory {str(path)!r} has no config.json")
         self.path = path
-        self.spec = spec_from_hf_config(json.loads(config_file.read_text()))
+        config = json.loads(config_file.read_text())
+        self.spec = spec_from_hf_config(config)
         files = sorted(path.glob("*.safetensors"))
         if not files:
             raise ModelNotFoundError(f"model directory {str(path)!r} has no *.safetensors files")
         self._files = [safe_open(str(f), framework="pt") for f in files]
         self._where = {name: f for f in self._files for name in f.keys()}
+        self.quantized = quantized_weights(config, self._where)
+
+    def _stored_name(self, name: str) -> str:
+        """The name a tensor is stored under (a tied head: the embedding's; Mixtral's own expert names)."""
+        if name == "lm_head.weight" and self.spec.tie_word_embeddings and not self._holds(name):
+            return "model.embed_tokens.weight"
+        if self.spec.architecture == "MixtralForCausalLM":  # (block_sparse_moe.gate, .experts.E.w1 ...)
+            return _MIXTRAL.sub(_mixtral_name, name)
+        return name
+
+    def _quantized_layer(self, name: str) -> str | None:
+        """The layer of a weight stored quantized (``...q_proj`` of ``...q_proj.weight``), else None."""
+        layer, _, kind = name.rpartition(".")
+        return layer if self.quantized is not None and kind == "weight" and self.quantized.holds(layer) else None
+
+    def _holds(self, name: str) -> bool:
+        return name in self._where or self._quantized_layer(name) is not None
 
     def tensor(self, name: str) -> torch.Tensor:
-        if name == "lm_head.weight" and name not in self._where and self.spec.tie_word_embeddings:
-            name = "model.embed_tokens.weight"
-        elif self.spec.architecture == "MixtralForCausalLM":  # (block_sparse_moe.gate, .experts.E.w1 ...)
-            name = _MIXTRAL.sub(_mixtral_name, name)
+        name = self._stored_name(name)
+        if (layer := self._quantized_layer(name)) is not None:
+            return self.quantized.dense(layer)
         try:
             return self._where[name].get_tensor(name).float()
         except KeyError:
             raise KeyError(f"{self.path}: tensor {name!r} is missing") from None
+
+    def packed(self, name: str) -> PackedWeight | None:
+        layer = self._quantized_layer(self._stored_name(name))
+        return None if layer is None else self.quantized.packed(layer)

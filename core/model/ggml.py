@@ -37,30 +37,38 @@ BLOCKS: dict[str, tuple[int, int]] = {
 TYPE_IDS = {name: i for i, name in enumerate(BLOCKS)}
 
 
+# formats with a byte per value and one scale per output row (``PackedWeight.scale``), not GGML's: fp8 e4m3, as
+# Hugging Face checkpoints store it (``conveyor.model.hf_quant``); (values, bytes) of their one-value "block"
+ROW_SCALED: dict[str, tuple[int, int]] = {"F8_E4M3": (1, 1)}
+
+
 class PackedWeight(NamedTuple):
     """A linear weight ``[out_features, in_features]`` as a checkpoint stores it: ``data`` holds each output
-    row's blocks of ``format`` (``uint8 [out_features, row_bytes]``)."""
+    row's blocks of ``format`` (``uint8 [out_features, row_bytes]``); ``scale``: each row's scale (float32
+    ``[out_features]``) for a format in ROW_SCALED, else None."""
 
     format: str
     data: torch.Tensor
     in_features: int
+    scale: torch.Tensor | None = None
 
     @property
     def out_features(self) -> int:
         return self.data.shape[0]
 
     def rows(self, start: int, stop: int) -> PackedWeight:
-        return PackedWeight(self.format, self.data[start:stop], self.in_features)
+        scale = None if self.scale is None else self.scale[start:stop]
+        return PackedWeight(self.format, self.data[start:stop], self.in_features, scale)
 
     def columns(self, columns: slice) -> PackedWeight | None:
-        """The input ``columns`` alone (a row-parallel shard); None where they do not start and end on block
-        edges."""
-        values, size = BLOCKS[self.format]
+        """The input ``columns`` alone (a row-parallel shard, each row's scale whole); None where they do not
+        start and end on block edges."""
+        values, size = BLOCKS[self.format] if self.format in BLOCKS else ROW_SCALED[self.format]
         start, stop = columns.start or 0, self.in_features if columns.stop is None else columns.stop
         if start % values or stop % values:
             return None
         return PackedWeight(self.format, self.data[:, start // values * size : stop // values * size],
-                            stop - start)
+                            stop - start, self.scale)
 
 
 def row_bytes(format: str, in_features: int) -> int:
@@ -181,8 +189,26 @@ _DEQUANTIZE = {"Q4_0": _q4_0, "Q4_1": _q4_1, "Q5_0": _q5_0, "Q5_1": _q5_1, "Q8_0
                "Q4_K": _q4_k, "Q5_K": _q5_k, "Q6_K": _q6_k, "Q4_X2": _q4_x2}
 
 
+def encode(format: str, q: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None = None) -> PackedWeight:
+    """Integers and their blocks' scales as ``format``'s blocks: Q4_0 (``q`` in 0..15 stands for
+    ``d * (q - 8)``), Q4_1 (``d * q + m``) or Q8_0 (``q`` in -128..127: ``d * q``); ``q [out, in]``, ``d``
+    and ``m`` one per block of 32 values ``[out, in / 32]``, rounded to float16 here."""
+    out, columns = q.shape
+    q = q.reshape(out, columns // QK, QK)
+    half = lambda t: t.to(torch.float16).reshape(out, -1, 1).view(torch.uint8)  # noqa: E731 -- [out, blocks, 2]
+    if format == "Q8_0":
+        fields = [half(d), q.to(torch.int8).view(torch.uint8)]
+    else:
+        q = q.to(torch.uint8)
+        nibbles = q[..., : QK // 2] | (q[..., QK // 2 :] << 4)  # (value j and value j + 16 share byte j)
+        fields = [half(d), nibbles] if format == "Q4_0" else [half(d), half(m), nibbles]
+    return PackedWeight(format, torch.cat(fields, dim=-1).reshape(out, -1).contiguous(), columns)
+
+
 def dequantize(weight: PackedWeight, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """``[out_features, in_features]`` in ``dtype``."""
+    if weight.format == "F8_E4M3":
+        return (weight.data.view(torch.float8_e4m3fn).float() * weight.scale[:, None]).to(dtype)
     values, size = BLOCKS[weight.format]
     blocks = weight.data.reshape(weight.out_features, -1, size)
     return _DEQUANTIZE[weight.format](blocks).reshape(weight.out_features, weight.in_features).to(dtype)
@@ -190,4 +216,5 @@ def dequantize(weight: PackedWeight, dtype: torch.dtype = torch.float32) -> torc
 
 def dequantize_rows(weight: PackedWeight, rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Rows ``rows`` (int64 ``[T]``) of the weight: an embedding lookup in a packed table."""
-    return dequantize(PackedWeight(weight.format, weight.data[rows], weight.in_features), dtype)
+    scale = None if weight.scale is None else weight.scale[rows]
+    return dequantize(PackedWeight(weight.format, weight.data[rows], weight.in_features, scale), dtype)

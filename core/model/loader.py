@@ -9,6 +9,7 @@ import torch
 
 from conveyor.config import ConfigError, ModelConfig
 from conveyor.model.checkpoint import Checkpoint, ModelNotFoundError, open_checkpoint
+from conveyor.model.hf_quant import UnsupportedQuantization
 from conveyor.model.llama import LlamaModel
 from conveyor.quant import QuantMethod
 from conveyor.worker.parallel import ParallelGroup
@@ -33,7 +34,7 @@ def open_model(config: ModelConfig, source: str = "<config>") -> Checkpoint:
 
             return DummyCheckpoint(config.path)
         return open_checkpoint(config.path)
-    except ModelNotFoundError as e:
+    except (ModelNotFoundError, UnsupportedQuantization) as e:
         raise ConfigError(f"{source}: [model] path = {config.path!r}: {e}") from None
 
 

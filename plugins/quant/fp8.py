@@ -9,7 +9,8 @@ matmul) and at every row count where it has none.
 ``activations = "fp8"`` (W8A8) also quantizes each token's activations to
 e4m3 with a dynamic scale and multiplies on fp8 matrix units: CUDA compute
 capability 8.9 or newer (Ada, Hopper). ``"auto"`` picks W8A8 where the
-hardware has fp8 units and W8A16 elsewhere.
+hardware has fp8 units and W8A16 elsewhere. A checkpoint stored in fp8 with a scale per output channel or
+per tensor (compressed-tensors' FP8) is kept as it is, not quantized again.
 """
 
 from __future__ import annotations
@@ -23,6 +24,8 @@ from conveyor.quant import Params, QuantMethod
 
 if TYPE_CHECKING:
     import torch
+
+    from conveyor.model.ggml import PackedWeight
 
 
 class FP8Options(msgspec.Struct, forbid_unknown_fields=True):
@@ -60,10 +63,12 @@ class FP8(QuantMethod):
 
     name = "fp8"
     Options = FP8Options
+    # a checkpoint's e4m3 weights with a scale per row (compressed-tensors' FP8), kept as they are
+    packed_formats = frozenset({"F8_E4M3"})
 
-    def __init__(self, options: FP8Options, dtype: torch.dtype, device: torch.device):
+    def __init__(self, options: FP8Options | None, dtype: torch.dtype, device: torch.device):
         super().__init__(options, dtype, device)
-        mode = options.activations
+        mode = self.options.activations
         if mode == "auto":
             mode = "fp8" if has_fp8_units(device) else "bf16"
         if mode == "fp8" and device.type == "cuda" and not has_fp8_units(device):
@@ -89,6 +94,14 @@ class FP8(QuantMethod):
 
         q, scale = quantize_fp8(weight.float())
         return self._params(q[:, columns], scale)
+
+    def prepare_packed(self, parts: list[PackedWeight], bias: torch.Tensor | None = None) -> Params:
+        import torch
+
+        if any(part.format != "F8_E4M3" for part in parts):
+            raise ValueError(f"the fp8 method takes F8_E4M3 weights, not {sorted({p.format for p in parts})}")
+        q = torch.cat([part.data for part in parts]).view(torch.float8_e4m3fn)
+        return self._params(q, torch.cat([part.scale for part in parts]).float(), bias)
 
     def _params(self, q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None) -> Params:
         params = {"qweight": q.to(self.device).contiguous(), "scale": scale.to(self.device)}

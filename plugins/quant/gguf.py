@@ -1,6 +1,7 @@
 """``gguf``: llama.cpp's quantized blocks (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K) kept as the GGUF
-file stores them, and ``auto``, the default: the same for a checkpoint with such tensors, the model dtype for
-the rest.
+file stores them, and ``auto``, the default: the same for a checkpoint with such tensors (and for a Hugging Face
+int4 or int8 checkpoint's weights, which ``conveyor.model.hf_quant`` turns into Q4_0, Q4_1 or Q8_0 blocks),
+``fp8``'s kernels for one stored in fp8, the model dtype for the rest.
 
 A quantized GGUF is served at its size: its blocks are never expanded to bf16 or fp32 (a Q4_1 weight is 5
 bits, not 16), the embedding table and a tied output head included. On a CPU with the C++ kernels a step
@@ -15,6 +16,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from conveyor.hookspecs import hookimpl
+from conveyor.plugins.quant.fp8 import FP8
 from conveyor.plugins.quant.none import NoQuant
 from conveyor.quant import Params
 
@@ -126,10 +128,32 @@ def kernels_run(x: torch.Tensor) -> bool:
 
 
 class AutoQuant(GGUFQuant):
-    """The default: a checkpoint's quantized GGUF blocks kept packed (``gguf``), float weights in the model
-    dtype (``none``), whatever the checkpoint holds."""
+    """The default: each weight kept as the checkpoint stores it, quantized or not.
+
+    A quantized GGUF's blocks as ``gguf`` keeps them (and a Hugging Face int4 or int8 checkpoint's weights,
+    turned into those blocks), fp8 weights as ``fp8`` keeps them, float weights in the model dtype (``none``)."""
 
     name = "auto"
+    packed_formats = FORMATS | FP8.packed_formats
+
+    def __init__(self, options, dtype: torch.dtype, device: torch.device):
+        super().__init__(options, dtype, device)
+        self.fp8 = FP8(None, dtype, device)
+
+    def prepare_packed(self, parts: list[PackedWeight], bias: torch.Tensor | None = None) -> Params:
+        if parts[0].format in self.fp8.packed_formats:
+            return self.fp8.prepare_packed(parts, bias)
+        return super().prepare_packed(parts, bias)
+
+    def linear(self, x: torch.Tensor, params: Params) -> torch.Tensor:
+        if "qweight" in params:  # (fp8)
+            return self.fp8.linear(x, params)
+        return super().linear(x, params)
+
+    def formats(self, params: Params) -> dict[str, int]:
+        if "qweight" in params:
+            return self.fp8.formats(params)
+        return super().formats(params)
 
 
 @hookimpl
