@@ -77,11 +77,13 @@ def kernels(report: Report, torch, device: str, smoke: bool) -> None:
     spec.loader.exec_module(gpu_kernels)
     peak = next((v for k, v in gpu_kernels.PEAKS.items() if k in torch.cuda.get_device_name()), None) \
         if device == "cuda" else None
-    failures = gpu_kernels.gemms(torch, device, smoke, peak) + gpu_kernels.attention(torch, device, smoke)
+    failures = (gpu_kernels.gemms(torch, device, smoke, peak) + gpu_kernels.ggml_gemms(torch, device, smoke, peak)
+                + gpu_kernels.attention(torch, device, smoke))
     lora_error, moe_error = lora(torch, device, smoke), moe(torch, device, smoke)
     ok = failures == 0 and lora_error < 2e-2 and moe_error < 3e-2
     report.add("PASS" if ok else "FAIL", "kernels",
-               f"quantized GEMMs and paged attention: {failures} mismatch(es) (tables above); LoRA: relative error "
+               f"quantized GEMMs (int8, fp8, GGUF blocks) and paged attention: {failures} mismatch(es) (tables "
+               f"above); LoRA: relative error "
                f"{lora_error:.1e}; fused MoE: relative error {moe_error:.1e}",
                gemm_attention_failures=failures, lora_error=lora_error, moe_error=moe_error)
 

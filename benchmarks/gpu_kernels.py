@@ -3,10 +3,11 @@
     python benchmarks/gpu_kernels.py [--peak-gbps 4800]
     python benchmarks/gpu_kernels.py --smoke     # CPU, TRITON_INTERPRET=1, tiny shapes: checks only
 
-Quantized GEMMs (int8 and fp8 W8A16; fp8 W8A8 on compute capability >= 8.9)
-at decode shapes (M = 1, 16) and a prefill shape (M = 2048) of an 8B-class
-layer, against a bf16 torch matmul: time, speed-up, and achieved memory
-bandwidth against the card's peak. Paged attention (decode and prefill, bf16
+Quantized GEMMs (int8 and fp8 W8A16; fp8 W8A8 on compute capability >= 8.9;
+every GGUF block type, unpacked in registers) at decode shapes (M = 1, 16)
+and a prefill shape (M = 2048) of an 8B-class layer, against a bf16 torch
+matmul: time, speed-up, and achieved memory bandwidth against the card's
+peak. Paged attention (decode and prefill, bf16
 and fp8 KV) against a dense torch attention over the gathered context.
 """
 
@@ -37,7 +38,8 @@ def main() -> int:
     name = "CPU (interpreter)" if args.smoke else torch.cuda.get_device_name()
     peak = args.peak_gbps or next((v for k, v in PEAKS.items() if k in name), None)
     print(f"device: {name}; peak bandwidth: {f'{peak:.0f} GB/s' if peak else 'unknown (--peak-gbps)'}")
-    failures = gemms(torch, device, args.smoke, peak) + attention(torch, device, args.smoke)
+    failures = (gemms(torch, device, args.smoke, peak) + ggml_gemms(torch, device, args.smoke, peak)
+                + attention(torch, device, args.smoke))
     print("\nall kernels match their references" if not failures else f"\n{failures} kernel check(s) FAILED")
     return 1 if failures else 0
 
@@ -87,6 +89,49 @@ def gemms(torch, device: str, smoke: bool, peak: float | None) -> int:
             gbps = moved / (ms * 1e-3) / 1e9
             share = f"{100 * gbps / peak:.0f}%" if peak and not math.isnan(ms) else "-"
             print(f"{label:<12} {m:>5} {error:>9.1e} {ms:>8.3f} {bf16_ms:>8.3f} {bf16_ms / ms:>8.2f}x {gbps:>8.0f} "
+                  f"{share:>7}{'' if ok else '  MISMATCH'}")
+    return failures
+
+
+# each GGUF block type's float16 fields (byte offsets in its block): set to a sane scale in random blocks
+GGML_HALVES = {"Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2), "Q8_0": (0,), "Q4_K": (0, 2),
+               "Q5_K": (0, 2), "Q6_K": (208,)}
+
+
+def ggml_gemms(torch, device: str, smoke: bool, peak: float | None) -> int:
+    """The Triton GEMM over packed GGUF blocks, every block type: random blocks (their scales set to small
+    float16 values), against float64 products with the torch dequantizer's weights."""
+    from conveyor.model import ggml
+    from conveyor.plugins.quant.ggml_kernels import ggml_matmul
+
+    k, n = (512, 40) if smoke else (4096, 14336)
+    rows = (1, 7, 33) if smoke else (1, 16, 2048)
+    failures = 0
+    print(f"\nGGUF blocks [M, {k}] x [{k}, {n}] (bf16 activations, weights unpacked in registers)")
+    print(f"{'format':<12} {'M':>5} {'rel err':>9} {'ms':>8} {'bf16 ms':>8} {'speed-up':>9} {'GB/s':>8} {'% peak':>7}")
+    generator = torch.Generator(device=device).manual_seed(0)
+    w_bf16 = torch.randn(n, k, device=device, generator=generator).bfloat16()
+    for format, halves in GGML_HALVES.items():
+        values, size = ggml.BLOCKS[format]
+        data = torch.randint(0, 256, (n, k // values, size), dtype=torch.uint8, device=device, generator=generator)
+        for offset in halves:
+            scale = (torch.rand(n, k // values, device=device, generator=generator) * 0.02 + 0.001).half()
+            data[..., offset : offset + 2] = scale[..., None].view(torch.uint8)
+        data = data.reshape(n, -1)
+        weight = ggml.dequantize(ggml.PackedWeight(format, data, k), torch.float32).double()
+        for m in rows:
+            x = torch.randn(m, k, device=device, generator=generator).bfloat16()
+            out = ggml_matmul(x, data, format)
+            expected = x.double() @ weight.T
+            error = float((out.double() - expected).abs().max() / expected.abs().max())
+            ok = error < 2e-2
+            failures += not ok
+            ms = bench(torch, lambda: ggml_matmul(x, data, format), smoke)
+            bf16_ms = bench(torch, lambda: x @ w_bf16.T, smoke)
+            moved = data.numel() + x.numel() * 2 + m * n * 2
+            gbps = moved / (ms * 1e-3) / 1e9
+            share = f"{100 * gbps / peak:.0f}%" if peak and not math.isnan(ms) else "-"
+            print(f"{format:<12} {m:>5} {error:>9.1e} {ms:>8.3f} {bf16_ms:>8.3f} {bf16_ms / ms:>8.2f}x {gbps:>8.0f} "
                   f"{share:>7}{'' if ok else '  MISMATCH'}")
     return failures
 

@@ -106,7 +106,8 @@ def assert_served_packed(path, reference_path, tolerance: float, monkeypatch) ->
     formats = model.weight_formats()
     assert formats.pop("float32") == floats, formats
     assert set(formats) <= {"Q4_0", "Q4_1", "Q8_0", "Q4_X2", "fp8", "copies"}, formats
-    print(f"{path.name}: without the block kernels, largest logit difference {float((fallback - expected).abs().max()):.2e}")
+    largest = float((fallback - expected).abs().max())
+    print(f"{path.name}: without the block kernels, largest logit difference {largest:.2e}")
     torch.testing.assert_close(fallback, expected, rtol=tolerance, atol=tolerance)
     monkeypatch.undo()
     if not native.load():
@@ -197,8 +198,8 @@ def write_int4_checkpoint(path, reference_path, model, layout: str, group: int, 
         else:  # AWQ: eight outputs to a word, in its order
             order = torch.tensor([0, 2, 4, 6, 1, 3, 5, 7])
             interleave = lambda t: t.reshape(t.shape[0], -1, 8)[..., order]  # noqa: E731
-            words = {"qweight": pack_words(interleave(qt)).flatten(1), "qzeros": pack_words(interleave(zero.t())).flatten(1),
-                     "scales": scale.t().half()}
+            words = {"qweight": pack_words(interleave(qt)).flatten(1),
+                     "qzeros": pack_words(interleave(zero.t())).flatten(1), "scales": scale.t().half()}
         packed.update({f"{layer}.{key}": value.contiguous() for key, value in words.items()})
     save_file(floats, str(reference_path / "model.safetensors"))
     path.mkdir()

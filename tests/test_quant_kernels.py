@@ -219,3 +219,27 @@ def test_cpu_int4_blocks_round_each_weight_and_multiply_them(block, rows):
     expected = x.double() @ kept.T + bias.double()
     # (x rounded to int8 per 32 values where the C++ kernels run)
     assert relative_error(quant.linear(x, params), expected) < 1e-2
+
+
+# every GGUF block type the gguf method keeps, at the row counts of decodes, batches and prompt chunks
+GGML_ROWS = [1, 3, 16, 17, 64, 300]
+
+
+@pytest.mark.parametrize("format", ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K"])
+def test_ggml_blocks_matmul_matches_the_gguf_packages_dequantized_weights(monkeypatch, format):
+    """The Triton GEMM over packed GGUF blocks (unpacked in registers) against float64 products with the gguf
+    package's own dequantization of the same bytes: rows of decodes and prompt chunks (1 to 300), 37 output
+    features (not a whole tile), 512 inputs (two K-quant blocks, 16 of the others); float32 activations
+    (only the accumulation's rounding) and bfloat16 ones (the output's rounding)."""
+    from conveyor.plugins.quant import ggml_kernels
+    from tests.test_ggml import packed_random
+
+    packed, weight = packed_random(format, 37, 512, seed=7)
+    for rows in GGML_ROWS:
+        for dtype in (torch.float32, torch.bfloat16):
+            x = torch.randn(rows, 512).to(dtype)
+            out = poisoned_launch(monkeypatch, ggml_kernels.ggml_matmul, x.to(DEVICE), packed.data.to(DEVICE),
+                                  format)
+            assert out.dtype == dtype and out.shape == (rows, 37)
+            error = relative_error(out, x.double() @ weight.T)
+            assert error < TOLERANCE[dtype], (format, rows, dtype, error)

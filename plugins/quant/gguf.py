@@ -6,8 +6,9 @@ int4 or int8 checkpoint's weights, which ``conveyor.model.hf_quant`` turns into 
 A quantized GGUF is served at its size: its blocks are never expanded to bf16 or fp32 (a Q4_1 weight is 5
 bits, not 16), the embedding table and a tied output head included. On a CPU with the C++ kernels a step
 multiplies the blocks as they are (``conveyor.native.ggml_linear``: each row of x quantized per 32 values to
-int8, as llama.cpp does); elsewhere (no compiler; CUDA, for now) each layer is dequantized into the model
-dtype when it runs and multiplied there, which is correct but gives back the time, not the memory. Tensors
+int8, as llama.cpp does); on CUDA a Triton GEMM unpacks them in registers (``ggml_kernels.ggml_matmul``,
+activations in the model dtype); on a CPU without a compiler each layer is dequantized into the model dtype when
+it runs and multiplied there, which is correct but gives back the time, not the memory. Tensors
 the file stores as floats (norms; F16/BF16/F32 weights) take the ``none`` method's path.
 """
 
@@ -112,6 +113,10 @@ def _multiply(x: torch.Tensor, format: str, data: torch.Tensor) -> torch.Tensor:
         from conveyor import native
 
         return native.ggml_linear(x, data, ggml.TYPE_IDS[format])
+    if x.device.type == "cuda":
+        from conveyor.plugins.quant.ggml_kernels import ggml_matmul
+
+        return ggml_matmul(x, data, format)
     return F.linear(x, ggml.dequantize(ggml.PackedWeight(format, data, in_features), x.dtype))
 
 
