@@ -35,6 +35,7 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+import conveyor  # noqa: F401, I001 -- first: it sets OpenMP's wait policy before torch loads the runtime
 import torch
 
 from conveyor import LLM
@@ -44,7 +45,9 @@ from conveyor.llm import OFFLINE_DEFAULTS
 from conveyor.messages import StepStats
 from conveyor.model.checkpoint import resolve_model_path
 from conveyor.model.tokenizer import load_tokenizer
-from conveyor.perf.floors import linear_flops_per_token, linear_seconds, matmul_flops, read_bandwidth
+from conveyor import paths
+from conveyor.perf.floors import linear_flops_per_token, linear_seconds, matmul_flops
+from conveyor.perf.peaks import cpu_peaks
 from conveyor.sampling import SamplingParams
 
 CONFIGS = Path(__file__).resolve().parent.parent / "configs"
@@ -147,14 +150,16 @@ def run_conveyor(name: str, prompts: list[list[int]], max_tokens: list[int], dty
 
 
 def ceiling_seconds(model, steps: list[tuple[int, int]], matmul_rate: float) -> float:
-    """The shortest time the steps could take here: each step's prompt tokens at the measured matmul rate
-    (their linear layers' FLOPs), plus its decode tokens at the speed of the model's own linear layers and
-    output head at that batch size (measured once per batch size)."""
+    """The shortest time the steps could take here: each step's prompt tokens at the faster of the measured
+    matmul rate and the model's own linear layers at 512 rows (their FLOPs; a CPU without a fast bf16 matmul
+    runs a quantized model's prompts in its integer kernels), plus its decode tokens at the speed of the
+    model's own linear layers and output head at that batch size (measured once per batch size)."""
     flops = linear_flops_per_token(model)
+    rate = max(matmul_rate, flops * 512 / linear_seconds(model, 512, repeat=3, head=False))
     decode_times: dict[int, float] = {}
     total = 0.0
     for prompt_tokens, decode_tokens in steps:
-        total += prompt_tokens * flops / matmul_rate
+        total += prompt_tokens * flops / rate
         if decode_tokens:
             if decode_tokens not in decode_times:
                 decode_times[decode_tokens] = linear_seconds(model, decode_tokens, repeat=5)
@@ -244,10 +249,13 @@ def main() -> None:
         f"(total {sum(max_tokens)}); {args.dtype}, {torch.get_num_threads()} threads",
         flush=True,
     )
-    matmul_rate = matmul_flops(getattr(torch, args.dtype))
-    bandwidth = read_bandwidth()
-    print(f"matmul: {matmul_rate / 1e9:.0f} GFLOP/s ({args.dtype}, 2048^3); read bandwidth {bandwidth / 1e9:.1f} GB/s",
-          flush=True)
+    # (this CPU's cached profile: measured once, and without a 2048-cubed bf16 matmul where a small one shows
+    # bf16 is emulated, which takes minutes)
+    peaks = cpu_peaks(paths.cache_root())
+    matmul_rate = peaks.flops.get(args.dtype) or matmul_flops(getattr(torch, args.dtype))
+    bandwidth = peaks.bytes_per_second
+    print(f"matmul: {matmul_rate / 1e9:.0f} GFLOP/s ({args.dtype}); read bandwidth {bandwidth / 1e9:.1f} GB/s "
+          f"(the CPU's profile)", flush=True)
     names = args.only or [*SYSTEMS, "transformers"]
 
     def run(name: str) -> Result:

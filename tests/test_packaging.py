@@ -82,6 +82,18 @@ assert "torch" not in sys.modules, "the server's frontend loaded torch"
     subprocess.run([sys.executable, "-c", probe], check=True, timeout=120)
 
 
+def test_importing_conveyor_lets_idle_openmp_threads_sleep_unless_the_environment_chose():
+    """``import conveyor`` sets OMP_WAIT_POLICY=PASSIVE before torch loads OpenMP (where another process shares
+    the cores, spinning threads take time from the working ones); a policy the user set stays."""
+    probe = "import os, conveyor, torch; print(os.environ['OMP_WAIT_POLICY'])"
+    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
+    for given, expected in [(None, "PASSIVE"), ("ACTIVE", "ACTIVE")]:
+        run_env = env if given is None else {**env, "OMP_WAIT_POLICY": given}
+        out = subprocess.run([sys.executable, "-c", probe], env=run_env, capture_output=True, text=True,
+                             check=True, timeout=120).stdout
+        assert out.strip() == expected
+
+
 @pytest.mark.skipif(shutil.which(os.environ.get("CXX", "c++")) is None, reason="no C++ compiler here")
 def test_the_cpu_kernels_build_where_a_compiler_is_found():
     # the kernels' tests skip where the kernels do not load: one that no longer compiles must fail here

@@ -46,9 +46,9 @@ def linear_flops_per_token(model: LlamaModel) -> int:
 
 
 @torch.inference_mode()
-def linear_seconds(model: LlamaModel, rows: int, repeat: int = 10) -> float:
-    """Seconds for every linear layer and the output head over ``rows`` tokens (each layer's weights in
-    turn, as a forward pass reads them)."""
+def linear_seconds(model: LlamaModel, rows: int, repeat: int = 10, head: bool = True) -> float:
+    """Seconds for every linear layer and (``head``) the output head over ``rows`` tokens (each layer's weights
+    in turn, as a forward pass reads them)."""
     hidden = torch.randn(rows, model.spec.hidden_size, dtype=model.dtype)
     wide = torch.randn(rows, model.layers[0].intermediate_size, dtype=model.dtype)
     attended = torch.randn(rows, model.layers[0].q_size, dtype=model.dtype)
@@ -59,6 +59,7 @@ def linear_seconds(model: LlamaModel, rows: int, repeat: int = 10) -> float:
             layer.o_proj(attended)
             layer.gate_up(hidden)
             layer.down(wide)
-        model.compute_logits(hidden)
+        if head:
+            model.compute_logits(hidden)
 
     return median_seconds(linears, repeat)
