@@ -75,8 +75,9 @@ class Checkpoint(ABC):
 
     def packed(self, name: str) -> PackedWeight | None:
         """The 2-D tensor of a Hugging Face name as the checkpoint stores it, where that is a quantized format
-        (GGUF's blocks; a Hugging Face quantized checkpoint's, turned into those or fp8 rows); None where it is stored as floats, not on its own (a part of a fused tensor, one
-        expert of a stacked one) or not at all: read it with ``get``."""
+        (GGUF's blocks; a Hugging Face quantized checkpoint's, turned into those or fp8 rows); None where it is
+        stored as floats, not on its own (a part of a fused tensor, one expert of a stacked one) or not at all:
+        read it with ``get``."""
         return None
 
     def rope_freq_factors(self) -> torch.Tensor | None:
