@@ -57,12 +57,10 @@ def quantize_int8(weight: torch.Tensor, scale: torch.Tensor | None = None) -> tu
 
 def q8_0_blocks(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """int8 ``[N, K]`` with a float16-exact scale per row -> ``uint8 [N, K / 32 * 34]`` Q8_0 blocks."""
-    import torch
+    from conveyor.model.ggml import QK, encode
 
     n, k = q.shape
-    d = scale.to(torch.float16).view(torch.uint8).reshape(n, 1, 2).expand(n, k // 32, 2)
-    values = q.view(torch.uint8).reshape(n, k // 32, 32)
-    return torch.cat([d, values], dim=-1).reshape(n, -1).contiguous()
+    return encode("Q8_0", q, scale[:, None].expand(n, k // QK)).data
 
 
 class Int8WeightOnly(QuantMethod):
