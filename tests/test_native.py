@@ -8,9 +8,11 @@ the kernels cannot be built.
 
 from __future__ import annotations
 
+import os
 import random
 import shutil
 import sys
+import time
 
 import pytest
 import torch
@@ -248,3 +250,14 @@ def test_store_kv_writes_what_index_copy_writes(dtype):
     assert torch.equal(k_cache, expected_k) and torch.equal(v_cache, expected_v)
     with pytest.raises(RuntimeError, match=f"goes to slot {slots} of {slots}"):
         native.store_kv(k_cache, v_cache, torch.tensor([0, 1, 2, 3, 4, 5, slots]), k, v)
+
+
+def test_a_build_lock_left_by_a_build_that_died_is_removed_and_a_live_one_kept(tmp_path):
+    """torch's builder waits forever for the lock a killed build leaves; the loader removes one that old."""
+    lock = tmp_path / "lock"
+    lock.touch()
+    assert not native.clear_stale_lock(tmp_path) and lock.exists()  # (a build running now)
+    old = time.time() - native.STALE_LOCK_S - 1
+    os.utime(lock, (old, old))
+    assert native.clear_stale_lock(tmp_path) and not lock.exists()
+    assert not native.clear_stale_lock(tmp_path)  # (no lock: nothing to do)

@@ -78,6 +78,24 @@ def _put_ninja_on_path() -> None:
         os.environ["PATH"] = os.pathsep.join([ninja.BIN_DIR, os.environ.get("PATH", "")])
 
 
+# a build lock older than this was left by a build that died (killed, or its machine stopped): builds take
+# seconds to a few minutes, and torch's builder would wait for the lock's owner forever
+STALE_LOCK_S = 900
+
+
+def clear_stale_lock(build_dir: Path) -> bool:
+    """Remove the build directory's lock if a build that died left it; True if it did."""
+    lock = build_dir / "lock"
+    try:
+        if time.time() - lock.stat().st_mtime < STALE_LOCK_S:
+            return False
+        lock.unlink()
+    except FileNotFoundError:
+        return False
+    logger.warning("removed %s, left by a kernel build that did not finish", lock)
+    return True
+
+
 def load() -> bool:
     """Build (if needed) and load the kernels; False where they cannot be built."""
     global _loaded
@@ -93,6 +111,7 @@ def load() -> bool:
             logger.info("building the CPU kernels for this machine (once, 10-30 s) in %s", build_dir)
         try:
             build_dir.mkdir(parents=True, exist_ok=True)
+            clear_stale_lock(build_dir)
             _put_ninja_on_path()
             # (copies of the flags: the builder appends to the lists it is given, which would change the name)
             cpp_extension.load(
