@@ -10,6 +10,7 @@ engine core and its workers exchange ``StepInput`` and ``RunnerOutput``
 from __future__ import annotations
 
 import enum
+from typing import Any
 
 import msgspec
 
@@ -77,6 +78,8 @@ class RequestOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fals
     # structured output, on the last output: the answer was brought to a close (the grammar's completion forced
     # as max_tokens ran out), so that it parses
     grammar_closed: bool = False
+    # for a rejected request, seconds after which it may be sent again (HTTP Retry-After); 0: not said
+    retry_after: float = 0.0
 
 
 class SchedulerStats(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
@@ -300,6 +303,7 @@ class MessageType(bytes, enum.Enum):
     ADD = b"a"  # EngineRequest
     ABORT = b"x"  # list[str]: request ids
     SHUTDOWN = b"q"  # empty body: finish the current step and exit
+    CONFIGURE = b"c"  # dict: scheduler options to change at run time (Scheduler.reconfigure)
     # engine -> frontend
     READY = b"r"  # EngineReady
     OUTPUTS = b"o"  # EngineOutputs
@@ -310,6 +314,7 @@ MESSAGE_BODIES: dict[MessageType, type] = {
     MessageType.ADD: EngineRequest,
     MessageType.ABORT: list[str],
     MessageType.SHUTDOWN: type(None),
+    MessageType.CONFIGURE: dict[str, Any],
     MessageType.READY: EngineReady,
     MessageType.OUTPUTS: EngineOutputs,
     MessageType.FAILED: str,

@@ -50,9 +50,11 @@ def length_error(num_prompt_tokens: int, max_tokens: int | None, max_model_len: 
 class RequestRejected(ValueError):
     """The engine cannot take this request; ``status`` is the HTTP status it maps to."""
 
-    def __init__(self, message: str, status: int = 400):
+    def __init__(self, message: str, status: int = 400, retry_after: float = 0.0):
         super().__init__(message)
         self.status = status
+        # seconds after which the same request may be taken (a 429's Retry-After); 0: not said
+        self.retry_after = retry_after
 
 
 class Request:
@@ -80,6 +82,7 @@ class Request:
         "queued_at",
         "request_id",
         "status",
+        "ttft_deadline",
     )
 
     def __init__(
@@ -114,6 +117,8 @@ class Request:
         self.first_scheduled_time: float | None = None
         # the scheduler's clock when the request last entered the waiting queue
         self.queued_at = 0.0
+        # the scheduler's clock by which its first token is due (a TTFT target; inf: none)
+        self.ttft_deadline = float("inf")
         # with params.prompt_logprobs: prompt positions whose logprobs went out (recomputing never repeats them)
         self.num_prompt_logprobs = 0
         # steps holding it that the workers have not finished (pipeline stages keep several batches in flight,

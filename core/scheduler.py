@@ -13,15 +13,18 @@ moving a request in (``admit``), out (``preempt``) and to its end
 (``finish``, ``abort``: the one way a request ends, wherever it is), and
 recording tokens (``update``). Its ``schedule`` is continuous batching; a
 scheduler decides order and budget by overriding ``waiting_key``,
-``pick_victim``, ``can_admit`` and ``chunk_limit``, or another discipline by
-overriding ``schedule`` itself (the built-in static and dynamic schedulers do).
+``pick_victim``, ``can_admit``, ``chunk_limit`` and ``token_budget``, whom it
+takes by ``check_admission``, and learns how long its steps take from
+``observe_step``; or another discipline by overriding ``schedule`` itself (the
+built-in static and dynamic schedulers do). Options named in
+``runtime_options`` may change while the engine runs (``reconfigure``).
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Iterable
-from typing import Annotated, ClassVar
+from typing import Annotated, Any, ClassVar
 
 import msgspec
 
@@ -51,6 +54,8 @@ class Scheduler(Gated):
     # go on, start those after their ``num_in_flight_tokens``, and never preempt them. The base class's
     # ``schedule`` does; a scheduler that overrides it says False unless it does too.
     pipelined: ClassVar[bool] = True
+    # options that may change while the engine runs (``reconfigure``)
+    runtime_options: ClassVar[frozenset[str]] = frozenset()
 
     def __init__(self, options: msgspec.Struct, kvcache: KVCacheManager, max_model_len: int):
         """
@@ -121,6 +126,18 @@ class Scheduler(Gated):
         """The most tokens one request computes in a step when ``budget`` tokens are left (default: all)."""
         return budget
 
+    def token_budget(self) -> int:
+        """The tokens this step may compute, decodes and prompt chunks together (default: the option's)."""
+        return self.options.max_num_batched_tokens
+
+    def check_admission(self, request: Request) -> None:
+        """Called by ``add`` for a request that can run here, before it is queued: raise ``RequestRejected`` (429
+        with a ``retry_after`` where later may do) to refuse it. Default: take it."""
+
+    def observe_step(self, spans: list[tuple[int, int]], seconds: float) -> None:
+        """The engine reports each step it ran: per entry (its first position, the tokens it computed), and the
+        step's seconds (schedule, forward, sample, update). Default: nothing."""
+
     def schedule(self) -> ScheduledBatch:
         """Pick this step's batch and allocate its KV memory: continuous batching.
 
@@ -135,7 +152,7 @@ class Scheduler(Gated):
         Returns:
             The batch (empty when there is nothing to run).
         """
-        budget = self.options.max_num_batched_tokens
+        budget = self.token_budget()
         # with several batches in flight, each takes its share of the requests, so that every stage has work
         max_requests = -(-len(self.requests) // self.pipeline_depth)
         scheduled: dict[Request, int] = {}
@@ -188,12 +205,15 @@ class Scheduler(Gated):
         if request.request_id in self.requests:
             raise RequestRejected(f"request id {request.request_id!r} is already in use")
         reason = self._never_runs(request)
-        if reason is None and self.num_waiting >= self.options.max_waiting:
+        try:
+            if reason is not None:
+                raise RequestRejected(reason)
+            if self.num_waiting >= self.options.max_waiting:
+                raise RequestRejected(f"the waiting queue is full (max_waiting={self.options.max_waiting})", 429)
+            self.check_admission(request)
+        except RequestRejected:
             self.counters.num_rejected += 1
-            raise RequestRejected(f"the waiting queue is full (max_waiting={self.options.max_waiting})", 429)
-        if reason is not None:
-            self.counters.num_rejected += 1
-            raise RequestRejected(reason)
+            raise
         self.requests[request.request_id] = request
         self._pass_gates(request, 0)
 
@@ -292,10 +312,8 @@ class Scheduler(Gated):
             if request is None:
                 continue
             self.finish(request, reason)
-            outputs.append(
-                RequestOutput(request_id, finish_reason=reason.value, error=error,
-                              num_prompt_tokens=request.num_prompt_tokens)
-            )
+            outputs.append(RequestOutput(request_id, finish_reason=reason.value, error=error,
+                                         num_prompt_tokens=request.num_prompt_tokens))
         return outputs
 
     def update(
@@ -357,6 +375,24 @@ class Scheduler(Gated):
     def has_unfinished(self) -> bool:
         """Whether any request is waiting or running."""
         return bool(self.requests)
+
+    def reconfigure(self, changes: dict[str, Any]) -> None:
+        """Change options while the engine runs (``changed_options``; raises its ValueError)."""
+        self.options = self.changed_options(self.options, changes)
+
+    @classmethod
+    def changed_options(cls, options: msgspec.Struct, changes: dict[str, Any]) -> msgspec.Struct:
+        """``options`` with ``changes`` (keys of ``runtime_options``) made, checked as the config is; a ValueError
+        names a key that may not change at run time, or a value its option does not allow."""
+        unknown = sorted(set(changes) - cls.runtime_options)
+        if unknown:
+            allowed = ", ".join(sorted(cls.runtime_options)) or "none"
+            raise ValueError(f"scheduler {cls.name!r} cannot change {', '.join(unknown)} at run time "
+                             f"(allowed: {allowed})")
+        try:
+            return msgspec.convert(msgspec.to_builtins(options) | changes, type(options))
+        except msgspec.ValidationError as e:
+            raise ValueError(str(e)) from None
 
     def stats(self) -> SchedulerStats:
         """Queue lengths now, and the cumulative counters."""

@@ -32,13 +32,15 @@ class RequestError(Exception):
         message: what is wrong, naming the offending field and value.
         status: 400 bad input, 413 too large, 429 queue full, 503 engine unavailable, ...
         param: the request field at fault, when there is one.
+        retry_after: seconds after which the request may succeed (a 429's or 503's Retry-After); 0: not said.
     """
 
-    def __init__(self, message: str, status: int = 400, param: str | None = None):
+    def __init__(self, message: str, status: int = 400, param: str | None = None, retry_after: float = 0.0):
         super().__init__(message)
         self.message = message
         self.status = status
         self.param = param
+        self.retry_after = retry_after
 
 
 class Chunk(msgspec.Struct):
@@ -96,6 +98,8 @@ class Frontend(Protocol):
     reasoning_parser: str
     # [model] pooling: how /v1/embeddings pools the hidden states ("last" or "mean")
     pooling: str
+    # the [scheduler] table now (conveyor.config.PluginSpec: plugin, options), run-time changes included
+    scheduler: Any
 
     @property
     def max_model_len(self) -> int:
@@ -163,6 +167,14 @@ class Frontend(Protocol):
 
         Raises:
             RequestError: 404, no adapter of that name.
+        """
+
+    def reconfigure_scheduler(self, changes: dict[str, Any]) -> dict[str, Any]:
+        """Change scheduler options while serving (those the plugin allows at run time: the latency targets);
+        returns the options now.
+
+        Raises:
+            RequestError: 400 naming a key that may not change, or a value its option does not allow.
         """
 
     def generate(

@@ -61,6 +61,11 @@ def test_goodput_checks_every_slo():
     assert meets_slos(record, {"ttft": 100, "tpot": 100})
     assert not meets_slos(record, {"ttft": 100, "tpot": 99})
     assert not meets_slos(record, {"e2e": 1000})
+    # itl: the P99 of the request's own gaps (nearest rank): one slow gap in 100 passes, two do not
+    gaps = [0.05] * 98 + [0.5, 0.05]
+    assert meets_slos(RequestRecord(0, 10, output_tokens=101, ttft=0.1, e2e=6.0, itl=gaps), {"itl": 60})
+    gaps[0] = 0.5
+    assert not meets_slos(RequestRecord(0, 10, output_tokens=101, ttft=0.1, e2e=6.0, itl=gaps), {"itl": 60})
 
 
 @pytest.mark.parametrize("rate", [0.5, 4.0, 50.0])

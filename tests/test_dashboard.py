@@ -57,6 +57,8 @@ def test_the_feed_bins_tokens_by_second_and_weights_utilization_by_forward_time(
         feed.next_token(float(x))
     feed.step(step(1, 40, 3, 0.02, 0.5))
     feed.step(step(2, 0, 4, 0.06, 0.1, owners=KVOwners(["a", "b"], [[0, 1, 2], [0, 1, 5]])))
+    for _ in range(5):
+        feed.within_slo()
     clock.now = 1003.7  # one busy second, two idle ones, and the open one
     data = feed.snapshot()
     rows = [dict(zip(SERIES, r)) for r in zip(*data["series"].values())]
@@ -66,12 +68,13 @@ def test_the_feed_bins_tokens_by_second_and_weights_utilization_by_forward_time(
     assert busy["ttft_p99_ms"] == pytest.approx(np.quantile(ttfts, 0.99, method="inverted_cdf") * 1e3, abs=1e-3)
     assert busy["itl_p50_ms"] == pytest.approx(np.quantile(itls, 0.5, method="inverted_cdf") * 1e3, abs=1e-3)
     assert busy["itl_p99_ms"] == pytest.approx(np.quantile(itls, 0.99, method="inverted_cdf") * 1e3, abs=1e-3)
-    assert busy["output_tokens_per_s"] == 207
+    assert busy["output_tokens_per_s"] == 207 and busy["requests_within_slo_per_s"] == 5
     assert busy["mfu"] == pytest.approx((0.5 * 0.02 + 0.1 * 0.06) / 0.08)
     assert busy["mbu"] == pytest.approx(2 * busy["mfu"])
     assert (busy["running"], busy["waiting"], busy["kv_usage"]) == (3, 2, 0.25)
     for idle in rows[1:]:
         assert idle["output_tokens_per_s"] == 0 and idle["itl_p50_ms"] is None and idle["mfu"] is None
+        assert idle["requests_within_slo_per_s"] == 0
     assert data["steps"]["prefill_tokens"] == [40, 0] and data["steps"]["decode_seqs"] == [3, 4]
     owners = data["replicas"][0]["owners"]
     assert owners == [{"request_id": "a", "blocks": [[0, 3]]}, {"request_id": "b", "blocks": [[0, 2], [5, 1]]}]

@@ -232,6 +232,8 @@ CALM = {
     "tensor_parallel_size": 1.0, "pipeline_parallel_size": 1.0, "parallel_steps": 0.0, "comm_ms": 0.0,
     "compute_ms": 0.0, "comm_share": 0.0, "comm_share_max_group": 0.0, "collectives_per_step": 0.0,
     "collective_mb_per_step": 0.0, "bubble_fraction": 0.0, "stage_imbalance": 1.0,
+    # no latency targets
+    "slo_ttft_s": 0.0, "slo_itl_s": 0.0, "within_slo": 0.0, "goodput": 0.0, "missed_ttft": 0.0, "missed_itl": 0.0,
     # one replica
     "replicas": 1.0, "replica_requests_max": 0.0, "replica_requests_min": 0.0, "replica_kv_usage_max": 0.0,
     "replica_kv_usage_min": 0.0, "replica_steps_max": 0.0, "replica_steps_min": 0.0, "lagging_replica": -1.0,
@@ -240,6 +242,7 @@ TP3 = {"tensor_parallel_size": 3.0, "parallel_steps": 100.0, "comm_ms": 20.0, "c
 PP2 = {"pipeline_parallel_size": 2.0, "parallel_steps": 100.0, "stage_imbalance": 1.1}
 DP2 = {"replicas": 2.0, "replica_steps_max": 100.0, "replica_steps_min": 90.0, "lagging_replica": 1.0,
        "replica_kv_usage_max": 0.3, "replica_kv_usage_min": 0.2}
+SLO = {"slo_ttft_s": 2.0, "slo_itl_s": 0.15, "within_slo": 30.0, "goodput": 7.5}
 # regime: (the window's changes that make it hold, the same changes just short of its threshold)
 REGIMES = {
     "kv_capacity": ({"preemptions": 1.0}, {"kv_usage_max": 0.94, "waiting_mean": 3.0, "running_max": 64.0}),
@@ -255,6 +258,7 @@ REGIMES = {
     "pipeline_bubbles": (PP2 | {"bubble_fraction": 0.25}, PP2 | {"bubble_fraction": 0.249}),
     "host_overhead": ({"host_fraction": 0.4}, {"host_fraction": 0.399}),
     "dp_imbalance": (DP2 | {"replica_steps_min": 9.9}, DP2 | {"replica_steps_min": 10.0}),
+    "slo_missed": (SLO | {"missed_ttft": 1.0}, SLO),
 }
 
 
@@ -305,9 +309,24 @@ def test_every_regime_at_its_threshold(regime):
      ["dp_imbalance"]),
     # requests queue behind a host-bound step at a full batch: the host's share is named, not the capacity
     ({"host_fraction": 0.6, "waiting_mean": 3.0, "running_max": 64.0, "running_mean": 60.0}, ["host_overhead"]),
+    # latency targets missed: named first, the binding target (missed more often) in its summary and its advice,
+    # and the resource behind it after; misses without targets set cannot be
+    (SLO | {"missed_itl": 3.0, "missed_ttft": 1.0, "prompt_tokens": 512.0, "itl_p99_s": 0.2},
+     ["slo_missed", "prefill_interference"]),
+    (SLO | {"missed_ttft": 3.0, "waiting_mean": 3.0, "running_max": 64.0, "running_mean": 60.0},
+     ["slo_missed", "queueing"]),
+    ({"missed_itl": 3.0}, []),
     # a host-bound step that is also too small a batch: the batch first
     ({"host_fraction": 0.6, "waiting_mean": 3.0, "running_max": 4.0, "running_mean": 4.0},
      ["batch_too_small", "host_overhead"]),
 ])
 def test_regimes_in_order(changes, regimes):
     assert [f.regime for f in checklist(CALM | changes)] == regimes
+
+
+def test_the_slo_finding_names_the_binding_target():
+    itl = checklist(CALM | SLO | {"missed_itl": 3.0, "missed_ttft": 1.0})[0]
+    assert "binding latency target is ITL (150 ms)" in itl.summary and itl.change == "scheduler.max_num_seqs"
+    ttft = checklist(CALM | SLO | {"missed_itl": 1.0, "missed_ttft": 3.0})[0]
+    assert "binding latency target is TTFT (2000 ms)" in ttft.summary
+    assert ttft.change == "parallel.data_parallel_size"

@@ -4,6 +4,8 @@ the problem, never a 500, and the server keeps serving afterwards."""
 from __future__ import annotations
 
 import json
+import os
+import signal
 import threading
 
 import anthropic
@@ -266,4 +268,45 @@ def test_full_queue_gets_429(server, client, model, http):
                     and server.metric("conveyor_num_requests_waiting") == 0
                     and server.metric("conveyor_kv_cache_free_blocks") == server.metric("conveyor_kv_cache_blocks"),
                     timeout=30, what="the server to be idle")
+    assert_still_serving(http)
+
+
+def test_latency_targets_change_while_serving_and_one_that_cannot_be_met_gets_429_with_retry_after(server, http):
+    """POST /v1/admin/scheduler changes the scheduler's targets in the running engine (the API key required; only
+    the keys the scheduler allows, checked), and a restarted engine keeps them. A TTFT target of 1 ms, which no
+    step here meets: once the engine has timed a few steps, a new request is refused with 429, a Retry-After and
+    its JSON error, and the requests served under it count as missing their TTFT target on /metrics; the
+    targets off again, the server serves."""
+    def missed(target: str) -> float:
+        try:
+            return server.metric("conveyor_requests_missed_slo_total", target=target)
+        except KeyError:
+            return 0.0
+
+    assert httpx.get(f"{server.http}/v1/admin/scheduler").status_code == 401
+    options = http.get("/v1/admin/scheduler").json()
+    assert options["plugin"] == "continuous" and options["ttft_slo_ms"] == 0 and options["max_num_seqs"] == 1
+    error = error_of(http.post("/v1/admin/scheduler", json={"max_num_seqs": 4}), 400)
+    assert "cannot change max_num_seqs at run time (allowed: itl_slo_ms, slo_admission, slo_classes, " \
+           "ttft_slo_ms)" in error["message"]
+    error_of(http.post("/v1/admin/scheduler", json={"ttft_slo_ms": -1}), 400)
+    error_of(http.post("/v1/admin/scheduler", content=b"[1]"), 400)
+    changed = http.post("/v1/admin/scheduler", json={"ttft_slo_ms": 1, "itl_slo_ms": 60000})
+    assert changed.status_code == 200 and changed.json()["ttft_slo_ms"] == 1
+    assert server.metric("conveyor_slo_target_seconds", target="ttft") == 0.001
+    try:
+        killed = server.engine_pid
+        os.kill(killed, signal.SIGKILL)  # (the new engine reads the config file, then gets the changes again)
+        server.wait_for(lambda: server.engine_pid != killed and httpx.get(f"{server.http}/health").status_code == 200,
+                        timeout=180, what="the engine to restart")
+        before = missed("ttft")
+        for _ in range(2):  # (steps for the engine to time: until then it takes every request)
+            assert_still_serving(http)
+        assert missed("ttft") == before + 2 and missed("itl") == 0
+        response = http.post("/v1/chat/completions", json={"messages": MESSAGES, "max_tokens": 2})
+        error = error_of(response, 429)
+        assert "TTFT target (1 ms)" in error["message"], error["message"]
+        assert int(response.headers["retry-after"]) >= 1
+    finally:
+        assert http.post("/v1/admin/scheduler", json={"ttft_slo_ms": 0, "itl_slo_ms": 0}).status_code == 200
     assert_still_serving(http)

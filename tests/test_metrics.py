@@ -124,6 +124,17 @@ def test_every_metric_moves_with_its_traffic():
     assert value("conveyor_e2e_request_latency_seconds_count") == 1
     assert value("conveyor_e2e_request_latency_seconds_sum") == 2.0
 
+    # latency targets: shown, and the requests that ended judged against them (a request past both counts in each)
+    metrics.set_targets(2.0, 0.15)
+    assert value("conveyor_slo_target_seconds", target="ttft") == 2.0
+    assert value("conveyor_slo_target_seconds", target="itl") == 0.15
+    metrics.request_slo(True, True)
+    metrics.request_slo(True, False)
+    metrics.request_slo(False, False)
+    assert value("conveyor_requests_within_slo_total") == 1
+    assert value("conveyor_requests_missed_slo_total", target="ttft") == 1
+    assert value("conveyor_requests_missed_slo_total", target="itl") == 2
+
     # what the frontend knows at scrape time
     assert value("conveyor_engine_alive", alive=True) == 1 and value("conveyor_engine_alive", alive=False) == 0
     assert value("conveyor_num_requests_in_flight", in_flight=4) == 4

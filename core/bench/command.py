@@ -43,7 +43,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--warmup", type=int, default=1, help="requests sent (and not counted) before measuring")
     parser.add_argument("--goodput", nargs="+", metavar="METRIC:MS", default=[],
-                        help="SLOs for goodput, e.g. ttft:1000 tpot:100 (metrics: ttft, tpot, e2e)")
+                        help="SLOs for goodput, e.g. ttft:1000 itl:150 (metrics: ttft, tpot, e2e, itl: the P99 of "
+                        "each request's own gaps between tokens)")
     parser.add_argument("--json", dest="json_path", metavar="OUT", help="write every request's timings here")
     parser.add_argument("--plot", metavar="PNG", help="where the sweep or comparison plot goes")
     parser.add_argument("--label", default="", help="name of this run in comparisons (default: the URL)")

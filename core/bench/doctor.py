@@ -42,6 +42,8 @@ def format_diagnosis(diagnosis: Diagnosis) -> str:
     head = (f"over {diagnosis.seconds:.0f} s: {w['steps']:.0f} steps, {w['generated_tokens']:.0f} tokens generated, "
             f"MFU {w['mfu']:.1%}, MBU {w['mbu']:.1%}, busy {w['busy_fraction']:.0%}, "
             f"{w['running_mean']:.1f} running, {w['waiting_mean']:.1f} waiting, KV up to {w['kv_usage_max']:.0%}")
+    if w["slo_ttft_s"] or w["slo_itl_s"]:
+        head += f", goodput {w['goodput']:.2f} requests/s within the latency targets"
     lines = [head]
     if not diagnosis.findings:
         lines.append("verdict: idle (no steps ran)" if diagnosis.verdict == "idle" else

@@ -166,6 +166,7 @@ def simulate(config: Config, spec: ModelSpec, requests: Sequence[SimRequest], ar
                              "(or pipeline_parallel_size) or quantize")
     executor = SimulatedExecutor(config, registry, spec, cost, weights, free_memory)
     core = EngineCore(config, registry, executor=executor, peaks=peaks)
+    core.scheduler.clock = lambda: executor.clock  # (deadlines and queue times on the virtual clock)
     arrivals = [float(t) + latency_s for t in arrivals]  # (when each reaches the engine)
     order = sorted(range(len(requests)), key=lambda i: arrivals[i])
     records = [RequestRecord(i, len(r.prompt_token_ids), start=arrivals[i] - latency_s) for i, r in enumerate(requests)]
@@ -176,6 +177,7 @@ def simulate(config: Config, spec: ModelSpec, requests: Sequence[SimRequest], ar
         while next_arrival < len(order) or core.has_unfinished():
             if not core.has_unfinished():
                 now = max(now, float(arrivals[order[next_arrival]]))
+            executor.clock = now
             while next_arrival < len(order) and arrivals[order[next_arrival]] <= now:
                 i = order[next_arrival]
                 params = SamplingParams(max_tokens=requests[i].max_tokens, ignore_eos=True, temperature=0)
@@ -183,7 +185,6 @@ def simulate(config: Config, spec: ModelSpec, requests: Sequence[SimRequest], ar
                 if rejection is not None:
                     records[i].error = rejection.error or "rejected"
                 next_arrival += 1
-            executor.clock = now
             outputs, stats = core.step()
             if stats is None:  # nothing ran (a rejection, or nothing schedulable until more requests come)
                 idle += 1

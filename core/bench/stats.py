@@ -14,8 +14,10 @@ from collections.abc import Mapping, Sequence
 import msgspec
 import numpy as np
 
+from conveyor.slo import itl_p99
+
 PERCENTILES = (50, 90, 95, 99)
-SLO_METRICS = ("ttft", "tpot", "e2e")
+SLO_METRICS = ("ttft", "tpot", "e2e", "itl")
 
 
 class RequestRecord(msgspec.Struct, omit_defaults=True):
@@ -54,10 +56,13 @@ def percentiles(values: Sequence[float], points: Sequence[int] = PERCENTILES) ->
 
 
 def meets_slos(record: RequestRecord, slos_ms: Mapping[str, float]) -> bool:
-    """True when the request succeeded and each SLO given holds (a request without a TPOT passes that one)."""
+    """True when the request succeeded and each SLO given holds: ttft, tpot, e2e, or itl (the P99 of the
+    request's own gaps between tokens, as the server's goodput counts it); a request without a TPOT or gaps
+    passes that one."""
     if not record.ok:
         return False
-    values = {"ttft": record.ttft, "tpot": record.tpot, "e2e": record.e2e}
+    values = {"ttft": record.ttft, "tpot": record.tpot, "e2e": record.e2e,
+              "itl": itl_p99(record.itl) if record.itl else None}
     for name, limit in slos_ms.items():
         value = values[name]
         if value is not None and value * 1000 > limit:

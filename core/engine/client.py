@@ -9,10 +9,12 @@ request; neither imports torch into the frontend.
 
 from __future__ import annotations
 
+import logging
 import math
 from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing
+from typing import Any
 
 import anyio
 import anyio.abc
@@ -20,6 +22,8 @@ from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStre
 
 from conveyor.messages import EngineReady, EngineRequest, RequestOutput, StepStats
 from conveyor.request import FinishReason, RequestRejected
+
+logger = logging.getLogger("conveyor")
 
 
 class EngineUnavailable(RuntimeError):
@@ -42,6 +46,8 @@ class EngineClient(ABC):
         self.stats_observers: list[Callable[[StepStats], None]] = []
         self.ready_observers: list[Callable[[EngineReady], None]] = []
         self._streams = OutputStreams()
+        # scheduler options changed at run time: a restarted engine gets them again
+        self.scheduler_changes: dict[str, Any] = {}
 
     @property
     def num_in_flight(self) -> int:
@@ -101,6 +107,17 @@ class EngineClient(ABC):
         if self.alive and len(self._streams):
             self._abort(self._streams.ids())
 
+    def reconfigure_scheduler(self, changes: dict[str, Any]) -> None:
+        """Change scheduler options while the engine runs (``Scheduler.reconfigure``; the caller checked them);
+        they outlive a restart of the engine."""
+        self.scheduler_changes.update(changes)
+        if self.alive:
+            self._configure(changes)
+
+    def _configure(self, changes: dict[str, Any]) -> None:
+        """Send scheduler option changes to the engine."""
+        raise NotImplementedError(f"{type(self).__name__} cannot change scheduler options at run time")
+
     def _publish(self, outputs: list[RequestOutput], stats: StepStats | None) -> None:
         """Route what the engine produced to the requests' streams and the observers."""
         self._streams.route(outputs)
@@ -111,6 +128,11 @@ class EngineClient(ABC):
     def _ready(self, ready: EngineReady) -> None:
         self.max_model_len = ready.max_model_len
         self.alive = True
+        if self.scheduler_changes:  # (a restarted engine read the config file's options)
+            try:
+                self._configure(self.scheduler_changes)
+            except EngineUnavailable as e:
+                logger.warning("the scheduler's run-time changes did not reach the new engine: %s", e)
         for observe in self.ready_observers:
             observe(ready)
 

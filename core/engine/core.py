@@ -161,14 +161,16 @@ class EngineCore:
 
     @staticmethod
     def _rejected(request_id: str, e: RequestRejected) -> RequestOutput:
-        return RequestOutput(request_id, finish_reason=FinishReason.ERROR.value, error=str(e), error_status=e.status)
+        return RequestOutput(request_id, finish_reason=FinishReason.ERROR.value, error=str(e), error_status=e.status,
+                             retry_after=e.retry_after)
 
     def abort(self, request_ids: Iterable[str]) -> list[RequestOutput]:
         """End requests wherever they are; returns a final ``abort`` output for each unfinished one."""
         return self.scheduler.abort(request_ids)
 
     def apply(self, messages: Iterable[tuple[MessageType, object]]) -> EngineOutputs | None:
-        """Take ADD and ABORT messages (``EngineRequest``, a list of request ids) in the order they came.
+        """Take ADD, ABORT and CONFIGURE messages (``EngineRequest``, a list of request ids, scheduler options)
+        in the order they came.
 
         Returns:
             What they produced (rejections, abort outputs), with a stats snapshot after an abort so
@@ -184,6 +186,12 @@ class EngineCore:
             elif kind is MessageType.ABORT:
                 outputs += self.abort(body)
                 aborted = True
+            elif kind is MessageType.CONFIGURE:
+                try:
+                    self.scheduler.reconfigure(body)
+                    logger.info("scheduler options changed: %s", body)
+                except ValueError as e:  # (the frontend checks first; a third-party client may not)
+                    logger.error("scheduler options not changed: %s", e)
         if not outputs and not aborted:
             return None
         return EngineOutputs(outputs, self.stats() if aborted else None)
@@ -230,7 +238,10 @@ class EngineCore:
         executed = time.perf_counter()
         outputs = self._update(flight, result)
         self.num_steps += 1
-        return released + outputs, self._step_stats(flight, result, executed)
+        stats = self._step_stats(flight, result, executed)
+        self.scheduler.observe_step([(r.start, len(r.token_ids)) for r in flight.step.requests],
+                                    stats.schedule_time + stats.forward_time + stats.sample_time + stats.update_time)
+        return released + outputs, stats
 
     def _submit(self) -> bool:
         """Schedule a batch and hand it to the workers; False when there is nothing to run."""

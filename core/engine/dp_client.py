@@ -173,6 +173,11 @@ class DPClient(EngineClient):
         for replica in self.replicas:
             replica.abort_all()
 
+    def reconfigure_scheduler(self, changes: dict[str, Any]) -> None:
+        self.scheduler_changes.update(changes)
+        for replica in self.replicas:
+            replica.reconfigure_scheduler(changes)
+
     def _submit(self, request: EngineRequest) -> None:
         raise NotImplementedError("DPClient.generate hands each request to a replica's own generate")
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import anyio
 import anyio.abc
 import anyio.lowlevel
@@ -71,6 +73,9 @@ class InprocClient(EngineClient):
 
     def _abort(self, request_ids: list[str]) -> None:
         self._post(MessageType.ABORT, request_ids)
+
+    def _configure(self, changes: dict[str, Any]) -> None:
+        self._post(MessageType.CONFIGURE, changes)
 
     def _post(self, kind: MessageType, body: object) -> None:
         self._inbox.append((kind, body))

@@ -8,6 +8,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import anyio
 import anyio.abc
@@ -198,6 +199,9 @@ class MPClient(EngineClient):
 
     def _abort(self, request_ids: list[str]) -> None:
         self._send(MessageType.ABORT, request_ids)
+
+    def _configure(self, changes: dict[str, Any]) -> None:
+        self._send(MessageType.CONFIGURE, changes)
 
     async def shutdown(self, timeout: float = 10.0) -> None:
         """Ask the engine to exit (SIGKILL after ``timeout``); ``run()`` then returns."""

@@ -4,6 +4,10 @@ The server's dashboard and ``conveyor doctor`` (``conveyor.bench.doctor``, which
 /metrics) both diagnose with it. The checklist, in order (the first that holds is the verdict; all that
 hold are listed):
 
+- **Latency targets missed** (with ``[scheduler] ttft_slo_ms`` or ``itl_slo_ms``
+  set): requests ended past a target; the finding names the binding one (the
+  target missed more often) and the goodput, and the findings after it say
+  why. TTFT: more capacity or a looser target; ITL: a smaller decode batch.
 - **Imbalanced data-parallel replicas**: a replica with requests ran
   no step while another ran a few (stalled), or under a tenth of the
   busiest one's (slow), or the replicas' queues or KV usage
@@ -83,6 +87,26 @@ def _pick(window: dict[str, float], *names: str) -> dict[str, float]:
 def checklist(w: dict[str, float]) -> list[Finding]:
     """Every regime of the checklist that holds over the window ``w`` (``summarize``), most pressing first."""
     findings = []
+    finished = w["within_slo"] + max(w["missed_ttft"], w["missed_itl"])  # (a request past both counts in each)
+    if (w["slo_ttft_s"] or w["slo_itl_s"]) and (w["missed_ttft"] or w["missed_itl"]):
+        itl_binds = w["missed_itl"] > w["missed_ttft"]
+        target, missed = ("ITL", w["missed_itl"]) if itl_binds else ("TTFT", w["missed_ttft"])
+        limit = w["slo_itl_s"] if itl_binds else w["slo_ttft_s"]
+        findings.append(Finding(
+            "slo_missed",
+            f"the binding latency target is {target} ({limit * 1e3:.0f} ms): {missed:.0f} of at least "
+            f"{finished:.0f} requests ended past it ({w['missed_ttft']:.0f} past TTFT, {w['missed_itl']:.0f} past "
+            f"ITL); goodput {w['goodput']:.2f} requests/s, {w['rejected']:.0f} refused",
+            _pick(w, "slo_ttft_s", "slo_itl_s", "missed_ttft", "missed_itl", "within_slo", "goodput", "rejected",
+                  "itl_p99_s", "ttft_mean_s", "running_mean", "waiting_mean"),
+            "scheduler.max_num_seqs" if itl_binds else "parallel.data_parallel_size",
+            ("steps with every running request's decode take longer than the ITL target even with the fewest "
+             "prompt tokens: fewer requests at once (scheduler.max_num_seqs), a faster device or fewer bytes per "
+             "token (quant.plugin), or a looser scheduler.itl_slo_ms" if itl_binds else
+             "prompts wait longer than the TTFT target at this load: more capacity (parallel.data_parallel_size, "
+             "more servers), slo_admission = \"reject\" to refuse the requests that would miss it early, or a "
+             "looser scheduler.ttft_slo_ms (the findings below say what limits capacity)"),
+        ))
     waiting = w["waiting_mean"] >= 0.5 or w["rejected"] > 0
     stalled = w["replica_steps_min"] == 0 and w["replica_steps_max"] >= STALLED_STEPS
     slow = w["replica_steps_max"] >= 10 and w["replica_steps_min"] < LAGGING_STEPS * w["replica_steps_max"]
@@ -175,7 +199,7 @@ def checklist(w: dict[str, float]) -> list[Finding]:
             "among more tokens (scheduler.max_num_seqs, more concurrent requests); fewer per-token extras "
             "(logprobs, stop strings, penalties) shorten sampling and recording",
         ))
-    if waiting and not small and not findings:
+    if waiting and not small and all(f.regime == "slo_missed" for f in findings):
         findings.append(Finding(
             "queueing",
             f"requests queue: {w['waiting_mean']:.1f} waiting on average (up to {w['waiting_max']:.0f}), "

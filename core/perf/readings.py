@@ -120,6 +120,13 @@ def summarize(readings: list[Reading], seconds: float) -> dict[str, float]:
         "itl_count": delta("conveyor_inter_token_latency_seconds_count"),
         "itl_p50_s": quantile(first, last, "conveyor_inter_token_latency_seconds", 0.5),
         "itl_p99_s": quantile(first, last, "conveyor_inter_token_latency_seconds", 0.99),
+        # latency targets ([scheduler] ttft_slo_ms, itl_slo_ms; 0: none) and the requests that met or missed them
+        "slo_ttft_s": _by_label(last, "conveyor_slo_target_seconds", "target").get("ttft", 0.0),
+        "slo_itl_s": _by_label(last, "conveyor_slo_target_seconds", "target").get("itl", 0.0),
+        "within_slo": delta("conveyor_requests_within_slo_total"),
+        "goodput": delta("conveyor_requests_within_slo_total") / seconds if seconds else 0.0,
+        "missed_ttft": _missed(first, last, "ttft"),
+        "missed_itl": _missed(first, last, "itl"),
         # the share of the steps' time outside the forward pass, and by stage
         "host_fraction": stage_share("schedule", "sample", "update"),
         "schedule_fraction": stage_share("schedule"),
@@ -128,6 +135,12 @@ def summarize(readings: list[Reading], seconds: float) -> dict[str, float]:
         **_parallel(first, last),
         **_replicas(readings),
     }
+
+
+def _missed(first: Reading, last: Reading, target: str) -> float:
+    """Requests that missed one latency target between two readings."""
+    name = "conveyor_requests_missed_slo_total"
+    return max(0.0, _by_label(last, name, "target").get(target, 0.0) - _by_label(first, name, "target").get(target, 0.0))
 
 
 def _parallel(first: Reading, last: Reading) -> dict[str, float]:

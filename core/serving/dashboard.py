@@ -6,7 +6,8 @@ The page polls ``GET /dashboard/data`` (JSON, the shape of ``DashboardFeed.snaps
   decode tokens, the requests of each kind, the step's seconds;
 - ``series``: one row per second of the last ``SECONDS_KEPT``: running and waiting requests, KV usage (the
   fullest replica's), TTFT and ITL P50/P99 of the tokens that came in that second, output tokens per second,
-  and the second's MFU and MBU (weighted by forward time);
+  the second's MFU and MBU (weighted by forward time), and the requests that ended in it within the
+  scheduler's latency targets (goodput; with no targets, every request that ended normally);
 - ``replicas``: each engine's queues now, and its KV block map: which running request holds which blocks,
   as runs ``[first block, count]`` (a block two requests hold is a shared prefix block), with the free
   blocks counted at the same step;
@@ -68,6 +69,7 @@ class _Second:
         self.ttft: list[float] = []
         self.itl: list[float] = []
         self.work = 0.0  # forward seconds
+        self.within_slo = 0  # requests that ended within the latency targets
         self.mfu_work = 0.0  # MFU x forward seconds
         self.mbu_work = 0.0
 
@@ -78,11 +80,11 @@ class _Second:
         mfu = self.mfu_work / self.work if self.work else None
         mbu = self.mbu_work / self.work if self.work else None
         return [self.start, running, waiting, round(kv_usage, 4), ms(self.ttft, 0.5), ms(self.ttft, 0.99),
-                ms(self.itl, 0.5), ms(self.itl, 0.99), len(self.ttft) + len(self.itl), mfu, mbu]
+                ms(self.itl, 0.5), ms(self.itl, 0.99), len(self.ttft) + len(self.itl), mfu, mbu, self.within_slo]
 
 
 SERIES = ("t", "running", "waiting", "kv_usage", "ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms",
-          "output_tokens_per_s", "mfu", "mbu")
+          "output_tokens_per_s", "mfu", "mbu", "requests_within_slo_per_s")
 STEP_FIELDS = ("step", "prefill_tokens", "decode_tokens", "prefill_seqs", "decode_seqs", "step_ms")
 
 
@@ -147,6 +149,10 @@ class DashboardFeed:
 
     def next_token(self, itl: float) -> None:
         self._now_second().itl.append(itl)
+
+    def within_slo(self) -> None:
+        """A request ended within the latency targets."""
+        self._now_second().within_slo += 1
 
     def read_metrics(self, exposition: Callable[[], bytes]) -> None:
         """Read /metrics (``exposition``: its text) unless it was read less than READ_EVERY_S ago; the verdict

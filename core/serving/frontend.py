@@ -11,16 +11,17 @@ TTFT, ITL, queue time and end-to-end latency.
 from __future__ import annotations
 
 import itertools
+import logging
 import sys
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import aclosing
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import anyio
 import msgspec
 
-from conveyor.config import LoraConfig
+from conveyor.config import LoraConfig, PluginSpec
 from conveyor.engine.client import EngineClient, EngineUnavailable
 from conveyor.messages import EngineRequest, LoraAdapter
 from conveyor.model.detokenizer import TextStream
@@ -28,27 +29,38 @@ from conveyor.model.tokenizer import ChatTemplateError, Tokenizer
 from conveyor.request import RequestRejected, length_error
 from conveyor.sampling import SamplingParams
 from conveyor.serving.metrics import ServerMetrics
+from conveyor.slo import met_targets, targets_of
 from conveyor.transport import Chunk, RequestError
+
+if TYPE_CHECKING:
+    from conveyor.scheduler import Scheduler
 
 if sys.version_info < (3, 11):
     from exceptiongroup import BaseExceptionGroup
+
+logger = logging.getLogger("conveyor")
 
 
 class EngineFrontend:
     """Tokenizes, submits, detokenizes; shared by all transports of a server."""
 
     def __init__(self, engine: EngineClient, tokenizer: Tokenizer, model_name: str, metrics: ServerMetrics,
-                 lora: LoraConfig | None = None, reasoning_parser: str = "", pooling: str = "last"):
+                 lora: LoraConfig | None = None, reasoning_parser: str = "", pooling: str = "last",
+                 scheduler: PluginSpec | None = None, scheduler_class: type[Scheduler] | None = None):
         """
         Args:
             lora: the ``[lora]`` table: its adapters are served from the start.
             reasoning_parser: ``[model] reasoning_parser``: how replies' thinking is told from their answer.
             pooling: ``[model] pooling``: how embeddings pool the hidden states.
+            scheduler: the ``[scheduler]`` table, and its plugin's class: requests are judged against its latency
+                targets (goodput), which ``reconfigure_scheduler`` changes at run time.
 
         Raises:
             ValueError: an adapter of ``lora`` cannot be served (the message names it and says why).
         """
         self.engine = engine
+        self.scheduler = scheduler
+        self.scheduler_class = scheduler_class
         self.tokenizer = tokenizer
         self.model_name = model_name
         self.metrics = metrics
@@ -67,6 +79,30 @@ class EngineFrontend:
                 self.add_adapter(name, path)
             except RequestError as e:
                 raise ValueError(f"[lora] adapters.{name}: {e}") from None
+        self.metrics.set_targets(*self.targets(0))
+
+    def targets(self, priority: int) -> tuple[float, float]:
+        """The scheduler's (TTFT, ITL) targets in seconds for a request of ``priority`` (0: none)."""
+        return targets_of(self.scheduler.options if self.scheduler else None, priority)
+
+    def reconfigure_scheduler(self, changes: dict[str, Any]) -> dict[str, Any]:
+        """Change scheduler options while serving (those its plugin's ``runtime_options`` name: the latency
+        targets for the built-in one); a restarted engine keeps them. Returns the scheduler's options now.
+
+        Raises:
+            RequestError: 400 naming a key that may not change, or a value its option does not allow.
+        """
+        if self.scheduler is None or self.scheduler_class is None:
+            raise RequestError("this server's scheduler cannot change at run time", 400)
+        try:
+            options = self.scheduler_class.changed_options(self.scheduler.options, changes)
+        except ValueError as e:
+            raise RequestError(str(e), 400) from None
+        self.engine.reconfigure_scheduler(changes)
+        self.scheduler = msgspec.structs.replace(self.scheduler, options=options)
+        self.metrics.set_targets(*self.targets(0))
+        logger.info("scheduler options changed: %s", changes)
+        return {"plugin": self.scheduler.plugin, **msgspec.to_builtins(options)}
 
     @property
     def max_model_len(self) -> int:
@@ -189,6 +225,8 @@ class EngineFrontend:
         text = TextStream(self.tokenizer, params)
         num_output = 0
         last_token: float | None = None
+        ttft = 0.0
+        gaps: list[float] = []
         reason: str | None = None
         began = False
         self.metrics.dashboard.pending(request_id, len(prompt_ids))
@@ -199,14 +237,16 @@ class EngineFrontend:
                     if output.error is not None:
                         status = output.error_status or 500
                         reason = "rejected" if status < 500 else "error"  # (the engine refused it: not a run)
-                        raise RequestError(output.error, status, output.error_param)
+                        raise RequestError(output.error, status, output.error_param, output.retry_after)
                     now = time.perf_counter()
                     if output.new_token_ids:
                         if last_token is None:
-                            self.metrics.first_token(now - start, output.queue_time, len(prompt_ids))
+                            ttft = now - start
+                            self.metrics.first_token(ttft, output.queue_time, len(prompt_ids))
                             self.metrics.dashboard.answered(request_id)
                         else:
-                            self.metrics.next_token(now - last_token)
+                            gaps.append(now - last_token)
+                            self.metrics.next_token(gaps[-1])
                         last_token = now
                         num_output += len(output.new_token_ids)
                     reason = output.finish_reason
@@ -232,12 +272,14 @@ class EngineFrontend:
         except EngineUnavailable as e:
             raise RequestError(str(e), 503) from None
         except RequestRejected as e:
-            raise RequestError(str(e), e.status) from None
+            raise RequestError(str(e), e.status, retry_after=e.retry_after) from None
         finally:
             self.metrics.dashboard.answered(request_id)
             if began and reason != "rejected":
                 outcome = reason or "abort"
                 self.metrics.request_done(outcome, time.perf_counter() - start, num_output)
+                if outcome in ("stop", "length") and num_output:
+                    self.metrics.request_slo(*met_targets(ttft, gaps, self.targets(priority)))
 
     async def run_choices(
         self,

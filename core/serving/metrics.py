@@ -153,6 +153,19 @@ class ServerMetrics:
         self.requests = Counter(
             "conveyor_requests", "Finished requests by finish reason.", ["model_name", "finish_reason"], registry=r
         )
+        # latency targets ([scheduler] ttft_slo_ms, itl_slo_ms): goodput is the rate of requests_within_slo
+        self.within_slo = counter(
+            "conveyor_requests_within_slo", "Requests that ended (stop or length) with their first token within the "
+            "TTFT target and the P99 of their inter-token gaps within the ITL target (goodput: its rate).",
+        )
+        self.missed_slo = Counter(
+            "conveyor_requests_missed_slo", "Requests that ended (stop or length) past a latency target, by target "
+            "(ttft or itl; a request past both counts in each).", ["model_name", "target"], registry=r,
+        )
+        self.slo_target = Gauge(
+            "conveyor_slo_target_seconds", "The scheduler's latency targets (P99; 0: none), for requests of "
+            "priority 0.", ["model_name", "target"], registry=r,
+        )
         self.replica_requests = (
             per_engine(Counter, "conveyor_replica_requests", "Requests each engine replica ended, by its own count.")
             if num_replicas > 1 else []
@@ -328,6 +341,19 @@ class ServerMetrics:
         self.requests.labels(self._model_name, finish_reason).inc()
         if num_output_tokens:
             self.e2e.observe(e2e)
+
+    def set_targets(self, ttft_s: float, itl_s: float) -> None:
+        self.slo_target.labels(self._model_name, "ttft").set(ttft_s)
+        self.slo_target.labels(self._model_name, "itl").set(itl_s)
+
+    def request_slo(self, met_ttft: bool, met_itl: bool) -> None:
+        """A request that ended normally, judged against its targets (``conveyor.slo.met_targets``)."""
+        if met_ttft and met_itl:
+            self.within_slo.inc()
+            self.dashboard.within_slo()
+        for target, met in (("ttft", met_ttft), ("itl", met_itl)):
+            if not met:
+                self.missed_slo.labels(self._model_name, target).inc()
 
     def render(self, engine_alive: bool, num_in_flight: int) -> bytes:
         """The Prometheus text exposition."""

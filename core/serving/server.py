@@ -54,7 +54,8 @@ async def serve(config_path: str | Path | None, overrides: Mapping[str, Any] | N
     metrics = _metrics(engine, model_name)
     try:
         frontend = EngineFrontend(engine, tokenizer, model_name, metrics, config.lora, config.model.reasoning_parser,
-                                  config.model.pooling)
+                                  config.model.pooling, config.scheduler,
+                                  registry.get("scheduler", config.scheduler.plugin))
     except ValueError as e:
         raise ConfigError(f"{config.source}: {e}") from None
     try:

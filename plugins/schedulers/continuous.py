@@ -1,5 +1,6 @@
 """``continuous``: continuous batching under a token budget, with chunked prefill
-and preemption by recomputation."""
+and preemption by recomputation; with latency targets, a budget chosen every step
+to keep them (``conveyor.slo``)."""
 
 from __future__ import annotations
 
@@ -8,8 +9,27 @@ from typing import Annotated, Literal
 import msgspec
 
 from conveyor.hookspecs import hookimpl
-from conveyor.request import Request
+from conveyor.request import Request, RequestRejected
 from conveyor.scheduler import Scheduler, SchedulerOptions
+from conveyor.slo import (
+    StepFeatures,
+    StepTimeModel,
+    prompt_budget,
+    room_for_decode,
+    step_features,
+    targets_of,
+    ttft_wait,
+)
+
+Milliseconds = Annotated[float, msgspec.Meta(ge=0)]
+
+
+class SloClass(msgspec.Struct, forbid_unknown_fields=True):
+    """The targets of the requests of one priority (those of the scheduler's table where this says 0)."""
+
+    priority: int
+    ttft_slo_ms: Milliseconds = 0.0
+    itl_slo_ms: Milliseconds = 0.0
 
 
 class ContinuousOptions(SchedulerOptions, forbid_unknown_fields=True):
@@ -19,6 +39,19 @@ class ContinuousOptions(SchedulerOptions, forbid_unknown_fields=True):
     long_prefill_token_threshold: Annotated[int, msgspec.Meta(ge=0)] = 0
     # fcfs: by arrival; priority: lower `priority` first, then by arrival
     policy: Literal["fcfs", "priority"] = "fcfs"
+    # P99 target for the time to first token, in ms (0: none); with it or itl_slo_ms set, the step budget, the
+    # decode batch, the order of the waiting prompts and admission follow the targets every step (docs/serving.md,
+    # "Latency targets"); both may change while serving (POST /v1/admin/scheduler)
+    ttft_slo_ms: Milliseconds = 0.0
+    # P99 target for the inter-token latency, in ms (0: none): a step takes as many prompt tokens as keep it
+    # within this, by a model of step time fitted as the engine runs
+    itl_slo_ms: Milliseconds = 0.0
+    # a request whose TTFT target the queue ahead already makes it miss: "reject" (429 with Retry-After) or
+    # "queue" (it waits all the same)
+    slo_admission: Literal["reject", "queue"] = "reject"
+    # other targets for requests of some priorities (a target a class leaves at 0 is the table's), e.g.
+    # [{priority = 1, ttft_slo_ms = 30000, itl_slo_ms = 500}] for batch work
+    slo_classes: list[SloClass] = []
 
 
 class ContinuousScheduler(Scheduler):
@@ -33,15 +66,33 @@ class ContinuousScheduler(Scheduler):
 
     name = "continuous"
     Options = ContinuousOptions
+    runtime_options = frozenset({"ttft_slo_ms", "itl_slo_ms", "slo_admission", "slo_classes"})
+
+    def __init__(self, options: ContinuousOptions, kvcache, max_model_len: int):
+        super().__init__(options, kvcache, max_model_len)
+        # how long a step takes, learnt from the steps run (used only with targets)
+        self.step_model = StepTimeModel()
 
     @classmethod
     def max_running(cls, options: ContinuousOptions) -> int:
         return options.max_num_seqs
 
+    def targets(self, request: Request) -> tuple[float, float]:
+        """The (TTFT, ITL) targets of a request in seconds, by its priority class; 0: none."""
+        return targets_of(self.options, request.priority)
+
+    @property
+    def has_targets(self) -> bool:
+        options = self.options
+        return bool(options.ttft_slo_ms or options.itl_slo_ms
+                    or any(s.ttft_slo_ms or s.itl_slo_ms for s in options.slo_classes))
+
     def waiting_key(self, request: Request) -> tuple:
+        # with targets, earliest TTFT deadline first; a request preempted after its first token before any
+        deadline = (0 if request.num_output_tokens else 1, request.ttft_deadline) if self.has_targets else ()
         if self.options.policy == "priority":
-            return (request.priority, request.arrival_order)
-        return (request.arrival_order,)
+            return (request.priority, *deadline, request.arrival_order)
+        return (*deadline, request.arrival_order)
 
     def pick_victim(self) -> Request | None:
         candidates = [r for r in self.running if not r.in_flight]
@@ -52,10 +103,72 @@ class ContinuousScheduler(Scheduler):
         return candidates[-1]
 
     def can_admit(self, request: Request) -> bool:
-        return len(self.running) < self.options.max_num_seqs
+        if len(self.running) >= self.options.max_num_seqs:
+            return False
+        if not self.running or not self.has_targets:
+            return True
+        # one more decode must leave the step within the tightest ITL target (protect the running first)
+        itl = self._itl_target([*self.running, request])
+        return room_for_decode(self.step_model, itl, self._decodes([*self.running, request]))
 
     def chunk_limit(self, budget: int) -> int:
         return min(budget, self.options.long_prefill_token_threshold or budget)
+
+    def token_budget(self) -> int:
+        most = self.options.max_num_batched_tokens
+        if not self.has_targets:
+            return most
+        decoding = [r for r in self.running if r.num_uncomputed_tokens - r.num_in_flight_tokens <= 1]
+        prefilling = [r.num_computed_tokens for r in self.running if r.num_uncomputed_tokens > 1]
+        step = self._decodes(decoding)
+        budget = prompt_budget(self.step_model, self._itl_target(self.running), step,
+                               prefilling[0] if prefilling else 0, max(most - step.decodes, 0))
+        return min(most, step.decodes + budget)
+
+    def observe_step(self, spans: list[tuple[int, int]], seconds: float) -> None:
+        if self.has_targets:
+            self.step_model.observe(step_features(spans), seconds)
+
+    def check_admission(self, request: Request) -> None:
+        ttft, _ = self.targets(request)
+        request.ttft_deadline = self.clock() + ttft if ttft else float("inf")
+        if not ttft or self.options.slo_admission != "reject" or not self.step_model.ready:
+            return
+        wait = self.predicted_ttft(request)
+        if wait > ttft:
+            raise RequestRejected(
+                f"the first token would come in about {wait:.1f} s, past this server's TTFT target "
+                f"({ttft * 1000:.0f} ms): the prompts ahead need that long at the load now; retry later", 429,
+                retry_after=max(1.0, wait - ttft))
+
+    def predicted_ttft(self, request: Request) -> float:
+        """Seconds until ``request``'s first token if it joined the waiting queue now: the prompt tokens ahead of
+        it (its own, the waiting requests' due before it, the running prompts' rest) at the prompt budget the
+        ITL target leaves; and, where the decode batch is full, until the first running request can end."""
+        model = self.step_model
+        key = self.waiting_key(request)
+        ahead = request.num_tokens + sum(r.num_uncomputed_tokens for r in self.running if r.num_uncomputed_tokens > 1)
+        ahead += sum(r.num_uncomputed_tokens for r in self.waiting if self.waiting_key(r) <= key)
+        step = self._decodes(self.running)
+        itl = self._itl_target([*self.running, request])
+        most = max(self.options.max_num_batched_tokens - step.decodes, 1)
+        wait = ttft_wait(model, ahead, prompt_budget(model, itl, step, 0, most), step)
+        full = len(self.running) >= self.options.max_num_seqs or not room_for_decode(
+            model, itl, self._decodes([*self.running, request]))
+        if full and self.running:  # (the fewest tokens a running request may still generate, as an upper bound)
+            left = min(r.max_total_tokens - r.num_tokens for r in self.running)
+            wait += left * model.predict(step)
+        return wait
+
+    def _itl_target(self, requests) -> float:
+        """The tightest ITL target among ``requests`` (seconds; 0: none)."""
+        return min((itl for r in requests if (itl := self.targets(r)[1])), default=0.0)
+
+    @staticmethod
+    def _decodes(requests) -> StepFeatures:
+        """The features of a step in which each of ``requests`` decodes one token."""
+        context = sum(r.num_tokens for r in requests)
+        return StepFeatures(0, len(requests), context, float(context))
 
 
 @hookimpl

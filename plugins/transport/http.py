@@ -5,7 +5,10 @@ Routes: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``POST
 Responses API), ``POST /v1/messages`` and ``/v1/messages/count_tokens``
 (Anthropic's Messages API), ``GET /v1/models`` (the base model and its LoRA
 adapters), ``POST /v1/load_lora_adapter`` and ``/v1/unload_lora_adapter``
-(only with an API key), ``GET /health`` (503 while the engine is down or the
+(only with an API key), ``GET`` and ``POST /v1/admin/scheduler`` (the
+scheduler's options, and its latency targets changed while serving; only
+with an API key, and left out of /openapi.json: an operator's route, not a
+client's), ``GET /health`` (503 while the engine is down or the
 server drains), ``GET /metrics`` (Prometheus text), ``GET /openapi.json``
 (this API as an OpenAPI document), ``GET /dashboard`` (a live page of the
 engine's steps, KV blocks, queues, latencies and the doctor's verdict; its
@@ -134,6 +137,7 @@ class HTTPTransport(Transport):
                 Route("/v1/models", routes.models, methods=["GET"]),
                 Route("/v1/load_lora_adapter", routes.load_lora_adapter, methods=["POST"]),
                 Route("/v1/unload_lora_adapter", routes.unload_lora_adapter, methods=["POST"]),
+                Route("/v1/admin/scheduler", routes.admin_scheduler, methods=["GET", "POST"]),
                 Route("/health", routes.health, methods=["GET"]),
                 Route("/metrics", routes.metrics, methods=["GET"]),
                 Route("/openapi.json", routes.openapi, methods=["GET"]),

@@ -115,12 +115,36 @@ class Routes:
     async def _adapter_body(self, request: Request, kind: type[msgspec.Struct]) -> Any:
         """The body of an adapter call, which needs the API key (a server without one refuses them: they name
         files on the server's machine)."""
+        self._admin_key(request, "loading and unloading LoRA adapters")
+        return api.decode_body(await self._read_body(request), kind)
+
+    def _admin_key(self, request: Request, what: str) -> None:
+        """Refuse an administrative call: 403 on a server without an API key, 401 without the right key."""
         if self.api_key is None:
-            raise RequestError("loading and unloading LoRA adapters needs an API key on this server "
-                               "([[transport]] api_key_env)", 403)
+            raise RequestError(f"{what} needs an API key on this server ([[transport]] api_key_env)", 403)
         if (denied := self._key_error(request)) is not None:
             raise denied
-        return api.decode_body(await self._read_body(request), kind)
+
+    async def admin_scheduler(self, request: Request) -> Response:
+        """GET: the scheduler's options now; POST ``{"ttft_slo_ms": ..., ...}``: change those its plugin allows
+        at run time (the latency targets), in every engine; both need the API key."""
+        try:
+            self._admin_key(request, "the scheduler's admin route")
+            if request.method == "GET":
+                scheduler = self.frontend.scheduler
+                if scheduler is None:
+                    raise RequestError("this server has no scheduler options to show", 404)
+                return json_response({"plugin": scheduler.plugin, **msgspec.to_builtins(scheduler.options)})
+            try:
+                changes = msgspec.json.decode(await self._read_body(request))
+            except msgspec.DecodeError as e:
+                raise RequestError(f"the body is not valid JSON: {e}", 400) from None
+            if not isinstance(changes, dict) or not changes:
+                raise RequestError("the body must be a JSON object of scheduler options to change, e.g. "
+                                   '{"itl_slo_ms": 150}', 400)
+            return json_response(self.frontend.reconfigure_scheduler(changes))
+        except RequestError as e:
+            return error_response(e)
 
     def _check_key(self, request: Request, dialect: Dialect = OPENAI) -> Response | None:
         error = self._key_error(request)

@@ -47,7 +47,7 @@ REFUSALS = {
     "401": "the API key is missing or wrong (servers with a key)",
     "404": "no such model (or stored response)",
     "413": "the body is over the size limit",
-    "429": "the waiting queue is full",
+    "429": "the waiting queue is full, or the TTFT target cannot be met at the load now (Retry-After)",
     "503": "the engine is starting, restarting or the server is draining",
 }
 

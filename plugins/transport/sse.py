@@ -3,6 +3,7 @@ Responses) and Anthropic's (Messages)."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
@@ -45,7 +46,11 @@ ANTHROPIC = Dialect(anthropic_api.error_body, anthropic_api.error_body, named_ev
 
 
 def error_response(error: RequestError, dialect: Dialect = OPENAI) -> Response:
-    return json_response(dialect.error_body(error.message, error.status, error.param), error.status)
+    """The refusal as JSON in the dialect's words, with a Retry-After header (whole seconds) where it says one."""
+    response = json_response(dialect.error_body(error.message, error.status, error.param), error.status)
+    if error.retry_after > 0:
+        response.headers["retry-after"] = str(math.ceil(error.retry_after))
+    return response
 
 
 class EventStream:

@@ -22,7 +22,7 @@ function chart(id, series, opts = {}) {
   const options = {
     width: WIDTH, height: HEIGHT, legend: { live: false },
     scales: { x: { time: opts.time !== false }, y: opts.y || {} },
-    axes: [{}, { size: 56 }],
+    axes: [{}, { size: 56 }, ...(opts.axes || [])],
     series: [{}, ...series],
   };
   const plot = new uPlot(options, [[], ...series.map(() => [])], document.getElementById(id));
@@ -50,7 +50,10 @@ chart("chart-utilization", [
   { label: "MBU", stroke: COLORS.decode, width: 2 },
   { label: "KV usage", stroke: "#555", dash: [4, 4] },
 ], { y: { range: [0, 1] } });
-chart("chart-throughput", [{ label: "output tok/s", stroke: COLORS.p50, width: 2, fill: "#2a9d8f22" }]);
+chart("chart-throughput", [
+  { label: "output tok/s", stroke: COLORS.p50, width: 2, fill: "#2a9d8f22" },
+  { label: "requests/s within the latency targets", stroke: COLORS.ttft, width: 2, scale: "requests" },
+], { axes: [{ scale: "requests", side: 1, size: 40, grid: { show: false } }] });
 
 function drawSteps(steps) {
   const total = steps.prefill_tokens.map((p, i) => p + steps.decode_tokens[i]);
@@ -65,7 +68,7 @@ function drawSeries(s) {
   state.charts.queue.setData([s.t, s.running, s.waiting]);
   state.charts.latency.setData([s.t, s.ttft_p50_ms, s.ttft_p99_ms, s.itl_p50_ms, s.itl_p99_ms]);
   state.charts.utilization.setData([s.t, s.mfu, s.mbu, s.kv_usage]);
-  state.charts.throughput.setData([s.t, s.output_tokens_per_s]);
+  state.charts.throughput.setData([s.t, s.output_tokens_per_s, s.requests_within_slo_per_s]);
 }
 
 function drawQueue(queue) {
