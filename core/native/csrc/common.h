@@ -52,18 +52,30 @@ constexpr int64_t kLineFloats = 16;
 // (-ffast-math lets the compiler reorder), and so its last bits, with the batch ([engine] batch_invariant).
 inline int64_t whole_lines(int64_t n) { return (n + kLineFloats - 1) / kLineFloats * kLineFloats; }
 
+// Memory a step streams below which one thread does it alone: waking ATen's other threads costs more than they
+// save. NOTE: idle OpenMP threads sleep (conveyor sets OMP_WAIT_POLICY=PASSIVE), and waking one took 10-20 us
+// (2-core AMD EPYC, AVX2): SmolLM2's 576 x 576 Q4_1 layer at one row read 16 us on one thread and 24-33 us on
+// two; its 1536 x 576 layers (0.55 MB) 40 us and 27-40. One stream through `conveyor serve`
+// (benchmarks/latency.py, default config, four interleaved pairs in one run): ITL p50 20.2-23.6 ms with this,
+// 24.7-28.9 without. Threads that spin instead were worse: they took the cores the engine's other threads and
+// processes need (one stream 5x slower with GOMP_SPINCOUNT=10000).
+constexpr int64_t kSoloBytes = int64_t(384) << 10;
+
 // Runs visit(item, scratch) for items 0 .. num_items - 1 on ATen's threads, each thread pulling the next
-// item from a shared counter (items of uneven cost balance themselves; order them costliest first).
+// item from a shared counter (items of uneven cost balance themselves; order them costliest first), or on the
+// calling thread alone where the work reads fewer than kSoloBytes (`bytes`: what all items read; -1: unknown).
 // Each thread has its own scratch of scratch_floats floats, starting on a 64-byte line.
 template <typename Visit>
-void run_work_queue(int64_t num_items, int64_t scratch_floats, Visit&& visit) {
+void run_work_queue(int64_t num_items, int64_t scratch_floats, Visit&& visit, int64_t bytes = -1) {
   std::atomic<int64_t> next{0};
-  at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
+  auto work = [&](int64_t, int64_t) {
     std::vector<float> storage(scratch_floats + kLineFloats);
     const uintptr_t address = reinterpret_cast<uintptr_t>(storage.data());
     float* scratch = reinterpret_cast<float*>((address + 63) & ~uintptr_t(63));
     for (int64_t item; (item = next.fetch_add(1)) < num_items;) visit(item, scratch);
-  });
+  };
+  if (bytes >= 0 && bytes < kSoloBytes) return work(0, 1);
+  at::parallel_for(0, at::get_num_threads(), 1, work);
 }
 
 // Sequence i reads positions [0, lens[i]) through row i of block_tables; every block it

@@ -817,7 +817,7 @@ void run(const T* x, const uint8_t* weight, Type t, int64_t M, int64_t N, int64_
   if (M > kRowTile) chunk_columns = std::min(chunk_columns, (int64_t(128) << 10) / row_bytes / 4 * 4);
   chunk_columns = std::max(kMinChunk, chunk_columns);
   const int64_t chunks = (N + chunk_columns - 1) / chunk_columns;
-  run_work_queue(chunks, scratch_floats, [&](int64_t chunk, float* scratch) {
+  auto visit = [&](int64_t chunk, float* scratch) {
     float sums[kRowTile * kColumns];
     const int64_t n_end = std::min(N, (chunk + 1) * chunk_columns);
     for (int64_t m0 = 0; m0 < M; m0 += kRowTile) {
@@ -832,7 +832,9 @@ void run(const T* x, const uint8_t* weight, Type t, int64_t M, int64_t N, int64_
           }
       }
     }
-  });
+  };
+  // a step of a few rows streams the weights once: a small layer is one thread's work (common.h, kSoloBytes)
+  run_work_queue(chunks, scratch_floats, visit, M <= kRowTile ? N * row_bytes : -1);
 }
 
 // The fastest path built here: "avx512_vnni", "avx2" or "scalar".

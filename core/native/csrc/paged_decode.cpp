@@ -221,15 +221,19 @@ void attend_bf16(const uint16_t* q_rows, int64_t group, const uint16_t* k_head, 
 #endif
 
 // Runs visit(b, h, scratch) for every (sequence b, kv head h), longest context first, on ATen's
-// threads; each thread has its own scratch of scratch_floats floats.
+// threads (one alone where the batch's keys and values are few: key_bytes is what one key of one head holds,
+// K and V); each thread has its own scratch of scratch_floats floats.
 template <typename Visit>
-void for_each_item(const int32_t* lens, int64_t batch, int64_t num_kv_heads, int64_t scratch_floats, Visit&& visit) {
+void for_each_item(const int32_t* lens, int64_t batch, int64_t num_kv_heads, int64_t key_bytes,
+                   int64_t scratch_floats, Visit&& visit) {
   std::vector<int64_t> order(batch);
   std::iota(order.begin(), order.end(), 0);
   std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return lens[a] > lens[b]; });
-  conveyor::run_work_queue(batch * num_kv_heads, scratch_floats, [&](int64_t item, float* scratch) {
-    visit(order[item / num_kv_heads], item % num_kv_heads, scratch);
-  });
+  const int64_t keys = std::accumulate(lens, lens + batch, int64_t(0));
+  conveyor::run_work_queue(
+      batch * num_kv_heads, scratch_floats,
+      [&](int64_t item, float* scratch) { visit(order[item / num_kv_heads], item % num_kv_heads, scratch); },
+      keys * num_kv_heads * key_bytes);
 }
 
 int32_t max_context(const int32_t* lens, int64_t batch) {
@@ -254,7 +258,8 @@ void decode_bf16(const at::Tensor& q, const at::Tensor& k_cache, const at::Tenso
   const int32_t* lens = context_lens.data_ptr<int32_t>();
   const int64_t q_stride = q.stride(0), out_stride = out.stride(0);
   const int64_t scores_floats = conveyor::whole_lines(group * max_context(lens, batch));
-  for_each_item(lens, batch, num_kv_heads, scores_floats + group * kHeadDim, [&](int64_t b, int64_t h, float* scratch) {
+  for_each_item(lens, batch, num_kv_heads, 2 * kHeadDim * 2, scores_floats + group * kHeadDim,
+                [&](int64_t b, int64_t h, float* scratch) {
     float* result = scratch + scores_floats;
     attend_bf16<kHeadDim>(q_ptr + b * q_stride + h * group * kHeadDim, group, k_ptr + h * num_slots * kHeadDim,
                           v_ptr + h * num_slots * kHeadDim, tables + b * width, first_key(lens[b], window), lens[b],
@@ -290,7 +295,8 @@ void decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
   const int64_t scores_floats = conveyor::whole_lines(group * max_context(lens, batch));
   const int64_t scratch_floats = scores_floats + 2 * group * head_dim + head_dim + group;
 
-  for_each_item(lens, batch, num_kv_heads, scratch_floats, [&](int64_t b, int64_t h, float* scratch) {
+  for_each_item(lens, batch, num_kv_heads, 2 * head_dim * int64_t(sizeof(T)), scratch_floats,
+                [&](int64_t b, int64_t h, float* scratch) {
     float* scores = scratch;
     float* acc = scores + scores_floats;
     float* row = acc + group * head_dim;
