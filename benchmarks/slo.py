@@ -38,7 +38,7 @@ from conveyor.bench.command import _tokenizer
 from conveyor.bench.datasets import mixed
 from conveyor.bench.load import BenchRequest, LoadOptions, run_load, served_model
 from conveyor.bench.server import Server
-from conveyor.bench.stats import percentiles, summarize
+from conveyor.bench.stats import summarize
 
 DEFAULT = Path(__file__).resolve().parent.parent / "configs" / "default.toml"
 
@@ -83,8 +83,8 @@ def run_setup(label: str, overrides: list[str], requests: list[BenchRequest], ra
                 refused = sum(1 for r in records if r.error is not None and r.error.startswith("HTTP 429"))
                 runs.append({"label": label, "rate": rate, "summary": summary, "refused": refused,
                              "records": msgspec.to_builtins(records)})
-                itl = percentiles([g for r in records if r.ok for g in r.itl])["p99"] * 1000
-                print(f"   {label} @ {rate}/s: ITL p99 {itl:.0f} ms, TTFT p99 {summary['ttft_ms']['p99']:.0f} ms, "
+                print(f"   {label} @ {rate}/s: ITL p99 {summary['itl_ms']['p99']:.0f} ms, "
+                      f"TTFT p99 {summary['ttft_ms']['p99']:.0f} ms, "
                       f"{summary['output_throughput']:.1f} tok/s, {refused} refused, goodput "
                       f"{summary['goodput']:.2f} req/s", flush=True)
         finally:
