@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 from conveyor.request import Request
@@ -53,6 +53,11 @@ class WaitingQueue:
             heapq.heappop(self._heap)
             return
         self._heap = [entry for entry in self._heap if entry[2] is not request]
+        heapq.heapify(self._heap)
+
+    def rekey(self, key_of: Callable[[Request], tuple]) -> None:
+        """Every request's key taken again (``key_of``), keeping the order of equal keys."""
+        self._heap = [(key_of(request), order, request) for _, order, request in self._heap]
         heapq.heapify(self._heap)
 
     def __iter__(self) -> Iterator[Request]:

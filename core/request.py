@@ -61,6 +61,7 @@ class Request:
     """A request's tokens and progress, owned by the scheduler."""
 
     __slots__ = (
+        "added_at",
         "arrival_order",
         "arrival_time",
         "cache_salt",
@@ -82,7 +83,6 @@ class Request:
         "queued_at",
         "request_id",
         "status",
-        "ttft_deadline",
     )
 
     def __init__(
@@ -117,8 +117,8 @@ class Request:
         self.first_scheduled_time: float | None = None
         # the scheduler's clock when the request last entered the waiting queue
         self.queued_at = 0.0
-        # the scheduler's clock by which its first token is due (a TTFT target; inf: none)
-        self.ttft_deadline = float("inf")
+        # the scheduler's clock when the scheduler took it (a TTFT target counts from then)
+        self.added_at = 0.0
         # with params.prompt_logprobs: prompt positions whose logprobs went out (recomputing never repeats them)
         self.num_prompt_logprobs = 0
         # steps holding it that the workers have not finished (pipeline stages keep several batches in flight,

@@ -1,23 +1,18 @@
 """The scheduler interface (plugin kind ``scheduler``).
 
-Each engine step asks the scheduler which requests run and how many tokens
-each computes (``schedule``), runs the model, then hands the sampled tokens
-back (``update``). The scheduler owns the request queues and talks to the KV
-cache manager for memory; it never touches tensors.
+Each engine step asks the scheduler which requests run and how many tokens each computes (``schedule``), runs the model,
+then hands the sampled tokens back (``update``). The scheduler owns the request queues and talks to the KV cache manager
+for memory; it never touches tensors.
 
-The base class does the mechanics every scheduler shares: admission control
-(``add``, the one place a request id is checked), the admission gates a
-request passes before it may run (``AdmissionGate``: its LoRA adapter
-loading, its grammar compiling), the waiting queue and the running list,
-moving a request in (``admit``), out (``preempt``) and to its end
-(``finish``, ``abort``: the one way a request ends, wherever it is), and
-recording tokens (``update``). Its ``schedule`` is continuous batching; a
-scheduler decides order and budget by overriding ``waiting_key``,
-``pick_victim``, ``can_admit``, ``chunk_limit`` and ``token_budget``, whom it
-takes by ``check_admission``, and learns how long its steps take from
-``observe_step``; or another discipline by overriding ``schedule`` itself (the
-built-in static and dynamic schedulers do). Options named in
-``runtime_options`` may change while the engine runs (``reconfigure``).
+The base class does the mechanics every scheduler shares: admission control (``add``, the one place a request id is
+checked), the admission gates a request passes before it may run (``AdmissionGate``: its LoRA adapter loading, its
+grammar compiling), the waiting queue and the running list, moving a request in (``admit``), out (``preempt``) and to
+its end (``finish``, ``abort``: the one way a request ends, wherever it is), and recording tokens (``update``). Its
+``schedule`` is continuous batching; a scheduler decides order and budget by overriding ``waiting_key``,
+``pick_victim``, ``can_admit``, ``chunk_limit`` and ``token_budget``, whom it takes by ``check_admission``, and learns
+how long its steps take from ``observe_step``; or another discipline by overriding ``schedule`` itself (the built-in
+static and dynamic schedulers do). Options named in ``runtime_options`` may change while the engine runs
+(``reconfigure``).
 """
 
 from __future__ import annotations
@@ -204,6 +199,7 @@ class Scheduler(Gated):
         """
         if request.request_id in self.requests:
             raise RequestRejected(f"request id {request.request_id!r} is already in use")
+        request.added_at = self.clock()
         reason = self._never_runs(request)
         try:
             if reason is not None:
@@ -377,8 +373,10 @@ class Scheduler(Gated):
         return bool(self.requests)
 
     def reconfigure(self, changes: dict[str, Any]) -> None:
-        """Change options while the engine runs (``changed_options``; raises its ValueError)."""
+        """Change options while the engine runs (``changed_options``; raises its ValueError); the waiting queue
+        is ordered again (its keys may depend on the options)."""
         self.options = self.changed_options(self.options, changes)
+        self.waiting.rekey(self.waiting_key)
 
     @classmethod
     def changed_options(cls, options: msgspec.Struct, changes: dict[str, Any]) -> msgspec.Struct:

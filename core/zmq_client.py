@@ -47,12 +47,14 @@ __all__ = ["AsyncClient", "Client", "Completion", "ServerError"]
 
 
 class ServerError(RuntimeError):
-    """The server refused or failed a request; ``status`` is its HTTP-style code (400, 429, 503, ...)."""
+    """The server refused or failed a request; ``status`` is its HTTP-style code (400, 429, 503, ...), and
+    ``retry_after`` the seconds after which it may succeed (0: not said)."""
 
-    def __init__(self, status: int, message: str):
+    def __init__(self, status: int, message: str, retry_after: float = 0.0):
         super().__init__(f"{status}: {message}")
         self.status = status
         self.message = message
+        self.retry_after = retry_after
 
 
 class Completion(msgspec.Struct):
@@ -182,7 +184,7 @@ class Client(_Base):
                     continue
                 if isinstance(reply, ErrorReply):
                     finished = True
-                    raise ServerError(reply.status, reply.message)
+                    raise ServerError(reply.status, reply.message, reply.retry_after)
                 finished = reply.finish_reason is not None
                 yield reply
         finally:
@@ -274,7 +276,7 @@ class AsyncClient(_Base):
                         reply = await receive.receive()
                     if isinstance(reply, ErrorReply):
                         finished = True
-                        raise ServerError(reply.status, reply.message)
+                        raise ServerError(reply.status, reply.message, reply.retry_after)
                     finished = reply.finish_reason is not None
                     yield reply
         finally:

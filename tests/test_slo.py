@@ -117,12 +117,14 @@ def test_without_targets_the_budget_is_the_configured_one_and_nothing_is_refused
         engine.step()
 
 
-def test_waiting_prompts_go_by_ttft_deadline():
+def test_waiting_prompts_go_by_ttft_deadline_and_targets_set_at_run_time_reorder_them():
     """Priority 1 (batch work) may wait 60 s for its first token, priority 0 (chats) 2 s: a chat that comes later
-    starts first. Without targets, arrival order."""
-    for targets, expected in (({"ttft_slo_ms": 2000, "slo_classes": [SloClass(1, ttft_slo_ms=60000)]}, ["chat", "batch"]),
-                              ({}, ["batch", "chat"])):
-        scheduler = create_scheduler(max_num_batched_tokens=64, max_num_seqs=1, **targets)
+    starts first, whether the targets were configured or set while both waited (their deadlines count from
+    their arrival). Without targets, arrival order."""
+    targets = {"ttft_slo_ms": 2000, "slo_classes": [SloClass(1, ttft_slo_ms=60000)]}
+    for configured, at_run_time, expected in ((targets, None, ["chat", "batch"]), ({}, targets, ["chat", "batch"]),
+                                              ({}, None, ["batch", "chat"])):
+        scheduler = create_scheduler(max_num_batched_tokens=64, max_num_seqs=1, **configured)
         engine = VirtualEngine(scheduler, Cost())
         scheduler.add(create_request(8, max_tokens=30, max_model_len=4096, request_id="first"))
         engine.step()
@@ -130,6 +132,8 @@ def test_waiting_prompts_go_by_ttft_deadline():
         scheduler.add(create_request(8, max_tokens=2, max_model_len=4096, priority=1, request_id="batch"))
         engine.now += 1.0
         scheduler.add(create_request(8, max_tokens=2, max_model_len=4096, request_id="chat"))
+        if at_run_time:
+            scheduler.reconfigure(at_run_time)
         started = []
         while scheduler.has_unfinished():
             batch, _ = engine.step()

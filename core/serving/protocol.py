@@ -75,6 +75,8 @@ class ErrorReply(msgspec.Struct):
     # the HTTP status that describes it: 400 bad request, 429 queue full, 503 engine unavailable, ...
     status: int
     message: str
+    # seconds after which the request may succeed (a 429's or 503's, as HTTP's Retry-After); 0: not said
+    retry_after: float = 0.0
 
 
 class HealthReply(msgspec.Struct):

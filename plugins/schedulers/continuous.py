@@ -4,6 +4,7 @@ to keep them (``conveyor.slo``)."""
 
 from __future__ import annotations
 
+import math
 from typing import Annotated, Literal
 
 import msgspec
@@ -89,7 +90,10 @@ class ContinuousScheduler(Scheduler):
 
     def waiting_key(self, request: Request) -> tuple:
         # with targets, earliest TTFT deadline first; a request preempted after its first token before any
-        deadline = (0 if request.num_output_tokens else 1, request.ttft_deadline) if self.has_targets else ()
+        deadline = ()
+        if self.has_targets:
+            ttft = self.targets(request)[0]
+            deadline = (0 if request.num_output_tokens else 1, request.added_at + ttft if ttft else math.inf)
         if self.options.policy == "priority":
             return (request.priority, *deadline, request.arrival_order)
         return (*deadline, request.arrival_order)
@@ -131,7 +135,6 @@ class ContinuousScheduler(Scheduler):
 
     def check_admission(self, request: Request) -> None:
         ttft, _ = self.targets(request)
-        request.ttft_deadline = self.clock() + ttft if ttft else float("inf")
         if not ttft or self.options.slo_admission != "reject" or not self.step_model.ready:
             return
         wait = self.predicted_ttft(request)

@@ -162,7 +162,7 @@ class ZMQTransport(Transport):
                         whole.text, whole.token_ids, whole.logprobs = "".join(text), token_ids, logprobs or None
                         await reply.send(b"chunk", whole)
                 except RequestError as e:
-                    await reply.error(rid, e.status, e.message)
+                    await reply.error(rid, e.status, e.message, e.retry_after)
             if scope.cancel_called:  # the client aborted it
                 usage = protocol.Usage(last.num_prompt_tokens, last.num_output_tokens) if last else None
                 await reply.send(b"chunk", protocol.StreamChunk(rid, finish_reason="abort", usage=usage))
@@ -188,8 +188,8 @@ class _Replier:
     async def send(self, kind: bytes, body: msgspec.Struct) -> None:
         await self.socket.send_multipart([self.identity, *protocol.encode(kind, body)])
 
-    async def error(self, request_id: str | None, status: int, message: str) -> None:
-        await self.send(b"error", protocol.ErrorReply(request_id, status, message))
+    async def error(self, request_id: str | None, status: int, message: str, retry_after: float = 0.0) -> None:
+        await self.send(b"error", protocol.ErrorReply(request_id, status, message, retry_after))
 
 
 def _chunk(request_id: str, chunk: Any) -> protocol.StreamChunk:
