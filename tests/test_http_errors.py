@@ -238,7 +238,8 @@ def test_openai_client_sees_typed_errors(server, client, model, http):
 
 def test_full_queue_gets_429(server, client, model, http):
     """max_num_seqs = 1 and max_waiting = 1: with one request running and one waiting, the next two are refused.
-    The engine is stopped while they are sent, so all four meet in the engine at once, however fast it is."""
+    A stream's status comes once the engine took its request; the engine is stopped while the two are sent, so
+    they meet the full queue in the engine at once, however fast it is."""
     url = f"{server.http}/v1/chat/completions"
     long = {"model": model, "messages": MESSAGES, "max_tokens": 200, "ignore_eos": True, "stream": True}
     refused: dict[str, object] = {}
@@ -256,8 +257,8 @@ def test_full_queue_gets_429(server, client, model, http):
         lines = running.iter_lines()
         next(line for line in lines if '"content"' in line and '"role"' not in line)  # it is generating
         threads = [threading.Thread(target=plain), threading.Thread(target=openai_client)]
-        with server.paused_engine(), httpx.stream("POST", url, json=long, headers=AUTH, timeout=60) as waiting:
-            assert waiting.status_code == 200
+        with httpx.stream("POST", url, json=long, headers=AUTH, timeout=60) as waiting, server.paused_engine():
+            assert waiting.status_code == 200  # (taken: it waits in the queue)
             for thread in threads:
                 thread.start()
             server.wait_for(lambda: server.metric("conveyor_num_requests_in_flight") == 4, timeout=30,
@@ -280,8 +281,8 @@ def test_latency_targets_change_while_serving_and_one_that_cannot_be_met_gets_42
     """POST /v1/admin/scheduler changes the scheduler's targets in the running engine (the API key required; only
     the keys the scheduler allows, checked), and a restarted engine keeps them. A TTFT target of 1 ms, which no
     step here meets: once the engine has timed a few steps, a new request is refused with 429, a Retry-After and
-    its JSON error (over ZeroMQ: an error with status 429 and its retry_after), and the requests served under it
-    count as missing their TTFT target on /metrics; the targets off again, the server serves."""
+    its JSON error, streamed or not (over ZeroMQ: an error with status 429 and its retry_after), and the requests
+    served under it count as missing their TTFT target on /metrics; the targets off again, the server serves."""
     def missed(target: str) -> float:
         try:
             return server.metric("conveyor_requests_missed_slo_total", target=target)
@@ -314,6 +315,10 @@ def test_latency_targets_change_while_serving_and_one_that_cannot_be_met_gets_42
         assert served >= 2 and missed("ttft") == before + served and missed("itl") == 0
         assert "TTFT target (1 ms)" in error["message"], error["message"]
         assert int(response.headers["retry-after"]) >= 1
+        # streamed: the same 429 and Retry-After, not a 200 whose stream then ends with an error event
+        streamed = http.post("/v1/chat/completions", json={"messages": MESSAGES, "max_tokens": 2, "stream": True})
+        assert "TTFT target (1 ms)" in error_of(streamed, 429)["message"]
+        assert int(streamed.headers["retry-after"]) >= 1
         with Client(server.url("tcp"), timeout=60) as zmq_client, pytest.raises(ServerError) as refused:
             zmq_client.generate(messages=MESSAGES, max_tokens=2)
         assert refused.value.status == 429 and "TTFT target (1 ms)" in refused.value.message

@@ -9,6 +9,7 @@ import copy
 import json
 import os
 import threading
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import openai
@@ -414,9 +415,14 @@ def test_a_request_waits_for_a_slot_and_unloading_lets_running_requests_finish(t
             loaded.append(name)
         # a1 in a slot now, so that only a2 has to wait for one
         assert http.post("/v1/completions", json={**body, "model": "a1", "max_tokens": 1}).status_code == 200
-        with server.paused_engine():
-            streams = [client.completions.create(model=name, prompt=prompt, max_tokens=num_tokens, temperature=0,
-                                                 stream=True, extra_body=extra) for name in ("a1", "a2")]
+        # (a stream opens once the engine took its request: both sent while it is stopped, then both taken)
+        with ThreadPoolExecutor(2) as pool:
+            with server.paused_engine():
+                opening = [pool.submit(client.completions.create, model=name, prompt=prompt, max_tokens=num_tokens,
+                                       temperature=0, stream=True, extra_body=extra) for name in ("a1", "a2")]
+                server.wait_for(lambda: server.metric("conveyor_num_requests_in_flight") == 2, timeout=30,
+                                what="both streams sent")
+            streams = [future.result() for future in opening]
         texts = [next(iter(stream)).choices[0].text for stream in streams]  # both running
         threads = [threading.Thread(target=post) for _ in range(3)]
         with server.paused_engine():

@@ -28,9 +28,13 @@ def gone(pid: int) -> bool:
 
 
 def stream(server: Server, results: list) -> None:
-    """One streaming completion; its events go to ``results``."""
+    """One streaming completion; its events go to ``results`` (or its JSON error, where the engine never took it
+    and so never opened the stream)."""
     body = {"prompt": "once upon a time", "max_tokens": 100, "ignore_eos": True, "stream": True}
     with httpx.stream("POST", f"{server.http}/v1/completions", json=body, timeout=120) as response:
+        if response.status_code != 200:
+            results.append([json.loads(response.read())])
+            return
         lines = (line.removeprefix("data: ") for line in response.iter_lines() if line.startswith("data: "))
         results.append([json.loads(data) for data in lines if data != "[DONE]"])
 

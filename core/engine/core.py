@@ -40,7 +40,7 @@ from conveyor.messages import (
 from conveyor.perf.peaks import DevicePeaks, device_peaks
 from conveyor.perf.roofline import ModelCosts, step_work, utilization
 from conveyor.registry import PluginRegistry
-from conveyor.request import FinishReason, Request, RequestRejected
+from conveyor.request import FinishReason, Request, RequestRejected, RequestStatus
 from conveyor.scheduler import ScheduledBatch, Scheduler
 
 logger = logging.getLogger("conveyor")
@@ -173,8 +173,9 @@ class EngineCore:
         in the order they came.
 
         Returns:
-            What they produced (rejections, abort outputs), with a stats snapshot after an abort so
-            that the freed blocks show at once; None when there is nothing to tell.
+            What they produced (rejections; an empty output for each request taken, so that a frontend may send
+            a stream's status once the request cannot be refused any more; abort outputs), with a stats snapshot
+            after an abort so that the freed blocks show at once; None when there is nothing to tell.
         """
         outputs: list[RequestOutput] = []
         aborted = False
@@ -183,6 +184,8 @@ class EngineCore:
                 rejection = self.add_request(body)
                 if rejection is not None:
                     outputs.append(rejection)
+                elif self.scheduler.requests[body.request_id].status is RequestStatus.WAITING:
+                    outputs.append(RequestOutput(body.request_id))  # taken (one a gate holds: once it passes)
             elif kind is MessageType.ABORT:
                 outputs += self.abort(body)
                 aborted = True

@@ -216,7 +216,7 @@ def message(call: Call) -> dict[str, Any]:
 async def stream(call: Call, emit: Emit, begin: Any) -> None:
     """The call as Anthropic's events: message_start, each content block's start, deltas and stop, message_delta
     (the stop reason and the output tokens), message_stop. Text and a tool's input (``input_json_delta``) stream
-    as they are generated. A structured reply (a forced tool) opens once the engine took it."""
+    as they are generated. The stream opens once the engine took the request (one it refuses is an HTTP error)."""
     opened = False
     block = -1  # the open content block's index
     block_type = ""
@@ -255,8 +255,6 @@ async def stream(call: Call, emit: Emit, begin: Any) -> None:
                 await emit({"type": "content_block_delta", "index": block,
                             "delta": {"type": "input_json_delta", "partial_json": part.delta}})
 
-    if call.params.structured is None:
-        await open_stream()
     await call.run(on_chunk)
     await open_stream()
     if block >= 0:

@@ -139,9 +139,9 @@ class Call:
         opened = False
 
         async def open_stream() -> None:
-            # The status, then a chat's roles, as OpenAI sends them first. Under structured output they wait for
-            # the engine to take the request: it compiles the language first, and one that does not compile is a
-            # 400 like any other bad request, not an event after a 200.
+            # The status, then a chat's roles, as OpenAI sends them first, once the engine took the request (its
+            # first chunk): a request it refuses (a full queue, a TTFT target, a grammar that does not compile) is
+            # a 4xx like any other bad request, not an event after a 200.
             nonlocal opened
             if opened:
                 return
@@ -151,9 +151,6 @@ class Call:
                 choice = {"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                           "finish_reason": None}
                 await emit(api.envelope(self.id, chunk_object, model, [choice], **extra))
-
-        if self.params.structured is None:
-            await open_stream()
 
         async def on_chunk(index: int, chunk: Chunk, parts: list[Part]) -> None:
             await open_stream()
@@ -178,6 +175,7 @@ class Call:
                 await emit(api.envelope(self.id, chunk_object, model, [choice], **extra))
 
         await self.run(on_chunk)
+        await open_stream()
         if include_usage:
             await emit(api.envelope(self.id, chunk_object, model, [], usage=self.usage()))
 

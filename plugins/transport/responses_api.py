@@ -282,8 +282,8 @@ class Reply:
 
     async def stream(self, emit: Emit, begin: Any) -> dict[str, Any]:
         """The call as the Responses API's typed events; returns the final Response, its output in the order the
-        items began. Text and a call's arguments stream as they are generated. A structured reply opens once the
-        engine took it."""
+        items began. Text and a call's arguments stream as they are generated. The stream opens once the engine
+        took the request (one it refuses is an HTTP error)."""
         call = self.call
         opened = False
         order: list[str] = []  # the items' ids, as they began
@@ -330,8 +330,6 @@ class Reply:
                     await emit(self.event("response.function_call_arguments.delta", **where(calls[part.index]),
                                           delta=part.delta))
 
-        if call.params.structured is None:
-            await open_stream()
         await call.run(on_chunk)
         await open_stream()
         final = self.response()
