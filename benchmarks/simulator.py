@@ -82,7 +82,7 @@ def main() -> None:
     overrides = dict(parse_override(o) for o in args.set)
     config = load_config(None, overrides)
     print("calibrating: a short real run through the offline engine ...", flush=True)
-    cost = calibrate(measure_steps(config))
+    cost = calibrate(*measure_steps(config))
     print(f"  {cost.overhead_s * 1e3:.2f} ms + {cost.per_flop * 1e12:.3f} ms/TFLOP + {cost.per_byte * 1e9:.3f} "
           f"ms/GB + {cost.per_sequence * 1e6:.1f} us/sequence a step", flush=True)
     tokenizer = load_tokenizer(ModelConfig())

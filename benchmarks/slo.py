@@ -7,8 +7,9 @@
 Setups: the default config with ``[scheduler] max_num_batched_tokens`` fixed at each of ``--budgets``, and
 the same config with latency targets (``ttft_slo_ms``, ``itl_slo_ms``; budget at most the largest of
 ``--budgets``). The workload: 80% chats (prompts of 30-200 tokens, 64-160 tokens out) and 20% documents
-(1,200-1,800 tokens in, 16-48 out), arriving as a Poisson process at each rate of ``--rates``, greedy,
-ignore_eos. Printed per setup and rate: ITL p99 and TTFT p99 over the run, output tokens/s, requests refused
+(1,200-1,800 tokens in, 16-48 out), arriving as a Poisson process at each rate of ``--rates`` (a seeded draw
+of the mix per rate, the same for every setup: no rate finds the last one's prompts in the prefix cache),
+greedy, ignore_eos. Printed per setup and rate: ITL p99 and TTFT p99 over the run, output tokens/s, requests refused
 (429), and goodput: requests per second that got their first token within the TTFT target and whose own ITL
 P99 stayed within the ITL target (a refused request counts as missed). Then goodput against the request rate
 for every setup, as a table and a plot (--out/goodput.png), and the run's records as JSON.
@@ -58,15 +59,16 @@ def workload(num_requests: int, seed: int) -> list[BenchRequest]:
     return requests
 
 
-def run_setup(label: str, overrides: list[str], requests: list[BenchRequest], rates: list[float], seed: int,
+def run_setup(label: str, overrides: list[str], workloads: list[list[BenchRequest]], rates: list[float], seed: int,
               slos_ms: dict[str, float]) -> list[dict]:
     runs = []
+    warm_up = workload(1, seed + 1000)  # (a prompt of its own: it leaves nothing in the prefix cache for the runs)
     with tempfile.TemporaryDirectory() as tmp:
         print(f"== {label}: starting conveyor serve ({' '.join(overrides) or 'default config'})", flush=True)
         server = Server(DEFAULT.read_text().replace("port = 8000", "port = 0"), Path(tmp),
                         overrides=["server.status_interval=0", *overrides]).start()
         try:
-            for rate in rates:
+            for rate, requests in zip(rates, workloads):
                 print(f"   {label}: {len(requests)} requests at {rate} requests/s ...", flush=True)
 
                 async def run():
@@ -75,7 +77,7 @@ def run_setup(label: str, overrides: list[str], requests: list[BenchRequest], ra
                     async with httpx.AsyncClient() as client:
                         model = await served_model(client, server.http)
                     options = LoadOptions(rate=rate, seed=seed, ignore_eos=True)
-                    await run_load(server.http, model, requests[:1], LoadOptions(ignore_eos=True))  # warm up
+                    await run_load(server.http, model, warm_up, LoadOptions(ignore_eos=True))
                     return await run_load(server.http, model, requests, options)
 
                 records, duration = asyncio.run(run())
@@ -92,7 +94,7 @@ def run_setup(label: str, overrides: list[str], requests: list[BenchRequest], ra
     return runs
 
 
-def simulate_setups(setups, requests: list[BenchRequest], rates: list[float], seed: int,
+def simulate_setups(setups, workloads: list[list[BenchRequest]], rates: list[float], seed: int,
                     slos_ms: dict[str, float]) -> dict[tuple[str, float], float]:
     """Goodput of each (setup, rate) as ``conveyor simulate`` predicts it."""
     from conveyor.bench.arrivals import arrival_times
@@ -100,14 +102,15 @@ def simulate_setups(setups, requests: list[BenchRequest], rates: list[float], se
     from conveyor.config import load_config, parse_override
 
     tokenizer = _tokenizer(None)
-    sim_requests = [SimRequest(tokenizer.encode_chat(r.messages), r.max_tokens) for r in requests]
+    sim_workloads = [[SimRequest(tokenizer.encode_chat(r.messages), r.max_tokens) for r in requests]
+                     for requests in workloads]
     spec = resolve_model("smollm2-135m")
     peaks, cost = hardware_costs("cpu", load_config(DEFAULT), spec)
     goodput = {}
     for label, overrides in setups:
         config = load_config(DEFAULT, dict(parse_override(o) for o in overrides))
-        for rate in rates:
-            arrivals = [float(t) for t in arrival_times(len(requests), rate, 1.0, seed)]
+        for rate, sim_requests in zip(rates, sim_workloads):
+            arrivals = [float(t) for t in arrival_times(len(sim_requests), rate, 1.0, seed)]
             records, duration, _ = simulate(config, spec, sim_requests, arrivals, cost, peaks)
             goodput[label, rate] = summarize(records, duration, slos_ms)["goodput"]
     return goodput
@@ -148,15 +151,16 @@ def main() -> int:
     out.mkdir(parents=True, exist_ok=True)
     print(f"# {platform.processor() or platform.machine()}; targets: TTFT {args.ttft_ms:.0f} ms, "
           f"ITL {args.itl_ms:.0f} ms (P99)", flush=True)
-    requests = workload(args.num_requests, args.seed)
+    # the same mix at every rate, a draw of its own each (a rate's prompts are not in the cache from the last)
+    workloads = [workload(args.num_requests, args.seed + i) for i in range(len(rates))]
     slos_ms = {"ttft": args.ttft_ms, "itl": args.itl_ms}
     setups = [(f"fixed {b}", [f"scheduler.max_num_batched_tokens={b}"]) for b in args.budgets]
     setups.append(("targets", [f"scheduler.max_num_batched_tokens={max(args.budgets)}",
                                f"scheduler.ttft_slo_ms={args.ttft_ms}", f"scheduler.itl_slo_ms={args.itl_ms}"]))
     runs = []
     for label, overrides in setups:
-        runs += run_setup(label, overrides, requests, rates, args.seed, slos_ms)
-    predicted = simulate_setups(setups, requests, rates, args.seed, slos_ms) if args.simulate else {}
+        runs += run_setup(label, overrides, workloads, rates, args.seed, slos_ms)
+    predicted = simulate_setups(setups, workloads, rates, args.seed, slos_ms) if args.simulate else {}
     print("\n| setup | req/s | ITL p99 ms | TTFT p99 ms | output tok/s | refused | goodput req/s |"
           + (" simulated goodput |" if predicted else ""))
     print("|---|---|---|---|---|---|---|" + ("---|" if predicted else ""))

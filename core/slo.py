@@ -4,8 +4,10 @@ With ``[scheduler] ttft_slo_ms`` or ``itl_slo_ms`` set (the continuous scheduler
 
 - **prompt budget**: a step's time is the inter-token latency of every request decoding in it, so the prompt
   tokens a step takes are the most whose predicted step time stays within the tightest ITL target of the
-  running requests (``prompt_budget``), between a floor that keeps prompts moving and the configured
-  ``max_num_batched_tokens``. No decodes running: the whole budget (nothing to protect).
+  running requests over the model's headroom (``prompt_budget``; the headroom is how far recent steps overran
+  their predictions, their 99th percentile: a P99 target holds only if overruns are rare), between a floor that
+  keeps prompts moving and the configured ``max_num_batched_tokens``. No decodes running: the whole budget
+  (nothing to protect).
 - **decode batch**: a waiting request starts only while the step with one more decode still fits the ITL
   target (``room_for_decode``).
 - **order**: waiting prompts by their TTFT deadline (arrival + the target of their priority class), earliest
@@ -34,6 +36,7 @@ cost model and the policy are this project's own.
 from __future__ import annotations
 
 import math
+from collections import deque
 from collections.abc import Iterable, Sequence
 from typing import Any, NamedTuple
 
@@ -44,8 +47,15 @@ _SCALES = np.array([1.0, 1e3, 1e2, 1e5, 1e7])
 _FEATURES = len(_SCALES)
 # steps observed before the model predicts
 MIN_STEPS = 4
-# the share of the ITL target a step is planned to take (the rest absorbs the model's error)
-ITL_MARGIN = 0.9
+# a step is planned to take the ITL target divided by the headroom: this quantile of the ratios of the recent
+# steps' times to what the model predicted for them (the model's error, and the device's jitter: a P99 target
+# is met only if steps that overrun their prediction are rare), at least MIN_HEADROOM
+HEADROOM_QUANTILE = 0.99
+MIN_HEADROOM = 1.05
+# until RATIOS_NEEDED ratios are known
+DEFAULT_HEADROOM = 1 / 0.9
+RATIOS_NEEDED = 20
+RATIOS_KEPT = 256
 # the fewest prompt tokens a step with prompts waiting takes, however tight the ITL target: prompts keep moving
 MIN_PROMPT_TOKENS = 16
 # the most a step beside decodes takes before the model has seen what prompt tokens cost
@@ -124,12 +134,25 @@ class StepTimeModel:
         # steps seen with prompt tokens beside decodes (what a prompt token costs a decode's latency)
         self.mixed_count = 0
         self.coefficients = np.zeros(_FEATURES)  # per unit of each feature (unscaled)
+        # steps with decodes: their seconds over the seconds predicted for them before they were observed
+        self.ratios: deque[float] = deque(maxlen=RATIOS_KEPT)
 
     @property
     def ready(self) -> bool:
         return self.count >= MIN_STEPS
 
+    @property
+    def headroom(self) -> float:
+        """What a step's planned time is divided by: how far recent steps overran their predictions (the
+        ``HEADROOM_QUANTILE`` of the ratios), at least ``MIN_HEADROOM``."""
+        if len(self.ratios) < RATIOS_NEEDED:
+            return DEFAULT_HEADROOM
+        ratios = sorted(self.ratios)
+        return max(MIN_HEADROOM, ratios[math.ceil(HEADROOM_QUANTILE * len(ratios)) - 1])
+
     def observe(self, features: StepFeatures, seconds: float) -> None:
+        if self.ready and features.decodes and (predicted := self.predict(features)) > 0:
+            self.ratios.append(seconds / predicted)
         x = np.array([1.0, *features]) / _SCALES
         self.gram = self.decay * self.gram + np.outer(x, x)
         self.moments = self.decay * self.moments + x * seconds
@@ -156,12 +179,13 @@ class StepTimeModel:
 
 def prompt_budget(model: StepTimeModel, itl_target_s: float, step: StepFeatures, start: int, most: int) -> int:
     """Prompt tokens a step of ``step``'s decodes may take (a chunk from position ``start``) so that its predicted
-    time stays within ``ITL_MARGIN`` of the ITL target: at least ``MIN_PROMPT_TOKENS``, at most ``most``."""
+    time stays within the ITL target over the model's headroom: at least ``MIN_PROMPT_TOKENS``, at most
+    ``most``."""
     if not step.decodes or not itl_target_s:
         return most
     if not model.ready or not model.mixed_count:
         return min(PROBE_PROMPT_TOKENS, most)
-    limit = ITL_MARGIN * itl_target_s
+    limit = itl_target_s / model.headroom
     low, high = 0, most  # (the predicted time grows with the tokens: the largest that fits, by bisection)
     while low < high:
         mid = (low + high + 1) // 2
@@ -174,10 +198,10 @@ def prompt_budget(model: StepTimeModel, itl_target_s: float, step: StepFeatures,
 
 def room_for_decode(model: StepTimeModel, itl_target_s: float, step: StepFeatures) -> bool:
     """Whether a step of ``step``'s decodes and the fewest prompt tokens a step takes is predicted within the
-    ITL target's margin."""
+    ITL target over the model's headroom."""
     if not itl_target_s or not model.ready:
         return True
-    return model.predict(step.plus_prompt(0, MIN_PROMPT_TOKENS)) <= ITL_MARGIN * itl_target_s
+    return model.predict(step.plus_prompt(0, MIN_PROMPT_TOKENS)) <= itl_target_s / model.headroom
 
 
 def ttft_wait(model: StepTimeModel, tokens_ahead: int, budget: int, step: StepFeatures) -> float:

@@ -182,12 +182,13 @@ def test_compiled_decode_matches_eager_alone(llm_fp32, compiled_llm):
     params = SamplingParams(max_tokens=NUM_TOKENS, temperature=0, logprobs=1)
     before = compiled_of(compiled_llm).num_steps
     decodes = 0
-    for prompt in CHAT_PROMPTS:
+    prompts = CHAT_PROMPTS[:4]
+    for prompt in prompts:
         compiled = compiled_llm.generate([prompt], params)
         assert_same(llm_fp32.generate([prompt], params), compiled)
         decodes += len(compiled[0].token_ids) - 1  # the first token comes from the prompt's step
     # every step after the prompt's ran in a graph
-    assert decodes > len(CHAT_PROMPTS) and compiled_of(compiled_llm).num_steps - before == decodes
+    assert decodes > len(prompts) and compiled_of(compiled_llm).num_steps - before == decodes
 
 
 @pytest.mark.slow

@@ -17,7 +17,7 @@ from tests.server import Server
 
 KEY = "fuzz-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
-EXAMPLES = 60  # per route and mode
+EXAMPLES = 30  # per route and mode
 
 
 @pytest.fixture(scope="module")

@@ -178,6 +178,24 @@ def test_calibration_recovers_a_known_cost():
     cost = calibrate(steps)
     assert (cost.overhead_s, cost.per_flop, cost.per_byte, cost.per_sequence) == pytest.approx(
         (0.003, 1e-15, 4e-11, 2e-5), rel=1e-6)
+    assert cost.jitter == pytest.approx([1.0] * 50, rel=1e-6)  # (no step off the fit)
+
+
+def test_a_calibrated_jitter_lengthens_the_simulated_steps_it_draws():
+    """One calibration step in ten took twice the fit's time: about one simulated step in ten takes twice as
+    long, seeded (the same run twice gives the same records)."""
+    spec, config = MODELS["smollm2-135m"], load_config(None)
+    requests = [SimRequest(p, 64) for p in prompts(8, 100)]
+    steady = CostModel(0.01, 0.0, 0.0)
+    jittery = CostModel(0.01, 0.0, 0.0, jitter=(1.0,) * 9 + (2.0,))
+    peaks = gpu_peaks("H100")
+    gaps = {}
+    for label, cost in (("steady", steady), ("jittery", jittery), ("again", jittery)):
+        records, _, _ = simulate(config, spec, requests, [0.0] * len(requests), cost, peaks)
+        gaps[label] = sorted(g for r in records for g in r.itl)
+    assert gaps["steady"] == pytest.approx([0.01] * len(gaps["steady"]))
+    doubled = sum(1 for g in gaps["jittery"] if g == pytest.approx(0.02)) / len(gaps["jittery"])
+    assert 0.05 < doubled < 0.15 and gaps["jittery"] == gaps["again"]
 
 
 def test_the_command_prints_bench_reports_and_writes_json(tmp_path):

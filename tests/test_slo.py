@@ -3,6 +3,7 @@ from a cost model each test sets, so nothing here depends on this machine's spee
 
 from __future__ import annotations
 
+import math
 import random
 
 import pytest
@@ -95,7 +96,7 @@ def test_the_budget_moves_the_right_way_when_step_time_or_the_target_changes():
         return scheduler.token_budget()  # (for the next prompt, from position 0, beside the 8 decodes)
 
     budget = prefill_beside_the_decodes()
-    # the largest prompt chunk whose step the cost model puts within 90% of the target, beside 8 decodes
+    # the largest prompt chunk whose step the cost model puts within the target over the headroom, beside 8 decodes
     assert 8 + 16 < budget < 2048
     assert max(seconds for seconds, decodes in engine.step_seconds[MIN_STEPS + 2:] if decodes) <= 0.100
     engine.cost = Cost(per_token=0.0008)  # prompt tokens now cost twice as much: the budget shrinks
@@ -105,6 +106,32 @@ def test_the_budget_moves_the_right_way_when_step_time_or_the_target_changes():
     assert scheduler.token_budget() > shrunk
     scheduler.reconfigure({"itl_slo_ms": 0})  # no target: the configured maximum
     assert scheduler.token_budget() == 2048
+
+
+def test_steps_that_overrun_the_model_at_random_get_headroom_and_the_itl_target_still_holds():
+    """One step in ten takes 25% longer than the cost (a shared core): the model fits the mean, so a step planned
+    at the target itself would overrun it one time in ten. The headroom learnt from the overruns keeps the P99 of
+    the steps beside decodes within the target, with prompts arriving all the time."""
+    rng = random.Random(1)
+    cost = Cost()
+
+    def jittery(spans):
+        return cost(spans) * (1.25 if rng.random() < 0.1 else 1.0)
+
+    scheduler = create_scheduler(num_blocks=2048, max_num_batched_tokens=2048, itl_slo_ms=100, max_num_seqs=16)
+    engine = VirtualEngine(scheduler, jittery)
+    for _ in range(8):
+        scheduler.add(create_request(40, max_tokens=1000, max_model_len=4096))
+    for _ in range(600):
+        if scheduler.num_waiting < 2:
+            document = create_request(1500, max_tokens=2, max_model_len=4096)
+            document.prompt_token_ids = [rng.randrange(1, 50_000) for _ in range(1500)]  # (nothing cached)
+            scheduler.add(document)
+        engine.step()
+    assert scheduler.counters.num_preemptions == 0 and len(scheduler.running) >= 8
+    assert scheduler.step_model.headroom >= 1.2
+    late = sorted(seconds for seconds, decodes in engine.step_seconds[200:] if decodes)
+    assert late[math.ceil(0.99 * len(late)) - 1] <= 0.100
 
 
 def test_without_targets_the_budget_is_the_configured_one_and_nothing_is_refused():

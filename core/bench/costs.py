@@ -5,7 +5,9 @@ Cost models:
 - **Calibrated** (this machine): ``seconds = a + b x FLOPs + c x bytes + d x
   sequences``, fitted by least squares to the steps of a short real run
   (``calibrate``). On a CPU compute and memory traffic do not overlap much,
-  so their times add.
+  so their times add. Each simulated step's seconds are multiplied by the
+  ratio of a calibration step's time to the fit's, drawn at random (seeded):
+  the run's jitter, which latency percentiles feel.
 - **Datasheet** (a GPU from the table): ``seconds = overhead + max(FLOPs /
   (60% of peak), bytes / (80% of bandwidth))`` per device, the work split
   over ``tensor_parallel_size`` devices, plus two ring all-reduces of the
@@ -86,6 +88,12 @@ class CostModel:
     dtype_bytes: int = 2
     link_bytes_per_s: float = 0.0
     link_latency_s: float = 0.0
+    # calibrated: each calibration step's time over the fit's, which the simulator multiplies a step's seconds by
+    # (one drawn at random, seeded): the device's jitter and the fit's error, which a P99 latency target feels
+    jitter: tuple[float, ...] = ()
+    # calibrated: the bytes of the weights the calibration run read (quantized layers at their packed size), which
+    # a simulated step reads too; 0: counted from the model's shape, dtype and quant method (``weight_bytes``)
+    weight_bytes: int = 0
 
     def seconds(self, flops: float, moved: float, sequences: int, tokens: int) -> float:
         if not self.overlap:
@@ -117,18 +125,23 @@ class CostModel:
                    link_bytes_per_s=link.bytes_per_second, link_latency_s=link.latency_s)
 
 
-def calibrate(steps: Sequence[StepStats]) -> CostModel:
+def calibrate(steps: Sequence[StepStats], weight_bytes: int = 0) -> CostModel:
     """The least-squares fit of the steps' whole times (schedule, forward, sample, update) to overhead + FLOPs +
-    bytes + sequences (each coefficient at least 0)."""
+    bytes + sequences (each coefficient at least 0), in relative error: a 20 ms decode step weighs as much as a
+    2 s prompt step (in absolute error the long steps would decide the fit alone, and the decodes' latency
+    would come out several times too long). ``weight_bytes``: the weights the steps read, as stored."""
     rows = np.array([[1.0, s.flops, s.bytes_moved, s.scheduler.num_running] for s in steps])
     times = np.array([s.schedule_time + s.forward_time + s.sample_time + s.update_time for s in steps])
     scale = np.maximum(np.abs(rows).max(axis=0), 1e-30)
+    weights = 1 / np.maximum(times, 1e-9)
     active = list(range(4))
     while True:  # (drop a coefficient that comes out negative, fit again)
-        fit, *_ = np.linalg.lstsq(rows[:, active] / scale[active], times, rcond=None)
+        fit, *_ = np.linalg.lstsq(rows[:, active] / scale[active] * weights[:, None], times * weights, rcond=None)
         if (fit >= 0).all():
             break
         del active[int(np.argmin(fit))]
     coefficients = np.zeros(4)
     coefficients[active] = fit / scale[active]
-    return CostModel(*(float(c) for c in coefficients))
+    fitted = rows @ coefficients
+    jitter = tuple(float(r) for r in times[fitted > 0] / fitted[fitted > 0])
+    return CostModel(*(float(c) for c in coefficients), jitter=jitter, weight_bytes=weight_bytes)

@@ -4,7 +4,7 @@ The real engine core runs, with the real scheduler and KV cache plugins of
 the config (chunked prefill, preemption, prefix caching, admission), on a
 virtual clock: the executor computes nothing and answers each step after the
 seconds a cost model gives for the step's FLOPs and bytes
-(``conveyor.perf.roofline``). Requests arrive as ``conveyor bench`` sends
+(``conveyor.perf.roofline``; a calibrated model's with its jitter). Requests arrive as ``conveyor bench`` sends
 them (its datasets and arrival processes), and the report is bench's.
 
 The cost models, calibrated on this machine or from a GPU's datasheet, are
@@ -18,6 +18,7 @@ steps on its own.
 from __future__ import annotations
 
 import json
+import random
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import asdict
@@ -74,6 +75,7 @@ class SimulatedExecutor(Executor):
         # when each stage is free again; when each submitted step leaves the last stage
         self._stage_free = [0.0] * self.stages
         self._leaves: deque[float] = deque()
+        self._jitter = random.Random(config.engine.seed or 0)
 
     @property
     def max_in_flight(self) -> int:
@@ -106,6 +108,8 @@ class SimulatedExecutor(Executor):
                          sum(1 for r in step.requests if r.sample))
         tokens = sum(len(r.token_ids) for r in step.requests)
         seconds = self.cost.seconds(work.flops, work.bytes, len(step.requests), tokens)
+        if self.cost.jitter:
+            seconds *= self._jitter.choice(self.cost.jitter)
         # through the stages in turn, each free once the step before has left it
         hop = self.cost.hop_seconds(tokens)
         at = self.clock
@@ -155,7 +159,7 @@ def simulate(config: Config, spec: ModelSpec, requests: Sequence[SimRequest], ar
     from conveyor.bench.stats import RequestRecord
 
     registry = PluginRegistry.of(config)
-    weights = weight_bytes(spec, DTYPE_BYTES[config.model.dtype], config.quant.plugin)
+    weights = cost.weight_bytes or weight_bytes(spec, DTYPE_BYTES[config.model.dtype], config.quant.plugin)
     free_memory = None
     if peaks.memory_bytes:
         devices = config.parallel.tensor_parallel_size * config.parallel.pipeline_parallel_size
@@ -219,9 +223,9 @@ def simulate(config: Config, spec: ModelSpec, requests: Sequence[SimRequest], ar
 
 
 
-def measure_steps(config: Config, num_requests: int = 32, seed: int = 1) -> list[StepStats]:
+def measure_steps(config: Config, num_requests: int = 32, seed: int = 1) -> tuple[list[StepStats], int]:
     """Steps of a short real run of ``config``'s model here: a mixed workload all at once, then a few requests one
-    at a time (so that small batches are seen too)."""
+    at a time (so that small batches are seen too); and the bytes of the weights they read, as stored."""
     from conveyor import LLM
     from conveyor.bench.datasets import mixed
 
@@ -241,7 +245,7 @@ def measure_steps(config: Config, num_requests: int = 32, seed: int = 1) -> list
                      [SamplingParams(max_tokens=c.max_tokens, ignore_eos=True, temperature=0) for c in chats])
         for chat in chats[:3]:
             llm.generate([chat.messages], SamplingParams(max_tokens=32, ignore_eos=True, temperature=0))
-    return steps
+        return steps, core.info.weight_bytes
 
 
 def resolve_model(name: str) -> ModelSpec:
@@ -271,7 +275,7 @@ def hardware_costs(hardware: str, config: Config, spec: ModelSpec,
             raise ValueError("--interconnect applies to GPUs (--hardware); this CPU's workers are calibrated")
         peaks = cpu_peaks(paths.cache_root())
         print("calibrating on this machine: a short real run of the config's model ...", flush=True)
-        return peaks, calibrate(measure_steps(config))
+        return peaks, calibrate(*measure_steps(config))
     peaks = gpu_peaks(hardware)
     if peaks is None:
         raise ValueError(f"--hardware {hardware!r}: not in the GPU table (conveyor profile --gpus), nor 'cpu'")
