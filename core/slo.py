@@ -136,23 +136,20 @@ class StepTimeModel:
         self.coefficients = np.zeros(_FEATURES)  # per unit of each feature (unscaled)
         # steps with decodes: their seconds over the seconds predicted for them before they were observed
         self.ratios: deque[float] = deque(maxlen=RATIOS_KEPT)
+        # what a step's planned time is divided by: how far recent steps overran their predictions (the
+        # HEADROOM_QUANTILE of the ratios, at least MIN_HEADROOM; DEFAULT_HEADROOM until RATIOS_NEEDED are known)
+        self.headroom = DEFAULT_HEADROOM
 
     @property
     def ready(self) -> bool:
         return self.count >= MIN_STEPS
 
-    @property
-    def headroom(self) -> float:
-        """What a step's planned time is divided by: how far recent steps overran their predictions (the
-        ``HEADROOM_QUANTILE`` of the ratios), at least ``MIN_HEADROOM``."""
-        if len(self.ratios) < RATIOS_NEEDED:
-            return DEFAULT_HEADROOM
-        ratios = sorted(self.ratios)
-        return max(MIN_HEADROOM, ratios[math.ceil(HEADROOM_QUANTILE * len(ratios)) - 1])
-
     def observe(self, features: StepFeatures, seconds: float) -> None:
         if self.ready and features.decodes and (predicted := self.predict(features)) > 0:
             self.ratios.append(seconds / predicted)
+            if len(self.ratios) >= RATIOS_NEEDED:
+                ratios = sorted(self.ratios)
+                self.headroom = max(MIN_HEADROOM, ratios[math.ceil(HEADROOM_QUANTILE * len(ratios)) - 1])
         x = np.array([1.0, *features]) / _SCALES
         self.gram = self.decay * self.gram + np.outer(x, x)
         self.moments = self.decay * self.moments + x * seconds

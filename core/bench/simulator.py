@@ -4,8 +4,9 @@ The real engine core runs, with the real scheduler and KV cache plugins of
 the config (chunked prefill, preemption, prefix caching, admission), on a
 virtual clock: the executor computes nothing and answers each step after the
 seconds a cost model gives for the step's FLOPs and bytes
-(``conveyor.perf.roofline``; a calibrated model's with its jitter). Requests arrive as ``conveyor bench`` sends
-them (its datasets and arrival processes), and the report is bench's.
+(``conveyor.perf.roofline``; a calibrated model's with its jitter). Requests
+arrive as ``conveyor bench`` sends them (its datasets and arrival processes),
+and the report is bench's.
 
 The cost models, calibrated on this machine or from a GPU's datasheet, are
 ``conveyor.bench.costs``.
