@@ -130,6 +130,10 @@ class MPClient(EngineClient):
                         await process.stdin.send(encode_config(self.config))
                     with anyio.fail_after(self.startup_timeout):
                         kind, ready = decode(await pull.recv_multipart())
+                        # (the engine connects its input beside its output: READY may arrive before the input
+                        # is connected, and a message sent until then would be refused as "not connected")
+                        while kind is MessageType.READY and not push.poll(0, zmq.POLLOUT):
+                            await anyio.sleep(0.005)
                     if kind is MessageType.FAILED:
                         raise EngineFailed(ready)
                     if kind is not MessageType.READY:
