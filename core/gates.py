@@ -79,12 +79,16 @@ class Gated:
         """True when the request is queued to run, False when a gate holds it."""
         for gate in self.gates[first:]:
             if gate.holds(request):
-                request.status = gate.status
-                self.held[gate.status].append(request)
+                self._hold(request, gate)
                 return False
         request.status = RequestStatus.WAITING
         self._enqueue(request)
         return True
+
+    def _hold(self, request: Request, gate: AdmissionGate) -> None:
+        """``gate`` holds the request until its ``release`` lets it go on (to the gates after it)."""
+        request.status = gate.status
+        self.held[gate.status].append(request)
 
     def release(self, idle: bool = True) -> list[RequestOutput]:
         """Move the requests the gates let go on (to the next gate, then the waiting queue); end those a gate

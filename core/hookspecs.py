@@ -40,3 +40,8 @@ def conveyor_register_quant_methods(register: Register) -> None:
 @hookspec
 def conveyor_register_transports(register: Register) -> None:
     """Register transports (subclasses of ``conveyor.transport.Transport``)."""
+
+
+@hookspec
+def conveyor_register_connectors(register: Register) -> None:
+    """Register KV connectors (subclasses of ``conveyor.connector.KVConnector``)."""

@@ -25,6 +25,11 @@ The contract a layout keeps with the scheduler, in the order a request meets it:
   block ``num_blocks``, which no kernel reads).
 - ``free`` comes once when the request finishes, is aborted or preempted; a
   layout may register its full computed blocks then too.
+- With a KV connector attached (``attach``; conveyor.connector), a layout
+  extends a prefix match past the pool with the blocks the connector can load
+  (``PrefixMatch.external``: their digests), gives each a block in
+  ``allocate`` and calls ``connector.load`` for it, and hands every block it
+  registers to ``connector.save``.
 
 A layout may read these ``Request`` fields and nothing else: ``request_id``,
 ``status`` (``WAITING`` at a first admission, ``PREEMPTED`` at a re-admission),
@@ -43,12 +48,15 @@ import logging
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Annotated, Any, ClassVar, Literal
+from typing import TYPE_CHECKING, Annotated, Any, ClassVar, Literal
 
 import msgspec
 
 from conveyor.messages import KVCacheStats
 from conveyor.request import Request
+
+if TYPE_CHECKING:
+    from conveyor.connector import KVConnector
 
 logger = logging.getLogger("conveyor")
 
@@ -124,6 +132,11 @@ class PrefixMatch:
     num_tokens: int = 0
     # the manager's own handle on them (block ids for the built-in layouts)
     blocks: list[Any] = field(default_factory=list)
+    # after those, the digests of the blocks a KV connector loads (counted in num_tokens)
+    external: list[bytes] = field(default_factory=list)
+    # the KV connector is fetching more of the prefix: the scheduler holds the request at the connector's gate
+    # (``KVConnector.lookup`` said None) and admits it once they are in
+    fetching: bool = False
 
 
 class KVCacheManager(ABC):
@@ -150,6 +163,42 @@ class KVCacheManager(ABC):
         # set by the layout
         self.num_blocks = 0
         self.block_size = 0
+        # a KV connector's scheduler side (``attach``), or None
+        self.connector: KVConnector | None = None
+
+    def attach(self, connector: KVConnector) -> None:
+        """Consult ``connector`` from now on (see conveyor.connector for what a layout owes it).
+
+        Args:
+            connector: a KV connector's scheduler side; the layout sets its ``kvcache`` to itself.
+
+        Raises:
+            ValueError: this layout cannot (why, in one line).
+        """
+        raise ValueError(f"[kvcache] plugin = {self.name!r} cannot use a KV connector (it keeps no block digests); "
+                         "allowed with one: a layout with prefix caching, e.g. 'paged'")
+
+    def prefix_digests(self, request: Request) -> list[bytes]:
+        """The keys a connector knows the request's blocks by.
+
+        Args:
+            request: a request (its tokens and ``cache_salt``).
+
+        Returns:
+            The digests of its full blocks before its last token, in order (none for a layout without them).
+        """
+        return []
+
+    def is_cached(self, digest: bytes) -> bool:
+        """Whether the pool holds a block.
+
+        Args:
+            digest: a digest ``prefix_digests`` gave.
+
+        Returns:
+            True when the block is computed here and ``match_prefix`` would find it.
+        """
+        return False
 
     @property
     def layout(self) -> KVCacheLayout:

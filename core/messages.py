@@ -120,6 +120,21 @@ class KVCacheStats(msgspec.Struct, array_like=True, omit_defaults=True, gc=False
     largest_hole_tokens: int = 0
 
 
+class ConnectorStats(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """A KV connector's tiers (conveyor.connector): each by its name ("host", "disk"); counters are cumulative."""
+
+    # blocks each tier holds now, and the most it holds
+    blocks: dict[str, int] = {}
+    capacity_blocks: dict[str, int] = {}
+    # prompt tokens loaded from each tier instead of computed
+    hit_tokens: dict[str, int] = {}
+    # bytes read from and written to each tier
+    read_bytes: dict[str, int] = {}
+    written_bytes: dict[str, int] = {}
+    # stored blocks found unreadable (truncated, corrupt, another model's) and skipped
+    num_errors: int = 0
+
+
 class KVOwners(msgspec.Struct, array_like=True, gc=False):
     """Which running request holds which KV blocks (a block in two lists is a shared prefix block)."""
 
@@ -166,6 +181,8 @@ class StepStats(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     mbu: float = 0.0
     # the KV cache's owners, on a step at most every KV_OWNERS_EVERY_S seconds and when none runs any more
     kv_owners: KVOwners | None = None
+    # the KV connector's tiers (none without a connector)
+    connector: ConnectorStats | None = None
 
 
 class EngineOutputs(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
@@ -248,6 +265,8 @@ class StepInput(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     # [len(grammar_rows), ceil(vocab / 32)], little-endian; bit t set where token t may come next
     grammar_rows: list[int] = []
     bitmask: bytes = b""
+    # what the KV connector's worker side does before the forward pass (its own format; conveyor.connector)
+    kv_connector: bytes = b""
 
 
 class RunnerOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):

@@ -38,6 +38,8 @@ DEFAULT_PLUGINS: tuple[str, ...] = (
     "conveyor.plugins.schedulers.dynamic",
     "conveyor.plugins.transport.http",
     "conveyor.plugins.transport.zmq",
+    "conveyor.plugins.connector.none",
+    "conveyor.plugins.connector.tiers",
 )
 
 # kind -> registration hook name
@@ -46,9 +48,11 @@ KIND_HOOKS: dict[str, str] = {
     "kvcache": "conveyor_register_kvcaches",
     "quant": "conveyor_register_quant_methods",
     "transport": "conveyor_register_transports",
+    "connector": "conveyor_register_connectors",
 }
 
-KIND_NOUNS = {"scheduler": "scheduler", "kvcache": "KV cache", "quant": "quant method", "transport": "transport"}
+KIND_NOUNS = {"scheduler": "scheduler", "kvcache": "KV cache", "quant": "quant method", "transport": "transport",
+              "connector": "KV connector"}
 
 # kind -> the base class its plugins subclass (imported when a plugin registers)
 KIND_BASES: dict[str, tuple[str, str]] = {
@@ -56,6 +60,7 @@ KIND_BASES: dict[str, tuple[str, str]] = {
     "kvcache": ("conveyor.kvcache", "KVCacheManager"),
     "quant": ("conveyor.quant", "QuantMethod"),
     "transport": ("conveyor.transport", "Transport"),
+    "connector": ("conveyor.connector", "KVConnector"),
 }
 
 

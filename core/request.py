@@ -21,6 +21,7 @@ class RequestStatus(enum.IntEnum):
     # held by an admission gate (``conveyor.scheduler.AdmissionGate``) before it may be scheduled
     WAITING_FOR_ADAPTER = 4  # its LoRA adapter is not on the workers yet
     WAITING_FOR_GRAMMAR = 5  # its structured-output grammar compiles
+    WAITING_FOR_KV = 6  # its KV blocks come from a slow tier (conveyor.connector)
 
 
 class FinishReason(str, enum.Enum):

@@ -6,13 +6,13 @@ for memory; it never touches tensors.
 
 The base class does the mechanics every scheduler shares: admission control (``add``, the one place a request id is
 checked), the admission gates a request passes before it may run (``AdmissionGate``: its LoRA adapter loading, its
-grammar compiling), the waiting queue and the running list, moving a request in (``admit``), out (``preempt``) and to
-its end (``finish``, ``abort``: the one way a request ends, wherever it is), and recording tokens (``update``). Its
-``schedule`` is continuous batching; a scheduler decides order and budget by overriding ``waiting_key``,
-``pick_victim``, ``can_admit``, ``chunk_limit`` and ``token_budget``, whom it takes by ``check_admission``, and learns
-how long its steps take from ``observe_step``; or another discipline by overriding ``schedule`` itself (the built-in
-static and dynamic schedulers do). Options named in ``runtime_options`` may change while the engine runs
-(``reconfigure``).
+grammar compiling, its KV blocks a connector fetches), the waiting queue and the running list, moving a request in
+(``admit``), out (``preempt``) and to its end (``finish``, ``abort``: the one way a request ends, wherever it is), and
+recording tokens (``update``). Its ``schedule`` is continuous batching; a scheduler decides order and budget by
+overriding ``waiting_key``, ``pick_victim``, ``can_admit``, ``chunk_limit`` and ``token_budget``, whom it takes by
+``check_admission``, and learns how long its steps take from ``observe_step``; or another discipline by overriding
+``schedule`` itself (the built-in static and dynamic schedulers do). Options named in ``runtime_options`` may change
+while the engine runs (``reconfigure``).
 """
 
 from __future__ import annotations
@@ -182,6 +182,8 @@ class Scheduler(Gated):
             request = self.waiting.peek()
             n = self.admit(request, self.chunk_limit(budget))
             if not n:
+                if request.status == RequestStatus.WAITING_FOR_KV:
+                    continue  # (back at the KV connector's gate while it fetches the request's blocks)
                 break
             scheduled[request] = n
             budget -= n
@@ -241,12 +243,17 @@ class Scheduler(Gated):
             max_tokens: the most tokens it may compute this step.
 
         Returns:
-            The tokens it computes this step; 0, changing nothing, when memory is short.
+            The tokens it computes this step; 0 when memory is short (nothing changed), or when a KV connector
+            fetches blocks of its prefix (it waits at the connector's gate until they are in).
         """
         # A request that wants every prompt logprob, or every token's hidden state, computes every prompt token.
         params = request.params
         whole = params.prompt_logprobs is not None or params.pooling == "mean"
         prefix = PrefixMatch() if whole else self.kvcache.match_prefix(request)
+        if prefix.fetching:
+            self.waiting.remove(request)
+            self._hold(request, self.kvcache.connector)
+            return 0
         n = min(request.num_tokens - prefix.num_tokens, max_tokens)
         if n < 1 or not self.kvcache.allocate(request, n, prefix):
             return 0
@@ -348,17 +355,11 @@ class Scheduler(Gated):
                 reason = request.append_token(new)
                 if reason is not None:
                     break
-            outputs.append(
-                RequestOutput(
-                    request.request_id,
-                    tokens[:count],
-                    entries[:count] if logprob is not None else None,
-                    reason.value if reason else None,
-                    num_prompt_tokens=request.num_prompt_tokens,
-                    num_cached_tokens=request.num_cached_tokens,
-                    queue_time=request.queue_time if request.num_output_tokens == count else 0.0,
-                )
-            )
+            outputs.append(RequestOutput(
+                request.request_id, tokens[:count], entries[:count] if logprob is not None else None,
+                reason.value if reason else None, num_prompt_tokens=request.num_prompt_tokens,
+                num_cached_tokens=request.num_cached_tokens,
+                queue_time=request.queue_time if request.num_output_tokens == count else 0.0))
             if reason is not None:
                 self.finish(request, reason)
         return outputs

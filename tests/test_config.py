@@ -43,6 +43,7 @@ def test_default_toml_documents_every_key():
         "scheduler": registry.get("scheduler", raw["scheduler"]["plugin"]).Options,
         "kvcache": registry.get("kvcache", raw["kvcache"]["plugin"]).Options,
         "quant": registry.get("quant", raw["quant"]["plugin"]).Options,
+        "connector": registry.get("connector", raw["connector"]["plugin"]).Options,
         "server": ServerConfig,
         "transport": registry.get("transport", raw["transport"][0]["plugin"]).Options,
     }
@@ -51,7 +52,7 @@ def test_default_toml_documents_every_key():
     for table, struct in expected.items():
         keys = [f.encode_name for f in msgspec.structs.fields(struct)]
         assert set(raw[table]) - {"plugin"} == set(keys), table
-        for key in keys + (["plugin"] if table in ("scheduler", "kvcache", "quant", "transport") else []):
+        for key in keys + (["plugin"] if table in ("scheduler", "kvcache", "quant", "transport", "connector") else []):
             index = next(
                 i for i, line in enumerate(lines) if re.match(rf"{key}\s*=", line) and _table_of(lines, i) == table
             )

@@ -14,6 +14,7 @@ import msgspec
 import pytest
 
 from conveyor.config.reference import CORE_TABLES, reference_markdown, undocumented
+from conveyor.connector import KVConnector, KVConnectorWorker
 from conveyor.gates import AdmissionGate
 from conveyor.kvcache import KVCacheManager
 from conveyor.quant import QuantMethod
@@ -74,13 +75,14 @@ def _methods(cls):
             yield name, function, isinstance(member, property)
 
 
-@pytest.mark.parametrize("cls", [KVCacheManager, QuantMethod, Scheduler, Transport, AdmissionGate],
-                         ids=lambda c: c.__name__)
+@pytest.mark.parametrize("cls", [KVCacheManager, QuantMethod, Scheduler, Transport, AdmissionGate, KVConnector,
+                                 KVConnectorWorker], ids=lambda c: c.__name__)
 def test_every_base_class_method_has_a_docstring(cls):
     assert [name for name, function, _ in _methods(cls) if not inspect.getdoc(function)] == []
 
 
-@pytest.mark.parametrize("cls", [KVCacheManager, QuantMethod], ids=lambda c: c.__name__)
+@pytest.mark.parametrize("cls", [KVCacheManager, QuantMethod, KVConnector, KVConnectorWorker],
+                         ids=lambda c: c.__name__)
 def test_the_methods_a_layout_or_quant_method_implements_say_their_args_and_returns(cls):
     missing = []
     for name, function, is_property in _methods(cls):

@@ -132,6 +132,7 @@ HOOK_PLUGINS = {
     "conveyor_register_kvcaches": ("kvcache", "conveyor.plugins.kvcache.paged", "PagedKVCache"),
     "conveyor_register_quant_methods": ("quant", "conveyor.plugins.quant.none", "NoQuant"),
     "conveyor_register_transports": ("transport", "conveyor.transport", "Transport"),
+    "conveyor_register_connectors": ("connector", "conveyor.plugins.connector.tiers", "TieredConnector"),
 }
 
 

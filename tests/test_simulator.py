@@ -207,3 +207,34 @@ def test_the_command_prints_bench_reports_and_writes_json(tmp_path):
     runs = json.loads(out.read_text())["runs"]
     assert [r["config"]["rate"] for r in runs] == [2.0, float("inf")]
     assert all(r["summary"]["completed"] == 16 for r in runs)
+
+
+def test_kv_tiers_serve_the_histories_a_small_pool_evicts_and_their_copies_take_time():
+    """Six conversations, three turns each, on a pool of 40 blocks: with the host tier the later turns load
+    their histories (the tier's hits) and their first tokens come sooner; at a host bandwidth a thousand
+    times lower, the copies cost the later turns more than computing the histories again."""
+    spec = MODELS["smollm2-135m"]
+    histories = prompts(6, 300, seed=3)
+    requests, arrivals, later = [], [], []
+    for turn in range(3):
+        for c, history in enumerate(histories):
+            history += [5000 + turn, 6000 + c, 7]
+            requests.append(SimRequest(list(history), 8))
+            arrivals.append(turn * 10.0 + c * 0.01)
+            later.append(turn > 0)
+            history += [1] * 8  # (the simulated replies: token 1, as the next turn resends them)
+
+    def later_ttft(tier_bytes_per_s: dict | None, **overrides) -> tuple[float, int]:
+        config = load_config(None, {"kvcache.num_blocks": 40, **overrides})
+        cost = CostModel.datasheet(H100, "bfloat16", spec)
+        if tier_bytes_per_s is not None:
+            cost.tier_bytes_per_s = tier_bytes_per_s
+        records, _, steps = simulate(config, spec, requests, arrivals, cost, H100)
+        hits = steps[-1].connector.hit_tokens["host"] if steps[-1].connector else 0
+        return sum(r.ttft for r, is_later in zip(records, later) if is_later), hits
+
+    plain, no_hits = later_ttft(None)
+    tiered, hits = later_ttft(None, **{"connector.plugin": "tiers", "connector.host_gb": 1.0})
+    slow, slow_hits = later_ttft({"host": 25e6}, **{"connector.plugin": "tiers", "connector.host_gb": 1.0})
+    assert no_hits == 0 and hits == slow_hits > 12 * 256  # (most of each later turn's history)
+    assert tiered < plain < slow

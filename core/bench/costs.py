@@ -23,7 +23,7 @@ Cost models:
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -39,6 +39,10 @@ QUANT_BYTES = {"int8": 1, "fp8": 1}
 GPU_FLOP_EFFICIENCY = 0.6
 GPU_BYTE_EFFICIENCY = 0.8
 GPU_STEP_OVERHEAD_S = 0.002
+# a KV connector's tiers (``[connector] plugin = "tiers"``): bytes/s of the copies between the pool and host
+# memory (both ways: PCIe Gen4 x16's pinned copies from a GPU; a CPU's memcpy runs faster), and of reads from
+# the disk tier (an NVMe SSD; its writes run beside the steps); assumptions, not measurements
+TIER_BYTES_PER_S = {"host": 25e9, "disk": 3e9}
 
 
 @dataclass(frozen=True)
@@ -94,6 +98,13 @@ class CostModel:
     # calibrated: the bytes of the weights the calibration run read (quantized layers at their packed size), which
     # a simulated step reads too; 0: counted from the model's shape, dtype and quant method (``weight_bytes``)
     weight_bytes: int = 0
+    # bytes/s of a KV connector's copies by tier (a tier not named: the host's)
+    tier_bytes_per_s: dict[str, float] = field(default_factory=lambda: dict(TIER_BYTES_PER_S))
+
+    def transfer_seconds(self, moved: dict[str, float]) -> float:
+        """Seconds a step waits for a KV connector's copies: ``moved`` bytes by tier."""
+        host = self.tier_bytes_per_s.get("host", TIER_BYTES_PER_S["host"])
+        return sum(n / self.tier_bytes_per_s.get(tier, host) for tier, n in moved.items())
 
     def seconds(self, flops: float, moved: float, sequences: int, tokens: int) -> float:
         if not self.overlap:

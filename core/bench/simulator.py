@@ -9,7 +9,10 @@ arrive as ``conveyor bench`` sends them (its datasets and arrival processes),
 and the report is bench's.
 
 The cost models, calibrated on this machine or from a GPU's datasheet, are
-``conveyor.bench.costs``.
+``conveyor.bench.costs``. A KV connector (``[connector] plugin = "tiers"``)
+runs as configured: its hits come from the workload's shared prefixes, and a
+step waits for the bytes it moved at each tier's assumed bandwidth
+(``TIER_BYTES_PER_S``); no block is read from or written to a disk.
 
 Schedulers that wait on the wall clock for a batch to fill (``static``,
 ``dynamic``) stop the simulation with an error when they do; ``continuous``
@@ -29,6 +32,7 @@ import msgspec
 
 from conveyor.bench.costs import DEFAULT_INTERCONNECT, INTERCONNECTS, CostModel, calibrate, weight_bytes
 from conveyor.config import Config
+from conveyor.connector import KVConnector
 from conveyor.engine.core import EngineCore
 from conveyor.executor import Executor, ModelInfo
 from conveyor.kvcache import DTYPE_BYTES, KVCacheSpec
@@ -77,6 +81,9 @@ class SimulatedExecutor(Executor):
         self._stage_free = [0.0] * self.stages
         self._leaves: deque[float] = deque()
         self._jitter = random.Random(config.engine.seed or 0)
+        # the engine's KV connector (``simulate`` sets it), and its tiers' byte counters as last seen
+        self.connector: KVConnector | None = None
+        self._moved: dict[str, float] = {}
 
     @property
     def max_in_flight(self) -> int:
@@ -111,6 +118,7 @@ class SimulatedExecutor(Executor):
         seconds = self.cost.seconds(work.flops, work.bytes, len(step.requests), tokens)
         if self.cost.jitter:
             seconds *= self._jitter.choice(self.cost.jitter)
+        seconds += self.cost.transfer_seconds(self._tier_bytes())
         # through the stages in turn, each free once the step before has left it
         hop = self.cost.hop_seconds(tokens)
         at = self.clock
@@ -129,6 +137,18 @@ class SimulatedExecutor(Executor):
     def collect(self) -> RunnerOutput:
         self.collected_at = self._leaves.popleft()
         return super().collect()
+
+    def _tier_bytes(self) -> dict[str, float]:
+        """The bytes the connector moved by tier since the last step (its copies to and from host memory, and
+        the disk reads between steps; disk writes run beside the steps), which this step waits for."""
+        if self.connector is None:
+            return {}
+        stats = self.connector.stats()
+        now = {tier: n + (stats.written_bytes.get(tier, 0) if tier == "host" else 0)
+               for tier, n in stats.read_bytes.items()}
+        moved = {tier: n - self._moved.get(tier, 0) for tier, n in now.items()}
+        self._moved = now
+        return moved
 
 
 class SimRequest(msgspec.Struct):
@@ -172,6 +192,7 @@ def simulate(config: Config, spec: ModelSpec, requests: Sequence[SimRequest], ar
     executor = SimulatedExecutor(config, registry, spec, cost, weights, free_memory)
     core = EngineCore(config, registry, executor=executor, peaks=peaks)
     core.scheduler.clock = lambda: executor.clock  # (deadlines and queue times on the virtual clock)
+    executor.connector = core.connector
     arrivals = [float(t) + latency_s for t in arrivals]  # (when each reaches the engine)
     order = sorted(range(len(requests)), key=lambda i: arrivals[i])
     records = [RequestRecord(i, len(r.prompt_token_ids), start=arrivals[i] - latency_s) for i, r in enumerate(requests)]

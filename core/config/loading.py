@@ -35,7 +35,8 @@ _CORE_TABLES: dict[str, type[msgspec.Struct]] = {
     "model": ModelConfig, "engine": EngineConfig, "server": ServerConfig, "parallel": ParallelConfig,
     "lora": LoraConfig,
 }
-_TOP_LEVEL_KEYS = ("model", "engine", "server", "parallel", "lora", "scheduler", "kvcache", "quant", "transport", "plugins")
+_TOP_LEVEL_KEYS = ("model", "engine", "server", "parallel", "lora", "scheduler", "kvcache", "quant", "transport",
+                   "connector", "plugins")
 
 
 class _Origin:
@@ -113,7 +114,7 @@ def decode_config(data: bytes, registry: PluginRegistry | None = None) -> Config
 
         registry = PluginRegistry(config.plugins, source=config.source)
     for kind, specs in (("scheduler", [config.scheduler]), ("kvcache", [config.kvcache]), ("quant", [config.quant]),
-                        ("transport", config.transport)):
+                        ("transport", config.transport), ("connector", [config.connector])):
         for spec in specs:
             cls = _plugin_class(registry, kind, spec.plugin, config.source, kind)
             spec.options = msgspec.convert(spec.options or {}, cls.Options)

@@ -185,6 +185,7 @@ PLUGIN_KINDS: dict[str, str | None] = {
     "kvcache": "paged",
     "quant": "auto",
     "transport": None,
+    "connector": "none",
 }
 
 
@@ -200,6 +201,7 @@ class Config(msgspec.Struct, dict=True):
     kvcache: PluginSpec = msgspec.field(default_factory=lambda: PluginSpec(PLUGIN_KINDS["kvcache"]))
     quant: PluginSpec = msgspec.field(default_factory=lambda: PluginSpec(PLUGIN_KINDS["quant"]))
     transport: list[PluginSpec] = msgspec.field(default_factory=list)
+    connector: PluginSpec = msgspec.field(default_factory=lambda: PluginSpec(PLUGIN_KINDS["connector"]))
     # extra plugin modules to load by import path
     plugins: list[str] = msgspec.field(default_factory=list)
     # where this config came from (for messages); "<defaults>" when built in code

@@ -18,11 +18,12 @@ from dataclasses import dataclass
 
 from conveyor import paths
 from conveyor.config import Config
-from conveyor.deltas import SentRequests
+from conveyor.connector import build_connector
 from conveyor.engine.grammars import GrammarRequests
 from conveyor.engine.loras import LoraSlots
 from conveyor.engine.prompt_logprobs import add_prompt_logprobs
 from conveyor.engine.speculative import DraftModelProposer, NgramProposer
+from conveyor.engine.step_input import StepBuilder, count_in_flight
 from conveyor.executor import Executor, ExecutorError, build_executor, overlaps_steps
 from conveyor.kvcache import DTYPE_BYTES, KVCacheManager
 from conveyor.messages import (
@@ -33,7 +34,6 @@ from conveyor.messages import (
     MessageType,
     RequestOutput,
     RunnerOutput,
-    ScheduledRequest,
     StepInput,
     StepStats,
 )
@@ -83,23 +83,25 @@ class EngineCore:
             self.executor.init_kv_cache(self.kvcache.layout)
             self.scheduler: Scheduler = registry.build("scheduler", config.scheduler, self.kvcache,
                                                        info.max_model_len)
+            self.connector = build_connector(config, registry, self.executor, self.kvcache, info)
         except BaseException:
             self.executor.shutdown()
             raise
         self.info = info
         self.max_model_len = info.max_model_len
-        # the scheduler's gates: adapters loading on the workers, then grammars compiling
+        # the scheduler's gates: adapters loading on the workers, grammars compiling, KV blocks read from disk
         self.loras = None
         if config.lora.max_loras:
             self.loras = LoraSlots(self.executor, config.lora.max_loras, self.scheduler.requests)
             self.scheduler.add_gate(self.loras)
         self.grammars = GrammarRequests(config, info.vocab_size)
-        self.scheduler.add_gate(self.grammars)
+        for gate in (self.grammars, self.connector):
+            if gate is not None:
+                self.scheduler.add_gate(gate)
         proposer = {"ngram": NgramProposer, "draft": DraftModelProposer}.get(config.engine.speculative)
         self.proposer = proposer(config.engine) if proposer is not None else None
         self.num_steps = 0
-        # what the workers hold of each request (a step sends the rest)
-        self.sent = SentRequests()
+        self.steps = StepBuilder(self.scheduler, self.kvcache, self.loras, self.grammars, self.connector)
         self._kv_owners_time = 0.0
         # what a step computes and moves, and the peaks it is measured against (all devices together)
         self.costs = None if info.spec is None else ModelCosts.of(
@@ -235,7 +237,7 @@ class EngineCore:
             raise
         except Exception as e:  # a failed step fails its requests, not the engine
             logger.exception("step failed; ending its %d requests with an error", len(flight.batch))
-            _count_in_flight(flight.batch, -1)
+            count_in_flight(flight.batch, -1)
             error = f"{type(e).__name__}: {e}"
             return released + self.scheduler.abort([r.request_id for r in flight.batch.requests], error), None
         executed = time.perf_counter()
@@ -256,8 +258,8 @@ class EngineCore:
         num_decode = sum(
             1 for r in batch.requests[: batch.num_decodes] if r.num_output_tokens and r.num_uncomputed_tokens == 1
         )
-        step = self._step_input(batch)
-        _count_in_flight(batch, 1)
+        step = self.steps.build(batch)
+        count_in_flight(batch, 1)
         self._in_flight.append(InFlight(batch, step, num_decode, time.perf_counter() - start))
         self.executor.submit(step)
         return True
@@ -265,7 +267,7 @@ class EngineCore:
     def _update(self, flight: InFlight, result: RunnerOutput) -> list[RequestOutput]:
         """Hand a step's tokens to the scheduler, the grammars and the proposer; what the requests produced."""
         batch = flight.batch
-        _count_in_flight(batch, -1)
+        count_in_flight(batch, -1)
         outputs = self.scheduler.update(batch, result.sampled, result.logprobs, result.accepted,
                                         result.accepted_logprobs)
         if self.grammars.matchers:
@@ -355,45 +357,5 @@ class EngineCore:
         """The queues and the KV cache now, and who holds its blocks when that is due (a step fills in its tokens
         and timings)."""
         return StepStats(self.num_steps, time.time(), self.scheduler.stats(), self.kvcache.stats(),
-                         kv_owners=self._kv_owners())
-
-    def _step_input(self, batch: ScheduledBatch) -> StepInput:
-        """The step's message to the workers: each request's new tokens, and what the workers lack of it."""
-        now = time.time()
-        finished = self.scheduler.take_finished()
-        self.sent.forget(finished)
-        requests = []
-        for request, n in zip(batch.requests, batch.num_tokens):
-            if request.first_scheduled_time is None:
-                request.first_scheduled_time = now
-            start = request.num_computed_tokens + request.num_in_flight_tokens  # (after its steps in flight)
-            params = request.params
-            if start == request.num_tokens:  # async: its input is the token its step in flight samples
-                entry = ScheduledRequest(request.request_id, start, [-1], sample=True, follows=True,
-                                         lora_slot=-1 if self.loras is None else self.loras.slot(request))
-                self.sent.fill(entry, request, self.kvcache.block_ids(request), False)
-                requests.append(entry)
-                continue
-            known = min(n, request.num_tokens - start)  # (the rest are draft tokens, to be checked)
-            drafts = request.draft_token_ids[: n - known]
-            entry = ScheduledRequest(
-                request.request_id, start, request.token_ids(start, start + known) + drafts,
-                sample=start + known == request.num_tokens, draft_token_ids=drafts,
-                lora_slot=-1 if self.loras is None else self.loras.slot(request),
-            )
-            self.sent.fill(entry, request, self.kvcache.block_ids(request), entry.sample and params.has_penalties)
-            if params.prompt_logprobs is not None and request.num_prompt_logprobs < request.num_prompt_tokens - 1:
-                entry.prompt_logprob_token_ids = request.prompt_token_ids[start + 1 : start + n + 1]
-            requests.append(entry)
-        step = StepInput(requests, batch.num_decodes, finished)
-        if self.grammars.matchers:
-            step.grammar_rows, step.bitmask = self.grammars.bitmask(
-                [r if e.sample else None for r, e in zip(batch.requests, requests)])
-        return step
-
-
-def _count_in_flight(batch: ScheduledBatch, sign: int) -> None:
-    """A batch went to the workers (1) or came back (-1): its requests' steps and tokens in flight."""
-    for request, n in zip(batch.requests, batch.num_tokens):
-        request.in_flight += sign
-        request.num_in_flight_tokens += sign * n
+                         kv_owners=self._kv_owners(),
+                         connector=self.connector.stats() if self.connector is not None else None)

@@ -22,6 +22,8 @@ METHODS: dict[str, tuple[tuple[type, ...], Any]] = {
     "init_kv_cache": ((KVCacheLayout,), None),
     "execute": ((StepInput,), RunnerOutput),
     "add_lora": ((int, str), str),
+    "init_kv_connector": ((bytes,), None),
+    "kv_connector_call": ((bytes,), bytes),
     "shutdown": ((), None),
 }
 # the sequence number of a worker's first message, which says it started (or why it could not)

@@ -36,6 +36,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from conveyor.messages import EngineReady, StepStats
 from conveyor.serving.dashboard import DashboardFeed
 from conveyor.serving.nvml import GpuGauges
+from conveyor.serving.tier_metrics import TierMetrics
 
 # seconds; fine at the low end where CPU decode steps live, up to minutes for long requests
 LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5,
@@ -239,6 +240,7 @@ class ServerMetrics:
         # NVML's GPU utilization and memory, once an engine runs on CUDA (None: not started or not available)
         self.gpus: GpuGauges | None = None
         self._nvml_tried = False
+        self.tiers = TierMetrics(r, model_name, num_replicas)
 
     def engine_ready(self, ready: EngineReady, replica: int = 0) -> None:
         """An engine (replica ``replica``) is ready: the first time, or after a restart."""
@@ -246,6 +248,7 @@ class ServerMetrics:
         if self._num_ready[replica] > 1:
             self.engine_restarts[replica].inc()
         self._engine_counts[replica] = (0,) * 7  # a new engine counts from zero
+        self.tiers.engine_ready(replica)
         self._bubble_state[replica] = None
         self.kv_blocks[replica].set(ready.num_kv_blocks)
         self.kv_free_blocks[replica].set(ready.num_kv_blocks)
@@ -269,6 +272,8 @@ class ServerMetrics:
         self.kv_usage[replica].set(stats.kv.usage)
         self.kv_blocks[replica].set(stats.kv.num_blocks)
         self.kv_free_blocks[replica].set(stats.kv.num_free_blocks)
+        if stats.connector is not None:
+            self.tiers.observe(stats.connector, replica)
         if stats.num_prefill_tokens or stats.num_decode_tokens:  # a step, not a snapshot after an abort
             self.step_time.observe(stats.schedule_time + stats.forward_time + stats.sample_time + stats.update_time)
             self.steps[replica].inc()

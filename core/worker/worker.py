@@ -18,6 +18,7 @@ from conveyor import paths
 from conveyor.attention import BackendUnavailable, select_backend
 from conveyor.attention.storage import KVStorage
 from conveyor.config import Config, ConfigError
+from conveyor.connector import KVConnectorWorker
 from conveyor.deltas import HeldRequests
 from conveyor.executor import ModelInfo
 from conveyor.kvcache import KVCacheLayout, KVCacheSpec
@@ -80,6 +81,9 @@ class Worker:
         # speculative = "draft": the draft model and what its KV cache stores per token
         self.draft_model: LlamaModel | None = None
         self.draft_kv_spec: KVCacheSpec | None = None
+        self.storage: KVStorage | None = None
+        # the KV connector's worker side (conveyor.connector), once the pool exists
+        self.kv_connector: KVConnectorWorker | None = None
 
     def _compile_choice(self) -> bool:
         """Whether decode steps run compiled (``[engine] compile``)."""
@@ -198,7 +202,7 @@ class Worker:
 
     def init_kv_cache(self, layout: KVCacheLayout) -> None:
         """Allocate the KV cache pool and set up the backend and the runner over it."""
-        storage = KVStorage(layout, self.device)
+        storage = self.storage = KVStorage(layout, self.device)
         backend = self.backend_class(storage, self.model.attention_layers(), self.config.engine.batch_invariant)
         compiled = None
         if self.compile:
@@ -218,9 +222,22 @@ class Worker:
             # async scheduling: the driver sampled the tokens these entries take in; its TP peers learn them here
             self.held.take_followed(step, self.group.broadcast_tokens(self.held.followed(step)))
         self.held.apply(step)  # (each entry whole again: parameters, block table, penalty tokens, input token)
+        if step.kv_connector:  # (blocks moved in or out of the pool before the forward pass reads or writes them)
+            self.kv_connector.apply(step.kv_connector)
         output = self.runner.execute(step)
         self.held.sampled(step, output.sampled)
         return output
+
+    def init_kv_connector(self, setup: bytes) -> None:
+        """Build the KV connector's worker side over the pool (``KVConnector.setup``: what its scheduler side
+        chose)."""
+        spec = self.config.connector
+        cls = self.registry.get("connector", spec.plugin)
+        self.kv_connector = cls.Worker(spec.options, self.storage, self.rank, setup)
+
+    def kv_connector_call(self, payload: bytes) -> bytes:
+        """Between steps: the KV connector's worker side carries out ``payload``; its answer."""
+        return self.kv_connector.call(payload)
 
     def add_lora(self, slot: int, path: str) -> str:
         """Load the LoRA adapter at ``path`` into ``slot``; returns why it cannot be ("" when loaded)."""
@@ -234,6 +251,8 @@ class Worker:
 
     def shutdown(self) -> None:
         """Free the KV cache and the model, and leave the process group."""
+        if self.kv_connector is not None:
+            self.kv_connector.close()
         self.runner = None
         self.model = None
         self.group.close()

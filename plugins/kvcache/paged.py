@@ -6,8 +6,8 @@ from __future__ import annotations
 import hashlib
 from array import array
 from collections import OrderedDict
-from collections.abc import Sequence
-from typing import Annotated
+from collections.abc import Iterator, Sequence
+from typing import TYPE_CHECKING, Annotated
 
 import msgspec
 
@@ -15,6 +15,9 @@ from conveyor.hookspecs import hookimpl
 from conveyor.kvcache import KVCacheManager, KVCacheOptions, KVCacheSpec, PrefixMatch, blocks_in_budget, log_capacity
 from conveyor.messages import KVCacheStats
 from conveyor.request import Request, RequestStatus
+
+if TYPE_CHECKING:
+    from conveyor.connector import KVConnector
 
 
 class PagedOptions(KVCacheOptions, forbid_unknown_fields=True):
@@ -92,27 +95,56 @@ class PagedKVCache(KVCacheManager):
     def block_ids(self, request: Request) -> list[int]:
         return self.tables[request.request_id].blocks
 
-    def match_prefix(self, request: Request) -> PrefixMatch:
-        if not self.options.enable_prefix_caching or not self.cached:
-            return PrefixMatch()
+    def attach(self, connector: KVConnector) -> None:
+        if not self.options.enable_prefix_caching:
+            raise ValueError("a KV connector needs [kvcache] enable_prefix_caching = true (its blocks are found by "
+                             "their digests)")
+        self.connector = connector
+        connector.kvcache = self
+
+    def prefix_digests(self, request: Request) -> list[bytes]:
+        return list(self._digests(request))
+
+    def is_cached(self, digest: bytes) -> bool:
+        return digest in self.cached
+
+    def _digests(self, request: Request) -> Iterator[bytes]:
+        """The chained digests of the request's full blocks before its last token (whose logits pick the next
+        token: it is always computed)."""
         tokens = request.all_token_ids()
         size = self.block_size
-        # The last token is always computed: its logits pick the next token.
-        blocks: list[int] = []
         digest = request.cache_salt
         for start in range(0, len(tokens) - size, size):
             digest = block_digest(digest, tokens[start : start + size])
+            yield digest
+
+    def match_prefix(self, request: Request) -> PrefixMatch:
+        if not self.options.enable_prefix_caching or not (self.cached or self.connector):
+            return PrefixMatch()
+        blocks: list[int] = []
+        digests = self._digests(request)
+        for digest in digests:
             block = self.cached.get(digest)
             if block is None:
                 break
             blocks.append(block)
-        return PrefixMatch(len(blocks) * size, blocks)
+        else:
+            return PrefixMatch(len(blocks) * self.block_size, blocks)
+        external: list[bytes] = []
+        if self.connector is not None:  # (the digest that missed, and the rest)
+            rest = [digest, *digests]
+            n = self.connector.lookup(request, rest)
+            if n is None:
+                return PrefixMatch(fetching=True)
+            external = rest[:n]
+        return PrefixMatch((len(blocks) + len(external)) * self.block_size, blocks, external)
 
     def allocate(self, request: Request, num_new_tokens: int, prefix: PrefixMatch | None = None) -> bool:
         table = self.tables.get(request.request_id)
         if table is None:
             claimed = prefix.blocks if prefix else []
-            needed = self._blocks_for(len(claimed) * self.block_size + num_new_tokens) - len(claimed)
+            external = prefix.external if prefix else []
+            needed = self._blocks_for((prefix.num_tokens if prefix else 0) + num_new_tokens) - len(claimed)
             revived = sum(1 for b in claimed if self.ref_counts[b] == 0)
             if needed > len(self.free_blocks) - revived:
                 return False
@@ -120,12 +152,14 @@ class PagedKVCache(KVCacheManager):
                 if self.ref_counts[block] == 0:
                     del self.free_blocks[block]
                 self.ref_counts[block] += 1
-            digest = self.block_digests[claimed[-1]] if claimed else request.cache_salt
-            table = self.tables[request.request_id] = _Table(list(claimed), digest)
+            loaded = self._load(external)
+            digest = external[-1] if external else self.block_digests[claimed[-1]] if claimed else request.cache_salt
+            table = self.tables[request.request_id] = _Table(claimed + loaded, digest)
+            needed -= len(loaded)
             if self.options.enable_prefix_caching and request.status == RequestStatus.WAITING:
                 # (a prompt counts once: a preempted request that finds its own blocks again is no cache hit)
                 self.num_prefix_queries += request.num_tokens
-                self.num_prefix_hits += len(claimed) * self.block_size
+                self.num_prefix_hits += prefix.num_tokens if prefix else 0
         else:
             self._register_full_blocks(request, table)
             if self.spec.sliding_window:
@@ -137,6 +171,19 @@ class PagedKVCache(KVCacheManager):
             table.blocks.append(self._take_free_block())
         table.num_tokens = (prefix.num_tokens if prefix else request.num_computed_tokens) + num_new_tokens
         return True
+
+    def _load(self, digests: list[bytes]) -> list[int]:
+        """Blocks for the connector to fill with ``digests``, registered at once (the step that first reads
+        them loads them before its forward pass)."""
+        blocks = []
+        for digest in digests:
+            block = self._take_free_block()
+            self.connector.load(digest, block)
+            if digest not in self.cached:
+                self.cached[digest] = block
+                self.block_digests[block] = digest
+            blocks.append(block)
+        return blocks
 
     def _take_free_block(self) -> int:
         block, _ = self.free_blocks.popitem(last=False)
@@ -180,6 +227,8 @@ class PagedKVCache(KVCacheManager):
             if table.digest not in self.cached:
                 self.cached[table.digest] = block
                 self.block_digests[block] = table.digest
+                if self.connector is not None:
+                    self.connector.save(table.digest, block)
         table.num_hashed = num_full
 
     def free(self, request: Request) -> None:

@@ -1,0 +1,51 @@
+"""The KV connector's tiers on /metrics: blocks held, prompt tokens loaded, bytes moved, files skipped."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge
+
+from conveyor.messages import ConnectorStats
+
+# counter -> the ConnectorStats field it follows (per tier)
+_COUNTERS = {
+    "hit_tokens": ("conveyor_kv_tier_hit_tokens", "Prompt tokens loaded from a KV tier instead of computed."),
+    "read_bytes": ("conveyor_kv_tier_read_bytes", "Bytes of KV blocks read from a tier."),
+    "written_bytes": ("conveyor_kv_tier_written_bytes", "Bytes of KV blocks written to a tier."),
+}
+
+
+class TierMetrics:
+    """Each tier's gauges and counters, labeled ``tier`` (and ``replica`` with several engines)."""
+
+    def __init__(self, registry: CollectorRegistry, model_name: str, num_replicas: int):
+        extra = ["replica"] if num_replicas > 1 else []
+        self.model_name = model_name
+        self.num_replicas = num_replicas
+        self.blocks = Gauge("conveyor_kv_tier_blocks", "KV blocks a tier holds.", ["model_name", "tier", *extra],
+                            registry=registry)
+        self.capacity = Gauge("conveyor_kv_tier_capacity_blocks", "KV blocks a tier holds at most.",
+                              ["model_name", "tier", *extra], registry=registry)
+        self.counters = {field: Counter(name, doc, ["model_name", "tier", *extra], registry=registry)
+                         for field, (name, doc) in _COUNTERS.items()}
+        self.errors = Counter("conveyor_kv_tier_errors", "Stored KV blocks found unreadable (truncated, corrupt, "
+                              "another model's) and recomputed.", ["model_name", *extra], registry=registry)
+        # per replica: the cumulative values last seen, to turn them into increments
+        self._seen: list[dict[tuple[str, str], int]] = [{} for _ in range(num_replicas)]
+
+    def engine_ready(self, replica: int) -> None:
+        """A new engine counts from zero."""
+        self._seen[replica] = {}
+
+    def observe(self, stats: ConnectorStats, replica: int) -> None:
+        replica_label = [str(replica)] if self.num_replicas > 1 else []
+        for tier, n in stats.blocks.items():
+            self.blocks.labels(self.model_name, tier, *replica_label).set(n)
+        for tier, n in stats.capacity_blocks.items():
+            self.capacity.labels(self.model_name, tier, *replica_label).set(n)
+        seen = self._seen[replica]
+        for field, counter in self.counters.items():
+            for tier, now in getattr(stats, field).items():
+                counter.labels(self.model_name, tier, *replica_label).inc(max(0, now - seen.get((field, tier), 0)))
+                seen[field, tier] = now
+        self.errors.labels(self.model_name, *replica_label).inc(max(0, stats.num_errors - seen.get(("errors", ""), 0)))
+        seen["errors", ""] = stats.num_errors

@@ -1,0 +1,260 @@
+"""``tiers``: a tiered prefix cache. Full blocks are copied to host memory, and optionally to a directory on
+disk; a request whose prefix the device pool has lost loads it from there instead of recomputing it.
+
+Every block that becomes full and final is saved to the host tier (write-through: a device eviction then
+costs nothing, and the tier holds what the pool holds and more), and to the disk tier where one is set (by a
+thread of the worker's, off the step). Each tier evicts its least recently used blocks past its budget. A
+new request keeps the host copies of its prefix until it is admitted (at most half the tier is kept so),
+so that the blocks saved meanwhile do not push them out. At admission a device miss that the host tier
+holds is copied back into the pool before the request's first step. A miss that only the disk tier holds
+makes the request wait at this connector's gate while every worker reads the files into host memory
+between steps, each checked against its header (the model's fingerprint, the block's digest, its length
+and checksum): a truncated, corrupt or foreign file is skipped with a warning and recomputed. Files are
+named by the block's digest under a directory named by the fingerprint, written whole to a temporary name
+and renamed, so the disk tier outlives the server and a crash never leaves half a block under a real name.
+
+This side (the engine core's) decides every copy and which slot of the host tier each block takes; the
+workers (``conveyor.plugins.connector.tier_store``) carry the copies out in the order decided, before the
+next step's forward pass, so a slot is never read after it is reused. Like SGLang's HiCache and vLLM's
+offloading connector, with two simplifications: copies between the pool and host memory are synchronous,
+and a disk read waits for the workers to be idle (as LoRA loads do).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict
+from pathlib import Path
+from typing import Annotated
+
+import msgspec
+
+from conveyor.connector import KVConnector
+from conveyor.hookspecs import hookimpl
+from conveyor.messages import ConnectorStats
+from conveyor.plugins.connector.tier_store import DROP, FETCH, LOAD, SAVE, TierSetup, TierWorker, block_dir
+from conveyor.request import Request, RequestStatus
+
+logger = logging.getLogger("conveyor")
+
+
+class TiersOptions(msgspec.Struct, forbid_unknown_fields=True):
+    # host memory for the host tier, GiB per worker (pinned on CUDA)
+    host_gb: Annotated[float, msgspec.Meta(gt=0)] = 4.0
+    # a directory for the disk tier (it survives restarts); "": no disk tier
+    disk_dir: str = ""
+    # disk space for the disk tier, GiB per worker
+    disk_gb: Annotated[float, msgspec.Meta(gt=0)] = 32.0
+
+
+class TieredConnector(KVConnector):
+    """A tiered prefix cache: blocks the device pool evicted come back from host memory or disk."""
+
+    name = "tiers"
+    Options = TiersOptions
+    Worker = TierWorker
+
+    def __init__(self, options: TiersOptions, layout, fingerprint, call):
+        super().__init__(options, layout, fingerprint, call)
+        spec = layout.spec
+        # bytes of one block in the worker with the most layers (what the budgets are counted in)
+        self.block_bytes = layout.block_size * (spec.bytes_per_token - spec.extra_bytes_per_token)
+        self.num_host_blocks = max(1, int(options.host_gb * 2**30 // self.block_bytes))
+        # digest -> host slot, least recently used first
+        self.host: OrderedDict[bytes, int] = OrderedDict()
+        self.free_slots = list(range(self.num_host_blocks - 1, -1, -1))
+        # digests on disk, least recently used first (None: no disk tier)
+        self.disk: OrderedDict[bytes, None] | None = None
+        self.num_disk_blocks = 0
+        if options.disk_dir:
+            self.num_disk_blocks = max(1, int(options.disk_gb * 2**30 // self.block_bytes))
+            self.disk = OrderedDict.fromkeys(_stored_digests(block_dir(options.disk_dir, fingerprint, 0)))
+        # what the workers do before the next step, in order
+        self.ops: list[tuple[int, int, int, bytes]] = []
+        self._trim_disk()
+        # the blocks each held request waits for (from disk), and the requests that waited once
+        self.fetches: dict[str, list[bytes]] = {}
+        self.fetched: set[str] = set()
+        # host slots kept for waiting requests (their prefixes), by request; how many requests keep each slot
+        self.pins: dict[str, list[int]] = {}
+        self.pinned: dict[int, int] = {}
+        # blocks read from disk into the host tier and not yet loaded (a load of one is a disk hit)
+        self.from_disk: set[bytes] = set()
+        self.counters = ConnectorStats(capacity_blocks={"host": self.num_host_blocks, "disk": self.num_disk_blocks},
+                                       hit_tokens={"host": 0, "disk": 0}, read_bytes={"host": 0, "disk": 0},
+                                       written_bytes={"host": 0, "disk": 0})
+        logger.info("KV tiers: host %d blocks (%.2f GiB), disk %s", self.num_host_blocks,
+                    self.num_host_blocks * self.block_bytes / 2**30,
+                    f"{self.num_disk_blocks} blocks in {options.disk_dir} ({len(self.disk)} stored)"
+                    if self.disk is not None else "off")
+
+    @property
+    def setup(self) -> bytes:
+        return msgspec.msgpack.encode(TierSetup(self.num_host_blocks, self.fingerprint, self.options.disk_dir))
+
+    # the device pool's side
+
+    def lookup(self, request: Request, digests: list[bytes]) -> int | None:
+        n = 0
+        while n < len(digests) and digests[n] in self.host:
+            n += 1
+        if self.disk and request.status == RequestStatus.WAITING and request.request_id not in self.fetched:
+            wanted = []
+            for digest in digests[n:]:
+                if digest not in self.disk and digest not in self.host:
+                    break
+                wanted.append(digest)
+            if wanted:  # (once: what a fetch leaves out is computed)
+                self.fetches[request.request_id] = wanted
+                self.fetched.add(request.request_id)
+                return None
+        self._unpin(request)  # (admitted: what it loads is queued before any slot is reused)
+        return n
+
+    def load(self, digest: bytes, block: int) -> None:
+        self.host.move_to_end(digest)
+        self.ops.append((LOAD, block, self.host[digest], b""))
+        tier = "disk" if digest in self.from_disk else "host"
+        self.from_disk.discard(digest)
+        self.counters.hit_tokens[tier] += self.layout.block_size
+        self.counters.read_bytes["host"] += self.block_bytes
+
+    def save(self, digest: bytes, block: int) -> None:
+        if digest in self.host:
+            self.host.move_to_end(digest)
+            return
+        slot = self._take_slot()  # (None: every slot is kept for a waiting request; the disk still gets it)
+        write = self.disk is not None and digest not in self.disk
+        if slot is None and not write:
+            return
+        self.ops.append((SAVE, block, -1 if slot is None else slot, digest if write else b""))
+        if slot is not None:
+            self.host[digest] = slot
+            self.counters.written_bytes["host"] += self.block_bytes
+        if write:
+            self.disk[digest] = None
+            self.counters.written_bytes["disk"] += self.block_bytes
+            self._trim_disk()
+
+    def _trim_disk(self) -> None:
+        """Drop the least recently used files past the disk tier's budget."""
+        while self.disk is not None and len(self.disk) > self.num_disk_blocks:
+            dropped, _ = self.disk.popitem(last=False)
+            self.ops.append((DROP, -1, -1, dropped))
+
+    def _take_slot(self) -> int | None:
+        """A free host slot, else that of the least recently used block no waiting request keeps (dropped from
+        the host tier); None when every slot is kept."""
+        if self.free_slots:
+            return self.free_slots.pop()
+        for digest, slot in self.host.items():
+            if slot not in self.pinned:
+                del self.host[digest]
+                self.from_disk.discard(digest)
+                return slot
+        return None
+
+    def _pin(self, request: Request, slots: list[int], limit: bool = True) -> None:
+        """Keep these host slots (a prefix's, in order) for ``request`` until it is admitted or ends; with
+        ``limit``, while at most half the host tier is kept (the rest takes new blocks)."""
+        kept = self.pins.setdefault(request.request_id, [])
+        for slot in slots:
+            if limit and slot not in self.pinned and len(self.pinned) >= self.num_host_blocks // 2:
+                break
+            kept.append(slot)
+            self.pinned[slot] = self.pinned.get(slot, 0) + 1
+
+    def _unpin(self, request: Request) -> None:
+        for slot in self.pins.pop(request.request_id, ()):
+            self.pinned[slot] -= 1
+            if not self.pinned[slot]:
+                del self.pinned[slot]
+
+    def take_payload(self) -> bytes:
+        if not self.ops:
+            return b""
+        payload = msgspec.msgpack.encode(self.ops)
+        self.ops = []
+        return payload
+
+    # the gate: a new request keeps the host copies of its prefix until it is admitted; a request whose prefix
+    # continues on disk at its admission waits while the workers read those blocks into the host tier
+
+    def holds(self, request: Request) -> bool:
+        resident = []
+        for digest in self.kvcache.prefix_digests(request):
+            if digest in self.host:
+                resident.append(self.host[digest])
+            elif not self.kvcache.is_cached(digest):
+                break
+        self._pin(request, resident)
+        return False
+
+    def wants_idle(self, held: list[Request]) -> bool:
+        return True
+
+    def release(self, held: list[Request], idle: bool) -> tuple[list[Request], list[tuple[Request, str]]]:
+        """Read every held request's blocks from disk into the host tier (only while no step is in flight), as
+        far as free or unkept slots go, and keep them for it; the rest of them are computed."""
+        if not idle:
+            return [], []
+        fetched: dict[bytes, int] = {}  # digest -> its slot
+        for request in held:
+            slots = []
+            for digest in self.fetches.pop(request.request_id, ()):
+                if digest in self.host:
+                    slots.append(self.host[digest])
+                    continue
+                if digest not in fetched:
+                    if digest not in self.disk or (slot := self._take_slot()) is None:
+                        break
+                    fetched[digest] = slot
+                    self.ops.append((FETCH, -1, slot, digest))
+                slots.append(fetched[digest])
+            self._pin(request, slots, limit=False)  # (it is admitted at the next step)
+        payload = self.take_payload()
+        failed = set()
+        if payload:
+            for answer in self.call(payload):
+                failed.update(msgspec.msgpack.decode(answer, type=list[bytes]))
+        for digest, slot in fetched.items():
+            if digest in failed:  # (its requests' pins on the slot stay until they start: harmless)
+                del self.disk[digest]
+                self.free_slots.append(slot)
+                self.counters.num_errors += 1
+            else:
+                self.host[digest] = slot
+                self.disk.move_to_end(digest)
+                self.from_disk.add(digest)
+                self.counters.read_bytes["disk"] += self.block_bytes
+        return held, []
+
+    def forget(self, request: Request) -> None:
+        self.fetches.pop(request.request_id, None)
+        self.fetched.discard(request.request_id)
+        self._unpin(request)
+
+    def stats(self) -> ConnectorStats:
+        stats = msgspec.structs.replace(self.counters, hit_tokens=dict(self.counters.hit_tokens),
+                                        read_bytes=dict(self.counters.read_bytes),
+                                        written_bytes=dict(self.counters.written_bytes))
+        stats.blocks = {"host": len(self.host), "disk": len(self.disk or ())}
+        return stats
+
+
+def _stored_digests(directory: Path) -> list[bytes]:
+    """The digests of the blocks a disk tier directory holds, oldest first (by modification time)."""
+    if not directory.is_dir():
+        return []
+    found = []
+    for path in directory.glob("*.kv"):
+        try:
+            found.append((path.stat().st_mtime_ns, bytes.fromhex(path.stem)))
+        except (OSError, ValueError):
+            continue  # (removed meanwhile, or not a name this tier writes)
+    return [digest for _, digest in sorted(found)]
+
+
+@hookimpl
+def conveyor_register_connectors(register):
+    register(TieredConnector)

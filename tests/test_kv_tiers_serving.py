@@ -1,0 +1,74 @@
+"""KV connectors with the real SmolLM2: multi-turn chats on a pool too small for their histories give the
+same greedy tokens with the tiers off, with the host tier, and after a restart from the disk tier (in a worker
+process of its own), and through the example third-party connector package; the counters say where the
+prefixes came from."""
+
+from __future__ import annotations
+
+import importlib
+import subprocess
+import sys
+
+import pytest
+
+from conveyor.llm import LLM
+from conveyor.sampling import SamplingParams
+from tests.conftest import REPO
+
+POOL = {"kvcache.num_blocks": 24, "kvcache.block_size": 16}
+GREEDY = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+
+
+def chat(llm: LLM, num: int = 4, turns: int = 3) -> list[list[int]]:
+    """``num`` conversations with distinct long system prompts, ``turns`` turns each, every turn resending
+    the history with the reply and a new question; every reply's token ids, in order."""
+    histories = [llm.encode(f"You are assistant number {c}. " + f"Rule {c}: answer briefly and kindly. " * 12)
+                 for c in range(num)]
+    replies = []
+    for turn in range(turns):
+        for history in histories:
+            history += llm.encode(f" Question {turn}: what is {turn} plus {len(history)}?")
+            (completion,) = llm.generate([history], GREEDY)
+            history += completion.token_ids
+            replies.append(completion.token_ids)
+    return replies
+
+
+@pytest.fixture(scope="module")
+def plain_replies():
+    with LLM(overrides=POOL) as llm:
+        return chat(llm)
+
+
+def test_the_host_and_disk_tiers_load_evicted_histories_and_the_replies_do_not_change(plain_replies, tmp_path):
+    tiers = {**POOL, "connector.plugin": "tiers", "connector.host_gb": 0.1, "connector.disk_dir": str(tmp_path)}
+    with LLM(overrides=tiers) as llm:
+        assert chat(llm) == plain_replies
+        stats = llm.engine.connector.stats()
+        assert stats.hit_tokens["host"] > 0 and stats.hit_tokens["disk"] == 0 and stats.num_errors == 0
+        assert stats.blocks["disk"] == stats.blocks["host"] > POOL["kvcache.num_blocks"]
+    # a new engine, its worker in a process of its own, finds the histories on disk
+    with LLM(overrides={**tiers, "parallel.executor": "mp"}) as llm:
+        assert chat(llm) == plain_replies
+        stats = llm.engine.connector.stats()
+        assert stats.hit_tokens["disk"] > 0 and stats.num_errors == 0
+
+
+def test_a_third_party_connector_package_serves_the_same_replies_across_a_restart(plain_replies, tmp_path,
+                                                                                   monkeypatch):
+    """examples/conveyor-kv-sqlite, pip-installed and found through its entry point: the histories the pool
+    lost come back from its SQLite file, in the first server and in a second one on the same file."""
+    site = tmp_path / "site"
+    subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--no-build-isolation",
+                    "--target", str(site), str(REPO / "examples" / "conveyor-kv-sqlite")],
+                   check=True, capture_output=True, timeout=300)
+    monkeypatch.syspath_prepend(str(site))
+    importlib.invalidate_caches()
+    sqlite = {**POOL, "connector.plugin": "sqlite", "connector.path": str(tmp_path / "kv.sqlite")}
+    hits = []
+    for _ in range(2):
+        with LLM(overrides=sqlite) as llm:
+            assert type(llm.engine.connector).__module__ == "conveyor_kv_sqlite"
+            assert chat(llm) == plain_replies
+            hits.append(llm.engine.connector.stats().hit_tokens["sqlite"])
+    assert 0 < hits[0] < hits[1]  # (the second server finds every history's blocks, its first turns' too)
