@@ -180,6 +180,18 @@ def test_the_disk_tier_survives_a_restart_and_skips_truncated_corrupt_and_foreig
     assert third.computed > again.computed
 
 
+def test_engines_on_one_directory_find_the_blocks_the_other_wrote_after_they_started(tmp_path):
+    """Two engines (data-parallel replicas) started together on one disk directory: the histories one computed
+    are read by the other from disk, and their replies are the same."""
+    one = Engine(num_blocks=16, host_blocks=64, disk_dir=str(tmp_path))
+    other = Engine(num_blocks=16, host_blocks=64, disk_dir=str(tmp_path))
+    replies = conversations(one, turns=2)
+    one.worker.close()
+    assert other.connector.stats().blocks["disk"] == 0  # (it indexed the directory before they were written)
+    assert conversations(other, turns=2) == replies
+    assert other.connector.stats().hit_tokens["disk"] > 0 and other.computed < one.computed
+
+
 def test_another_fingerprint_finds_nothing_and_the_disk_budget_drops_the_oldest_files(tmp_path):
     first = Engine(num_blocks=16, host_blocks=256, disk_dir=str(tmp_path), disk_blocks=10)
     conversations(first, turns=2)

@@ -11,6 +11,7 @@ import sys
 import pytest
 
 from conveyor.bench.costs import INTERCONNECTS, CostModel, calibrate, weight_bytes
+from conveyor.bench.sim_workload import multiturn
 from conveyor.bench.simulator import MODELS, SimRequest, comm_share, simulate
 from conveyor.config import load_config
 from conveyor.messages import KVCacheStats, SchedulerStats, StepStats
@@ -210,19 +211,14 @@ def test_the_command_prints_bench_reports_and_writes_json(tmp_path):
 
 
 def test_kv_tiers_serve_the_histories_a_small_pool_evicts_and_their_copies_take_time():
-    """Six conversations, three turns each, on a pool of 40 blocks: with the host tier the later turns load
-    their histories (the tier's hits) and their first tokens come sooner; at a host bandwidth a thousand
-    times lower, the copies cost the later turns more than computing the histories again."""
+    """Six conversations, three turns each (``--dataset multiturn:3``), on a pool of 40 blocks: with the host tier
+    the later turns load their histories (the tier's hits) and their first tokens come sooner; at a host
+    bandwidth a thousand times lower, the copies cost the later turns more than computing the histories again."""
     spec = MODELS["smollm2-135m"]
-    histories = prompts(6, 300, seed=3)
-    requests, arrivals, later = [], [], []
-    for turn in range(3):
-        for c, history in enumerate(histories):
-            history += [5000 + turn, 6000 + c, 7]
-            requests.append(SimRequest(list(history), 8))
-            arrivals.append(turn * 10.0 + c * 0.01)
-            later.append(turn > 0)
-            history += [1] * 8  # (the simulated replies: token 1, as the next turn resends them)
+    requests = multiturn(18, 3, 300, 8, seed=3, vocab_size=spec.vocab_size)
+    assert [len(r.prompt_token_ids) for r in requests[::6]] == [332, 372, 412]  # (+ question + reply a turn)
+    assert requests[6].prompt_token_ids[:332] == requests[0].prompt_token_ids  # (each turn resends the last)
+    arrivals = [turn * 10.0 + c * 0.01 for turn in range(3) for c in range(6)]
 
     def later_ttft(tier_bytes_per_s: dict | None, **overrides) -> tuple[float, int]:
         config = load_config(None, {"kvcache.num_blocks": 40, **overrides})
@@ -231,7 +227,7 @@ def test_kv_tiers_serve_the_histories_a_small_pool_evicts_and_their_copies_take_
             cost.tier_bytes_per_s = tier_bytes_per_s
         records, _, steps = simulate(config, spec, requests, arrivals, cost, H100)
         hits = steps[-1].connector.hit_tokens["host"] if steps[-1].connector else 0
-        return sum(r.ttft for r, is_later in zip(records, later) if is_later), hits
+        return sum(r.ttft for r in records[6:]), hits
 
     plain, no_hits = later_ttft(None)
     tiered, hits = later_ttft(None, **{"connector.plugin": "tiers", "connector.host_gb": 1.0})

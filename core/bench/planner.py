@@ -282,7 +282,8 @@ def format_plan(planner: Planner, candidates: Sequence[Candidate], top: int, tit
 def main(args) -> int:
     """``conveyor plan``: search, then print the best configs."""
     from conveyor.bench.arrivals import arrival_times
-    from conveyor.bench.simulator import resolve_model, workload
+    from conveyor.bench.sim_workload import workload
+    from conveyor.bench.simulator import resolve_model
     from conveyor.config import parse_override
 
     slos = parse_slos(args.slo)
@@ -316,7 +317,7 @@ def main(args) -> int:
 
 
 def add_arguments(parser) -> None:
-    from conveyor.bench.simulator import add_workload_arguments
+    from conveyor.bench.sim_workload import add_workload_arguments
 
     add_workload_arguments(parser)
     parser.set_defaults(num_requests=200)

@@ -28,9 +28,8 @@ from collections.abc import Sequence
 from dataclasses import asdict
 from typing import Any
 
-import msgspec
-
 from conveyor.bench.costs import DEFAULT_INTERCONNECT, INTERCONNECTS, CostModel, calibrate, weight_bytes
+from conveyor.bench.sim_workload import SIMULATED_TOKEN, SimRequest, add_workload_arguments, workload
 from conveyor.config import Config
 from conveyor.connector import KVConnector
 from conveyor.engine.core import EngineCore
@@ -128,7 +127,7 @@ class SimulatedExecutor(Executor):
             if stage < self.stages - 1:
                 at += hop
         self._leaves.append(at)
-        sampled = [1 if r.sample else None for r in step.requests]
+        sampled = [SIMULATED_TOKEN if r.sample else None for r in step.requests]
         comm = self.cost.comm_seconds(tokens) + (self.stages - 1) * hop
         workers = self.cost.tp * self.stages
         ranks = [RankTimes(seconds, comm, 0.0)] * workers if workers > 1 else []
@@ -149,13 +148,6 @@ class SimulatedExecutor(Executor):
         moved = {tier: n - self._moved.get(tier, 0) for tier, n in now.items()}
         self._moved = now
         return moved
-
-
-class SimRequest(msgspec.Struct):
-    """One request of the workload: its prompt's token ids and how many tokens it asks for."""
-
-    prompt_token_ids: list[int]
-    max_tokens: int
 
 
 def simulate(config: Config, spec: ModelSpec, requests: Sequence[SimRequest], arrivals: Sequence[float],
@@ -305,15 +297,6 @@ def hardware_costs(hardware: str, config: Config, spec: ModelSpec,
                                       interconnect or DEFAULT_INTERCONNECT)
 
 
-def workload(args) -> list[SimRequest]:
-    """The requests ``conveyor bench`` would send with these arguments (dataset, lengths, seed), as token ids."""
-    from conveyor.bench.command import _tokenizer, build_workload
-
-    tokenizer = _tokenizer(args.tokenizer)
-    return [SimRequest(tokenizer.encode_chat(r.messages) if r.messages is not None else list(r.prompt), r.max_tokens)
-            for r in build_workload(args, args.num_requests, args.seed)]
-
-
 def main(args) -> int:
     """``conveyor simulate``: the report ``conveyor bench`` would print, for each request rate."""
     from conveyor.bench.arrivals import arrival_times
@@ -349,27 +332,6 @@ def comm_share(steps: Sequence[StepStats]) -> float:
     """The share of the steps' time in collectives and transfers between devices."""
     total = sum(s.forward_time for s in steps)
     return sum(s.comm_time for s in steps) / total if total else 0.0
-
-
-def add_workload_arguments(parser) -> None:
-    """The arguments ``conveyor simulate`` and ``conveyor plan`` share: config, model, hardware, workload."""
-    parser.add_argument("config_file", nargs="?", help="TOML config (scheduler, KV cache, quant, parallel)")
-    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config key")
-    parser.add_argument("--model", default="smollm2-135m",
-                        help=f"one of {', '.join(MODELS)}, or a config.json (or its directory)")
-    parser.add_argument("--hardware", default="cpu", help="a GPU of the table (conveyor profile --gpus), or cpu: this "
-                        "machine, calibrated by a short real run of the config's model")
-    parser.add_argument("--interconnect", choices=list(INTERCONNECTS), default=None,
-                        help=f"the link between the GPUs (default: {DEFAULT_INTERCONNECT}); see INTERCONNECTS in "
-                        "conveyor.bench.simulator for each one's bandwidth and source")
-    parser.add_argument("--dataset", default="mixed", help="mixed | random | sharegpt:FILE (default: mixed)")
-    parser.add_argument("--tokenizer", help="sizes the prompts (default: the default model's)")
-    parser.add_argument("--num-requests", type=int, default=64)
-    parser.add_argument("--burstiness", type=float, default=1.0)
-    parser.add_argument("--input-len", type=int, default=256)
-    parser.add_argument("--output-len", type=int, default=None)
-    parser.add_argument("--range-ratio", type=float, default=0.0)
-    parser.add_argument("--seed", type=int, default=0)
 
 
 def add_arguments(parser) -> None:

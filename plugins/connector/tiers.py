@@ -68,7 +68,8 @@ class TieredConnector(KVConnector):
         self.num_disk_blocks = 0
         if options.disk_dir:
             self.num_disk_blocks = max(1, int(options.disk_gb * 2**30 // self.block_bytes))
-            self.disk = OrderedDict.fromkeys(_stored_digests(block_dir(options.disk_dir, fingerprint, 0)))
+            self.directory = block_dir(options.disk_dir, fingerprint, 0)
+            self.disk = OrderedDict.fromkeys(_stored_digests(self.directory))
         # what the workers do before the next step, in order
         self.ops: list[tuple[int, int, int, bytes]] = []
         self._trim_disk()
@@ -98,10 +99,11 @@ class TieredConnector(KVConnector):
         n = 0
         while n < len(digests) and digests[n] in self.host:
             n += 1
-        if self.disk and request.status == RequestStatus.WAITING and request.request_id not in self.fetched:
+        waits = request.status == RequestStatus.WAITING and request.request_id not in self.fetched
+        if self.disk is not None and waits:
             wanted = []
             for digest in digests[n:]:
-                if digest not in self.disk and digest not in self.host:
+                if digest not in self.host and not self._on_disk(digest):
                     break
                 wanted.append(digest)
             if wanted:  # (once: what a fetch leaves out is computed)
@@ -135,6 +137,17 @@ class TieredConnector(KVConnector):
             self.disk[digest] = None
             self.counters.written_bytes["disk"] += self.block_bytes
             self._trim_disk()
+
+    def _on_disk(self, digest: bytes) -> bool:
+        """Whether the disk tier holds the block: indexed, or written since by another engine on the same
+        directory (a data-parallel replica; indexed now)."""
+        if digest in self.disk:
+            return True
+        if (self.directory / f"{digest.hex()}.kv").is_file():
+            self.disk[digest] = None
+            self._trim_disk()
+            return digest in self.disk
+        return False
 
     def _trim_disk(self) -> None:
         """Drop the least recently used files past the disk tier's budget."""
@@ -206,7 +219,7 @@ class TieredConnector(KVConnector):
                     slots.append(self.host[digest])
                     continue
                 if digest not in fetched:
-                    if digest not in self.disk or (slot := self._take_slot()) is None:
+                    if not self._on_disk(digest) or (slot := self._take_slot()) is None:
                         break
                     fetched[digest] = slot
                     self.ops.append((FETCH, -1, slot, digest))
