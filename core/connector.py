@@ -205,7 +205,8 @@ def kv_fingerprint(config: Config, info: Any, layout: KVCacheLayout) -> str:
     the quant method, the KV layout and dtype, and the split across workers (hex)."""
     from conveyor.model.checkpoint import resolve_model_path
 
-    parts: list[Any] = [config.model.path, config.model.dtype, config.model.load_format, config.engine.seed,
+    dummy = config.model.load_format == "dummy"  # (random weights: the seed draws them)
+    parts: list[Any] = [config.model.path, config.model.dtype, config.model.load_format, dummy and config.engine.seed,
                         config.quant.plugin, msgspec.to_builtins(config.quant.options),
                         msgspec.to_builtins(layout.spec), layout.block_size, info.weight_bytes,
                         config.parallel.tensor_parallel_size, config.parallel.pipeline_parallel_size]

@@ -119,6 +119,8 @@ class TierWorker(KVConnectorWorker):
                     self._path(key).unlink(missing_ok=True)
                 else:
                     self._write(key, payload)
+            except Exception:  # noqa: BLE001 - the thread must go on: the steps wait on its queue
+                logger.exception("KV disk tier: %s failed", self._path(key))
             finally:
                 self.disk_jobs.task_done()
 
@@ -129,6 +131,7 @@ class TierWorker(KVConnectorWorker):
         """A block's bytes to its file, whole or not at all (a temporary file renamed)."""
         header = HEADER.pack(MAGIC, self.setup.fingerprint.encode(), key, self.rank, len(payload),
                              zlib.crc32(payload))
+        tmp = None
         try:
             fd, tmp = tempfile.mkstemp(dir=self.directory, suffix=".tmp")
             with os.fdopen(fd, "wb") as f:
@@ -136,6 +139,8 @@ class TierWorker(KVConnectorWorker):
             os.replace(tmp, self._path(key))
         except OSError as e:  # (a full or read-only disk: the block stays in host memory only)
             logger.warning("KV disk tier: cannot write %s: %s", self._path(key), e)
+            if tmp is not None:
+                Path(tmp).unlink(missing_ok=True)
 
     def _read(self, key: bytes, slot: int) -> bool:
         """The block's file into the slot, if it is whole and this model's; False (with a warning) if not."""

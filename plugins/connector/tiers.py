@@ -232,12 +232,13 @@ class TieredConnector(KVConnector):
                 failed.update(msgspec.msgpack.decode(answer, type=list[bytes]))
         for digest, slot in fetched.items():
             if digest in failed:  # (its requests' pins on the slot stay until they start: harmless)
-                del self.disk[digest]
+                self.disk.pop(digest, None)
                 self.free_slots.append(slot)
                 self.counters.num_errors += 1
             else:
                 self.host[digest] = slot
-                self.disk.move_to_end(digest)
+                if digest in self.disk:  # (the budget may have dropped it meanwhile)
+                    self.disk.move_to_end(digest)
                 self.from_disk.add(digest)
                 self.counters.read_bytes["disk"] += self.block_bytes
         return held, []
