@@ -11,7 +11,6 @@ from __future__ import annotations
 import sqlite3
 
 import msgspec
-import torch
 
 from conveyor.connector import KVConnector, KVConnectorWorker
 from conveyor.hookspecs import hookimpl
@@ -35,6 +34,8 @@ class SqliteWorker(KVConnectorWorker):
         self.pool = [storage.k, storage.v] + ([storage.k_scale, storage.v_scale] if storage.quantized else [])
 
     def apply(self, payload: bytes) -> None:
+        import torch  # (here, not at the top: the serving process imports this module too, and needs no torch)
+
         size = self.storage.block_size
         for op, digest, block in msgspec.msgpack.decode(payload, type=list[tuple[str, bytes, int]]):
             views = [t[:, :, block * size : (block + 1) * size] for t in self.pool]

@@ -17,11 +17,14 @@ import tempfile
 import threading
 import zlib
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import msgspec
-import torch
 
 from conveyor.connector import KVConnectorWorker
+
+if TYPE_CHECKING:  # (torch is imported in the worker only: the serving process registers this plugin too)
+    import torch
 
 logger = logging.getLogger("conveyor")
 
@@ -54,6 +57,8 @@ class TierWorker(KVConnectorWorker):
     """The host tier (one slot per block, each tensor of the pool in its block's shape) and the disk files."""
 
     def __init__(self, options, storage, rank: int, setup: bytes):
+        import torch
+
         super().__init__(options, storage, rank, setup)
         self.setup = msgspec.msgpack.decode(setup, type=TierSetup)
         self.block_size = storage.block_size
@@ -81,6 +86,8 @@ class TierWorker(KVConnectorWorker):
 
     def call(self, payload: bytes) -> bytes:
         """Carry out the operations in order; the keys of the files that could not be fetched (msgpack)."""
+        import torch
+
         failed = []
         flushed = False
         for kind, block, slot, key in msgspec.msgpack.decode(payload, type=list[tuple[int, int, int, bytes]]):
@@ -144,6 +151,8 @@ class TierWorker(KVConnectorWorker):
 
     def _read(self, key: bytes, slot: int) -> bool:
         """The block's file into the slot, if it is whole and this model's; False (with a warning) if not."""
+        import torch
+
         path = self._path(key)
         try:
             data = path.read_bytes()
