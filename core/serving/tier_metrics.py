@@ -6,7 +6,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from conveyor.messages import ConnectorStats
 
-# counter -> the ConnectorStats field it follows (per tier)
+# ConnectorStats field (per tier) -> the counter that follows it: name, help
 _COUNTERS = {
     "hit_tokens": ("conveyor_kv_tier_hit_tokens", "Prompt tokens loaded from a KV tier instead of computed."),
     "read_bytes": ("conveyor_kv_tier_read_bytes", "Bytes of KV blocks read from a tier."),
