@@ -31,7 +31,12 @@ The contract, in the order a request meets it:
 - When a block of a request is full and its tokens computed, the manager
   calls ``save(digest, block)``. Its contents are final once the steps
   already submitted have run; the block is not reused before the next step
-  the engine submits, which carries the payload.
+  the engine submits, which carries the payload; when the engine goes idle
+  instead, it calls ``flush``, which carries it out at once.
+- A request prefilled by another engine (prefill/decode disaggregation)
+  carries ``request.kv_transfer``: the other engine's connector saves its
+  prompt's blocks, and this one may hold it at the gate until they have
+  come (``holds``, ``release``), for at most ``kv_transfer.timeout`` seconds.
 
 A block's digest is the prefix cache's: its tokens chained to every token
 before it and the request's cache salt (its LoRA adapter), so equal digests
@@ -152,6 +157,13 @@ class KVConnector(AdmissionGate, ABC):
         Returns:
             The payload for ``KVConnectorWorker.apply`` (b"": nothing to do).
         """
+
+    def flush(self) -> None:
+        """The engine is idle (no step in flight, none to submit): carry out now what waits for the next step,
+        so that saved blocks reach the store without a next request."""
+        payload = self.take_payload()
+        if payload:
+            self.call(payload)
 
     def stats(self) -> ConnectorStats:
         """Counters for /metrics.

@@ -27,6 +27,17 @@ class LoraAdapter(msgspec.Struct, array_like=True, frozen=True, gc=False):
     id: int
 
 
+class KVTransfer(msgspec.Struct, array_like=True, frozen=True, gc=False):
+    """A request whose prompt another engine prefills (prefill/decode disaggregation): that engine's KV
+    connector stores the prompt's blocks, this engine's connector waits for them, loads them and computes the
+    rest. A connector that moves no blocks between engines ignores it (the prompt is computed)."""
+
+    # the prompt's leading full blocks the other engine stores
+    num_blocks: int
+    # seconds to wait for them; what has not come by then is computed
+    timeout: float
+
+
 class EngineRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     request_id: str
     prompt_token_ids: list[int]
@@ -39,6 +50,8 @@ class EngineRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fals
     eos_token_ids: list[int] = []
     # the LoRA adapter the request runs under; None: the base model
     lora: LoraAdapter | None = None
+    # its prompt's KV comes from a prefill engine; None: this engine computes the prompt
+    kv_transfer: KVTransfer | None = None
 
 
 class TokenLogprob(msgspec.Struct, array_like=True, gc=False):
@@ -133,6 +146,11 @@ class ConnectorStats(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fal
     written_bytes: dict[str, int] = {}
     # stored blocks found unreadable (truncated, corrupt, another model's) and skipped
     num_errors: int = 0
+    # requests whose prompt blocks came from a prefill engine, by outcome: "arrived" (all of them in time),
+    # "timed_out" (the rest computed); the bytes they waited for, and the seconds they waited
+    transfers: dict[str, int] = {}
+    transfer_bytes: int = 0
+    transfer_seconds: float = 0.0
 
 
 class KVOwners(msgspec.Struct, array_like=True, gc=False):

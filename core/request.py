@@ -7,7 +7,7 @@ import itertools
 import time
 from collections.abc import Collection
 
-from conveyor.messages import EngineRequest, LoraAdapter
+from conveyor.messages import EngineRequest, KVTransfer, LoraAdapter
 from conveyor.sampling import SamplingParams
 
 _arrival_counter = itertools.count()
@@ -71,6 +71,7 @@ class Request:
         "finish_reason",
         "first_scheduled_time",
         "in_flight",
+        "kv_transfer",
         "lora",
         "max_total_tokens",
         "num_cached_tokens",
@@ -96,6 +97,7 @@ class Request:
         priority: int = 0,
         arrival_time: float | None = None,
         lora: LoraAdapter | None = None,
+        kv_transfer: KVTransfer | None = None,
     ):
         self.request_id = request_id
         self.prompt_token_ids = prompt_token_ids
@@ -133,6 +135,8 @@ class Request:
         self.lora = lora
         # what else its tokens' KV depends on (the adapter): prefix caching shares blocks only where it matches
         self.cache_salt = b"" if lora is None else f"lora {lora.id}".encode()
+        # its prompt's KV comes from a prefill engine (the KV connector waits for it)
+        self.kv_transfer = kv_transfer
 
     @classmethod
     def from_message(cls, msg: EngineRequest, max_model_len: int) -> Request:
@@ -145,6 +149,7 @@ class Request:
             msg.priority,
             msg.arrival_time or None,
             msg.lora,
+            msg.kv_transfer,
         )
 
     @property

@@ -234,3 +234,54 @@ def test_kv_tiers_serve_the_histories_a_small_pool_evicts_and_their_copies_take_
     slow, slow_hits = later_ttft({"host": 25e6}, **{"connector.plugin": "tiers", "connector.host_gb": 1.0})
     assert no_hits == 0 and hits == slow_hits > 12 * 256  # (most of each later turn's history)
     assert tiered < plain < slow
+
+
+def fleet(requests, arrivals, link_bytes_per_s=LINK_BYTES_PER_S, **overrides):
+    from conveyor.bench.sim_fleet import simulate_fleet
+
+    config = load_config(None, {"model.max_model_len": 4096, "scheduler.max_num_batched_tokens": 2048,
+                                "scheduler.max_num_seqs": 256, **overrides})
+    cost = CostModel.datasheet(H100, "bfloat16", LLAMA, 1)
+    return simulate_fleet(config, LLAMA, requests, arrivals, cost, H100, link_bytes_per_s)
+
+
+PD = {"parallel.prefill_engines": 1, "parallel.decode_engines": 1}
+
+
+def test_a_prefill_engine_hands_the_prompt_to_a_decode_engine_over_the_link():
+    """One request alone: its TTFT grows by exactly its KV's bytes over a slower link; the decode engine computes
+    only the prompt's last, partial block (its full blocks came over), the prefill engine the whole prompt."""
+    (prompt,) = prompts(1, 1000)
+    fast, _, steps = fleet([SimRequest(prompt, 8)], [0.0], 1e12, **PD)
+    slow, _, _ = fleet([SimRequest(prompt, 8)], [0.0], 1e9, **PD)
+    transfer = 1000 * kv_bytes_per_token(LLAMA)
+    assert slow[0].ttft - fast[0].ttft == pytest.approx(transfer / 1e9 - transfer / 1e12, rel=1e-6)
+    assert slow[0].e2e - fast[0].e2e == pytest.approx(transfer / 1e9 - transfer / 1e12, rel=1e-6)
+    assert fast[0].output_tokens == 8 and len(fast[0].itl) == 7
+    computed = [s.num_prefill_tokens for s in steps if s.num_prefill_tokens]
+    assert sum(computed) == 1000 + 1000 % 16 and 1000 % 16 in computed  # (block size 16: 8 tokens on decode)
+
+
+def test_data_parallel_replicas_share_the_requests_and_disaggregation_keeps_long_prompts_off_the_decodes():
+    """Long prompts arriving steadily: two colocated replicas (each half the requests, in order) against one
+    prefill and one decode engine on the same two devices. The decode engine runs no prompt chunk beside its
+    decodes, so its ITL P99 stays near a decode step's, where the replicas' decodes share steps with 2,048-token
+    chunks; and each request's TTFT includes its transfer."""
+    rng = random.Random(3)
+    requests = [SimRequest(p, rng.randint(64, 192)) for p in prompts(60, 2000)]
+    arrivals = [i / 4 for i in range(len(requests))]
+    replicas, _, _ = fleet(requests, arrivals, **{"parallel.data_parallel_size": 2})
+    assert [r.index for r in replicas] == list(range(len(requests))) and all(r.ok for r in replicas)
+    halves = [run(LLAMA, requests[k::2], arrivals[k::2], **{"scheduler.max_num_batched_tokens": 2048,
+                                                             "scheduler.max_num_seqs": 256})[0] for k in (0, 1)]
+    assert [r.ttft for r in replicas[0::2]] == [r.ttft for r in halves[0]]
+    assert [r.ttft for r in replicas[1::2]] == [r.ttft for r in halves[1]]
+    split, _, _ = fleet(requests, arrivals, **PD)
+    assert all(r.ok for r in split) and [r.output_tokens for r in split] == [r.max_tokens for r in requests]
+
+    def itl_p99(records) -> float:
+        gaps = sorted(gap for r in records for gap in r.itl)
+        return gaps[int(0.99 * (len(gaps) - 1))]
+
+    assert itl_p99(split) < 0.7 * itl_p99(replicas)
+    assert min(r.ttft for r in split) > 2000 * kv_bytes_per_token(LLAMA) / LINK_BYTES_PER_S

@@ -28,7 +28,15 @@ from collections.abc import Sequence
 from dataclasses import asdict
 from typing import Any
 
-from conveyor.bench.costs import DEFAULT_INTERCONNECT, INTERCONNECTS, CostModel, calibrate, weight_bytes
+from conveyor.bench.costs import (
+    DEFAULT_INTERCONNECT,
+    INTERCONNECTS,
+    TIER_BYTES_PER_S,
+    CostModel,
+    calibrate,
+    weight_bytes,
+)
+from conveyor.bench.sim_fleet import simulate_fleet
 from conveyor.bench.sim_workload import SIMULATED_TOKEN, SimRequest, add_workload_arguments, workload
 from conveyor.config import Config
 from conveyor.connector import KVConnector
@@ -151,7 +159,7 @@ class SimulatedExecutor(Executor):
 
 
 def simulate(config: Config, spec: ModelSpec, requests: Sequence[SimRequest], arrivals: Sequence[float],
-             cost: CostModel, peaks: DevicePeaks, latency_s: float = 0.0):
+             cost: CostModel, peaks: DevicePeaks, latency_s: float = 0.0, connector: KVConnector | None = None):
     """Run the workload through the engine core on a virtual clock.
 
     Args:
@@ -159,6 +167,7 @@ def simulate(config: Config, spec: ModelSpec, requests: Sequence[SimRequest], ar
             ``parallel.tensor_parallel_size``); its model is ``spec``.
         arrivals: each request's arrival, seconds from the start.
         latency_s: from a request's arrival to the engine's taking it (the frontend: HTTP, tokenizing, IPC).
+        connector: consulted by the KV cache instead of the config's (``sim_fleet.HandedOver``).
         peaks: the device's; on a GPU its memory less the weights' share is the KV cache's before
             ``memory_fraction`` (a CPU's budget is ``[kvcache] memory_gb``).
 
@@ -184,6 +193,8 @@ def simulate(config: Config, spec: ModelSpec, requests: Sequence[SimRequest], ar
     executor = SimulatedExecutor(config, registry, spec, cost, weights, free_memory)
     core = EngineCore(config, registry, executor=executor, peaks=peaks)
     core.scheduler.clock = lambda: executor.clock  # (deadlines and queue times on the virtual clock)
+    if connector is not None:
+        core.kvcache.attach(connector)
     executor.connector = core.connector
     arrivals = [float(t) + latency_s for t in arrivals]  # (when each reaches the engine)
     order = sorted(range(len(requests)), key=lambda i: arrivals[i])
@@ -311,11 +322,14 @@ def main(args) -> int:
     several = config.parallel.tensor_parallel_size * config.parallel.pipeline_parallel_size > 1
     link = f", {args.interconnect or DEFAULT_INTERCONNECT}" if several and args.hardware != "cpu" else ""
     requests = workload(args)
+    # the link a prompt's KV crosses from a prefill engine to a decode engine
+    transfer = (TIER_BYTES_PER_S["host"] if args.hardware == "cpu"
+                else INTERCONNECTS[args.interconnect or DEFAULT_INTERCONNECT].bytes_per_second)
     runs = []
     for rate in args.request_rate:
         arrivals = [float(t) for t in arrival_times(len(requests), rate, args.burstiness, args.seed)]
-        records, duration, steps = simulate(config, spec, requests, arrivals, cost, peaks)
-        run = {"label": f"{args.model} on {peaks.name}{link} (simulated)", "config": {"rate": rate},
+        records, duration, steps = simulate_fleet(config, spec, requests, arrivals, cost, peaks, transfer)
+        run = {"label": f"{args.model} on {peaks.name}{link}{_engines(config)} (simulated)", "config": {"rate": rate},
                "summary": summarize(records, duration, _slos(args.goodput)), "comm_share": comm_share(steps)}
         runs.append(run)
         comm = f"\n  communication: {run['comm_share']:.1%} of the steps' time" if several else ""
@@ -326,6 +340,14 @@ def main(args) -> int:
         with open(args.json_path, "w") as f:
             json.dump({"cost_model": asdict(cost), "runs": runs}, f, indent=2)
     return 0
+
+
+def _engines(config: Config) -> str:
+    """The label's ", 1 prefill + 1 decode engines" or ", 2 replicas" ("" for one engine)."""
+    parallel = config.parallel
+    if parallel.prefill_engines:
+        return f", {parallel.prefill_engines} prefill + {parallel.decode_engines} decode engines"
+    return f", {parallel.data_parallel_size} replicas" if parallel.data_parallel_size > 1 else ""
 
 
 def comm_share(steps: Sequence[StepStats]) -> float:

@@ -111,8 +111,28 @@ class ParallelConfig(msgspec.Struct, forbid_unknown_fields=True):
     executor: Literal["auto", "uniproc", "mp", "ray"] = "auto"
     # Ray: "" starts a local Ray instance; "auto" or "HOST:PORT" joins a running cluster
     ray_address: str = ""
+    # prefill/decode disaggregation: engines that only prefill prompts (0 with decode_engines = 0: every engine
+    # does both); the prompts' KV moves to the decode engines through the "tiers" connector
+    prefill_engines: Annotated[int, msgspec.Meta(ge=0)] = 0
+    # engines that take the prompts' KV from the prefill engines and decode
+    decode_engines: Annotated[int, msgspec.Meta(ge=0)] = 0
+    # the directory the prefill engines store the KV blocks in for the decode engines; "": a new one in shared
+    # memory (/dev/shm where there is one), removed when the server stops
+    kv_transfer_dir: str = ""
+    # seconds a decode engine waits for a prompt's blocks before it computes what has not come
+    kv_transfer_timeout: Annotated[float, msgspec.Meta(gt=0)] = 30.0
 
     def __post_init__(self) -> None:
+        if (self.prefill_engines == 0) != (self.decode_engines == 0):
+            raise ValueError(
+                f"prefill_engines = {self.prefill_engines}, decode_engines = {self.decode_engines}: set both (each "
+                "at least 1) to disaggregate prefill from decode, or neither"
+            )
+        if self.prefill_engines and self.data_parallel_size > 1:
+            raise ValueError(
+                f"data_parallel_size = {self.data_parallel_size} with prefill_engines and decode_engines: the "
+                "prefill and decode engines are the replicas; allowed: data_parallel_size = 1"
+            )
         if self.executor == "uniproc" and self.world_size > 1:
             raise ValueError(
                 f"executor = 'uniproc' runs one worker, but tensor_parallel_size * pipeline_parallel_size = "

@@ -242,11 +242,18 @@ class EngineCore:
             return released + self.scheduler.abort([r.request_id for r in flight.batch.requests], error), None
         executed = time.perf_counter()
         outputs = self._update(flight, result)
+        self._flush_when_idle()
         self.num_steps += 1
         stats = self._step_stats(flight, result, executed)
         self.scheduler.observe_step([(r.start, len(r.token_ids)) for r in flight.step.requests],
                                     stats.schedule_time + stats.forward_time + stats.sample_time + stats.update_time)
         return released + outputs, stats
+
+    def _flush_when_idle(self) -> None:
+        """With no step in flight and none to come, the connector carries out now what waits for the next step
+        (the blocks the last one filled reach its store; a decode engine may be waiting for them)."""
+        if self.connector is not None and not self._in_flight and not self.scheduler.has_unfinished():
+            self.connector.flush()
 
     def _submit(self) -> bool:
         """Schedule a batch and hand it to the workers; False when there is nothing to run."""

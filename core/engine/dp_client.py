@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import sys
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from contextlib import aclosing
 from functools import partial
 from typing import Any
@@ -47,6 +47,9 @@ class DPClient(EngineClient):
         replicas: the engine clients to route over (replica i is ``replicas[i]``).
         router: the routing policy (default: a ``Router`` over 16-token blocks).
     """
+
+    # why a new request gets 503 while ``alive`` is False
+    down = "no engine replica is running (starting, restarting or stopping)"
 
     def __init__(self, replicas: Sequence[EngineClient], router: Router | None = None):
         super().__init__()
@@ -144,13 +147,8 @@ class DPClient(EngineClient):
             EngineUnavailable: no replica is running.
             RequestRejected: the request id is in flight already.
         """
-        if not self.alive:
-            raise EngineUnavailable("no engine replica is running (starting, restarting or stopping)")
-        if request.request_id in self._owners:
-            raise RequestRejected(f"request id {request.request_id!r} is already in use")
-        hashes = self.router.prefix_hashes(request.prompt_token_ids)
-        index = self.router.choose(hashes, self.loads())
-        self.router.record(index, hashes)
+        hashes = self._admit(request)
+        index = self._choose(range(len(self.replicas)), hashes)
         self._owners[request.request_id] = index
         try:
             # NOTE: the replica counts the request in flight before this yields, so the next one routed sees it.
@@ -159,6 +157,30 @@ class DPClient(EngineClient):
                     yield output
         finally:
             del self._owners[request.request_id]
+
+    def _admit(self, request: EngineRequest) -> list[int]:
+        """Check a new request before it is routed; its prompt's prefix hashes.
+
+        Raises:
+            EngineUnavailable: no engine that could serve it is running (``down``).
+            RequestRejected: its id is in flight already.
+        """
+        if not self.alive:
+            raise EngineUnavailable(self.down)
+        if request.request_id in self._owners:
+            raise RequestRejected(f"request id {request.request_id!r} is already in use")
+        return self.router.prefix_hashes(request.prompt_token_ids)
+
+    def _choose(self, indices: Iterable[int], hashes: list[int]) -> int | None:
+        """The live replica among ``indices`` the router picks, now recorded as holding the prefix (None when none
+        is live)."""
+        wanted = set(indices)
+        loads = [load if index in wanted else None for index, load in enumerate(self.loads())]
+        if not any(load is not None for load in loads):
+            return None
+        index = self.router.choose(hashes, loads)
+        self.router.record(index, hashes)
+        return index
 
     def replica_of(self, request_id: str) -> int | None:
         """The replica serving a request in flight, or None."""

@@ -7,7 +7,8 @@ requests, lets in-flight ones finish for up to ``[server] drain_timeout``
 seconds, aborts the rest, stops the engine and returns 0.
 
 With ``[parallel] data_parallel_size`` above 1 the frontend runs that many
-engine processes behind a router (``DPClient``) instead of one (``MPClient``).
+engine processes behind a router (``DPClient``) instead of one (``MPClient``); with ``prefill_engines`` and
+``decode_engines``, prefill engines and decode engines (``PDClient``).
 """
 
 from __future__ import annotations
@@ -25,11 +26,13 @@ from conveyor.config import Config, ConfigError, load_config
 from conveyor.engine.client import EngineClient, EngineFailed
 from conveyor.engine.dp_client import DPClient
 from conveyor.engine.mp_client import MPClient
+from conveyor.engine.pd_client import PDClient
 from conveyor.messages import EngineReady
 from conveyor.model.tokenizer import load_tokenizer
 from conveyor.registry import PluginRegistry
 from conveyor.serving.frontend import EngineFrontend
 from conveyor.serving.metrics import ServerMetrics
+from conveyor.serving.role_metrics import RoleMetrics
 
 if sys.version_info < (3, 11):
     from exceptiongroup import BaseExceptionGroup
@@ -65,7 +68,13 @@ async def serve(config_path: str | Path | None, overrides: Mapping[str, Any] | N
             logger.info("starting the engine process")
             ready = await tg.start(engine.run)
             _print_banner(model_name, config.kvcache.plugin, ready, urls)
-            if isinstance(engine, DPClient):
+            if isinstance(engine, PDClient):
+                pids = [str(r.pid) if r is not None else "?" for r in engine.readies]
+                prefill, decode = ", ".join(pids[: engine.num_prefill]), ", ".join(pids[engine.num_prefill :])
+                print(f"Prefill/decode: {engine.num_prefill} prefill engines (pids {prefill}) and "
+                      f"{len(pids) - engine.num_prefill} decode engines (pids {decode}), each with the KV cache "
+                      f"above; prompts' KV moves through {engine.kv_dir}", flush=True)
+            elif isinstance(engine, DPClient):
                 pids = ", ".join(str(r.pid) for r in engine.readies if r is not None)
                 print(f"Data parallel: {len(engine.replicas)} engine replicas (pids {pids}), each with the KV "
                       "cache above; requests go to the least loaded one or the one holding their prefix", flush=True)
@@ -95,13 +104,15 @@ async def serve(config_path: str | Path | None, overrides: Mapping[str, Any] | N
 
 
 def _engine_client(config: Config, log_level: str) -> EngineClient:
-    """One engine process, or ``data_parallel_size`` of them behind a router."""
+    """One engine process, ``data_parallel_size`` of them behind a router, or prefill and decode engines."""
     options = {
         "address": config.server.engine_address,
         "max_restarts": config.server.max_engine_restarts,
         "engine_timeout": config.server.engine_timeout,
         "log_level": log_level,
     }
+    if config.parallel.prefill_engines:
+        return PDClient.from_config(config, **options)
     if config.parallel.data_parallel_size > 1:
         return DPClient.from_config(config, **options)
     return MPClient(config, **options)
@@ -115,6 +126,10 @@ def _metrics(engine: EngineClient, model_name: str) -> ServerMetrics:
                                 replica_in_flight=lambda i: replicas[i].num_in_flight)
         engine.replica_stats_observers.append(metrics.engine_step)
         engine.replica_ready_observers.append(metrics.engine_ready)
+        if isinstance(engine, PDClient):
+            roles = RoleMetrics(metrics.registry, model_name, engine.roles)
+            engine.replica_stats_observers.append(roles.observe)
+            engine.replica_ready_observers.append(lambda ready, replica: roles.engine_ready(replica))
         return metrics
     metrics = ServerMetrics(model_name)
     engine.stats_observers.append(metrics.engine_step)

@@ -1,4 +1,5 @@
-"""The KV connector's tiers on /metrics: blocks held, prompt tokens loaded, bytes moved, files skipped."""
+"""The KV connector's tiers on /metrics: blocks held, prompt tokens loaded, bytes moved, files skipped; and the
+prompts' KV handed from prefill engines to decode engines (requests by outcome, bytes, seconds waited)."""
 
 from __future__ import annotations
 
@@ -29,8 +30,16 @@ class TierMetrics:
                          for field, (name, doc) in _COUNTERS.items()}
         self.errors = Counter("conveyor_kv_tier_errors", "Stored KV blocks found unreadable (truncated, corrupt, "
                               "another model's) and recomputed.", ["model_name", *extra], registry=registry)
+        self.transfers = Counter("conveyor_kv_transfers", "Requests whose prompt KV came from a prefill engine, by "
+                                 "outcome: arrived, or timed_out (the rest computed).",
+                                 ["model_name", "outcome", *extra], registry=registry)
+        self.transfer_bytes = Counter("conveyor_kv_transfer_bytes", "Bytes of prompt KV that came from prefill "
+                                      "engines.", ["model_name", *extra], registry=registry)
+        self.transfer_seconds = Counter("conveyor_kv_transfer_wait_seconds", "Seconds requests waited for their "
+                                        "prompt KV from a prefill engine (divide by conveyor_kv_transfers_total "
+                                        "for the mean per request).", ["model_name", *extra], registry=registry)
         # per replica: the cumulative values last seen, to turn them into increments
-        self._seen: list[dict[tuple[str, str], int]] = [{} for _ in range(num_replicas)]
+        self._seen: list[dict[tuple[str, str], float]] = [{} for _ in range(num_replicas)]
 
     def engine_ready(self, replica: int) -> None:
         """A new engine counts from zero."""
@@ -49,3 +58,11 @@ class TierMetrics:
                 seen[field, tier] = now
         self.errors.labels(self.model_name, *replica_label).inc(max(0, stats.num_errors - seen.get(("errors", ""), 0)))
         seen["errors", ""] = stats.num_errors
+        for outcome, now in stats.transfers.items():
+            self.transfers.labels(self.model_name, outcome, *replica_label).inc(
+                max(0, now - seen.get(("transfers", outcome), 0)))
+            seen["transfers", outcome] = now
+        for key, counter, now in (("bytes", self.transfer_bytes, stats.transfer_bytes),
+                                  ("seconds", self.transfer_seconds, stats.transfer_seconds)):
+            counter.labels(self.model_name, *replica_label).inc(max(0, now - seen.get(("transfer", key), 0)))
+            seen["transfer", key] = now

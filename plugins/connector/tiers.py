@@ -13,6 +13,11 @@ and checksum): a truncated, corrupt or foreign file is skipped with a warning an
 named by the block's digest under a directory named by the fingerprint, written whole to a temporary name
 and renamed, so the disk tier outlives the server and a crash never leaves half a block under a real name.
 
+Prefill/decode disaggregation goes through the disk tier, on a directory every engine shares (in shared
+memory: ``[parallel] prefill_engines``): the prefill engine saves a prompt's blocks as it computes them, and
+the decode engine holds the request (``Request.kv_transfer``) at this connector's gate until their files are
+there, for at most the transfer's timeout, then loads them as any disk hit; what has not come is computed.
+
 This side (the engine core's) decides every copy and which slot of the host tier each block takes; the
 workers (``conveyor.plugins.connector.tier_store``) carry the copies out in the order decided, before the
 next step's forward pass, so a slot is never read after it is reused. Like SGLang's HiCache and vLLM's
@@ -23,6 +28,7 @@ and a disk read waits for the workers to be idle (as LoRA loads do).
 from __future__ import annotations
 
 import logging
+import time
 from collections import OrderedDict
 from pathlib import Path
 from typing import Annotated
@@ -81,6 +87,8 @@ class TieredConnector(KVConnector):
         self.pinned: dict[int, int] = {}
         # blocks read from disk into the host tier and not yet loaded (a load of one is a disk hit)
         self.from_disk: set[bytes] = set()
+        # requests waiting for a prefill engine's blocks, by request id
+        self.transfers: dict[str, _Transfer] = {}
         self.counters = ConnectorStats(capacity_blocks={"host": self.num_host_blocks, "disk": self.num_disk_blocks},
                                        hit_tokens={"host": 0, "disk": 0}, read_bytes={"host": 0, "disk": 0},
                                        written_bytes={"host": 0, "disk": 0})
@@ -201,18 +209,32 @@ class TieredConnector(KVConnector):
             elif not self.kvcache.is_cached(digest):
                 break
         self._pin(request, resident)
-        return False
-
-    def wants_idle(self, held: list[Request]) -> bool:
+        transfer = request.kv_transfer
+        if transfer is None or self.disk is None:
+            return False
+        digests = self.kvcache.prefix_digests(request)[: transfer.num_blocks]
+        if not digests:
+            return False
+        self.transfers[request.request_id] = _Transfer(digests, time.monotonic() + transfer.timeout)
         return True
 
+    def wants_idle(self, held: list[Request]) -> bool:
+        return any(request.request_id in self.fetches for request in held)
+
     def release(self, held: list[Request], idle: bool) -> tuple[list[Request], list[tuple[Request, str]]]:
-        """Read every held request's blocks from disk into the host tier (only while no step is in flight), as
-        far as free or unkept slots go, and keep them for it; the rest of them are computed."""
-        if not idle:
-            return [], []
-        fetched: dict[bytes, int] = {}  # digest -> its slot
+        """Let a request waiting for a prefill engine's blocks go on once they are all stored, or its time is up.
+        Read every other held request's blocks from disk into the host tier (only while no step is in flight),
+        as far as free or unkept slots go, and keep them for it; the rest of them are computed."""
+        arrived, fetching = [], []
         for request in held:
+            if request.request_id not in self.transfers:
+                fetching.append(request)
+            elif self._transferred(request):
+                arrived.append(request)
+        if not idle or not fetching:
+            return arrived, []
+        fetched: dict[bytes, int] = {}  # digest -> its slot
+        for request in fetching:
             slots = []
             for digest in self.fetches.pop(request.request_id, ()):
                 if digest in self.host:
@@ -241,9 +263,31 @@ class TieredConnector(KVConnector):
                     self.disk.move_to_end(digest)
                 self.from_disk.add(digest)
                 self.counters.read_bytes["disk"] += self.block_bytes
-        return held, []
+        return arrived + fetching, []
+
+    def _transferred(self, request: Request) -> bool:
+        """Whether the request's transfer is over: every block it waits for is stored (or cached), or its time
+        is up (counted)."""
+        transfer = self.transfers[request.request_id]
+        digests = transfer.digests
+        while transfer.num_found < len(digests):
+            digest = digests[transfer.num_found]
+            if not (digest in self.host or self.kvcache.is_cached(digest) or self._on_disk(digest)):
+                break
+            transfer.num_found += 1
+        now = time.monotonic()
+        complete = transfer.num_found == len(digests)
+        if not complete and now < transfer.deadline:
+            return False
+        del self.transfers[request.request_id]
+        outcome = "arrived" if complete else "timed_out"
+        self.counters.transfers[outcome] = self.counters.transfers.get(outcome, 0) + 1
+        self.counters.transfer_bytes += transfer.num_found * self.block_bytes
+        self.counters.transfer_seconds += now - transfer.started
+        return True
 
     def forget(self, request: Request) -> None:
+        self.transfers.pop(request.request_id, None)
         self.fetches.pop(request.request_id, None)
         self.fetched.discard(request.request_id)
         self._unpin(request)
@@ -251,9 +295,22 @@ class TieredConnector(KVConnector):
     def stats(self) -> ConnectorStats:
         stats = msgspec.structs.replace(self.counters, hit_tokens=dict(self.counters.hit_tokens),
                                         read_bytes=dict(self.counters.read_bytes),
-                                        written_bytes=dict(self.counters.written_bytes))
+                                        written_bytes=dict(self.counters.written_bytes),
+                                        transfers=dict(self.counters.transfers))
         stats.blocks = {"host": len(self.host), "disk": len(self.disk or ())}
         return stats
+
+
+class _Transfer:
+    """A request waiting for a prefill engine's blocks."""
+
+    def __init__(self, digests: list[bytes], deadline: float):
+        self.digests = digests
+        # its leading blocks found stored so far
+        self.num_found = 0
+        self.started = time.monotonic()
+        # time.monotonic() when it stops waiting
+        self.deadline = deadline
 
 
 def _stored_digests(directory: Path) -> list[bytes]:
