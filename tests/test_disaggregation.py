@@ -215,6 +215,8 @@ def test_the_config_names_what_disaggregation_needs(tmp_path):
 # ---------------------------------------------------------------- real servers: SmolLM2, one host
 
 NUM_REQUESTS = 64
+# more of the same mix, for the failure cases (prompts no engine has seen before them)
+NUM_SPARE = 16
 SYSTEM = "You are a careful assistant. Answer in one short sentence and use plain words. " * 3
 
 
@@ -222,7 +224,7 @@ def prompts() -> list[str]:
     """Mixed: a quarter long (a document to summarize), half sharing a system prompt, the rest short and
     distinct; every one longer than a block (each prefills on a prefill engine)."""
     mixed = []
-    for i in range(NUM_REQUESTS):
+    for i in range(NUM_REQUESTS + NUM_SPARE):
         question = CHAT_PROMPTS[i % len(CHAT_PROMPTS)]
         if i % 4 == 0:
             mixed.append(f"Document {i}: " + "The river rose in spring and the town moved to the hills. " * (6 + i % 5)
@@ -282,7 +284,7 @@ def transfers(server: Server, outcome: str) -> float:
 def colocated(tmp_path_factory):
     server = serve(tmp_path_factory.mktemp("colocated"), "one")
     try:
-        return asyncio.run(complete(server, range(NUM_REQUESTS)))
+        return asyncio.run(complete(server, range(NUM_REQUESTS + NUM_SPARE)))
     finally:
         assert server.stop() == 0, server.output
 
@@ -292,7 +294,7 @@ def test_two_prefill_engines_and_one_decode_engine_serve_the_greedy_tokens_of_on
     server = serve(tmp_path, "2p1d", "parallel.prefill_engines=2", "parallel.decode_engines=1")
     try:
         assert re.search(r"Prefill/decode: 2 prefill engines \(pids \d+, \d+\) and 1 decode engines", server.output)
-        assert asyncio.run(complete(server, range(NUM_REQUESTS))) == colocated
+        assert asyncio.run(complete(server, range(NUM_REQUESTS))) == {i: colocated[i] for i in range(NUM_REQUESTS)}
         # every prompt's blocks came from a prefill engine in time, and both prefill engines took prompts
         assert transfers(server, "arrived") == NUM_REQUESTS and transfers(server, "timed_out") == 0
         assert server.metric("conveyor_kv_tier_hit_tokens_total", tier="disk", replica="2") > 0
@@ -308,14 +310,15 @@ def test_two_prefill_engines_and_one_decode_engine_serve_the_greedy_tokens_of_on
 @pytest.mark.slow
 def test_one_prefill_engine_killed_or_a_decode_engine_killed_loses_no_request(colocated, tmp_path):
     server = serve(tmp_path, "1p1d", "parallel.prefill_engines=1", "parallel.decode_engines=1")
-    first = range(NUM_REQUESTS // 2)
+    first = range(NUM_REQUESTS)
     try:
         assert asyncio.run(complete(server, first)) == {i: colocated[i] for i in first}
         assert transfers(server, "arrived") == len(first)
+        assert_every_block_free(server, range(2))
 
         # the prefill engine killed with prompts on it (held still, so that none is done first): each is computed
         # on the decode engine, with the tokens it would have had
-        held = range(NUM_REQUESTS // 2, NUM_REQUESTS // 2 + 8)
+        held = range(NUM_REQUESTS, NUM_REQUESTS + 8)
         with ThreadPoolExecutor(1) as pool:
             os.kill(engine_pid(server, 0), signal.SIGSTOP)
             running = pool.submit(asyncio.run, complete(server, held))
@@ -329,7 +332,7 @@ def test_one_prefill_engine_killed_or_a_decode_engine_killed_loses_no_request(co
 
         # the decode engine killed with requests on it: they end with 503; meanwhile new requests get 503; after
         # its restart, requests are served (prefilled on the prefill engine again)
-        on_decode = range(NUM_REQUESTS // 2 + 8, NUM_REQUESTS // 2 + 12)
+        on_decode = range(NUM_REQUESTS + 8, NUM_REQUESTS + 12)
         with ThreadPoolExecutor(1) as pool:
             os.kill(engine_pid(server, 1), signal.SIGSTOP)
             running = pool.submit(asyncio.run, complete(server, on_decode))
@@ -341,7 +344,7 @@ def test_one_prefill_engine_killed_or_a_decode_engine_killed_loses_no_request(co
         assert asyncio.run(complete(server, [0])) == {0: 503}
         server.wait_for(lambda: server.metric("conveyor_engine_alive", replica="1") == 1, timeout=180,
                         what="the decode engine to restart")
-        rest = range(NUM_REQUESTS // 2 + 12, NUM_REQUESTS)
+        rest = range(NUM_REQUESTS + 12, NUM_REQUESTS + NUM_SPARE)
         assert asyncio.run(complete(server, rest)) == {i: colocated[i] for i in rest}
         assert transfers(server, "arrived") > len(first) and transfers(server, "timed_out") == 0
         assert_every_block_free(server, range(2))

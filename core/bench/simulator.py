@@ -193,6 +193,7 @@ def simulate(config: Config, spec: ModelSpec, requests: Sequence[SimRequest], ar
     executor = SimulatedExecutor(config, registry, spec, cost, weights, free_memory)
     core = EngineCore(config, registry, executor=executor, peaks=peaks)
     core.scheduler.clock = lambda: executor.clock  # (deadlines and queue times on the virtual clock)
+    core.timer = core.scheduler.clock  # (the cost model holds the host's time per step: nothing real is added)
     if connector is not None:
         core.kvcache.attach(connector)
     executor.connector = core.connector

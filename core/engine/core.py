@@ -13,7 +13,7 @@ import logging
 import os
 import time
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from conveyor import paths
@@ -101,6 +101,9 @@ class EngineCore:
         proposer = {"ngram": NgramProposer, "draft": DraftModelProposer}.get(config.engine.speculative)
         self.proposer = proposer(config.engine) if proposer is not None else None
         self.num_steps = 0
+        # what the schedule and update stages are timed with (the simulator's virtual clock: they cost no time
+        # there beyond its cost model's)
+        self.timer: Callable[[], float] = time.perf_counter
         self.steps = StepBuilder(self.scheduler, self.kvcache, self.loras, self.grammars, self.connector)
         self._kv_owners_time = 0.0
         # what a step computes and moves, and the peaks it is measured against (all devices together)
@@ -240,7 +243,7 @@ class EngineCore:
             count_in_flight(flight.batch, -1)
             error = f"{type(e).__name__}: {e}"
             return released + self.scheduler.abort([r.request_id for r in flight.batch.requests], error), None
-        executed = time.perf_counter()
+        executed = self.timer()
         outputs = self._update(flight, result)
         self._flush_when_idle()
         self.num_steps += 1
@@ -257,7 +260,7 @@ class EngineCore:
 
     def _submit(self) -> bool:
         """Schedule a batch and hand it to the workers; False when there is nothing to run."""
-        start = time.perf_counter()
+        start = self.timer()
         batch = self.scheduler.schedule()
         if not batch.requests:
             return False
@@ -267,7 +270,7 @@ class EngineCore:
         )
         step = self.steps.build(batch)
         count_in_flight(batch, 1)
-        self._in_flight.append(InFlight(batch, step, num_decode, time.perf_counter() - start))
+        self._in_flight.append(InFlight(batch, step, num_decode, self.timer() - start))
         self.executor.submit(step)
         return True
 
@@ -315,7 +318,7 @@ class EngineCore:
         stats.schedule_time = flight.schedule_time
         stats.forward_time = result.forward_time
         stats.sample_time = result.sample_time
-        stats.update_time = time.perf_counter() - executed
+        stats.update_time = self.timer() - executed
         if self.costs is not None:
             work = step_work(self.costs, [(r.start, len(r.token_ids)) for r in flight.step.requests],
                              sum(1 + len(r.draft_token_ids) for r in flight.step.requests if r.sample))
