@@ -330,8 +330,9 @@ def test_one_prefill_engine_killed_or_a_decode_engine_killed_loses_no_request(co
         server.wait_for(lambda: server.metric("conveyor_engine_alive", replica="0") == 1, timeout=180,
                         what="the prefill engine to restart")
 
-        # the decode engine killed with requests on it: they end with 503; meanwhile new requests get 503; after
-        # its restart, requests are served (prefilled on the prefill engine again)
+        # the decode engine killed with requests on it: they end with 503; after its restart, requests are served
+        # (prefilled on the prefill engine again). (While no decode engine runs a new request gets 503: the
+        # stand-in test above holds that still; here a fast restart would race it.)
         on_decode = range(NUM_REQUESTS + 8, NUM_REQUESTS + 12)
         with ThreadPoolExecutor(1) as pool:
             os.kill(engine_pid(server, 1), signal.SIGSTOP)
@@ -340,8 +341,6 @@ def test_one_prefill_engine_killed_or_a_decode_engine_killed_loses_no_request(co
                             == len(on_decode), what="the requests on the held decode engine")
             os.kill(engine_pid(server, 1), signal.SIGKILL)
             assert running.result(timeout=300) == {i: 503 for i in on_decode}
-        server.wait_for(lambda: server.metric("conveyor_engine_alive", replica="1") == 0, what="the decode engine down")
-        assert asyncio.run(complete(server, [0])) == {0: 503}
         server.wait_for(lambda: server.metric("conveyor_engine_alive", replica="1") == 1, timeout=180,
                         what="the decode engine to restart")
         rest = range(NUM_REQUESTS + 12, NUM_REQUESTS + NUM_SPARE)
