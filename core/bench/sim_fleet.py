@@ -13,8 +13,7 @@ at the prefill engine to its first token from the decode engine.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
 
 import msgspec
 
@@ -72,8 +71,10 @@ def simulate_fleet(config: Config, spec: ModelSpec, requests: Sequence[SimReques
 
 
 def _dealt(config: Config, engines: int, spec: ModelSpec, requests: Sequence[SimRequest],
-           arrivals: Sequence[float], cost, peaks, **options: Any) -> tuple[list, float, list[StepStats]]:
-    """Requests dealt in turn to ``engines`` engines, each simulated; the records back in the requests' order."""
+           arrivals: Sequence[float], cost, peaks,
+           connector: Callable[[], KVConnector] | None = None) -> tuple[list, float, list[StepStats]]:
+    """Requests dealt in turn to ``engines`` engines, each simulated (with a KV connector of its own from
+    ``connector``, if given); the records back in the requests' order."""
     from conveyor.bench.simulator import simulate
 
     records: list = [None] * len(requests)
@@ -83,7 +84,7 @@ def _dealt(config: Config, engines: int, spec: ModelSpec, requests: Sequence[Sim
         if not mine:
             continue
         got, took, stepped = simulate(config, spec, [requests[i] for i in mine], [arrivals[i] for i in mine], cost,
-                                      peaks, **options)
+                                      peaks, connector=connector() if connector is not None else None)
         for i, record in zip(mine, got):
             record.index = i
             records[i] = record
@@ -102,7 +103,7 @@ def _disaggregated(config: Config, num_prefill: int, num_decode: int, spec: Mode
     ready = [prefilled[i].start + prefilled[i].ttft + len(requests[i].prompt_token_ids) * kv_bytes
              / transfer_bytes_per_s for i in handed]
     decoded, duration, decode_steps = _dealt(config, num_decode, spec, [requests[i] for i in handed], ready, cost,
-                                             peaks, connector=HandedOver())
+                                             peaks, connector=HandedOver)
     records = list(prefilled)
     for i, arrived, record in zip(handed, ready, decoded):
         waited = arrived - prefilled[i].start
