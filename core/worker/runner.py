@@ -10,6 +10,7 @@ from conveyor.attention.backend import AttentionBackend
 from conveyor.messages import RunnerOutput, ScheduledRequest, StepInput, TokenLogprob
 from conveyor.model.llama import LlamaModel
 from conveyor.model.lora import Adapters
+from conveyor.model.native_decode import NativeDecode
 from conveyor.worker.compiled import CompiledDecode
 from conveyor.worker.drafter import Drafter
 from conveyor.worker.inputs import InputBuffers
@@ -21,12 +22,14 @@ class ModelRunner:
 
     def __init__(self, model: LlamaModel, attention: AttentionBackend, sampler: Sampler,
                  compiled: CompiledDecode | None = None, adapters: Adapters | None = None,
-                 drafter: Drafter | None = None):
+                 drafter: Drafter | None = None, native_decode: bool = True):
         """
         Args:
             compiled: graphs for steps of decodes only (the others run eagerly); None: every step eagerly.
             adapters: the model's LoRA slots ([lora] max_loras > 0).
             drafter: the draft model ([engine] speculative = "draft"), which follows every step (eagerly).
+            native_decode: steps of decodes run every layer in one C++ call where the model allows
+                (``conveyor.model.native_decode``); False: layer by layer.
         """
         self.model = model
         self.attention = attention
@@ -34,6 +37,7 @@ class ModelRunner:
         self.compiled = compiled
         self.adapters = adapters
         self.drafter = drafter
+        self.native_decode = NativeDecode.build(model, attention) if native_decode else None
         self.device = model.device
         # the step's input tensors (the compiled graphs take them too)
         self.inputs = compiled.inputs if compiled is not None else InputBuffers(
@@ -86,7 +90,10 @@ class ModelRunner:
         if not model.first_stage:
             carried = group.recv_prev((2, rows, model.spec.hidden_size), model.dtype, self.device)
         inputs = self.inputs.prepare(step, self.attention)
-        hidden = model.forward(inputs.input_ids, inputs.positions, inputs.attention, carried)
+        if self.native_decode is not None and self.native_decode.accepts(inputs.attention, rows):
+            hidden = self.native_decode.forward(inputs.input_ids, inputs.positions, inputs.attention)
+        else:
+            hidden = model.forward(inputs.input_ids, inputs.positions, inputs.attention, carried)
         if not model.last_stage:
             group.send_next(hidden)
             return self._timed(RunnerOutput([], []), began)

@@ -212,7 +212,7 @@ class Worker:
             compiled.compile_all()
         drafter = self._drafter(layout) if self.draft_model is not None else None
         self.runner = ModelRunner(self.model, backend, Sampler(self.config.engine.seed), compiled, self.adapters,
-                                  drafter)
+                                  drafter, self.config.engine.native_decode == "auto")
         logger.debug("worker %d: KV cache of %.2f GiB, attention %r", self.rank, storage.num_bytes / 2**30,
                      backend.name)
 

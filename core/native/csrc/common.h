@@ -9,6 +9,7 @@
 #include <atomic>
 #include <cstdint>
 #include <cstring>
+#include <thread>
 #include <vector>
 
 // VDPBF16PS (bf16 pairs multiplied, float32 sums): the fast paths of the attention kernels.
@@ -61,21 +62,104 @@ inline int64_t whole_lines(int64_t n) { return (n + kLineFloats - 1) / kLineFloa
 // processes need (one stream 5x slower with GOMP_SPINCOUNT=10000).
 constexpr int64_t kSoloBytes = int64_t(384) << 10;
 
+// A team: threads that run one long op together (decode_layers.cpp: every layer of a decode step), each
+// calling the same kernels in the same order. Inside it, run_work_queue hands each call's items to whichever
+// members come for them, numbered on from the last call's, and returns once all are done; so the threads are
+// woken once an op, not once a kernel. A member that comes late (its core taken by another process) finds a
+// call's items taken and goes on to the next: no member waits for another to arrive, only for the items it has
+// taken to be done. The wait spins (a kernel's items take microseconds), then yields the core to whatever else
+// wants it.
+class Team {
+ public:
+  // Takes the next item if it is below `end` (the current call's last, plus one).
+  bool claim(int64_t end, int64_t* item) {
+    int64_t next = next_.load(std::memory_order_relaxed);
+    while (next < end) {
+      if (next_.compare_exchange_weak(next, next + 1, std::memory_order_acq_rel)) {
+        *item = next;
+        return true;
+      }
+    }
+    return false;
+  }
+
+  // An item taken is done (its writes are seen by whoever waits for it).
+  void finished() { done_.fetch_add(1, std::memory_order_release); }
+
+  // Waits until every item below `end` is done (or a member has given up: abort()).
+  void wait_done(int64_t end) {
+    for (int spins = 0; done_.load(std::memory_order_acquire) < end && !aborted(); ++spins) {
+      if (spins < kSpins) {
+#if defined(__x86_64__)
+        __builtin_ia32_pause();
+#endif
+      } else {
+        std::this_thread::yield();
+      }
+    }
+  }
+
+  // A member failed: the others stop waiting for its items (the op's results are then not used).
+  void abort() { aborted_.store(true, std::memory_order_release); }
+  bool aborted() const { return aborted_.load(std::memory_order_acquire); }
+
+ private:
+  static constexpr int kSpins = 4000;  // about 20-50 us of pause instructions before yielding
+  alignas(64) std::atomic<int64_t> next_{0};
+  alignas(64) std::atomic<int64_t> done_{0};
+  std::atomic<bool> aborted_{false};
+};
+
+// This thread's place in the team it runs in (null outside one): where its next call's items start.
+struct TeamMember {
+  Team* team;
+  int64_t first = 0;
+};
+inline thread_local TeamMember* t_member = nullptr;
+
 // Runs visit(item, scratch) for items 0 .. num_items - 1 on ATen's threads, each thread pulling the next
 // item from a shared counter (items of uneven cost balance themselves; order them costliest first), or on the
 // calling thread alone where the work reads fewer than kSoloBytes (`bytes`: what all items read; -1: unknown).
-// Each thread has its own scratch of scratch_floats floats, starting on a 64-byte line.
+// Inside a team, every member makes the same calls and the team's threads share each call's items (whatever
+// `bytes`); it returns once all are done. Each thread has its own scratch of scratch_floats floats, starting on
+// a 64-byte line.
 template <typename Visit>
 void run_work_queue(int64_t num_items, int64_t scratch_floats, Visit&& visit, int64_t bytes = -1) {
+  auto scratch_of = [&](std::vector<float>& storage) {
+    storage.resize(scratch_floats + kLineFloats);
+    const uintptr_t address = reinterpret_cast<uintptr_t>(storage.data());
+    return reinterpret_cast<float*>((address + 63) & ~uintptr_t(63));
+  };
+  if (TeamMember* member = t_member) {
+    Team& team = *member->team;
+    const int64_t first = member->first, end = first + num_items;
+    member->first = end;
+    int64_t item;
+    if (team.claim(end, &item)) {
+      std::vector<float> storage;
+      float* scratch = scratch_of(storage);
+      do {
+        visit(item - first, scratch);
+        team.finished();
+      } while (team.claim(end, &item));
+    }
+    team.wait_done(end);
+    return;
+  }
   std::atomic<int64_t> next{0};
   auto work = [&](int64_t, int64_t) {
-    std::vector<float> storage(scratch_floats + kLineFloats);
-    const uintptr_t address = reinterpret_cast<uintptr_t>(storage.data());
-    float* scratch = reinterpret_cast<float*>((address + 63) & ~uintptr_t(63));
+    std::vector<float> storage;
+    float* scratch = scratch_of(storage);
     for (int64_t item; (item = next.fetch_add(1)) < num_items;) visit(item, scratch);
   };
   if (bytes >= 0 && bytes < kSoloBytes) return work(0, 1);
   at::parallel_for(0, at::get_num_threads(), 1, work);
+}
+
+// Runs f() once: inside a team, on whichever member comes first, the others waiting until it is done.
+template <typename F>
+void run_once(F&& f) {
+  run_work_queue(1, 0, [&](int64_t, float*) { f(); });
 }
 
 // Sequence i reads positions [0, lens[i]) through row i of block_tables; every block it

@@ -12,6 +12,7 @@
 #include <cmath>
 
 #include "common.h"
+#include "kernels.h"
 
 namespace {
 
@@ -175,6 +176,15 @@ void rotary_(at::Tensor x, const at::Tensor& cos, const at::Tensor& sin) {
 }
 
 }  // namespace
+
+void conveyor::rms_norm_into(at::Tensor& h, const c10::optional<at::Tensor>& delta, const at::Tensor& weight,
+                             double eps, at::Tensor& out) {
+  rms_norm(h, delta, weight, eps, out);
+}
+
+void conveyor::silu_mul_into(const at::Tensor& gate_up, at::Tensor& out) { silu_mul(gate_up, out); }
+
+void conveyor::rotary_into(at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) { rotary_(x, cos, sin); }
 
 TORCH_LIBRARY_FRAGMENT(conveyor_cpu, m) {
   m.def("rms_norm(Tensor(a!) h, Tensor? delta, Tensor weight, float eps, Tensor(b!) out) -> ()");

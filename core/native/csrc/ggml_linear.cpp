@@ -40,6 +40,7 @@
 #include <string>
 
 #include "common.h"
+#include "kernels.h"
 
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #include <immintrin.h>
@@ -877,6 +878,11 @@ void ggml_linear(const at::Tensor& x, const at::Tensor& weight, int64_t type, co
 }
 
 }  // namespace
+
+void ggml_linear_into(const at::Tensor& x, const at::Tensor& weight, int64_t type, at::Tensor& out) {
+  ggml_linear(x, weight, type, c10::nullopt, out, ggml_linear_path());
+}
+
 }  // namespace conveyor
 
 TORCH_LIBRARY_FRAGMENT(conveyor_cpu, m) {

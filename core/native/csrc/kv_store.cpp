@@ -7,6 +7,7 @@
 #include <torch/library.h>
 
 #include "common.h"
+#include "kernels.h"
 
 namespace {
 
@@ -41,6 +42,11 @@ void store_kv(at::Tensor k_cache, at::Tensor v_cache, const at::Tensor& slot_map
 }
 
 }  // namespace
+
+void conveyor::store_kv_into(at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& slot_mapping,
+                             const at::Tensor& k, const at::Tensor& v) {
+  store_kv(k_cache, v_cache, slot_mapping, k, v);
+}
 
 TORCH_LIBRARY_FRAGMENT(conveyor_cpu, m) {
   m.def("store_kv(Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slot_mapping, Tensor k, Tensor v) -> ()");

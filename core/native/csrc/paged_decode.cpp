@@ -20,6 +20,7 @@
 #include <numeric>
 
 #include "common.h"
+#include "kernels.h"
 
 namespace {
 
@@ -270,8 +271,21 @@ void decode_bf16(const at::Tensor& q, const at::Tensor& k_cache, const at::Tenso
 }
 #endif
 
+// Query and result rows in the model's dtype, read and written through their strides (heads of a token back to
+// back), converted to and from float32 as each item takes them: no buffer is shared between items but out.
+template <typename Q>
+struct HeadRows {
+  static void load(const at::Tensor& t, int64_t b, int64_t head, int64_t n, float* dst) {
+    load_row<Q>(t.data_ptr<Q>() + b * t.stride(0) + head * t.stride(1), dst, n);
+  }
+  static void store(at::Tensor& t, int64_t b, int64_t head, int64_t n, const float* src) {
+    Q* dst = t.data_ptr<Q>() + b * t.stride(0) + head * t.stride(1);
+    for (int64_t i = 0; i < n; ++i) dst[i] = Q(src[i]);  // (rounded to nearest even, as a copy_ rounds)
+  }
+};
+
 // Any cache dtype (fp8 with its scales) and head size: float32 queries and results, converted at the ends.
-template <typename T, int kHeadDim>
+template <typename T, int kHeadDim, typename Q>
 void decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
             const c10::optional<at::Tensor>& k_scale, const c10::optional<at::Tensor>& v_scale,
             const at::Tensor& block_tables, const at::Tensor& context_lens, int64_t block_size, double softmax_scale,
@@ -279,10 +293,6 @@ void decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
   const int64_t batch = q.size(0), num_heads = q.size(1), head_dim = kHeadDim ? kHeadDim : q.size(2);
   const int64_t num_kv_heads = k_cache.size(0), num_slots = k_cache.size(1);
   const int64_t group = num_heads / num_kv_heads, table_width = block_tables.size(1);
-  const at::Tensor qf = q.to(at::kFloat).contiguous();
-  at::Tensor result = at::empty({batch, num_heads, head_dim}, q.options().dtype(at::kFloat));
-  const float* q_ptr = qf.data_ptr<float>();
-  float* out_ptr = result.data_ptr<float>();
   const T* k_ptr = k_cache.data_ptr<T>();
   const T* v_ptr = v_cache.data_ptr<T>();
   const bool scaled = k_scale.has_value();
@@ -291,9 +301,9 @@ void decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
   const int32_t* tables = block_tables.data_ptr<int32_t>();
   const int32_t* lens = context_lens.data_ptr<int32_t>();
   const float scale = static_cast<float>(softmax_scale);
-  // scratch: scores [group, len], then acc [group, D], row [D], scaled q [group, D], sums [group]
+  // scratch: scores [group, len], then acc [group, D], row [D], scaled q [group, D], sums [group], a result row [D]
   const int64_t scores_floats = conveyor::whole_lines(group * max_context(lens, batch));
-  const int64_t scratch_floats = scores_floats + 2 * group * head_dim + head_dim + group;
+  const int64_t scratch_floats = scores_floats + 2 * group * head_dim + head_dim + group + head_dim;
 
   for_each_item(lens, batch, num_kv_heads, 2 * head_dim * int64_t(sizeof(T)), scratch_floats,
                 [&](int64_t b, int64_t h, float* scratch) {
@@ -302,10 +312,11 @@ void decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
     float* row = acc + group * head_dim;
     float* qs = row + head_dim;
     float* sums = qs + group * head_dim;
+    float* result = sums + group;
     const int64_t len = lens[b], first = first_key(len, window);
     const int32_t* table = tables + b * table_width;
-    const float* q_rows = q_ptr + (b * num_heads + h * group) * head_dim;
-    for (int64_t i = 0; i < group * head_dim; ++i) qs[i] = q_rows[i] * scale;
+    for (int64_t g = 0; g < group; ++g) HeadRows<Q>::load(q, b, h * group + g, head_dim, qs + g * head_dim);
+    for (int64_t i = 0; i < group * head_dim; ++i) qs[i] *= scale;
     const T* k_head = k_ptr + h * num_slots * head_dim;
     const T* v_head = v_ptr + h * num_slots * head_dim;
     const int64_t scale_offset = h * num_slots;
@@ -334,13 +345,12 @@ void decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
         for (int64_t d = 0; d < head_dim; ++d) a[d] += p * row[d];
       }
     });
-    float* out_rows = out_ptr + (b * num_heads + h * group) * head_dim;
     for (int64_t g = 0; g < group; ++g) {
       const float inv = 1.0f / sums[g];
-      for (int64_t d = 0; d < head_dim; ++d) out_rows[g * head_dim + d] = acc[g * head_dim + d] * inv;
+      for (int64_t d = 0; d < head_dim; ++d) result[d] = acc[g * head_dim + d] * inv;
+      HeadRows<Q>::store(out, b, h * group + g, head_dim, result);
     }
   });
-  out.copy_(result);
 }
 
 void paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
@@ -382,36 +392,65 @@ void paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache, cons
                                                   softmax_scale, window, softcap, out);
   }
 #endif
-  const auto run = [&](auto element) {
+  TORCH_CHECK(out.scalar_type() == q.scalar_type(), "out must have q's dtype");
+  // (rows of q and out are read and written in place: along head_dim at unit stride)
+  const at::Tensor qs = q.stride(2) == 1 ? q : q.contiguous();
+  at::Tensor result = out.stride(2) == 1 ? out : at::empty(out.sizes(), out.options());
+  const auto with_rows = [&](auto element, auto query) {
     using T = decltype(element);
+    using Q = decltype(query);
     switch (q.size(2)) {
       case 64:
-        return decode<T, 64>(q, k_cache, v_cache, k_scale, v_scale, block_tables, context_lens, block_size,
-                             softmax_scale, window, softcap, out);
+        return decode<T, 64, Q>(qs, k_cache, v_cache, k_scale, v_scale, block_tables, context_lens, block_size,
+                                softmax_scale, window, softcap, result);
       case 128:
-        return decode<T, 128>(q, k_cache, v_cache, k_scale, v_scale, block_tables, context_lens, block_size,
-                              softmax_scale, window, softcap, out);
+        return decode<T, 128, Q>(qs, k_cache, v_cache, k_scale, v_scale, block_tables, context_lens, block_size,
+                                 softmax_scale, window, softcap, result);
       default:
-        return decode<T, 0>(q, k_cache, v_cache, k_scale, v_scale, block_tables, context_lens, block_size,
-                            softmax_scale, window, softcap, out);
+        return decode<T, 0, Q>(qs, k_cache, v_cache, k_scale, v_scale, block_tables, context_lens, block_size,
+                               softmax_scale, window, softcap, result);
+    }
+  };
+  const auto run = [&](auto element) {
+    switch (q.scalar_type()) {
+      case at::kFloat:
+        return with_rows(element, float{});
+      case at::kBFloat16:
+        return with_rows(element, c10::BFloat16{});
+      case at::kHalf:
+        return with_rows(element, c10::Half{});
+      default:
+        TORCH_CHECK(false, "unsupported query dtype ", q.scalar_type());
     }
   };
   switch (k_cache.scalar_type()) {
     case at::kFloat:
-      return run(float{});
+      run(float{});
+      break;
     case at::kBFloat16:
-      return run(c10::BFloat16{});
+      run(c10::BFloat16{});
+      break;
     case at::kHalf:
-      return run(c10::Half{});
+      run(c10::Half{});
+      break;
     case at::kByte:
       TORCH_CHECK(k_scale.has_value(), "an fp8 (uint8 bits) cache needs its scales");
-      return run(uint8_t{});
+      run(uint8_t{});
+      break;
     default:
       TORCH_CHECK(false, "unsupported KV cache dtype ", k_cache.scalar_type());
   }
+  if (!result.is_same(out)) out.copy_(result);
 }
 
 }  // namespace
+
+void conveyor::paged_decode_into(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                                 const at::Tensor& block_tables, const at::Tensor& context_lens, int64_t block_size,
+                                 double softmax_scale, at::Tensor& out) {
+  paged_decode_attention(q, k_cache, v_cache, c10::nullopt, c10::nullopt, block_tables, context_lens, block_size,
+                         softmax_scale, 0, 0.0, out);
+}
 
 TORCH_LIBRARY(conveyor_cpu, m) {
   m.def(

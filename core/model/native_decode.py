@@ -1,0 +1,103 @@
+"""Decode steps whose every layer runs in one C++ call (``conveyor.native.decode_layers``).
+
+A step of one-token decodes on a CPU spends as long between the kernels as in
+them when the model is small: Python calls, torch ops and threads woken per
+kernel (core/native/csrc/decode_layers.cpp says what was measured). Where the
+model is Llama's plain block (no q/k norms, sandwich norms, biases, experts,
+sliding windows or soft caps) with every linear layer as GGML blocks, on one
+worker with the C++ attention kernels and a float KV cache, and no LoRA,
+such steps go through one call instead, which runs the same kernels in the
+same order and so gives the same hidden states, bit for bit. Other steps, and
+other models, run layer by layer (``[engine] native_decode = "off"`` keeps
+every step there).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from conveyor import native
+from conveyor.model import ggml
+
+if TYPE_CHECKING:
+    from conveyor.attention.backend import AttentionBackend, StepAttention
+    from conveyor.model.layers import Linear
+    from conveyor.model.llama import LlamaModel
+
+
+def _blocks(linear: Linear, in_features: int) -> tuple[torch.Tensor, int] | None:
+    """A linear layer's weights as one run of GGML blocks over exactly ``in_features`` inputs, with its type's
+    number; None for any other format (float, fp8, several parts, a bias, a LoRA slot, a padded row)."""
+    if linear.lora is not None or linear.row_block or "bias" in linear.params:
+        return None
+    parts = [(key.rpartition(":")[2], data) for key, data in linear.params.items() if ":" in key]
+    if len(parts) != 1 or len(linear.params) != 1:
+        return None
+    layout, data = parts[0]
+    if layout not in ggml.TYPE_IDS:
+        return None
+    values, size = ggml.BLOCKS[layout]
+    if data.dim() != 2 or data.shape[1] // size * values != in_features:
+        return None
+    return data, ggml.TYPE_IDS[layout]
+
+
+class NativeDecode:
+    """The model's weights as ``decode_layers`` takes them, and the step it runs."""
+
+    def __init__(self, model: LlamaModel, attention: AttentionBackend, weights: list[torch.Tensor],
+                 types: list[int], norms: list[torch.Tensor]):
+        self.model = model
+        self.attention = attention
+        self.weights = weights
+        self.types = types
+        self.norms = norms
+
+    @classmethod
+    def build(cls, model: LlamaModel, attention: AttentionBackend) -> NativeDecode | None:
+        """For a model and attention backend it serves; None where some part of either needs the layer-by-layer
+        path."""
+        spec = model.spec
+        storage = attention.storage
+        if (model.device.type != "cpu" or not model.fused or attention.name != "cpu" or not native.load()
+                or model.group.placement.world_size > 1 or not (model.first_stage and model.last_stage)):
+            return None
+        if (spec.qk_norm or spec.sandwich_norms or spec.attention_bias or spec.activation != "silu"
+                or spec.local_rope_theta or spec.attn_softcap or spec.embedding_multiplier != 1.0):
+            return None
+        if storage.quantized or storage.dtype != model.dtype or attention.batch_invariant:
+            return None
+        scale = spec.softmax_scale
+        if any(layer.window or layer.softcap or layer.scale != scale for layer in attention.layers):
+            return None
+        weights: list[torch.Tensor] = []
+        types: list[int] = []
+        norms: list[torch.Tensor] = []
+        for layer in model.layers:
+            if layer.moe is not None or layer.cache_index != len(norms) // 2:
+                return None
+            inputs = (spec.hidden_size, layer.q_size, spec.hidden_size, layer.intermediate_size)
+            for linear, width in zip(layer.linears(), inputs, strict=True):
+                blocks = _blocks(linear, width)
+                if blocks is None:
+                    return None
+                weights.append(blocks[0])
+                types.append(blocks[1])
+            norms += [layer.input_norm.weight, layer.post_norm.weight]
+        norms.append(model.norm.weight)
+        return cls(model, attention, weights, types, norms)
+
+    def accepts(self, attention: StepAttention, num_tokens: int) -> bool:
+        """Whether a step is one this call runs: decodes only, one token each."""
+        return attention.prefill_plan is None and attention.num_decodes == num_tokens and num_tokens > 0
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attention: StepAttention) -> torch.Tensor:
+        """``LlamaModel.forward`` for a step ``accepts`` took: ``[M, hidden]`` final hidden states."""
+        model, storage, plan = self.model, self.attention.storage, attention.decode_plan
+        cos, sin = model.rotary.tables(positions, model.dtype)
+        return native.decode_layers(
+            model.embed_tokens(input_ids), storage.k, storage.v, attention.slot_mapping, plan.tables,
+            plan.context_lens, cos, sin, self.weights, self.types, self.norms, model.spec.rms_norm_eps,
+            model.spec.softmax_scale, storage.block_size, model.layers[0].num_heads)
