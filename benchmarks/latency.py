@@ -1,7 +1,7 @@
 """One stream at a time: inter-token latency through `conveyor serve`, next to two floors measured in the same run.
 
     python benchmarks/latency.py [--configs default bf16] [--requests 6] [--tokens 128] [--set KEY=VALUE ...]
-                                 [--async-scheduling off on]
+                                 [--async-scheduling off on] [--llama-server PATH] [--rounds N]
 
 For each config of configs/ (default: the GGUF's blocks kept packed; bf16: every weight expanded to bf16;
 int8: W8A16) it starts
@@ -23,9 +23,12 @@ engine's own per-token cost (attention, norms, sampling, the engine loop,
 detokenizing, HTTP). Where the bf16 config runs too, each ITL is also given
 against its bandwidth floor (what reading the model at bf16 would cost).
 
-llama.cpp's server beside it, on the same file: ``llama-server -m FILE -np 1
--t 2 --port P`` (any llama.cpp build) and the same requests through
-``conveyor bench --url http://127.0.0.1:P --max-concurrency 1``.
+``--llama-server PATH``: llama.cpp's server (any build of ``llama-server``)
+serves the default model's GGUF file in the same run, one slot and as many
+threads as torch has (``-np 1 -t N``), and gets the same requests, after the
+configs in each round. ``--rounds N`` serves every config (and llama-server)
+N times in turn, so that a machine whose speed drifts during the run drifts
+for all of them alike; the floors are measured once.
 """
 
 from __future__ import annotations
@@ -34,7 +37,9 @@ import argparse
 import asyncio
 import gc
 import platform
+import subprocess
 import tempfile
+import time
 from pathlib import Path
 
 import torch
@@ -43,6 +48,8 @@ from conveyor.bench.load import BenchRequest, LoadOptions, run_load, served_mode
 from conveyor.bench.server import Server
 from conveyor.bench.stats import percentiles
 from conveyor.config import load_config
+from conveyor.executor.mp import free_port
+from conveyor.model.checkpoint import resolve_model_path
 from conveyor.perf.floors import linear_seconds, read_bandwidth
 from conveyor.registry import PluginRegistry
 from conveyor.worker.worker import Worker
@@ -73,24 +80,58 @@ def serve_itl(path: Path, args: argparse.Namespace, extra: list[str]) -> dict[st
         text = path.read_text().replace("port = 8000", "port = 0")
         server = Server(text, Path(tmp), overrides=overrides, echo=args.verbose).start()
         try:
-            requests = [
-                BenchRequest([{"role": "user", "content": QUESTIONS[i % len(QUESTIONS)]}], None, 0, args.tokens)
-                for i in range(args.requests + 1)
-            ]
-
-            async def run():
-                import httpx
-
-                async with httpx.AsyncClient() as client:
-                    model = await served_model(client, server.http)
-                options = LoadOptions(max_concurrency=1, ignore_eos=True)
-                await run_load(server.http, model, requests[:1], options)  # warm up
-                records, _ = await run_load(server.http, model, requests[1:], options)
-                return records
-
-            records = asyncio.run(run())
+            return measure_itl(server.http, args)
         finally:
             server.stop()
+
+
+def llama_server_itl(binary: str, args: argparse.Namespace) -> dict[str, float]:
+    """The same requests through llama.cpp's server on the default model's GGUF file."""
+    import httpx
+
+    model = resolve_model_path(load_config(CONFIGS / "default.toml").model.path)
+    port = free_port()
+    command = [binary, "-m", str(model), "-np", "1", "-t", str(torch.get_num_threads()), "--host", "127.0.0.1",
+               "--port", str(port)]
+    server = subprocess.Popen(command, stdout=None if args.verbose else subprocess.DEVNULL, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            if server.poll() is not None:
+                raise RuntimeError(f"{binary} exited with {server.returncode} before serving")
+            try:
+                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{binary} did not serve within 120 s")
+            time.sleep(0.5)
+        return measure_itl(url, args)
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
+
+
+def measure_itl(url: str, args: argparse.Namespace) -> dict[str, float]:
+    """One warm-up request, then ``args.requests`` one after another through the streaming chat API."""
+    requests = [
+        BenchRequest([{"role": "user", "content": QUESTIONS[i % len(QUESTIONS)]}], None, 0, args.tokens)
+        for i in range(args.requests + 1)
+    ]
+
+    async def run():
+        import httpx
+
+        async with httpx.AsyncClient() as client:
+            model = await served_model(client, url)
+        options = LoadOptions(max_concurrency=1, ignore_eos=True)
+        await run_load(url, model, requests[:1], options)  # warm up
+        records, _ = await run_load(url, model, requests[1:], options)
+        return records
+
+    records = asyncio.run(run())
     failed = [r.error for r in records if not r.ok]
     if failed:
         raise RuntimeError(f"{len(failed)} requests failed: {failed[0]}")
@@ -108,24 +149,38 @@ def main() -> int:
                         help="a config override for the server and the floors (repeatable)")
     parser.add_argument("--async-scheduling", nargs="+", default=["auto"], choices=["auto", "on", "off"],
                         help="serve each config once per mode (default: the config's own)")
+    parser.add_argument("--llama-server", metavar="PATH", help="also serve the default GGUF with this llama-server")
+    parser.add_argument("--rounds", type=int, default=1, help="serve everything this many times, in turn")
     parser.add_argument("--verbose", action="store_true", help="echo the server's output")
     args = parser.parse_args()
     overrides = dict(item.split("=", 1) for item in args.set)
     print(f"# {platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, torch {torch.__version__}")
     bandwidth = read_bandwidth()
     print(f"read bandwidth: {bandwidth / 1e9:.1f} GB/s")
-    rows = []
+    floors = {}
     for name in args.configs:
-        path = CONFIGS / f"{name}.toml"
         print(f"[{name}] floors ...", flush=True)
-        linear_s, weight_bytes = linear_floor(path, overrides)
+        floors[name] = linear_floor(CONFIGS / f"{name}.toml", overrides)
         gc.collect()
-        for mode in args.async_scheduling:
-            label = name if args.async_scheduling == ["auto"] else f"{name}, async {mode}"
-            print(f"[{label}] serving {args.requests} requests of {args.tokens} tokens, one at a time ...", flush=True)
-            served = serve_itl(path, args, [f"engine.async_scheduling={mode}"] if mode != "auto" else [])
-            rows.append((label, weight_bytes, weight_bytes / bandwidth, linear_s, served))
-    bf16_floor = next((bw for name, _, bw, _, _ in rows if name.split(",")[0] == "bf16"), None)
+    rows = []
+    for round in range(1, args.rounds + 1):
+        suffix = f" (round {round})" if args.rounds > 1 else ""
+        for name in args.configs:
+            linear_s, weight_bytes = floors[name]
+            for mode in args.async_scheduling:
+                label = (name if args.async_scheduling == ["auto"] else f"{name}, async {mode}") + suffix
+                print(f"[{label}] serving {args.requests} requests of {args.tokens} tokens, one at a time ...",
+                      flush=True)
+                served = serve_itl(CONFIGS / f"{name}.toml", args,
+                                   [f"engine.async_scheduling={mode}"] if mode != "auto" else [])
+                rows.append((label, weight_bytes, weight_bytes / bandwidth, linear_s, served))
+        if args.llama_server:
+            print(f"[llama-server{suffix}] serving the same requests ...", flush=True)
+            served = llama_server_itl(args.llama_server, args)
+            # (its weights: the file's tensors as stored, the default config's bytes)
+            weight_bytes = floors["default"][1] if "default" in floors else float("nan")
+            rows.append((f"llama-server{suffix}", weight_bytes, weight_bytes / bandwidth, float("nan"), served))
+    bf16_floor = next((bw for name, _, bw, _, _ in rows if name.split(",")[0].split(" (")[0] == "bf16"), None)
     print()
     print("| config | weights MB | bandwidth floor ms | linear floor ms | ITL p50 ms | p90 | p99 | ITL p50 / bw floor "
           "| ITL p50 / bf16 bw floor | TTFT p50 ms |")

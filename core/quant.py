@@ -16,7 +16,7 @@ up) and its tied output head goes through ``prepare_packed`` too.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import TYPE_CHECKING, ClassVar
+from typing import TYPE_CHECKING, ClassVar, NamedTuple
 
 import msgspec
 
@@ -29,6 +29,24 @@ if TYPE_CHECKING:
 # process loads every plugin module to validate the config, and stays without torch.
 
 Params = dict[str, "torch.Tensor"]
+
+
+# NativeWeight.type_id of fp8 e4m3 weights with a scale per output row (GGML block types: their
+# conveyor.model.ggml.TYPE_IDS, from 0)
+FP8_TYPE_ID = -1
+
+
+class NativeWeight(NamedTuple):
+    """A linear layer's weights as the one-call decode step (``conveyor.native.decode_layers``) multiplies them."""
+
+    # GGML blocks: uint8 ``[out, row bytes]``; fp8: float8_e4m3fn ``[out, in]``
+    weight: torch.Tensor
+    # the blocks' conveyor.model.ggml.TYPE_IDS number, or FP8_TYPE_ID
+    type_id: int
+    # fp8: float32 ``[out]``, each row's scale; None for blocks
+    scale: torch.Tensor | None = None
+    # the most rows of a step the method multiplies with this kernel (beyond, another way); None: any
+    max_rows: int | None = None
 
 
 class NoOptions(msgspec.Struct, forbid_unknown_fields=True):
@@ -108,6 +126,19 @@ class QuantMethod(ABC):
 
         Returns:
             The kept weight, or None (the default): nothing to share.
+        """
+        return None
+
+    def native_weight(self, params: Params) -> NativeWeight | None:
+        """The weights as ``conveyor.native.decode_layers`` multiplies them, where ``linear`` multiplies them
+        with the same C++ kernel (GGML blocks, fp8) and no bias: a decode step then runs every layer in one call,
+        to the same bits.
+
+        Args:
+            params: what ``prepare`` (or ``prepare_packed``) returned.
+
+        Returns:
+            The weights, or None (the default): such layers run layer by layer.
         """
         return None
 

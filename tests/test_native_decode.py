@@ -2,12 +2,14 @@
 
 The call runs every layer with the kernels the layer-by-layer path calls, in the same order, on a team of
 threads; so its hidden states, keys and values must equal that path's bit for bit. Checked on a small random
-model of GGML Q8_0 blocks against the kernels called one by one, at 1, 3 and 17 rows (the tiles and the batched
+model of GGML Q8_0 blocks, and of fp8 weights, against the kernels called one by one, at 1, 3 and 17 rows (the tiles and the batched
 path), on one thread and two; on SmolLM2's Q4_1 GGUF served both ways (tokens and logprobs); and a failure inside
 the team is an error, not a hang.
 """
 
 from __future__ import annotations
+
+import concurrent.futures
 
 import msgspec
 import numpy as np
@@ -16,6 +18,7 @@ import torch
 
 from conveyor import native
 from conveyor.model import ggml
+from conveyor.quant import FP8_TYPE_ID
 
 pytestmark = [
     pytest.mark.skipif(not native.load(), reason="no C++ compiler: the CPU kernels cannot be built here"),
@@ -35,7 +38,12 @@ def q8_0(rows: int, columns: int) -> torch.Tensor:
     return torch.from_numpy(quantize(weight.astype(np.float32), GGMLQuantizationType.Q8_0).copy())
 
 
-def random_step(rows: int, dtype: torch.dtype) -> dict:
+def fp8(rows: int, columns: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A random fp8 e4m3 weight and its rows' scales."""
+    return (torch.randn(rows, columns) * 100).clamp(-448, 448).to(torch.float8_e4m3fn), torch.rand(rows) / 1000
+
+
+def random_step(rows: int, dtype: torch.dtype, kind: str = "Q8_0") -> dict:
     """A model of LAYERS layers and a decode step of `rows` sequences over shuffled blocks, cached keys before."""
     num_blocks = 4 * rows
     lens = torch.randint(1, 3 * BLOCK, (rows,), dtype=torch.int32)
@@ -46,12 +54,18 @@ def random_step(rows: int, dtype: torch.dtype) -> dict:
     angles = positions[:, None].float() * torch.rand(HEAD_DIM // 2)
     outs = (Q_SIZE + 2 * KV_SIZE, HIDDEN, 2 * WIDTH, HIDDEN)
     ins = (HIDDEN, Q_SIZE, HIDDEN, WIDTH)
+    shapes = [(n, k) for _ in range(LAYERS) for n, k in zip(outs, ins)]
+    if kind == "fp8":
+        weights, scales = zip(*(fp8(n, k) for n, k in shapes))
+        types = [FP8_TYPE_ID] * len(shapes)
+    else:
+        weights, scales, types = [q8_0(n, k) for n, k in shapes], [torch.empty(0)] * len(shapes), [
+            ggml.TYPE_IDS[kind]] * len(shapes)
     return dict(
         h=torch.randn(rows, HIDDEN).to(dtype), k_cache=torch.randn(shape).to(dtype),
         v_cache=torch.randn(shape).to(dtype), slot_mapping=slots, block_tables=tables, context_lens=lens,
         cos=angles.cos().to(dtype), sin=angles.sin().to(dtype),
-        weights=[q8_0(n, k) for _ in range(LAYERS) for n, k in zip(outs, ins)],
-        types=[ggml.TYPE_IDS["Q8_0"]] * (4 * LAYERS),
+        weights=list(weights), types=types, scales=list(scales),
         norms=[(1 + 0.1 * torch.randn(HIDDEN)).to(dtype) for _ in range(2 * LAYERS + 1)],
         eps=EPS, softmax_scale=SCALE, block_size=BLOCK, num_heads=HEADS,
     )
@@ -59,10 +73,15 @@ def random_step(rows: int, dtype: torch.dtype) -> dict:
 
 def layer_by_layer(s: dict) -> torch.Tensor:
     """The layers as conveyor.model.decoder runs them with the C++ kernels, one call each."""
-    h, delta, rows = s["h"].clone(), None, s["h"].shape[0]
-    w, t, norms = s["weights"], s["types"], s["norms"]
+    h, delta, rows, norms = s["h"].clone(), None, s["h"].shape[0], s["norms"]
+
+    def linear(x: torch.Tensor, i: int) -> torch.Tensor:
+        if s["types"][i] == FP8_TYPE_ID:
+            return native.fp8_linear(x, s["weights"][i], s["scales"][i])
+        return native.ggml_linear(x, s["weights"][i], s["types"][i])
+
     for layer in range(LAYERS):
-        qkv = native.ggml_linear(native.rms_norm(h, norms[2 * layer], EPS, delta), w[4 * layer], t[4 * layer])
+        qkv = linear(native.rms_norm(h, norms[2 * layer], EPS, delta), 4 * layer)
         q, k, v = qkv.split([Q_SIZE, KV_SIZE, KV_SIZE], dim=-1)
         q, k, v = (x.view(rows, -1, HEAD_DIM) for x in (q, k, v))
         native.rotary_(q, s["cos"], s["sin"])
@@ -71,10 +90,9 @@ def layer_by_layer(s: dict) -> torch.Tensor:
         native.store_kv(k_cache, v_cache, s["slot_mapping"], k, v)
         out = native.paged_decode_attention(q, k_cache, v_cache, s["block_tables"], s["context_lens"], BLOCK,
                                             scale=SCALE)
-        o = native.ggml_linear(out.reshape(rows, Q_SIZE), w[4 * layer + 1], t[4 * layer + 1])
-        gate_up = native.ggml_linear(native.rms_norm(h, norms[2 * layer + 1], EPS, o), w[4 * layer + 2],
-                                     t[4 * layer + 2])
-        delta = native.ggml_linear(native.silu_mul(gate_up), w[4 * layer + 3], t[4 * layer + 3])
+        o = linear(out.reshape(rows, Q_SIZE), 4 * layer + 1)
+        gate_up = linear(native.rms_norm(h, norms[2 * layer + 1], EPS, o), 4 * layer + 2)
+        delta = linear(native.silu_mul(gate_up), 4 * layer + 3)
     return native.rms_norm(h, norms[-1], EPS, delta)
 
 
@@ -82,10 +100,13 @@ def copy(s: dict) -> dict:
     return {**s, "k_cache": s["k_cache"].clone(), "v_cache": s["v_cache"].clone()}
 
 
+@pytest.mark.parametrize("kind", ["Q8_0", "fp8"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("rows", [1, 3, 17])
-def test_one_call_equals_the_kernels_called_layer_by_layer(rows, dtype):
-    step = random_step(rows, dtype)
+def test_one_call_equals_the_kernels_called_layer_by_layer(rows, dtype, kind):
+    if kind == "fp8" and not native.fp8_linear_supported():
+        pytest.skip("the fp8 kernel needs AVX2, FMA and F16C")
+    step = random_step(rows, dtype, kind)
     expected = copy(step)
     reference = layer_by_layer(expected)
     threads = torch.get_num_threads()
@@ -94,11 +115,15 @@ def test_one_call_equals_the_kernels_called_layer_by_layer(rows, dtype):
         for n in sorted({1, threads}):
             torch.set_num_threads(n)
             got = copy(step)
-            results.append((n, native.decode_layers(**got), got))
+            results.append((f"{n} thread(s)", native.decode_layers(**got), got))
     finally:
         torch.set_num_threads(threads)
+    # from a thread of its own, as the engine's executor calls it (each thread has its own OpenMP settings)
+    got = copy(step)
+    called = concurrent.futures.ThreadPoolExecutor(1).submit(lambda: native.decode_layers(**got))
+    results.append(("a new thread", called.result(), got))
     for n, hidden, got in results:
-        assert torch.equal(hidden, reference), f"{n} thread(s): hidden states differ"
+        assert torch.equal(hidden, reference), f"{n}: hidden states differ"
         assert torch.equal(got["k_cache"], expected["k_cache"]) and torch.equal(got["v_cache"], expected["v_cache"])
     assert not torch.equal(step["h"], reference)  # (the layers did something)
 
@@ -122,12 +147,17 @@ PROMPTS = [
 ]
 
 
-@pytest.fixture(scope="module")
-def llms():
-    """SmolLM2's GGUF (the default config) served with steps of decodes in one call, and layer by layer."""
+@pytest.fixture(scope="module", params=["auto", "fp8"])
+def llms(request):
+    """SmolLM2's GGUF served with steps of decodes in one call, and layer by layer: its blocks kept packed (the
+    default config), and its weights as fp8."""
     from conveyor import LLM
 
-    native_llm, layered = LLM(overrides={"engine.native_decode": "auto"}), LLM(overrides={"engine.native_decode": "off"})
+    if request.param == "fp8" and not native.fp8_linear_supported():
+        pytest.skip("the fp8 kernel needs AVX2, FMA and F16C")
+    quant = {"quant.plugin": request.param}
+    native_llm = LLM(overrides={**quant, "engine.native_decode": "auto"})
+    layered = LLM(overrides={**quant, "engine.native_decode": "off"})
     yield native_llm, layered
     native_llm.close()
     layered.close()
@@ -147,15 +177,18 @@ def test_smollm2_served_in_one_call_gives_the_tokens_and_logprobs_of_layer_by_la
         return forward(input_ids, positions, attention)
 
     runner.native_decode.forward = counted
-    # different lengths: the batch shrinks from 17 sequences to one as they finish
+    # one request first (the engine's first decode steps), then different lengths: the batch shrinks from 17
+    # sequences to one as they finish
     params = [SamplingParams(max_tokens=4 + 2 * i, temperature=0.0, ignore_eos=True, logprobs=3)
               for i in range(len(PROMPTS))]
-    got = native_llm.generate(PROMPTS, params)
-    want = layered.generate(PROMPTS, params)
-    for a, b in zip(got, want, strict=True):
-        assert a.token_ids == b.token_ids
-        assert a.logprobs == b.logprobs
-    assert 1 in rows_seen and max(rows_seen) == len(PROMPTS)
+    for prompts, chosen in ((PROMPTS[1:2], params[-1:]), (PROMPTS, params)):
+        got = native_llm.generate(prompts, chosen)
+        want = layered.generate(prompts, chosen)
+        for a, b in zip(got, want, strict=True):
+            assert a.token_ids == b.token_ids
+            assert a.logprobs == b.logprobs
+    limit = runner.native_decode.max_rows or len(PROMPTS)  # (fp8: past its kernel's rows, layer by layer)
+    assert 1 in rows_seen and max(rows_seen) == min(limit, len(PROMPTS))
 
 
 def test_models_the_call_does_not_run_go_layer_by_layer(llms):

@@ -71,7 +71,7 @@ class EngineConfig(msgspec.Struct, forbid_unknown_fields=True):
     compile_batch_sizes: Annotated[list[Annotated[int, msgspec.Meta(ge=1)]], msgspec.Meta(min_length=1)] = msgspec.field(
         default_factory=lambda: [1, 2, 4, 8, 16, 32, 64])
     # steps of decodes on a CPU: "auto" runs every layer in one C++ call (the same kernels, in the same order)
-    # where the model allows it (Llama's plain block over GGUF blocks, one worker, attention "cpu", no LoRA);
+    # where the model allows it (Llama's plain block over GGUF blocks or fp8, one worker, attention "cpu", no LoRA);
     # "off" runs them layer by layer from Python
     native_decode: Literal["auto", "off"] = "auto"
     # speculative decoding: "off"; "ngram" (prompt lookup: the tokens that followed the latest earlier

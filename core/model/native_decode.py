@@ -4,8 +4,9 @@ A step of one-token decodes on a CPU spends as long between the kernels as in
 them when the model is small: Python calls, torch ops and threads woken per
 kernel (core/native/csrc/decode_layers.cpp says what was measured). Where the
 model is Llama's plain block (no q/k norms, sandwich norms, biases, experts,
-sliding windows or soft caps) with every linear layer as GGML blocks, on one
-worker with the C++ attention kernels and a float KV cache, and no LoRA,
+sliding windows or soft caps) with every linear layer in a format whose quant
+method multiplies it with a C++ kernel (``QuantMethod.native_weight``: GGML
+blocks, fp8), on one worker with the C++ attention kernels and a float KV cache, and no LoRA,
 such steps go through one call instead, which runs the same kernels in the
 same order and so gives the same hidden states, bit for bit. Other steps, and
 other models, run layer by layer (``[engine] native_decode = "off"`` keeps
@@ -20,6 +21,7 @@ import torch
 
 from conveyor import native
 from conveyor.model import ggml
+from conveyor.quant import FP8_TYPE_ID, NativeWeight
 
 if TYPE_CHECKING:
     from conveyor.attention.backend import AttentionBackend, StepAttention
@@ -27,33 +29,43 @@ if TYPE_CHECKING:
     from conveyor.model.llama import LlamaModel
 
 
-def _blocks(linear: Linear, in_features: int) -> tuple[torch.Tensor, int] | None:
-    """A linear layer's weights as one run of GGML blocks over exactly ``in_features`` inputs, with its type's
-    number; None for any other format (float, fp8, several parts, a bias, a LoRA slot, a padded row)."""
-    if linear.lora is not None or linear.row_block or "bias" in linear.params:
+def _native(linear: Linear, in_features: int) -> NativeWeight | None:
+    """A linear layer's weights as ``decode_layers`` multiplies them, over exactly ``in_features`` inputs; None
+    where its method offers none (float weights, several parts, a bias), or a LoRA slot or batch-invariant row
+    blocks change how it runs."""
+    if linear.lora is not None or linear.row_block:
         return None
-    parts = [(key.rpartition(":")[2], data) for key, data in linear.params.items() if ":" in key]
-    if len(parts) != 1 or len(linear.params) != 1:
+    native_weight = linear.method.native_weight(linear.params)
+    if native_weight is None:
         return None
-    layout, data = parts[0]
-    if layout not in ggml.TYPE_IDS:
-        return None
-    values, size = ggml.BLOCKS[layout]
-    if data.dim() != 2 or data.shape[1] // size * values != in_features:
-        return None
-    return data, ggml.TYPE_IDS[layout]
+    weight, type_id = native_weight.weight, native_weight.type_id
+    if type_id == FP8_TYPE_ID:
+        inputs = weight.shape[1]
+    else:  # (a repacked row may hold a zero block more, which the layer-by-layer path pads its input for)
+        values, size = ggml.BLOCKS[_TYPE_NAMES[type_id]]
+        inputs = weight.shape[1] // size * values
+    return native_weight if inputs == in_features else None
+
+
+_TYPE_NAMES = {number: name for name, number in ggml.TYPE_IDS.items()}
 
 
 class NativeDecode:
     """The model's weights as ``decode_layers`` takes them, and the step it runs."""
 
-    def __init__(self, model: LlamaModel, attention: AttentionBackend, weights: list[torch.Tensor],
-                 types: list[int], norms: list[torch.Tensor]):
+    def __init__(self, model: LlamaModel, attention: AttentionBackend, linears: list[NativeWeight],
+                 norms: list[torch.Tensor]):
         self.model = model
         self.attention = attention
-        self.weights = weights
-        self.types = types
+        self.weights = [linear.weight for linear in linears]
+        self.types = [linear.type_id for linear in linears]
+        empty = torch.empty(0)
+        self.scales = [empty if linear.scale is None else linear.scale for linear in linears]
         self.norms = norms
+        # the most rows a step may have: where a method multiplies more rows another way (fp8 past its kernel's
+        # rows), the layer-by-layer path does
+        limits = [linear.max_rows for linear in linears if linear.max_rows is not None]
+        self.max_rows = min(limits, default=None)
 
     @classmethod
     def build(cls, model: LlamaModel, attention: AttentionBackend) -> NativeDecode | None:
@@ -72,25 +84,25 @@ class NativeDecode:
         scale = spec.softmax_scale
         if any(layer.window or layer.softcap or layer.scale != scale for layer in attention.layers):
             return None
-        weights: list[torch.Tensor] = []
-        types: list[int] = []
+        linears: list[NativeWeight] = []
         norms: list[torch.Tensor] = []
         for layer in model.layers:
             if layer.moe is not None or layer.cache_index != len(norms) // 2:
                 return None
             inputs = (spec.hidden_size, layer.q_size, spec.hidden_size, layer.intermediate_size)
             for linear, width in zip(layer.linears(), inputs, strict=True):
-                blocks = _blocks(linear, width)
-                if blocks is None:
+                native_weight = _native(linear, width)
+                if native_weight is None:
                     return None
-                weights.append(blocks[0])
-                types.append(blocks[1])
+                linears.append(native_weight)
             norms += [layer.input_norm.weight, layer.post_norm.weight]
         norms.append(model.norm.weight)
-        return cls(model, attention, weights, types, norms)
+        return cls(model, attention, linears, norms)
 
     def accepts(self, attention: StepAttention, num_tokens: int) -> bool:
         """Whether a step is one this call runs: decodes only, one token each."""
+        if self.max_rows is not None and num_tokens > self.max_rows:
+            return False
         return attention.prefill_plan is None and attention.num_decodes == num_tokens and num_tokens > 0
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attention: StepAttention) -> torch.Tensor:
@@ -99,5 +111,5 @@ class NativeDecode:
         cos, sin = model.rotary.tables(positions, model.dtype)
         return native.decode_layers(
             model.embed_tokens(input_ids), storage.k, storage.v, attention.slot_mapping, plan.tables,
-            plan.context_lens, cos, sin, self.weights, self.types, self.norms, model.spec.rms_norm_eps,
+            plan.context_lens, cos, sin, self.weights, self.types, self.scales, self.norms, model.spec.rms_norm_eps,
             model.spec.softmax_scale, storage.block_size, model.layers[0].num_heads)

@@ -299,18 +299,19 @@ def store_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.T
 
 def decode_layers(h: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
                   block_tables: torch.Tensor, context_lens: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                  weights: list[torch.Tensor], types: list[int], norms: list[torch.Tensor], eps: float,
-                  softmax_scale: float, block_size: int, num_heads: int) -> torch.Tensor:
-    """Every layer of a decode step of Llama's plain block over GGML block weights, in one call: the final norm's
-    output ``[M, hidden]`` for the embedded tokens ``h`` (each sequence's one new token), the layers' keys and
-    values stored at ``slot_mapping`` in ``k_cache``, ``v_cache`` ``[layers, kv_heads, slots, head_dim]``.
+                  weights: list[torch.Tensor], types: list[int], scales: list[torch.Tensor], norms: list[torch.Tensor],
+                  eps: float, softmax_scale: float, block_size: int, num_heads: int) -> torch.Tensor:
+    """Every layer of a decode step of Llama's plain block over GGML block or fp8 weights, in one call: the final
+    norm's output ``[M, hidden]`` for the embedded tokens ``h`` (each sequence's one new token), the layers' keys
+    and values stored at ``slot_mapping`` in ``k_cache``, ``v_cache`` ``[layers, kv_heads, slots, head_dim]``.
 
-    ``weights``, ``types``: per layer qkv, o_proj, gate_up and down, as ``ggml_linear`` takes them; ``norms``: per
+    ``weights``, ``types``, ``scales``: per layer qkv, o_proj, gate_up and down, as ``ggml_linear`` takes them
+    (an empty scale), or fp8 as ``fp8_linear`` does (type ``conveyor.quant.FP8_TYPE_ID``); ``norms``: per
     layer the input and post-attention norms' weights, then the final norm's; ``cos``, ``sin``: ``[M, head_dim /
     2]``. The same kernels as the layer-by-layer path, in the same order: the same result, bit for bit."""
     out = torch.empty_like(h)
     _ops().decode_layers(h, k_cache, v_cache, slot_mapping, block_tables, context_lens, cos, sin, weights, types,
-                         norms, eps, softmax_scale, block_size, num_heads, out)
+                         scales, norms, eps, softmax_scale, block_size, num_heads, out)
     return out
 
 

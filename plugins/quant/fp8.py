@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Annotated, Literal
 import msgspec
 
 from conveyor.hookspecs import hookimpl
-from conveyor.quant import Params, QuantMethod
+from conveyor.quant import FP8_TYPE_ID, NativeWeight, Params, QuantMethod
 
 if TYPE_CHECKING:
     import torch
@@ -108,6 +108,12 @@ class FP8(QuantMethod):
         if bias is not None:
             params["bias"] = bias.to(device=self.device, dtype=self.dtype)
         return params
+
+    def native_weight(self, params: Params) -> NativeWeight | None:
+        if not self.kernel or "bias" in params:  # (a CPU without W8A8 only)
+            return None
+        return NativeWeight(params["qweight"], FP8_TYPE_ID, params["scale"],
+                            self.options.cpu_kernel_max_rows if self.fast_dense else None)
 
     def linear(self, x: torch.Tensor, params: Params) -> torch.Tensor:
         import torch

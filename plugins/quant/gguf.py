@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 from conveyor.hookspecs import hookimpl
 from conveyor.plugins.quant.fp8 import FP8
 from conveyor.plugins.quant.none import NoQuant
-from conveyor.quant import Params
+from conveyor.quant import NativeWeight, Params
 
 if TYPE_CHECKING:
     import torch
@@ -71,6 +71,15 @@ class GGUFQuant(NoQuant):
         layout, data = parts[0]
         values, size = ggml.BLOCKS[layout]
         return ggml.PackedWeight(layout, data, data.shape[1] // size * values)
+
+    def native_weight(self, params: Params) -> NativeWeight | None:
+        from conveyor.model import ggml
+
+        parts = [(key.rpartition(":")[2], data) for key, data in params.items() if ":" in key]
+        if len(parts) != 1 or len(params) != 1 or not kernels_built():
+            return None  # (several parts, a bias, or float weights)
+        layout, data = parts[0]
+        return NativeWeight(data, ggml.TYPE_IDS[layout])
 
     def linear(self, x: torch.Tensor, params: Params) -> torch.Tensor:
         parts = [(key.rpartition(":")[2], data) for key, data in params.items() if ":" in key]
@@ -154,6 +163,11 @@ class AutoQuant(GGUFQuant):
         if "qweight" in params:  # (fp8)
             return self.fp8.linear(x, params)
         return super().linear(x, params)
+
+    def native_weight(self, params: Params) -> NativeWeight | None:
+        if "qweight" in params:
+            return self.fp8.native_weight(params)
+        return super().native_weight(params)
 
     def formats(self, params: Params) -> dict[str, int]:
         if "qweight" in params:

@@ -3,12 +3,13 @@
 
 Each linear weight is stored as int8 with ``scale = max|w_row| / 127``. Decode reads half the bytes of bf16.
 
-- On a CPU with AVX-512 VNNI where the C++ kernels build, the weight is kept as GGUF's Q8_0 blocks (32 int8
-  values and a float16 scale, here each block carrying its row's scale, rounded to float16 before the values
-  are) and multiplied by the packed-block kernel (``conveyor.native.ggml_linear``): the activations rounded to
-  int8 per 32 values (at most 1/254 of a block's largest) and integer dot products, each unpacked block reused
-  for every row of a step (VPDPBUSD), so int8 keeps its speed at any batch instead of dequantizing past a few
-  rows. 1.06 bytes a weight (the scales).
+- On an x86 CPU (AVX2, or AVX-512 VNNI) where the C++ kernels build, the weight is kept as GGUF's Q8_0 blocks
+  (32 int8 values and a float16 scale, here each block carrying its row's scale, rounded to float16 before the
+  values are) and multiplied by the packed-block kernel (``conveyor.native.ggml_linear``): the activations
+  rounded to int8 per 32 values (at most 1/254 of a block's largest) and integer dot products, each unpacked
+  block reused for every row of a step (VPDPBUSD with VNNI), so int8 keeps its speed at any batch instead of
+  dequantizing past a few rows, and decode steps run every layer in one call (``conveyor.model.native_decode``).
+  1.06 bytes a weight (the scales).
 - Other CPUs take ``torch._weight_int8pack_mm`` (int8 weights straight into the matmul): up to
   ``cpu_int8_max_rows`` rows where the model dtype has a fast dense matmul (oneDNN's bf16 path: AVX-512), past
   them a dequantized copy and that matmul; at every row count where it has none (AVX2 alone: bf16 emulated).
@@ -17,7 +18,11 @@ Each linear weight is stored as int8 with ``scale = max|w_row| / 127``. Decode r
 NOTE: 2-core AMD EPYC with AVX2 alone, SmolLM2's gate_up shape ([M, 576] x [576, 3072], bf16 activations,
 ``python benchmarks/quant.py``, us): int8pack 88 / 861 / 3,225 at 1 / 16 / 64 rows, Q8_0 blocks in the AVX2
 tiles 113 / 1,198 / 5,251, dequantized bf16 788 / 3,513 / 13,823, bf16 weights 191 / 3,067 / 12,984. (The
-kernel's AVX2 path has no batched GEMM for Q8_0: VPMADDUBSW saturates on its bytes.)
+kernel's AVX2 path has no batched GEMM for Q8_0: VPMADDUBSW saturates on its bytes.) So one layer at a time
+int8pack is the faster there; but whole decode steps, where Q8_0 blocks let every layer run in one call, went
+from 44.4 / 138.0 / 156.0 tok/s at 1 / 16 / 64 requests (int8pack) to 76.6 / 125.6 / 130.0 (Q8_0 blocks), bf16
+weights 41-48 / 68 / 70-72 (`python benchmarks/quant.py --methods none int8 --batches 1 16 64 --no-quality`, two
+runs of the same machine): int8 beats bf16 at every batch either way, and at one request only with the blocks.
 """
 
 from __future__ import annotations
@@ -27,7 +32,7 @@ from typing import TYPE_CHECKING, Annotated
 import msgspec
 
 from conveyor.hookspecs import hookimpl
-from conveyor.quant import Params, QuantMethod
+from conveyor.quant import NativeWeight, Params, QuantMethod
 
 if TYPE_CHECKING:
     import torch
@@ -39,7 +44,7 @@ INT8PACK_K_MULTIPLE = 32
 
 
 class Int8Options(msgspec.Struct, forbid_unknown_fields=True):
-    # CPU without the packed-block kernel's VNNI path: batches of up to this many tokens multiply the int8 weights
+    # CPU without the packed-block kernel's vector paths: batches of up to this many tokens multiply the int8 weights
     # directly; larger ones dequantize first where the model dtype has a fast dense matmul (AVX-512), else they
     # too multiply directly
     cpu_int8_max_rows: Annotated[int, msgspec.Meta(ge=0)] = 16
@@ -107,6 +112,13 @@ class Int8WeightOnly(QuantMethod):
             params["bias"] = bias.to(device=self.device, dtype=self.dtype)
         return params
 
+    def native_weight(self, params: Params) -> NativeWeight | None:
+        if "q8_0" not in params or "bias" in params:
+            return None
+        from conveyor.model.ggml import TYPE_IDS
+
+        return NativeWeight(params["q8_0"], TYPE_IDS["Q8_0"])
+
     def linear(self, x: torch.Tensor, params: Params) -> torch.Tensor:
         import torch
         import torch.nn.functional as F
@@ -131,11 +143,12 @@ class Int8WeightOnly(QuantMethod):
 
 
 def q8_0_kernel() -> bool:
-    """Whether the packed-block kernel has its AVX-512 VNNI path here (where Q8_0 blocks beat int8pack)."""
+    """Whether the packed-block kernel has a vector path here (AVX2, or AVX-512 VNNI), where Q8_0 blocks serve
+    int8 weights (see the module's note)."""
     from conveyor import native
     from conveyor.plugins.quant.gguf import kernels_built
 
-    return kernels_built() and native.ggml_linear_path() == "avx512_vnni"
+    return kernels_built() and native.ggml_linear_path() in ("avx2", "avx512_vnni")
 
 
 @hookimpl

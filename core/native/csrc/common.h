@@ -71,6 +71,11 @@ constexpr int64_t kSoloBytes = int64_t(384) << 10;
 // wants it.
 class Team {
  public:
+  explicit Team(int threads) : threads_(threads) {}
+
+  // The threads the team was started with: what the kernels divide their work by inside it.
+  int threads() const { return threads_; }
+
   // Takes the next item if it is below `end` (the current call's last, plus one).
   bool claim(int64_t end, int64_t* item) {
     int64_t next = next_.load(std::memory_order_relaxed);
@@ -105,17 +110,24 @@ class Team {
 
  private:
   static constexpr int kSpins = 4000;  // about 20-50 us of pause instructions before yielding
+  const int threads_;
   alignas(64) std::atomic<int64_t> next_{0};
   alignas(64) std::atomic<int64_t> done_{0};
   std::atomic<bool> aborted_{false};
 };
 
-// This thread's place in the team it runs in (null outside one): where its next call's items start.
+// This thread's place in the team it runs in (null outside one): where its next call's items start, and a digest
+// of the item counts of its calls so far (every member's must be the same: decode_layers checks).
 struct TeamMember {
   Team* team;
   int64_t first = 0;
+  uint64_t digest = 0;
 };
 inline thread_local TeamMember* t_member = nullptr;
+
+// The threads a kernel divides its work among: the team's inside one (every member must count the same items for
+// a call, and ATen's per-thread count can differ between the threads of a team), else ATen's.
+inline int num_threads() { return t_member != nullptr ? t_member->team->threads() : at::get_num_threads(); }
 
 // Runs visit(item, scratch) for items 0 .. num_items - 1 on ATen's threads, each thread pulling the next
 // item from a shared counter (items of uneven cost balance themselves; order them costliest first), or on the
@@ -134,6 +146,7 @@ void run_work_queue(int64_t num_items, int64_t scratch_floats, Visit&& visit, in
     Team& team = *member->team;
     const int64_t first = member->first, end = first + num_items;
     member->first = end;
+    member->digest = member->digest * 1000003u + uint64_t(num_items);
     int64_t item;
     if (team.claim(end, &item)) {
       std::vector<float> storage;

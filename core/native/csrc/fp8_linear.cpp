@@ -19,6 +19,7 @@
 #include <algorithm>
 
 #include "common.h"
+#include "kernels.h"
 
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #include <immintrin.h>
@@ -96,7 +97,7 @@ void run(const T* x, const uint8_t* w, const float* scale, const T* bias, T* out
   std::vector<float> xf(M * K);
   for (int64_t i = 0; i < M * K; ++i) xf[i] = to_float(x[i]);
   // About eight chunks a thread, in whole tiles: a thread slowed by a shared core takes fewer of them.
-  const int64_t per_thread = N / (8 * at::get_num_threads());
+  const int64_t per_thread = N / (8 * num_threads());
   const int64_t chunk = std::max<int64_t>(kColumns, (per_thread + kColumns - 1) / kColumns * kColumns);
   run_work_queue((N + chunk - 1) / chunk, 0, [&](int64_t item, float*) {
     float sums[kRows][kColumns];
@@ -150,6 +151,11 @@ void fp8_linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor&
 }
 
 }  // namespace
+
+void fp8_linear_into(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scale, at::Tensor& out) {
+  fp8_linear(x, weight, scale, c10::nullopt, out);
+}
+
 }  // namespace conveyor
 
 TORCH_LIBRARY_FRAGMENT(conveyor_cpu, m) {

@@ -814,7 +814,7 @@ void run(const T* x, const uint8_t* weight, Type t, int64_t M, int64_t N, int64_
   // hardware's prefetcher (16-column chunks of SmolLM2's 49,152-row head read 2.6 ms with one thread and 2.2
   // with two; whole eighths, 1.4). Each row tile walks its chunk's weights again, so with more rows than one
   // tile a chunk is also kept small enough (128 KB) to stay in the core's cache from one tile to the next.
-  int64_t chunk_columns = (N / (8 * at::get_num_threads()) + 3) / 4 * 4;
+  int64_t chunk_columns = (N / (8 * num_threads()) + 3) / 4 * 4;
   if (M > kRowTile) chunk_columns = std::min(chunk_columns, (int64_t(128) << 10) / row_bytes / 4 * 4);
   chunk_columns = std::max(kMinChunk, chunk_columns);
   const int64_t chunks = (N + chunk_columns - 1) / chunk_columns;

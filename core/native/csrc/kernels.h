@@ -9,6 +9,9 @@ namespace conveyor {
 // ggml_linear.cpp: out = x w^T, w as GGML blocks of the given type, on the fastest path built here.
 void ggml_linear_into(const at::Tensor& x, const at::Tensor& weight, int64_t type, at::Tensor& out);
 
+// fp8_linear.cpp: out = x (w * scale[:, None])^T, w float8 e4m3 [N, K] converted in registers.
+void fp8_linear_into(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scale, at::Tensor& out);
+
 // paged_decode.cpp: one query per sequence over its paged keys and values (no window, no soft cap).
 void paged_decode_into(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                        const at::Tensor& block_tables, const at::Tensor& context_lens, int64_t block_size,
