@@ -2,9 +2,9 @@
 
 The call runs every layer with the kernels the layer-by-layer path calls, in the same order, on a team of
 threads; so its hidden states, keys and values must equal that path's bit for bit. Checked on a small random
-model of GGML Q8_0 blocks, and of fp8 weights, against the kernels called one by one, at 1, 3 and 17 rows (the tiles and the batched
-path), on one thread and two; on SmolLM2's Q4_1 GGUF served both ways (tokens and logprobs); and a failure inside
-the team is an error, not a hang.
+model of GGML Q8_0 blocks, and of fp8 weights, against the kernels called one by one, at 1, 3 and 17 rows (the
+tiles and the batched path), on one thread, on two and from a new thread; on SmolLM2's Q4_1 GGUF, and as fp8,
+served both ways (tokens and logprobs); and a failure inside the team is an error, not a hang.
 """
 
 from __future__ import annotations

@@ -6,11 +6,11 @@ kernel (core/native/csrc/decode_layers.cpp says what was measured). Where the
 model is Llama's plain block (no q/k norms, sandwich norms, biases, experts,
 sliding windows or soft caps) with every linear layer in a format whose quant
 method multiplies it with a C++ kernel (``QuantMethod.native_weight``: GGML
-blocks, fp8), on one worker with the C++ attention kernels and a float KV cache, and no LoRA,
-such steps go through one call instead, which runs the same kernels in the
-same order and so gives the same hidden states, bit for bit. Other steps, and
-other models, run layer by layer (``[engine] native_decode = "off"`` keeps
-every step there).
+blocks, fp8), on one worker with the C++ attention kernels, a float KV cache
+and no LoRA, such steps go through one call instead, which runs the same
+kernels in the same order and so gives the same hidden states, bit for bit.
+Other steps, and other models, run layer by layer (``[engine] native_decode =
+"off"`` keeps every step there).
 """
 
 from __future__ import annotations

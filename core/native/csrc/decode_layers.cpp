@@ -53,7 +53,8 @@ void decode_layers(const at::Tensor& h, at::Tensor k_cache, at::Tensor v_cache, 
               "decode_layers: four weights, types and scales a layer");
   for (int64_t i = 0; i < 4 * layers; ++i)
     TORCH_CHECK(types[i] >= 0 || (types[i] == kFp8 && scales[i].numel() == weights[i].size(0)),
-                "decode_layers: weight ", i, " has type ", types[i], " (GGML blocks: 0 and up; fp8: -1, with a scale a row)");
+                "decode_layers: weight ", i, " has type ", types[i],
+                " (GGML blocks: 0 and up; fp8: -1, with a scale a row)");
   TORCH_CHECK(int64_t(norms.size()) == 2 * layers + 1, "decode_layers: two norms a layer and the final one");
   TORCH_CHECK(out.sizes() == h.sizes() && out.is_contiguous() && out.scalar_type() == h.scalar_type(),
               "decode_layers: out must be a contiguous tensor like h");
@@ -75,7 +76,10 @@ void decode_layers(const at::Tensor& h, at::Tensor k_cache, at::Tensor v_cache, 
   at::Tensor o = at::empty({M, H}, options), gate_up = at::empty({M, 2 * width}, options);
   at::Tensor down = at::empty({M, H}, options);
   std::vector<at::Tensor> k_layers, v_layers;
-  for (int64_t l = 0; l < layers; ++l) k_layers.push_back(k_cache.select(0, l)), v_layers.push_back(v_cache.select(0, l));
+  for (int64_t l = 0; l < layers; ++l) {
+    k_layers.push_back(k_cache.select(0, l));
+    v_layers.push_back(v_cache.select(0, l));
+  }
   at::Tensor stream = h.clone(), x = at::empty({M, H}, options), act = at::empty({M, width}, options);
   const auto linear = [&](const at::Tensor& x, int64_t i, at::Tensor& y) {
     if (types[i] == kFp8) return conveyor::fp8_linear_into(x, weights[i], scales[i], y);
