@@ -161,6 +161,33 @@ def test_sigterm_lets_the_request_in_flight_finish(tmp_path):
         server.stop()
 
 
+def running(pid: int) -> bool:
+    """Whether process ``pid`` exists and has not exited (a zombie nobody reaped has)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_an_engine_whose_frontend_is_killed_stops_by_itself(tmp_path):
+    """A frontend killed with SIGKILL sends its engine no SHUTDOWN: the engine, mid-stream, must not live on."""
+    server = Server(http_config(), tmp_path).start()
+    engine = server.engine_pid
+    try:
+        body = {"messages": MESSAGES, "max_tokens": 1000, "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", f"{server.http}/v1/chat/completions", json=body, timeout=120) as response:
+            next(events(response))
+            server.process.kill()
+            server.process.wait(30)
+        server.wait_for(lambda: not running(engine), timeout=60, what="the engine to exit")
+    finally:
+        server.stop()
+        if running(engine):
+            os.kill(engine, signal.SIGKILL)
+
+
 def test_sigterm_aborts_what_outlasts_drain_timeout(tmp_path):
     server = Server(http_config(drain_timeout=1.0), tmp_path).start()
     try:

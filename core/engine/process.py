@@ -7,13 +7,16 @@ engine PULLs requests and aborts from the first and PUSHes outputs to the
 second. Messages are msgspec msgpack (``conveyor.messages``); nothing is
 pickled. ZeroMQ queues what arrives during a forward pass, so taking new
 requests never blocks a step. If the engine cannot start, its one message
-is FAILED with the reason.
+is FAILED with the reason. An engine whose frontend has exited (killed,
+without the SHUTDOWN it would have sent) stops by itself: it checks between
+steps, and while a send to the frontend waits.
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
+import os
 import signal
 import sys
 import time
@@ -30,6 +33,8 @@ logger = logging.getLogger("conveyor.engine")
 
 # how long an idle engine waits for a message before checking its stop flag, ms
 IDLE_POLL_MS = 200
+# how long a send to the frontend waits (its queue full) before the engine checks that the frontend is there, ms
+SEND_TIMEOUT_MS = 1000
 # errors that are the user's to fix: the reason goes to the frontend in one line
 STARTUP_ERRORS = (ConfigError, PluginError, FileNotFoundError, ImportError, ValueError, ExecutorError)
 
@@ -42,16 +47,27 @@ class EngineProcess:
         self.input = context.socket(zmq.PULL)
         self.input.connect(input_address)
         self.output = context.socket(zmq.PUSH)
+        self.output.setsockopt(zmq.SNDTIMEO, SEND_TIMEOUT_MS)
         self.output.connect(output_address)
         self.stopping = False
+        # the frontend that started this engine (a process whose parent exits is given another one)
+        self.parent = os.getppid()
+
+    def frontend_gone(self) -> bool:
+        """Whether the frontend has exited; the engine then stops (nobody reads its outputs or sends it work)."""
+        if os.getppid() == self.parent:
+            return False
+        if not self.stopping:
+            logger.warning("the frontend (pid %d) is gone; the engine stops", self.parent)
+            self.stopping = True
+        return True
 
     def send_ready(self, load_time: float) -> None:
-        ready = self.core.ready(load_time)
-        self.output.send_multipart(encode(MessageType.READY, ready))
+        self.send(encode(MessageType.READY, self.core.ready(load_time)))
 
     def run(self) -> None:
-        """Step until told to shut down (a SHUTDOWN message or SIGTERM)."""
-        while not self.stopping:
+        """Step until told to shut down (a SHUTDOWN message or SIGTERM), or until the frontend is gone."""
+        while not self.stopping and not self.frontend_gone():
             timeout = self.core.poll_timeout()
             # an idle engine still looks at its stop flag now and then
             self.take_messages(IDLE_POLL_MS if timeout is None else round(timeout * 1000))
@@ -81,7 +97,18 @@ class EngineProcess:
             self.publish(taken.outputs, taken.stats)
 
     def publish(self, outputs: list[RequestOutput], stats: StepStats | None) -> None:
-        self.output.send_multipart(encode(MessageType.OUTPUTS, EngineOutputs(outputs, stats)))
+        self.send(encode(MessageType.OUTPUTS, EngineOutputs(outputs, stats)))
+
+    def send(self, frames: list[bytes]) -> None:
+        """Send to the frontend, waiting while its queue is full; given up once the engine is told to stop or the
+        frontend is gone (a blocked send would otherwise never see either)."""
+        while True:
+            try:
+                self.output.send_multipart(frames)
+                return
+            except zmq.Again:
+                if self.stopping or self.frontend_gone():
+                    return
 
     def close(self) -> None:
         self.input.close(linger=0)
