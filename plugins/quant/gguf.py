@@ -75,11 +75,10 @@ class GGUFQuant(NoQuant):
     def native_weight(self, params: Params) -> NativeWeight | None:
         from conveyor.model import ggml
 
-        parts = [(key.rpartition(":")[2], data) for key, data in params.items() if ":" in key]
-        if len(parts) != 1 or len(params) != 1 or not kernels_built():
+        table = self.packed_table(params)
+        if table is None or "bias" in params or not kernels_built():
             return None  # (several parts, a bias, or float weights)
-        layout, data = parts[0]
-        return NativeWeight(data, ggml.TYPE_IDS[layout])
+        return NativeWeight(table.data, ggml.TYPE_IDS[table.format])
 
     def linear(self, x: torch.Tensor, params: Params) -> torch.Tensor:
         parts = [(key.rpartition(":")[2], data) for key, data in params.items() if ":" in key]
