@@ -214,7 +214,7 @@ def test_the_config_names_what_disaggregation_needs(tmp_path):
 
 # ---------------------------------------------------------------- real servers: SmolLM2, one host
 
-NUM_REQUESTS = 64
+NUM_REQUESTS = 40
 # more of the same mix, for the failure cases (prompts no engine has seen before them)
 NUM_SPARE = 16
 SYSTEM = "You are a careful assistant. Answer in one short sentence and use plain words. " * 3

@@ -2,7 +2,7 @@
 the fused element-wise layers, and linear layers over bf16 weights, over GGUF's quantized blocks and over fp8 weights.
 
 They are built with torch's extension builder for the CPU this runs on, the
-first time they are needed (10-30 s; ``make setup`` does it ahead), and kept
+first time they are needed (about a minute on two cores; ``make setup`` does it ahead), and kept
 in a cache directory under a name that carries the sources, the flags, the
 CPU's feature flags and the checkout's and environment's paths, so a change of
 any of them builds afresh and two checkouts never rebuild each other's. Where they
@@ -33,7 +33,8 @@ from conveyor.paths import cache_root
 logger = logging.getLogger("conveyor")
 
 CSRC = Path(__file__).resolve().parent / "csrc"
-SOURCES = sorted(CSRC.glob("*.cpp"))
+# the largest first: the build runs a few compilers at once, and the longest one started last would finish alone
+SOURCES = sorted(CSRC.glob("*.cpp"), key=lambda source: (-source.stat().st_size, source.name))
 # -march=native: the build is for this CPU (its feature flags are part of the cache name).
 # -fopenmp: ATen's parallel_for is OpenMP in headers and runs on one thread without it; the
 # extension then shares torch's OpenMP runtime (same soname, already loaded) rather than a second one.
@@ -108,7 +109,7 @@ def load() -> bool:
         build_dir = cache_dir() / name
         started = time.perf_counter()
         if not (build_dir / f"{name}.so").exists():
-            logger.info("building the CPU kernels for this machine (once, 10-30 s) in %s", build_dir)
+            logger.info("building the CPU kernels for this machine (once: about a minute) in %s", build_dir)
         try:
             build_dir.mkdir(parents=True, exist_ok=True)
             clear_stale_lock(build_dir)

@@ -3,8 +3,11 @@
 // threads, and the check of block tables before any memory is read through them.
 #pragma once
 
-#include <ATen/ATen.h>
+// (Tensor.h and the one op used rather than ATen.h, which declares every op: each file builds in half the time)
+#include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 
 #include <atomic>
 #include <cstdint>

@@ -2,7 +2,7 @@
 // checks, on ATen's threads, or on a team's (common.h) when called by every member of one.
 #pragma once
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
 
 namespace conveyor {
 
