@@ -84,13 +84,13 @@ def test_the_tile_layout_is_what_tdpbf16ps_multiplies(shape):
 
 @needs_amx
 def test_the_output_head_takes_the_tile_kernel_up_to_its_rows_and_onednn_past_them(monkeypatch):
-    from conveyor.model import llama
+    from conveyor.model import layers
 
     generator = torch.Generator().manual_seed(3)
     table = torch.randn(4096, 576, generator=generator).bfloat16()
-    head = llama.OutputHead(table, tied=True)
+    head = layers.OutputHead(table, tied=True)
     calls = []
-    monkeypatch.setattr(llama, "decode_linear", lambda x, copy: calls.append(len(x)) or native.tile_linear(x, copy))
+    monkeypatch.setattr(layers, "decode_linear", lambda x, copy: calls.append(len(x)) or native.tile_linear(x, copy))
     for rows in (1, head.TILE_ROWS, head.TILE_ROWS + 1):
         x = torch.randn(rows, 576, generator=generator).bfloat16()
         torch.testing.assert_close(head.apply(x).float(), x.float() @ table.float().T, rtol=2**-7, atol=1e-3)

@@ -92,6 +92,22 @@ def test_greedy_rows_take_the_argmax_beside_random_rows():
     assert tokens[:3] == logits[:3].argmax(-1).tolist()
 
 
+def test_greedy_token_leads_its_top_logprobs_when_logits_tie():
+    # bf16 logits tie often; greedy takes the first of tied maxima, and the top list puts it first too
+    logits = torch.zeros(4, 64)
+    tied = [(3, 40), (7, 9, 63), (0, 1), (12, 50)]
+    for row, ids in enumerate(tied):
+        logits[row, list(ids)] = 5.0
+        logits[row, 20] = 4.0
+    params = SamplingParams(temperature=0, logprobs=3)
+    tokens, entries = Sampler().sample(logits.clone(), make_requests(params, 4))
+    for ids, token, entry in zip(tied, tokens, entries):
+        assert token == min(ids)
+        expected = [*ids, 20][:3]
+        assert entry.top_ids == expected
+        assert entry.top_logprobs == sorted(entry.top_logprobs, reverse=True)
+
+
 @pytest.mark.usefixtures("random_seed")
 def test_logprobs_are_the_raw_log_softmax_with_top_n():
     logits = torch.randn(3, 50, dtype=torch.float32)

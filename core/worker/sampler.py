@@ -215,10 +215,12 @@ def token_logprobs(logprobs: torch.Tensor, token_ids: list[int], num_top: int) -
     if not num_top:
         return [TokenLogprob(value, [], []) for value in chosen]
     top = logprobs.topk(num_top, dim=-1)
-    return [
-        TokenLogprob(value, ids, values)
-        for value, ids, values in zip(chosen, top.indices.tolist(), top.values.tolist())
-    ]
+    entries = []
+    for value, ids, values in zip(chosen, top.indices.tolist(), top.values.tolist()):
+        # tied values in token id order, as greedy sampling takes the first of tied maxima
+        pairs = sorted(zip(values, ids), key=lambda pair: (-pair[0], pair[1]))
+        entries.append(TokenLogprob(value, [i for _, i in pairs], [v for v, _ in pairs]))
+    return entries
 
 
 def inverse_cdf(probs: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
