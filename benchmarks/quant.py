@@ -118,7 +118,7 @@ def ggml_kernels(row_counts: list[int]) -> None:
     stored = [ckpt.packed(name) for name in names]
     packed = [ggml.repack(w) for w in stored]
     dense = [ggml.dequantize(w, torch.bfloat16) for w in stored]
-    paths = ["scalar", "avx2", "avx512_vnni"]
+    paths = ["scalar", "avx2", "avx512_vnni", "amx"]
     paths = paths[1 : paths.index(native.ggml_linear_path()) + 1]
     formats = sorted({w.format for w in stored})
     print(f"\n{len(names)} linear weights ({', '.join(formats)}), {torch.get_num_threads()} threads: ms a step")

@@ -62,7 +62,7 @@ def test_rows_and_block_aligned_columns_are_the_same_values(format):
     assert packed.columns(slice(16, 16 + values)) is None  # (not on a block edge)
 
 
-PATHS = ["scalar", "avx2", "avx512_vnni"]  # (each includes the ones before it)
+PATHS = ["scalar", "avx2", "avx512_vnni", "amx"]  # (each includes the ones before it)
 
 
 def kernel_paths() -> list[str]:
@@ -118,10 +118,10 @@ def test_a_row_gives_the_same_bits_alone_and_among_others(format, path):
     change with that."""
     values = max(ggml.BLOCKS[format[:4]][0], 64 if format.endswith("X2") else 0)
     packed, _ = packed_random(format, 37, 3 * values, seed=3)
-    x = torch.randn(20, 3 * values, generator=torch.Generator().manual_seed(5))
+    x = torch.randn(40, 3 * values, generator=torch.Generator().manual_seed(5))
     alone = torch.cat([native.ggml_linear(x[i : i + 1], packed.data, ggml.TYPE_IDS[packed.format], path=path)
                        for i in range(len(x))])
-    for rows in (3, 9, 20):
+    for rows in (3, 9, 20, 40):  # (tiles; the batched path from 8 rows, 16 with AVX2 alone, 32 with AMX)
         together = native.ggml_linear(x[:rows], packed.data, ggml.TYPE_IDS[packed.format], path=path)
         assert torch.equal(together, alone[:rows]), f"{format} {path}: {rows} rows"
 

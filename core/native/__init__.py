@@ -272,7 +272,7 @@ _ggml_path: str | None = None
 
 
 def ggml_linear_path() -> str:
-    """The fastest path of ``ggml_linear`` built here: "avx512_vnni", "avx2", or "scalar" (any CPU); each
+    """The fastest path of ``ggml_linear`` built here: "amx", "avx512_vnni", "avx2", or "scalar" (any CPU); each
     includes the ones before it."""
     global _ggml_path
     if _ggml_path is None:

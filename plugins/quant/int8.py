@@ -148,7 +148,7 @@ def q8_0_kernel() -> bool:
     from conveyor import native
     from conveyor.plugins.quant.gguf import kernels_built
 
-    return kernels_built() and native.ggml_linear_path() in ("avx2", "avx512_vnni")
+    return kernels_built() and native.ggml_linear_path() in ("avx2", "avx512_vnni", "amx")
 
 
 @hookimpl

@@ -28,7 +28,30 @@
 #define CONVEYOR_AVX512_VNNI 1
 #endif
 
+// AMX tiles (Intel since Sapphire Rapids): bf16 products in tile_linear.cpp, int8 ones in ggml_linear.cpp.
+#if defined(__AMX_TILE__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
+
 namespace conveyor {
+
+#if defined(__AMX_TILE__)
+// Linux hands out the AMX tile state per process on request.
+inline bool amx_permitted() {
+  static const bool permitted = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0;
+  return permitted;
+}
+
+// A tile configuration (palette 1): each tile's rows and bytes a row.
+struct alignas(64) TileConfig {
+  uint8_t palette = 1;
+  uint8_t start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+#endif
 
 inline float bits_to_float(uint32_t bits) {
   float value;

@@ -17,8 +17,9 @@
 // at once (their AVX2 path runs on any x86-64 CPU of the last decade). Steps of more rows (batched decodes,
 // prompt chunks) take a GEMM: a thread unpacks a panel of 32 output columns once into its cache and multiplies
 // every row with it, with VPDPBUSD where the CPU has AVX-512 VNNI (AMD Zen 4, Intel since Ice Lake), else
-// VPMADDUBSW. Weights unpacked to bfloat16 in registers (AVX-512 BF16) were the other choice, decided by count
-// rather than by a second kernel: VPDPBF16PS does 32 multiply-adds an instruction against VPDPBUSD's 64, with the
+// VPMADDUBSW; from 32 rows with AMX-INT8 tiles where the CPU has them (Intel since Sapphire Rapids). Weights
+// unpacked to bfloat16 in registers (AVX-512 BF16) were the other choice, decided by count rather than by a
+// second kernel: VPDPBF16PS does 32 multiply-adds an instruction against VPDPBUSD's 64, with the
 // same unpacking, and the kernel is bound by its instructions, not by the bytes it reads.
 //
 // Threads take output columns from a shared counter, so a thread on a core that another process also wants
@@ -33,6 +34,10 @@
 // run: compare within a run.) One thread, 512 x 1536 x 576: 118 GMAC/s against bf16's 94. With the tiles'
 // prefetch (kPrefetchTiles), another run: 1 row 5.0 / 5.1 / 19.3; 4 rows 9.0 / 8.9 / 22.6; 16 rows 22.4 / 29.5 /
 // 33.9.
+// NOTE: 2-core Xeon with AMX, the same command, one run (VNNI / AMX / bf16 F.linear, oneDNN's AMX): 64 rows
+// 46.6 / 45.1 / 27.4 ms; 256 rows 157.2 / 147.9 / 76.2; 512 rows 253.3 / 226.6 / 68.4. AMX gains little here:
+// every 32 values have their own scales, so each TDPBSUD (16 rows x 16 columns x 32) is followed by a store of
+// its sums and their scaling in AVX-512, where bf16 tiles sum a whole row of K in the tile.
 #include <torch/library.h>
 
 #include <algorithm>
@@ -45,6 +50,12 @@
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #include <immintrin.h>
 #define CONVEYOR_AVX2 1
+#endif
+
+// TDPBSUD (AMX: a tile of signed bytes times a tile of unsigned ones, int32 sums): the batched path's products
+// where the CPU has AMX-INT8.
+#if defined(CONVEYOR_AVX512_VNNI) && defined(__AMX_TILE__) && defined(__AMX_INT8__)
+#define CONVEYOR_AMX_INT8 1
 #endif
 
 namespace conveyor {
@@ -619,8 +630,9 @@ void avx2_tile(const uint8_t* weight, int64_t row_bytes, int64_t n, int64_t colu
 constexpr int64_t kPanel = 32;     // output columns a panel holds
 // the fewest rows the batched path takes (below them the tiles, which unpack the weights again for every four
 // rows, measured faster: Zen 4, SmolLM2's layers, 8 rows 11.6 ms batched against 12.8 in tiles with VNNI; with
-// AVX2 alone 14.7 against 12.8 at 8 rows, 21.2 against 25 at 16)
-constexpr int64_t kGemmRows = 8, kGemmRowsAvx2 = 16;
+// AVX2 alone 14.7 against 12.8 at 8 rows, 21.2 against 25 at 16); AMX from 32 rows (below them VPDPBUSD was the
+// faster: Xeon with AMX, one Q4_0 layer of 3072 x 576, 24 rows 187 us against 212, 32 rows 229 against 210)
+constexpr int64_t kGemmRows = 8, kGemmRowsAvx2 = 16, kGemmRowsAmx = 32;
 
 // The scratch a panel takes, in floats: its bytes, then per sub-block (half) and column a scale and an offset.
 inline int64_t panel_floats(int64_t K) { return kPanel * K / 4 + 2 * 2 * (K / kSub) * kPanel; }
@@ -740,6 +752,15 @@ void panel_tile(const float* scratch, int64_t col0, int64_t K, const QuantizedRo
     for (int c = 0; c < C; ++c) V::storef(sums + r * kPanel + col0 + c * L, acc[r][c]);
 }
 
+// sums[r * kPanel + c] of a panel's columns [n, n + kPanel), rows out[r * N ...]: those below N, bias added.
+template <typename T>
+void store_panel(const float* sums, int64_t rows, int64_t n, int64_t N, const T* bias, T* out) {
+  const int64_t columns = std::min(kPanel, N - n);
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t c = 0; c < columns; ++c)
+      store(out + r * N + n + c, sums[r * kPanel + c] + (bias ? to_float(bias[n + c]) : 0.0f));
+}
+
 // Every row of x times columns [n, n + kPanel) (those below N stored, bias added).
 template <typename T, Type t, typename V>
 void panel_columns(const uint8_t* weight, int64_t row_bytes, int64_t n, int64_t N, int64_t K, const QuantizedRows& x,
@@ -751,13 +772,10 @@ void panel_columns(const uint8_t* weight, int64_t row_bytes, int64_t n, int64_t 
                                     panel_tile<t, V, std::min(5, V::R)>, panel_tile<t, V, std::min(6, V::R)>};
   unpack_panel<t>(weight, row_bytes, n, N, K, scratch);
   float sums[V::R * kPanel];
-  const int64_t columns = std::min(kPanel, N - n);
   for (int64_t m0 = 0; m0 < M; m0 += V::R) {
     const int64_t rows = std::min<int64_t>(V::R, M - m0);
     for (int64_t col0 = 0; col0 < kPanel; col0 += V::L * V::C) tiles[rows - 1](scratch, col0, K, x, m0, sums);
-    for (int64_t r = 0; r < rows; ++r)
-      for (int64_t c = 0; c < columns; ++c)
-        store(out + (m0 + r) * N + n + c, sums[r * kPanel + c] + (bias ? to_float(bias[n + c]) : 0.0f));
+    store_panel(sums, rows, n, N, bias, out + m0 * N);
   }
 }
 
@@ -783,6 +801,113 @@ void run_panels(const uint8_t* weight, Type t, int64_t M, int64_t N, int64_t K, 
     columns(weight, row_bytes, panel * kPanel, N, K, x, M, bias, out, scratch);
   });
 }
+
+#ifdef CONVEYOR_AMX_INT8
+// The batched path with AMX: the same panel, its bytes already in the layout of a TDPBSUD B tile (per sub-block
+// eight rows of four values, 16 columns a tile), and x's bytes as A tiles of 16 rows (x padded with zero rows to
+// a multiple of 16). One TDPBSUD gives a sub-block's integer sums for 16 rows x 16 columns (VPDPBUSD: one row x
+// 16 columns a group of four values); then the sub-block's scales are applied in the same order as panel_tile
+// applies them, so a row's outputs are the same bits on every path. Types of one scale a sub-block (all but
+// Q6_K). The products of the next sub-block run while the scales of this one are applied: tiles 0, 2, 3 (x, the
+// panel, the sums) for even sub-blocks and 1, 4, 5 for odd ones (a tile's number is part of the instruction).
+void amx_configure() {
+  TileConfig config;
+  config.rows[0] = config.rows[1] = 16;
+  config.colsb[0] = config.colsb[1] = kSub;
+  config.rows[2] = config.rows[4] = kSub / 4;
+  config.colsb[2] = config.colsb[4] = 64;
+  config.rows[3] = config.rows[5] = 16;
+  config.colsb[3] = config.colsb[5] = 64;
+  // NOTE: GCC 12 treats LDTILECFG as reading no memory and dropped the stores above (then every tile load
+  // raised SIGILL): the barrier keeps them.
+  asm volatile("" : : "r"(&config) : "memory");
+  _tile_loadconfig(&config);
+}
+
+#define CONVEYOR_AMX_PRODUCT(xt, wt, st, xp, wp, stride)  \
+  do {                                                    \
+    _tile_loadd(xt, xp, stride);                          \
+    _tile_loadd(wt, wp, kPanel * 4);                      \
+    _tile_zero(st);                                       \
+    _tile_dpbsud(st, xt, wt);                             \
+  } while (0)
+
+// Sub-block s's integer sums (dots[16 r + column]) times its scales, added to acc[r].
+inline void amx_scale(const int32_t* dots, const float* scale, const float* offset, const QuantizedRows& x,
+                      int64_t m0, int64_t subs, int64_t s, __m512* acc) {
+  const __m512 ws = _mm512_loadu_ps(scale + s * kPanel), wo = _mm512_loadu_ps(offset + s * kPanel);
+#pragma GCC unroll 16
+  for (int r = 0; r < 16; ++r) {
+    const int64_t i = (m0 + r) * subs + s;
+    const __m512 d = _mm512_cvtepi32_ps(_mm512_load_si512(dots + 16 * r));
+    acc[r] = _mm512_fmadd_ps(_mm512_mul_ps(d, ws), _mm512_set1_ps(x.scale[i]), acc[r]);
+    acc[r] = _mm512_fmadd_ps(wo, _mm512_set1_ps(x.sum[i]), acc[r]);
+  }
+}
+
+// Rows [m0, m0 + 16) x the panel's columns [col0, col0 + 16) into sums[r * kPanel + column].
+void amx_tile(const float* scratch, int64_t col0, int64_t K, const QuantizedRows& x, int64_t m0, float* sums) {
+  const int64_t subs = K / kSub;
+  const uint8_t* q = reinterpret_cast<const uint8_t*>(scratch) + col0 * 4;
+  const float* scale = scratch + kPanel * K / 4 + col0;
+  const float* offset = scale + subs * kPanel;
+  const int8_t* xq = x.q.data() + m0 * K;
+  alignas(64) int32_t even[16 * 16], odd[16 * 16];
+  __m512 acc[16];
+#pragma GCC unroll 16
+  for (int r = 0; r < 16; ++r) acc[r] = _mm512_setzero_ps();
+  const int64_t step = 8 * kPanel * 4;  // a sub-block's bytes in the panel
+  CONVEYOR_AMX_PRODUCT(0, 2, 3, xq, q, K);
+  for (int64_t s = 0; s < subs; s += 2) {
+    if (s + 1 < subs) CONVEYOR_AMX_PRODUCT(1, 4, 5, xq + (s + 1) * kSub, q + (s + 1) * step, K);
+    _tile_stored(3, even, 64);
+    if (s + 2 < subs) CONVEYOR_AMX_PRODUCT(0, 2, 3, xq + (s + 2) * kSub, q + (s + 2) * step, K);
+    amx_scale(even, scale, offset, x, m0, subs, s, acc);
+    if (s + 1 < subs) {
+      _tile_stored(5, odd, 64);
+      amx_scale(odd, scale, offset, x, m0, subs, s + 1, acc);
+    }
+  }
+#pragma GCC unroll 16
+  for (int r = 0; r < 16; ++r) _mm512_storeu_ps(sums + r * kPanel + col0, acc[r]);
+}
+
+template <typename T, Type t>
+void amx_panel_columns(const uint8_t* weight, int64_t row_bytes, int64_t n, int64_t N, int64_t K,
+                       const QuantizedRows& x, int64_t M, const T* bias, T* out, float* scratch) {
+  static_assert(kHalves<t> == 1, "one scale a sub-block");
+  unpack_panel<t>(weight, row_bytes, n, N, K, scratch);
+  amx_configure();
+  alignas(64) float sums[16 * kPanel];
+  for (int64_t m0 = 0; m0 < M; m0 += 16) {
+    for (int64_t col0 = 0; col0 < kPanel; col0 += 16) amx_tile(scratch, col0, K, x, m0, sums);
+    store_panel(sums, std::min<int64_t>(16, M - m0), n, N, bias, out + m0 * N);
+  }
+  _tile_release();
+}
+
+// Whether type t takes the AMX path (one scale a sub-block).
+constexpr bool amx_type(Type t) { return t != Q6_K; }
+
+template <typename T>
+void run_amx_panels(const uint8_t* weight, Type t, int64_t M, int64_t N, int64_t K, QuantizedRows& x,
+                    const T* bias, T* out) {
+  const int64_t padded = (M + 15) / 16 * 16, subs = K / kSub;  // (zero rows: whole tiles of x)
+  x.q.resize(padded * K, 0);
+  x.scale.resize(padded * subs, 0.0f);
+  x.sum.resize(padded * subs, 0.0f);
+  using Columns = void (*)(const uint8_t*, int64_t, int64_t, int64_t, int64_t, const QuantizedRows&, int64_t,
+                           const T*, T*, float*);
+  static constexpr Columns table[kNumTypes] = {
+      amx_panel_columns<T, Q4_0>, amx_panel_columns<T, Q4_1>, amx_panel_columns<T, Q5_0>,
+      amx_panel_columns<T, Q5_1>, amx_panel_columns<T, Q8_0>, amx_panel_columns<T, Q4_K>,
+      amx_panel_columns<T, Q5_K>, nullptr, amx_panel_columns<T, Q4_X2>};
+  const int64_t row_bytes = K / kBlockValues[t] * kBlockBytes[t];
+  run_work_queue((N + kPanel - 1) / kPanel, panel_floats(K), [&](int64_t panel, float* scratch) {
+    table[t](weight, row_bytes, panel * kPanel, N, K, x, M, bias, out, scratch);
+  });
+}
+#endif
 #endif
 
 Tile pick_tile(Type t, bool vector) {
@@ -799,7 +924,7 @@ Tile pick_tile(Type t, bool vector) {
 }
 
 // The kernel paths, fastest last: each includes the ones before it.
-enum Path { kScalar, kAvx2, kVnni };
+enum Path { kScalar, kAvx2, kVnni, kAmx };
 
 template <typename T>
 void run(const T* x, const uint8_t* weight, Type t, int64_t M, int64_t N, int64_t K, const T* bias, T* out,
@@ -807,8 +932,11 @@ void run(const T* x, const uint8_t* weight, Type t, int64_t M, int64_t N, int64_
   QuantizedRows xq;
   quantize_rows(x, M, K, xq);
 #ifdef CONVEYOR_AVX2
+#ifdef CONVEYOR_AMX_INT8
+  if (M >= kGemmRowsAmx && path == kAmx && amx_type(t)) return run_amx_panels<T>(weight, t, M, N, K, xq, bias, out);
+#endif
 #ifdef CONVEYOR_AVX512_VNNI
-  if (M >= kGemmRows && path == kVnni) return run_panels<T, VnniLanes>(weight, t, M, N, K, xq, bias, out);
+  if (M >= kGemmRows && path >= kVnni) return run_panels<T, VnniLanes>(weight, t, M, N, K, xq, bias, out);
 #endif
   if (M >= kGemmRowsAvx2 && path == kAvx2 && t != Q8_0)
     return run_panels<T, Avx2Lanes>(weight, t, M, N, K, xq, bias, out);
@@ -847,8 +975,11 @@ void run(const T* x, const uint8_t* weight, Type t, int64_t M, int64_t N, int64_
   run_work_queue(chunks, scratch_floats, visit, M <= kRowTile ? N * row_bytes : -1);
 }
 
-// The fastest path built here: "avx512_vnni", "avx2" or "scalar".
+// The fastest path built here: "amx", "avx512_vnni", "avx2" or "scalar".
 std::string ggml_linear_path() {
+#if defined(CONVEYOR_AMX_INT8) && defined(CONVEYOR_AVX2)
+  if (amx_permitted()) return "amx";
+#endif
 #if defined(CONVEYOR_AVX512_VNNI) && defined(CONVEYOR_AVX2)
   return "avx512_vnni";
 #elif defined(CONVEYOR_AVX2)
@@ -875,7 +1006,7 @@ void ggml_linear(const at::Tensor& x, const at::Tensor& weight, int64_t type, co
     TORCH_CHECK(bias->scalar_type() == x.scalar_type() && bias->numel() == N && bias->is_contiguous(),
                 "ggml_linear: bias must be a contiguous [", N, "] of x's dtype");
   const std::string best = ggml_linear_path();
-  const std::vector<std::string> names = {"scalar", "avx2", "avx512_vnni"};
+  const std::vector<std::string> names = {"scalar", "avx2", "avx512_vnni", "amx"};
   const int64_t chosen = std::find(names.begin(), names.end(), path) - names.begin();
   TORCH_CHECK(chosen <= std::find(names.begin(), names.end(), best) - names.begin(), "ggml_linear: path ", path,
               " is not built here; built: scalar up to ", best);

@@ -15,8 +15,6 @@
 #include "common.h"
 
 #if defined(CONVEYOR_AVX512_BF16) && defined(__AMX_TILE__) && defined(__AMX_BF16__)
-#include <sys/syscall.h>
-#include <unistd.h>
 #define CONVEYOR_AMX 1
 #endif
 
@@ -26,20 +24,6 @@ namespace {
 constexpr int64_t kMaxRows = 64;  // four tiles of 16 rows
 
 #ifdef CONVEYOR_AMX
-// Linux hands out the AMX tile state per process on request.
-bool amx_permitted() {
-  static const bool permitted = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0;
-  return permitted;
-}
-
-struct alignas(64) TileConfig {
-  uint8_t palette = 1;
-  uint8_t start_row = 0;
-  uint8_t reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
-
 // Tiles 0-3: the sums of row tiles 0-3 (the last one `tail` rows); 4: the weight; 5: a full row tile of x,
 // 6: the last (tail rows).
 void configure(int64_t tail, int64_t row_tiles) {
