@@ -189,6 +189,25 @@ def test_cpu_fp8_upcast_is_exact_for_every_value():
         assert torch.equal(upcast(every, dtype)[finite], every.to(dtype)[finite])
 
 
+def test_cpu_fp8_native_upcast_gives_torchs_bits():
+    """The C++ pass that dequantizes a layer for a large batch (16 values a step, then K's tail) against torch's
+    own float8 conversion and multiply: every finite e4m3 byte, random scales, the same bits in each dtype."""
+    from conveyor import native
+
+    if not native.fp8_linear_supported():
+        pytest.skip("the C++ fp8 kernel does not build here")
+    every = torch.arange(256, dtype=torch.uint8)
+    every = every[(every & 0x7F) != 0x7F]  # (0x7f, 0xff: NaN)
+    generator = torch.Generator().manual_seed(7)
+    for k in (203, 64):
+        q = every[torch.randint(len(every), (9, k), generator=generator)].view(torch.float8_e4m3fn)
+        scale = torch.rand(9, generator=generator) * 10.0 ** torch.randint(-4, 2, (9,), generator=generator)
+        for dtype in (torch.float32, torch.bfloat16, torch.float16):
+            expected = q.to(dtype) * scale[:, None].to(dtype)
+            got = native.fp8_upcast(q, scale, dtype)
+            assert got.dtype == dtype and torch.equal(got, expected), f"K={k} {dtype}"
+
+
 @pytest.mark.parametrize("block", ["Q4_1", "Q4_0"])
 @pytest.mark.parametrize("rows", [1, 17])
 def test_cpu_int4_blocks_round_each_weight_and_multiply_them(block, rows):

@@ -291,6 +291,14 @@ def ggml_linear(x: torch.Tensor, weight: torch.Tensor, type_id: int, bias: torch
     return out
 
 
+def fp8_upcast(weight: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``weight`` (float8 e4m3 ``[N, K]``) times ``scale`` (float32 ``[N]``) in ``dtype``, bit for bit as torch
+    computes ``weight.to(dtype) * scale[:, None].to(dtype)``, in one vectorized pass."""
+    out = torch.empty(weight.shape, dtype=dtype)
+    _ops().fp8_upcast(weight, scale, out)
+    return out
+
+
 def store_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor, k: torch.Tensor,
              v: torch.Tensor) -> None:
     """``k_cache[:, slot_mapping] = k.transpose(0, 1)`` and the same for v: caches ``[Hkv, slots, D]``,

@@ -117,6 +117,34 @@ void run(const T* x, const uint8_t* w, const float* scale, const T* bias, T* out
     }
   });
 }
+
+// Rows [n0, n1) of out = T(e4m3 w * T(scale[n])): as torch computes `upcast(w, T) * scale[:, None].to(T)`, bit for
+// bit (the e4m3 value times the rounded scale is exact in float32, then rounded once to T).
+template <typename T>
+void upcast_rows(const uint8_t* w, const float* scale, T* out, int64_t n0, int64_t n1, int64_t K) {
+  for (int64_t n = n0; n < n1; ++n) {
+    const float s = to_float(static_cast<T>(scale[n]));
+    const uint8_t* row = w + n * K;
+    T* y = out + n * K;
+    int64_t k = 0;
+    if constexpr (std::is_same_v<T, at::BFloat16>) {
+      const __m256 s8 = _mm256_set1_ps(s * 256.0f);  // (fp8x8 gives the values times 2^-8)
+      const __m256i half = _mm256_set1_epi32(0x7fff), one = _mm256_set1_epi32(1);
+      auto round = [&](__m256 v) {  // to bfloat16, to nearest even, in the low half of each lane
+        const __m256i bits = _mm256_castps_si256(v);
+        const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(bits, 16), one);
+        return _mm256_srli_epi32(_mm256_add_epi32(bits, _mm256_add_epi32(half, odd)), 16);
+      };
+      for (; k + 16 <= K; k += 16) {
+        const __m256i lo = round(_mm256_mul_ps(fp8x8(row + k), s8));
+        const __m256i hi = round(_mm256_mul_ps(fp8x8(row + k + 8), s8));
+        const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(lo, hi), 0xd8);
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + k), packed);
+      }
+    }
+    for (; k < K; ++k) y[k] = static_cast<T>(fp8_scalar(row[k]) * 256.0f * s);
+  }
+}
 #endif
 
 bool fp8_linear_supported() {
@@ -150,6 +178,26 @@ void fp8_linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor&
 #endif
 }
 
+void fp8_upcast(const at::Tensor& weight, const at::Tensor& scale, at::Tensor& out) {
+  TORCH_CHECK(fp8_linear_supported(), "fp8_upcast needs a CPU with AVX2, FMA and F16C");
+  TORCH_CHECK(weight.dim() == 2 && weight.is_contiguous() && weight.element_size() == 1,
+              "fp8_upcast: weight must be a contiguous float8_e4m3fn [N, K]");
+  const int64_t N = weight.size(0), K = weight.size(1);
+  TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.numel() == N && scale.is_contiguous(),
+              "fp8_upcast: scale must be a contiguous float32 [", N, "]");
+  TORCH_CHECK(out.dim() == 2 && out.size(0) == N && out.size(1) == K && out.is_contiguous(),
+              "fp8_upcast: out must be a contiguous [", N, ", ", K, "]");
+#ifdef CONVEYOR_FP8_AVX2
+  const auto* w = static_cast<const uint8_t*>(weight.data_ptr());
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, out.scalar_type(), "fp8_upcast", [&] {
+    scalar_t* y = out.data_ptr<scalar_t>();
+    at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
+      upcast_rows<scalar_t>(w, scale.data_ptr<float>(), y, n0, n1, K);
+    });
+  });
+#endif
+}
+
 }  // namespace
 
 void fp8_linear_into(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scale, at::Tensor& out) {
@@ -161,6 +209,10 @@ void fp8_linear_into(const at::Tensor& x, const at::Tensor& weight, const at::Te
 TORCH_LIBRARY_FRAGMENT(conveyor_cpu, m) {
   m.def("fp8_linear_supported() -> bool", &conveyor::fp8_linear_supported);
   m.def("fp8_linear(Tensor x, Tensor weight, Tensor scale, Tensor? bias, Tensor(a!) out) -> ()");
+  m.def("fp8_upcast(Tensor weight, Tensor scale, Tensor(a!) out) -> ()");
 }
 
-TORCH_LIBRARY_IMPL(conveyor_cpu, CPU, m) { m.impl("fp8_linear", &conveyor::fp8_linear); }
+TORCH_LIBRARY_IMPL(conveyor_cpu, CPU, m) {
+  m.impl("fp8_linear", &conveyor::fp8_linear);
+  m.impl("fp8_upcast", &conveyor::fp8_upcast);
+}
