@@ -908,6 +908,42 @@ void run_amx_panels(const uint8_t* weight, Type t, int64_t M, int64_t N, int64_t
   });
 }
 #endif
+
+// Rows [n0, n1) of the weight in T: each sub-block's values times its scale plus its offset in float32 (as
+// llama.cpp dequantizes), rounded once to T. For the steps where a dense matmul over the dequantized layer beats
+// the integer products (AMX; conveyor.plugins.quant.gguf).
+template <Type t, typename T>
+void dequantize_rows(const uint8_t* weight, int64_t K, int64_t n0, int64_t n1, T* out) {
+  constexpr int64_t values = kBlockValues[t], size = kBlockBytes[t], per_block = values / kSub;
+  const int64_t row_bytes = K / values * size;
+  alignas(32) uint8_t q[kSub];
+  alignas(32) float w[kSub];
+  for (int64_t n = n0; n < n1; ++n)
+    for (int64_t blk = 0; blk < K / values; ++blk)
+      for (int j = 0; j < per_block; ++j) {
+        const SubBlock sub = unpack_sub<t>(weight + n * row_bytes + blk * size, j);
+        _mm256_store_si256(reinterpret_cast<__m256i*>(q), sub.q);
+        float scale[2] = {sub.scale, sub.scale};
+        if constexpr (t == Q6_K) {  // (one scale a half: the low lanes, then the high ones)
+          scale[0] = _mm256_cvtss_f32(sub.lane_scales);
+          scale[1] = _mm_cvtss_f32(_mm256_extractf128_ps(sub.lane_scales, 1));
+        }
+        for (int g = 0; g < 4; ++g) {  // eight values at a time (a half: two of them)
+          const __m128i eight = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + 8 * g));
+          const __m256 v = _mm256_cvtepi32_ps(kSigned[t] ? _mm256_cvtepi8_epi32(eight) : _mm256_cvtepu8_epi32(eight));
+          const __m256 scaled = _mm256_mul_ps(v, _mm256_set1_ps(scale[g / 2]));
+          _mm256_store_ps(w + 8 * g, _mm256_add_ps(scaled, _mm256_set1_ps(sub.offset)));
+        }
+        T* y = out + n * K + (blk * per_block + j) * kSub;
+        if constexpr (std::is_same_v<T, at::BFloat16>) {
+          for (int h = 0; h < 2; ++h)
+            store_bf16x16(reinterpret_cast<uint16_t*>(y + 16 * h), _mm256_load_ps(w + 16 * h),
+                          _mm256_load_ps(w + 16 * h + 8));
+        } else {
+          std::memcpy(y, w, sizeof(w));
+        }
+      }
+}
 #endif
 
 Tile pick_tile(Type t, bool vector) {
@@ -1017,6 +1053,34 @@ void ggml_linear(const at::Tensor& x, const at::Tensor& weight, int64_t type, co
   });
 }
 
+void ggml_dequantize(const at::Tensor& weight, int64_t type, at::Tensor& out) {
+  TORCH_CHECK(type >= 0 && type < kNumTypes, "ggml_dequantize: unknown type ", type);
+  const Type t = static_cast<Type>(type);
+  TORCH_CHECK(weight.scalar_type() == at::kByte && weight.dim() == 2 && weight.is_contiguous() &&
+                  weight.size(1) % kBlockBytes[t] == 0,
+              "ggml_dequantize: weight must be a contiguous uint8 [N, whole blocks]");
+  const int64_t N = weight.size(0), K = weight.size(1) / kBlockBytes[t] * kBlockValues[t];
+  TORCH_CHECK((out.scalar_type() == at::kBFloat16 || out.scalar_type() == at::kFloat) && out.dim() == 2 &&
+                  out.size(0) == N && out.size(1) == K && out.is_contiguous(),
+              "ggml_dequantize: out must be a contiguous bfloat16 or float32 [", N, ", ", K, "]");
+#ifdef CONVEYOR_AVX2
+  const uint8_t* w = weight.data_ptr<uint8_t>();
+  auto rows = [&](auto* y) {
+    using T = std::remove_pointer_t<decltype(y)>;
+    using Rows = void (*)(const uint8_t*, int64_t, int64_t, int64_t, T*);
+    static constexpr Rows table[kNumTypes] = {
+        dequantize_rows<Q4_0, T>, dequantize_rows<Q4_1, T>, dequantize_rows<Q5_0, T>, dequantize_rows<Q5_1, T>,
+        dequantize_rows<Q8_0, T>, dequantize_rows<Q4_K, T>, dequantize_rows<Q5_K, T>, dequantize_rows<Q6_K, T>,
+        dequantize_rows<Q4_X2, T>};
+    at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) { table[t](w, K, n0, n1, y); });
+  };
+  if (out.scalar_type() == at::kBFloat16) rows(out.data_ptr<at::BFloat16>());
+  else rows(out.data_ptr<float>());
+#else
+  TORCH_CHECK(false, "ggml_dequantize needs a CPU with AVX2, FMA and F16C");
+#endif
+}
+
 }  // namespace
 
 void ggml_linear_into(const at::Tensor& x, const at::Tensor& weight, int64_t type, at::Tensor& out) {
@@ -1028,6 +1092,10 @@ void ggml_linear_into(const at::Tensor& x, const at::Tensor& weight, int64_t typ
 TORCH_LIBRARY_FRAGMENT(conveyor_cpu, m) {
   m.def("ggml_linear_path() -> str", &conveyor::ggml_linear_path);
   m.def("ggml_linear(Tensor x, Tensor weight, int type, Tensor? bias, Tensor(a!) out, str path) -> ()");
+  m.def("ggml_dequantize(Tensor weight, int type, Tensor(a!) out) -> ()");
 }
 
-TORCH_LIBRARY_IMPL(conveyor_cpu, CPU, m) { m.impl("ggml_linear", &conveyor::ggml_linear); }
+TORCH_LIBRARY_IMPL(conveyor_cpu, CPU, m) {
+  m.impl("ggml_linear", &conveyor::ggml_linear);
+  m.impl("ggml_dequantize", &conveyor::ggml_dequantize);
+}
