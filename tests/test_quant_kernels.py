@@ -122,10 +122,11 @@ def test_cpu_paths_match_reference(monkeypatch, method, dtype, rows, in_features
         scale = x_ref.abs().amax(dim=1, keepdim=True) / 448
         x_ref = (x_ref / scale).to(torch.float8_e4m3fn).double() * scale
     if method.startswith("int8"):
-        scale = weight.double().abs().amax(dim=1) / 127
+        # (rounded in float32, as the method rounds: in float64 a value near a half step may round the other way)
+        scale = weight.abs().amax(dim=1) / 127
         if blocks:  # (the scale a Q8_0 block stores: float16)
-            scale = scale.half().double()
-        w = (weight.double() / scale[:, None]).round().clamp(-127, 127) * scale[:, None]
+            scale = scale.half().float()
+        w = (weight / scale[:, None]).round().clamp(-127, 127).double() * scale.double()[:, None]
     else:
         w = params["qweight"].double() * params["scale"].double()[:, None]
     expected = x_ref @ w.T + bias.to(dtype).double()
