@@ -20,7 +20,8 @@
 // VPMADDUBSW; from 32 rows with AMX-INT8 tiles where the CPU has them (Intel since Sapphire Rapids). Weights
 // unpacked to bfloat16 in registers (AVX-512 BF16) were the other choice, decided by count rather than by a
 // second kernel: VPDPBF16PS does 32 multiply-adds an instruction against VPDPBUSD's 64, with the
-// same unpacking, and the kernel is bound by its instructions, not by the bytes it reads.
+// same unpacking, and the kernel is bound by its instructions, not by the bytes it reads. AMX's bf16 tiles turn
+// that count around: with them, steps of bfloat16 activations from 32 rows unpack panels to bf16 (kDenseRows).
 //
 // Threads take output columns from a shared counter, so a thread on a core that another process also wants
 // does less of the work rather than holding the step back (a static split waits for its slowest share). A
