@@ -819,10 +819,7 @@ void amx_configure() {
   config.colsb[2] = config.colsb[4] = 64;
   config.rows[3] = config.rows[5] = 16;
   config.colsb[3] = config.colsb[5] = 64;
-  // NOTE: GCC 12 treats LDTILECFG as reading no memory and dropped the stores above (then every tile load
-  // raised SIGILL): the barrier keeps them.
-  asm volatile("" : : "r"(&config) : "memory");
-  _tile_loadconfig(&config);
+  load_tile_config(config);
 }
 
 #define CONVEYOR_AMX_PRODUCT(xt, wt, st, xp, wp, stride)  \
@@ -1023,8 +1020,7 @@ void dense_tiles(const uint16_t* panel, const uint16_t* xt, int64_t K, int64_t m
 void dense_configure() {
   TileConfig config;
   for (int t = 0; t < 8; ++t) config.rows[t] = 16, config.colsb[t] = 64;
-  asm volatile("" : : "r"(&config) : "memory");  // (see amx_configure)
-  _tile_loadconfig(&config);
+  load_tile_config(config);
 }
 
 template <Type t>
