@@ -124,20 +124,14 @@ def ggml_kernels(row_counts: list[int]) -> None:
     paths = paths[1 : paths.index(native.ggml_linear_path()) + 1]
     formats = sorted({w.format for w in stored})
     print(f"\n{len(names)} linear weights ({', '.join(formats)}), {torch.get_num_threads()} threads: ms a step")
-    print(f"{'rows':>5} " + " ".join(f"{p:>12}" for p in paths) + f" {'bf16 F.linear':>14}"
-          f" {'dequantized per step':>21}")
+    print(f"{'rows':>5} " + " ".join(f"{p:>12}" for p in paths) + f" {'bf16 F.linear':>14}")
     for m in row_counts:
         xs = {w.in_features: torch.randn(m, w.in_features) for w in stored}
         times = [time_it(lambda: [native.ggml_linear(xs[s.in_features], w.data, ggml.TYPE_IDS[w.format], path=p)
                                   for s, w in zip(stored, packed)], repeat=5) for p in paths]
         xb = {k: v.bfloat16() for k, v in xs.items()}
         bf16 = time_it(lambda: [F.linear(xb[w.shape[1]], w) for w in dense], repeat=5)
-        # (each layer dequantized in the C++ pass, then bf16 F.linear: what large prompt chunks take with AMX)
-        per_step = time_it(lambda: [F.linear(xb[s.in_features], native.ggml_dequantize(w.data, w.format,
-                                                                                     torch.bfloat16))
-                                    for s, w in zip(stored, packed)], repeat=5)
-        print(f"{m:>5} " + " ".join(f"{t * 1e3:>12.1f}" for t in times) + f" {bf16 * 1e3:>14.1f}"
-              f" {per_step * 1e3:>21.1f}", flush=True)
+        print(f"{m:>5} " + " ".join(f"{t * 1e3:>12.1f}" for t in times) + f" {bf16 * 1e3:>14.1f}", flush=True)
 
 
 def main() -> None:

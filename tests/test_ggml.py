@@ -126,42 +126,6 @@ def test_a_row_gives_the_same_bits_alone_and_among_others(format, path):
         assert torch.equal(together, alone[:rows]), f"{format} {path}: {rows} rows"
 
 
-@pytest.mark.skipif("avx2" not in kernel_paths(), reason="the C++ dequantizer needs AVX2")
-@pytest.mark.parametrize("format", [*TYPES, "Q4_1>X2"])
-def test_the_cpp_dequantizer_gives_the_gguf_packages_values(format):
-    values = max(ggml.BLOCKS[format[:4]][0], 64 if format.endswith("X2") else 0)
-    packed, reference = packed_random(format, 21, 3 * values, seed=6)
-    assert torch.equal(native.ggml_dequantize(packed.data, packed.format, torch.float32).double(), reference)
-    as_bf16 = native.ggml_dequantize(packed.data, packed.format, torch.bfloat16)
-    assert torch.equal(as_bf16, reference.float().bfloat16())
-
-
-@pytest.mark.skipif("avx2" not in kernel_paths(), reason="the C++ dequantizer needs AVX2")
-def test_large_bfloat16_steps_multiply_the_dequantized_layer_where_amx_runs(monkeypatch):
-    """With AMX (forced here: the dequantizer runs on any AVX2 CPU), steps of DENSE_MIN_ROWS rows or more take
-    the layer dequantized to bfloat16, with bfloat16 activations; fewer rows keep the integer products."""
-    from conveyor.plugins.quant import gguf
-    from conveyor.plugins.quant.gguf import GGUFQuant
-
-    monkeypatch.setattr(native, "tile_linear_supported", lambda: True)
-    calls = []
-    dequantize = native.ggml_dequantize
-    monkeypatch.setattr(native, "ggml_dequantize", lambda *a: calls.append(a[1]) or dequantize(*a))
-    packed, weight = packed_random("Q4_1", 40, 128, seed=8)
-    method = GGUFQuant(None, torch.bfloat16, torch.device("cpu"))
-    params = method.prepare_packed([packed])
-    for rows in (gguf.DENSE_MIN_ROWS - 1, gguf.DENSE_MIN_ROWS):
-        x = torch.randn(rows, 128).bfloat16()
-        y = method.linear(x, params)
-        expected = x.double() @ weight.T
-        allowed = activation_bound(x, weight) + 1e-5 * (x.double().abs() @ weight.abs().T) + expected.abs() / 128
-        assert ((y.double() - expected).abs() <= allowed + 1e-6).all(), rows
-    assert calls == ["Q4_X2"]  # (the second step only; the blocks as the kernels keep them)
-    # and the dense step's rows are x times the bfloat16 weights, as F.linear computes them
-    x = torch.randn(gguf.DENSE_MIN_ROWS, 128).bfloat16()
-    assert torch.equal(method.linear(x, params), torch.nn.functional.linear(x, weight.float().bfloat16()))
-
-
 @pytest.mark.skipif(not kernel_paths(), reason="the C++ kernels do not build here")
 def test_kernel_refuses_a_weight_of_the_wrong_width():
     packed, _ = packed_random("Q8_0", 4, 64, seed=4)

@@ -291,18 +291,6 @@ def ggml_linear(x: torch.Tensor, weight: torch.Tensor, type_id: int, bias: torch
     return out
 
 
-def ggml_dequantize(weight: torch.Tensor, layout: str, dtype: torch.dtype) -> torch.Tensor:
-    """``weight`` (``uint8 [N, row bytes]`` of GGML blocks in ``layout``, a key of ``conveyor.model.ggml.BLOCKS``)
-    as a ``[N, K]`` tensor of ``dtype`` (bfloat16 or float32): llama.cpp's dequantization in float32, rounded
-    once."""
-    from conveyor.model import ggml
-
-    values, size = ggml.BLOCKS[layout]
-    out = torch.empty(weight.shape[0], weight.shape[1] // size * values, dtype=dtype)
-    _ops().ggml_dequantize(weight, ggml.TYPE_IDS[layout], out)
-    return out
-
-
 def fp8_upcast(weight: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """``weight`` (float8 e4m3 ``[N, K]``) times ``scale`` (float32 ``[N]``) in ``dtype``, bit for bit as torch
     computes ``weight.to(dtype) * scale[:, None].to(dtype)``, in one vectorized pass."""

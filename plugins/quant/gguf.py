@@ -3,14 +3,13 @@ file stores them, and ``auto``, the default: the same for a checkpoint with such
 int4 or int8 checkpoint's weights, which ``conveyor.model.hf_quant`` turns into Q4_0, Q4_1 or Q8_0 blocks),
 ``fp8``'s kernels for one stored in fp8, the model dtype for the rest.
 
-A quantized GGUF is served at its size: its blocks are never kept expanded to bf16 or fp32 (a Q4_1 weight is 5
+A quantized GGUF is served at its size: its blocks are never expanded to bf16 or fp32 (a Q4_1 weight is 5
 bits, not 16), the embedding table and a tied output head included. On a CPU with the C++ kernels a step
 multiplies the blocks as they are (``conveyor.native.ggml_linear``: each row of x quantized per 32 values to
-int8, as llama.cpp does), except a prompt chunk of ``DENSE_MIN_ROWS`` rows or more on a CPU with AMX, which
-expands one layer at a time for its matmul; on CUDA a Triton GEMM unpacks them in registers
-(``ggml_kernels.ggml_matmul``, activations in the model dtype); on a CPU without a compiler each layer is
-dequantized into the model dtype when it runs and multiplied there, which is correct but gives back the time,
-not the memory. Tensors the file stores as floats (norms; F16/BF16/F32 weights) take the ``none`` method's path.
+int8, as llama.cpp does); on CUDA a Triton GEMM unpacks them in registers (``ggml_kernels.ggml_matmul``,
+activations in the model dtype); on a CPU without a compiler each layer is dequantized into the model dtype when
+it runs and multiplied there, which is correct but gives back the time, not the memory. Tensors
+the file stores as floats (norms; F16/BF16/F32 weights) take the ``none`` method's path.
 """
 
 from __future__ import annotations
@@ -29,15 +28,6 @@ if TYPE_CHECKING:
 
 # GGML type names, in conveyor.model.ggml.BLOCKS (kept here to list without importing torch)
 FORMATS = frozenset({"Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K"})
-
-# On a CPU with AMX, steps of this many rows or more (prompt chunks) dequantize each layer to bfloat16 in one C++
-# pass and multiply it in oneDNN's AMX tiles, with bfloat16 activations: every 32 values of the integer products
-# have their own scales, which AMX's integer tiles must apply one by one. So a prompt's rows there are not the same
-# bits as when fewer rows come together ([engine] batch_invariant multiplies 16 rows at a time: the integer path).
-# NOTE: 2-core Xeon with AMX, SmolLM2's 210 Q4_1 layers, `python benchmarks/quant.py --kernels`, ms a step
-# (integer products with AMX / dequantized per step / bf16 weights): 64 rows 45.8 / 39.7 / 29.1; 128 rows 78.0 /
-# 53.8 / 38.3; 256 rows 128.6 / 72.6 / 61.5; 512 rows 246.3 / 101.8 / 78.1.
-DENSE_MIN_ROWS = 128
 
 
 class GGUFQuant(NoQuant):
@@ -118,9 +108,7 @@ class GGUFQuant(NoQuant):
 
 
 def _multiply(x: torch.Tensor, format: str, data: torch.Tensor) -> torch.Tensor:
-    """``x @ w.T`` for one part's blocks: the C++ kernels where they run (with AMX, steps of DENSE_MIN_ROWS rows
-    or more dequantized in their C++ pass instead), else dequantized per call."""
-    import torch
+    """``x @ w.T`` for one part's blocks: the C++ kernels where they run, else dequantized per call."""
     import torch.nn.functional as F
 
     from conveyor.model import ggml
@@ -132,8 +120,6 @@ def _multiply(x: torch.Tensor, format: str, data: torch.Tensor) -> torch.Tensor:
     if kernels_run(x):
         from conveyor import native
 
-        if x.shape[0] >= DENSE_MIN_ROWS and x.dtype == torch.bfloat16 and native.tile_linear_supported():
-            return F.linear(x, native.ggml_dequantize(data, format, x.dtype))
         return native.ggml_linear(x, data, ggml.TYPE_IDS[format])
     if x.device.type == "cuda":
         from conveyor.plugins.quant.ggml_kernels import ggml_matmul

@@ -28,11 +28,7 @@
 #define CONVEYOR_AVX512_VNNI 1
 #endif
 
-#if defined(__AVX2__)
-#include <immintrin.h>
-#endif
-
-// AMX tiles (Intel since Sapphire Rapids): tile_linear.cpp (bf16), ggml_linear.cpp (int8 and bf16).
+// AMX tiles (Intel since Sapphire Rapids): bf16 products in tile_linear.cpp, int8 ones in ggml_linear.cpp.
 #if defined(__AMX_TILE__)
 #include <sys/syscall.h>
 #include <unistd.h>
@@ -55,13 +51,6 @@ struct alignas(64) TileConfig {
   uint16_t colsb[16] = {};
   uint8_t rows[16] = {};
 };
-
-// Loads a configuration into this thread's tiles. NOTE: GCC 12 treats LDTILECFG as reading no memory and once
-// dropped the stores that filled a configuration (every tile load then raised SIGILL): the barrier keeps them.
-inline void load_tile_config(const TileConfig& config) {
-  asm volatile("" : : "r"(&config) : "memory");
-  _tile_loadconfig(&config);
-}
 #endif
 
 inline float bits_to_float(uint32_t bits) {
@@ -80,20 +69,6 @@ inline uint16_t float_to_bf16(float x) {
   const bool nan = (bits & 0x7fffffffu) > 0x7f800000u;
   return static_cast<uint16_t>(nan ? 0x7fc0u : (bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
 }
-
-#if defined(__AVX2__)
-// Sixteen floats to bfloat16 at out, each rounded to nearest even as float_to_bf16 rounds it (NaNs aside).
-inline void store_bf16x16(uint16_t* out, __m256 lo, __m256 hi) {
-  const __m256i half = _mm256_set1_epi32(0x7fff), one = _mm256_set1_epi32(1);
-  auto round = [&](__m256 v) {  // (in the low half of each lane)
-    const __m256i bits = _mm256_castps_si256(v);
-    const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(bits, 16), one);
-    return _mm256_srli_epi32(_mm256_add_epi32(bits, _mm256_add_epi32(half, odd)), 16);
-  };
-  const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(round(lo), round(hi)), 0xd8);
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), packed);
-}
-#endif
 
 // Floats in a 64-byte line.
 constexpr int64_t kLineFloats = 16;

@@ -129,9 +129,18 @@ void upcast_rows(const uint8_t* w, const float* scale, T* out, int64_t n0, int64
     int64_t k = 0;
     if constexpr (std::is_same_v<T, at::BFloat16>) {
       const __m256 s8 = _mm256_set1_ps(s * 256.0f);  // (fp8x8 gives the values times 2^-8)
-      for (; k + 16 <= K; k += 16)
-        store_bf16x16(reinterpret_cast<uint16_t*>(y + k), _mm256_mul_ps(fp8x8(row + k), s8),
-                      _mm256_mul_ps(fp8x8(row + k + 8), s8));
+      const __m256i half = _mm256_set1_epi32(0x7fff), one = _mm256_set1_epi32(1);
+      auto round = [&](__m256 v) {  // to bfloat16, to nearest even, in the low half of each lane
+        const __m256i bits = _mm256_castps_si256(v);
+        const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(bits, 16), one);
+        return _mm256_srli_epi32(_mm256_add_epi32(bits, _mm256_add_epi32(half, odd)), 16);
+      };
+      for (; k + 16 <= K; k += 16) {
+        const __m256i lo = round(_mm256_mul_ps(fp8x8(row + k), s8));
+        const __m256i hi = round(_mm256_mul_ps(fp8x8(row + k + 8), s8));
+        const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(lo, hi), 0xd8);
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + k), packed);
+      }
     }
     for (; k < K; ++k) y[k] = static_cast<T>(fp8_scalar(row[k]) * 256.0f * s);
   }

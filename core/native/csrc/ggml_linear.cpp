@@ -20,8 +20,7 @@
 // VPMADDUBSW; from 32 rows with AMX-INT8 tiles where the CPU has them (Intel since Sapphire Rapids). Weights
 // unpacked to bfloat16 in registers (AVX-512 BF16) were the other choice, decided by count rather than by a
 // second kernel: VPDPBF16PS does 32 multiply-adds an instruction against VPDPBUSD's 64, with the
-// same unpacking, and the kernel is bound by its instructions, not by the bytes it reads. AMX's bf16 tiles turn
-// that count around: with them, steps of bfloat16 activations from 32 rows unpack panels to bf16 (kDenseRows).
+// same unpacking, and the kernel is bound by its instructions, not by the bytes it reads.
 //
 // Threads take output columns from a shared counter, so a thread on a core that another process also wants
 // does less of the work rather than holding the step back (a static split waits for its slowest share). A
@@ -819,7 +818,10 @@ void amx_configure() {
   config.colsb[2] = config.colsb[4] = 64;
   config.rows[3] = config.rows[5] = 16;
   config.colsb[3] = config.colsb[5] = 64;
-  load_tile_config(config);
+  // NOTE: GCC 12 treats LDTILECFG as reading no memory and dropped the stores above (then every tile load
+  // raised SIGILL): the barrier keeps them.
+  asm volatile("" : : "r"(&config) : "memory");
+  _tile_loadconfig(&config);
 }
 
 #define CONVEYOR_AMX_PRODUCT(xt, wt, st, xp, wp, stride)  \
@@ -906,176 +908,6 @@ void run_amx_panels(const uint8_t* weight, Type t, int64_t M, int64_t N, int64_t
   });
 }
 #endif
-
-// Rows [n0, n1) of the weight in T: each sub-block's values times its scale plus its offset in float32 (as
-// llama.cpp dequantizes), rounded once to T. For the steps where a dense matmul over the dequantized layer beats
-// the integer products (AMX; conveyor.plugins.quant.gguf).
-template <Type t, typename T>
-void dequantize_rows(const uint8_t* weight, int64_t K, int64_t n0, int64_t n1, T* out) {
-  constexpr int64_t values = kBlockValues[t], size = kBlockBytes[t], per_block = values / kSub;
-  const int64_t row_bytes = K / values * size;
-  alignas(32) uint8_t q[kSub];
-  alignas(32) float w[kSub];
-  for (int64_t n = n0; n < n1; ++n)
-    for (int64_t blk = 0; blk < K / values; ++blk)
-      for (int j = 0; j < per_block; ++j) {
-        const SubBlock sub = unpack_sub<t>(weight + n * row_bytes + blk * size, j);
-        _mm256_store_si256(reinterpret_cast<__m256i*>(q), sub.q);
-        float scale[2] = {sub.scale, sub.scale};
-        if constexpr (t == Q6_K) {  // (one scale a half: the low lanes, then the high ones)
-          scale[0] = _mm256_cvtss_f32(sub.lane_scales);
-          scale[1] = _mm_cvtss_f32(_mm256_extractf128_ps(sub.lane_scales, 1));
-        }
-#ifdef CONVEYOR_AVX512_BF16
-        if constexpr (std::is_same_v<T, at::BFloat16>) {  // (a half a register, then 32 bfloat16 at once)
-          const __m128i low = _mm256_castsi256_si128(sub.q), high = _mm256_extracti128_si256(sub.q, 1);
-          const __m512 a = _mm512_cvtepi32_ps(kSigned[t] ? _mm512_cvtepi8_epi32(low) : _mm512_cvtepu8_epi32(low));
-          const __m512 b = _mm512_cvtepi32_ps(kSigned[t] ? _mm512_cvtepi8_epi32(high) : _mm512_cvtepu8_epi32(high));
-          const __m512 offset = _mm512_set1_ps(sub.offset);
-          const __m512 wa = _mm512_add_ps(_mm512_mul_ps(a, _mm512_set1_ps(scale[0])), offset);
-          const __m512 wb = _mm512_add_ps(_mm512_mul_ps(b, _mm512_set1_ps(scale[1])), offset);
-          _mm512_storeu_si512(out + n * K + (blk * per_block + j) * kSub, (__m512i)_mm512_cvtne2ps_pbh(wb, wa));
-          continue;
-        }
-#endif
-        for (int g = 0; g < 4; ++g) {  // eight values at a time (a half: two of them)
-          const __m128i eight = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + 8 * g));
-          const __m256 v = _mm256_cvtepi32_ps(kSigned[t] ? _mm256_cvtepi8_epi32(eight) : _mm256_cvtepu8_epi32(eight));
-          const __m256 scaled = _mm256_mul_ps(v, _mm256_set1_ps(scale[g / 2]));
-          _mm256_store_ps(w + 8 * g, _mm256_add_ps(scaled, _mm256_set1_ps(sub.offset)));
-        }
-        T* y = out + n * K + (blk * per_block + j) * kSub;
-        if constexpr (std::is_same_v<T, at::BFloat16>) {
-          for (int h = 0; h < 2; ++h)
-            store_bf16x16(reinterpret_cast<uint16_t*>(y + 16 * h), _mm256_load_ps(w + 16 * h),
-                          _mm256_load_ps(w + 16 * h + 8));
-        } else {
-          std::memcpy(y, w, sizeof(w));
-        }
-      }
-}
-#endif
-
-#if defined(CONVEYOR_AVX2) && defined(CONVEYOR_AVX512_BF16) && defined(__AMX_TILE__) && defined(__AMX_BF16__)
-#define CONVEYOR_AMX_BF16 1
-// Steps of kDenseRows rows or more of bfloat16 x with AMX: each thread dequantizes a panel of 32 output columns
-// to bfloat16 into its scratch (dequantize_rows: the gguf package's values, rounded once) and multiplies it with
-// every row in AMX tiles, the panel as A tiles (16 columns, 32 values of K each) and x, transposed once a call
-// into pairs of K, as B tiles: so y^T = w x^T, and each tile of sums covers all of K. The integer products
-// (above) must apply every 32 values' scales one tile at a time; these activations are not rounded to int8, so
-// these rows are not the same bits as fewer rows computed together ([engine] batch_invariant multiplies 16 rows
-// at a time, below kDenseRows).
-constexpr int64_t kDenseRows = 32;
-
-// x [M, K] bfloat16 -> xt [M16 / 16][K / 32][16 pairs][16 rows][2]: B tiles of 16 rows of x (zero past M).
-void transpose_pairs(const uint16_t* x, int64_t M, int64_t K, uint16_t* xt) {
-  const int64_t tiles = (M + 15) / 16, chunks = K / 32;
-  at::parallel_for(0, tiles * chunks, 1, [&](int64_t first, int64_t last) {
-    for (int64_t item = first; item < last; ++item) {
-      const int64_t mt = item / chunks, c = item % chunks;
-      uint32_t* tile = reinterpret_cast<uint32_t*>(xt + item * 512);
-      for (int64_t m = 0; m < 16; ++m) {
-        const int64_t row = mt * 16 + m;
-        const uint32_t* src = reinterpret_cast<const uint32_t*>(x + row * K + 32 * c);
-        for (int r = 0; r < 16; ++r) tile[r * 16 + m] = row < M ? src[r] : 0u;
-      }
-    }
-  });
-}
-
-// Sums tile `sum` += A tile `a` x B tile `b` (literal tile numbers, as GCC's intrinsics need).
-#define CONVEYOR_DENSE_PRODUCT(sum, a, b) _tile_dpbf16ps(sum, a, b)
-
-// Output columns [n, n + 32) (16 a tile, A tiles 4 and 5) for row tiles mt, mt + 1 (B tiles 6 and 7; kTwo) into
-// sums [4][16 columns][16 rows]: tiles 0-3, (column tile, row tile) in order.
-template <bool kTwo>
-void dense_tiles(const uint16_t* panel, const uint16_t* xt, int64_t K, int64_t mt, float* sums) {
-  const int64_t chunks = K / 32;
-  _tile_zero(0);
-  _tile_zero(1);
-  if (kTwo) {
-    _tile_zero(2);
-    _tile_zero(3);
-  }
-  for (int64_t c = 0; c < chunks; ++c) {
-    _tile_loadd(4, panel + 32 * c, K * 2);
-    _tile_loadd(5, panel + 16 * K + 32 * c, K * 2);
-    _tile_loadd(6, xt + (mt * chunks + c) * 512, 64);
-    CONVEYOR_DENSE_PRODUCT(0, 4, 6);
-    CONVEYOR_DENSE_PRODUCT(1, 5, 6);
-    if (kTwo) {
-      _tile_loadd(7, xt + ((mt + 1) * chunks + c) * 512, 64);
-      CONVEYOR_DENSE_PRODUCT(2, 4, 7);
-      CONVEYOR_DENSE_PRODUCT(3, 5, 7);
-    }
-  }
-  _tile_stored(0, sums, 64);
-  _tile_stored(1, sums + 256, 64);
-  if (kTwo) {
-    _tile_stored(2, sums + 512, 64);
-    _tile_stored(3, sums + 768, 64);
-  }
-}
-
-void dense_configure() {
-  TileConfig config;
-  for (int t = 0; t < 8; ++t) config.rows[t] = 16, config.colsb[t] = 64;
-  load_tile_config(config);
-}
-
-template <Type t>
-void run_dense(const at::BFloat16* x, const uint8_t* weight, int64_t M, int64_t N, int64_t K, const at::BFloat16* bias,
-               at::BFloat16* out) {
-  const int64_t tiles = (M + 15) / 16;
-  std::vector<uint16_t> xt(tiles * K * 16);
-  transpose_pairs(reinterpret_cast<const uint16_t*>(x), M, K, xt.data());
-  // scratch: the panel (32 x K bfloat16), then the sums of two row tiles
-  run_work_queue((N + 31) / 32, 32 * K / 2 + 1024, [&](int64_t item, float* scratch) {
-    const int64_t n = item * 32, columns = std::min<int64_t>(32, N - n);
-    auto* panel = reinterpret_cast<at::BFloat16*>(scratch);
-    const int64_t row_bytes = K / kBlockValues[t] * kBlockBytes[t];
-    dequantize_rows<t, at::BFloat16>(weight + n * row_bytes, K, 0, columns, panel);
-    if (columns < 32) std::memset(panel + columns * K, 0, (32 - columns) * K * 2);
-    float* sums = scratch + 32 * K / 2;
-    dense_configure();
-    const auto* p = reinterpret_cast<const uint16_t*>(panel);
-    // the bias of each 16 columns, and which of them are outputs
-    __m512 b[2];
-    __mmask16 keep[2];
-    for (int ct = 0; ct < 2; ++ct) {
-      const int64_t count = std::clamp<int64_t>(columns - 16 * ct, 0, 16);
-      keep[ct] = static_cast<__mmask16>((1u << count) - 1);
-      alignas(64) float values[16] = {};
-      for (int64_t c = 0; c < count && bias; ++c) values[c] = to_float(bias[n + 16 * ct + c]);
-      b[ct] = _mm512_load_ps(values);
-    }
-    const __m512i across = _mm512_setr_epi32(0, 16, 32, 48, 64, 80, 96, 112, 128, 144, 160, 176, 192, 208, 224, 240);
-    for (int64_t mt = 0; mt < tiles; mt += 2) {
-      const bool two = mt + 1 < tiles;
-      if (two) dense_tiles<true>(p, xt.data(), K, mt, sums);
-      else dense_tiles<false>(p, xt.data(), K, mt, sums);
-      for (int64_t rt = 0; rt < (two ? 2 : 1); ++rt)
-        for (int64_t m = 0; m < 16 && (mt + rt) * 16 + m < M; ++m)
-          for (int ct = 0; ct < 2; ++ct) {  // (a tile's sums are [column][row]: row m across 16 columns)
-            if (!keep[ct]) continue;
-            const __m512 y = _mm512_add_ps(_mm512_i32gather_ps(across, sums + (ct + 2 * rt) * 256 + m, 4), b[ct]);
-            _mm256_mask_storeu_epi16(out + ((mt + rt) * 16 + m) * N + n + 16 * ct, keep[ct],
-                                     (__m256i)_mm512_cvtneps_pbh(y));
-          }
-    }
-    _tile_release();
-  });
-}
-
-void dense(const at::BFloat16* x, const uint8_t* weight, Type t, int64_t M, int64_t N, int64_t K,
-           const at::BFloat16* bias, at::BFloat16* out) {
-  using Dense = void (*)(const at::BFloat16*, const uint8_t*, int64_t, int64_t, int64_t, const at::BFloat16*,
-                         at::BFloat16*);
-  static constexpr Dense table[kNumTypes] = {run_dense<Q4_0>, run_dense<Q4_1>, run_dense<Q5_0>, run_dense<Q5_1>,
-                                             run_dense<Q8_0>, run_dense<Q4_K>, run_dense<Q5_K>, run_dense<Q6_K>,
-                                             run_dense<Q4_X2>};
-  table[t](x, weight, M, N, K, bias, out);
-}
 #endif
 
 Tile pick_tile(Type t, bool vector) {
@@ -1097,10 +929,6 @@ enum Path { kScalar, kAvx2, kVnni, kAmx };
 template <typename T>
 void run(const T* x, const uint8_t* weight, Type t, int64_t M, int64_t N, int64_t K, const T* bias, T* out,
          Path path) {
-#ifdef CONVEYOR_AMX_BF16
-  if constexpr (std::is_same_v<T, at::BFloat16>)
-    if (M >= kDenseRows && path == kAmx) return dense(x, weight, t, M, N, K, bias, out);
-#endif
   QuantizedRows xq;
   quantize_rows(x, M, K, xq);
 #ifdef CONVEYOR_AVX2
@@ -1189,34 +1017,6 @@ void ggml_linear(const at::Tensor& x, const at::Tensor& weight, int64_t type, co
   });
 }
 
-void ggml_dequantize(const at::Tensor& weight, int64_t type, at::Tensor& out) {
-  TORCH_CHECK(type >= 0 && type < kNumTypes, "ggml_dequantize: unknown type ", type);
-  const Type t = static_cast<Type>(type);
-  TORCH_CHECK(weight.scalar_type() == at::kByte && weight.dim() == 2 && weight.is_contiguous() &&
-                  weight.size(1) % kBlockBytes[t] == 0,
-              "ggml_dequantize: weight must be a contiguous uint8 [N, whole blocks]");
-  const int64_t N = weight.size(0), K = weight.size(1) / kBlockBytes[t] * kBlockValues[t];
-  TORCH_CHECK((out.scalar_type() == at::kBFloat16 || out.scalar_type() == at::kFloat) && out.dim() == 2 &&
-                  out.size(0) == N && out.size(1) == K && out.is_contiguous(),
-              "ggml_dequantize: out must be a contiguous bfloat16 or float32 [", N, ", ", K, "]");
-#ifdef CONVEYOR_AVX2
-  const uint8_t* w = weight.data_ptr<uint8_t>();
-  auto rows = [&](auto* y) {
-    using T = std::remove_pointer_t<decltype(y)>;
-    using Rows = void (*)(const uint8_t*, int64_t, int64_t, int64_t, T*);
-    static constexpr Rows table[kNumTypes] = {
-        dequantize_rows<Q4_0, T>, dequantize_rows<Q4_1, T>, dequantize_rows<Q5_0, T>, dequantize_rows<Q5_1, T>,
-        dequantize_rows<Q8_0, T>, dequantize_rows<Q4_K, T>, dequantize_rows<Q5_K, T>, dequantize_rows<Q6_K, T>,
-        dequantize_rows<Q4_X2, T>};
-    at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) { table[t](w, K, n0, n1, y); });
-  };
-  if (out.scalar_type() == at::kBFloat16) rows(out.data_ptr<at::BFloat16>());
-  else rows(out.data_ptr<float>());
-#else
-  TORCH_CHECK(false, "ggml_dequantize needs a CPU with AVX2, FMA and F16C");
-#endif
-}
-
 }  // namespace
 
 void ggml_linear_into(const at::Tensor& x, const at::Tensor& weight, int64_t type, at::Tensor& out) {
@@ -1228,10 +1028,6 @@ void ggml_linear_into(const at::Tensor& x, const at::Tensor& weight, int64_t typ
 TORCH_LIBRARY_FRAGMENT(conveyor_cpu, m) {
   m.def("ggml_linear_path() -> str", &conveyor::ggml_linear_path);
   m.def("ggml_linear(Tensor x, Tensor weight, int type, Tensor? bias, Tensor(a!) out, str path) -> ()");
-  m.def("ggml_dequantize(Tensor weight, int type, Tensor(a!) out) -> ()");
 }
 
-TORCH_LIBRARY_IMPL(conveyor_cpu, CPU, m) {
-  m.impl("ggml_linear", &conveyor::ggml_linear);
-  m.impl("ggml_dequantize", &conveyor::ggml_dequantize);
-}
+TORCH_LIBRARY_IMPL(conveyor_cpu, CPU, m) { m.impl("ggml_linear", &conveyor::ggml_linear); }
