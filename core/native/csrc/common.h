@@ -30,6 +30,7 @@
 
 // AMX tiles (Intel since Sapphire Rapids): bf16 products in tile_linear.cpp, int8 ones in ggml_linear.cpp.
 #if defined(__AMX_TILE__)
+#include <immintrin.h>
 #include <sys/syscall.h>
 #include <unistd.h>
 #endif
@@ -51,6 +52,13 @@ struct alignas(64) TileConfig {
   uint16_t colsb[16] = {};
   uint8_t rows[16] = {};
 };
+
+// Loads a configuration into this thread's tiles. NOTE: GCC 12 treats LDTILECFG as reading no memory and once
+// dropped the stores that filled a configuration (every tile load then raised SIGILL): the barrier keeps them.
+inline void load_tile_config(const TileConfig& config) {
+  asm volatile("" : : "r"(&config) : "memory");
+  _tile_loadconfig(&config);
+}
 #endif
 
 inline float bits_to_float(uint32_t bits) {

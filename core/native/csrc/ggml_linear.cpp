@@ -818,10 +818,7 @@ void amx_configure() {
   config.colsb[2] = config.colsb[4] = 64;
   config.rows[3] = config.rows[5] = 16;
   config.colsb[3] = config.colsb[5] = 64;
-  // NOTE: GCC 12 treats LDTILECFG as reading no memory and dropped the stores above (then every tile load
-  // raised SIGILL): the barrier keeps them.
-  asm volatile("" : : "r"(&config) : "memory");
-  _tile_loadconfig(&config);
+  load_tile_config(config);
 }
 
 #define CONVEYOR_AMX_PRODUCT(xt, wt, st, xp, wp, stride)  \

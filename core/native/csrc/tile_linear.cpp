@@ -34,7 +34,7 @@ void configure(int64_t tail, int64_t row_tiles) {
   }
   config.rows[row_tiles - 1] = static_cast<uint8_t>(tail);
   config.rows[6] = static_cast<uint8_t>(tail);
-  _tile_loadconfig(&config);
+  load_tile_config(config);
 }
 
 // Sums tile `sum` += rows of x (loaded into tile `held`) times the weight tile (tile 4). A macro: GCC's tile
