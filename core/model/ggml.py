@@ -33,7 +33,7 @@ BLOCKS: dict[str, tuple[int, int]] = {
     # nibbles, then their float16 scales and offsets (Q4_0's offset: -8 times its scale)
     "Q4_X2": (2 * QK, 40),
 }
-# the order the C++ kernels number the types by (csrc/ggml_linear.cpp's Type)
+# the order the C++ kernels number the types by (csrc/ggml_blocks.h's Type)
 TYPE_IDS = {name: i for i, name in enumerate(BLOCKS)}
 
 

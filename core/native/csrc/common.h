@@ -22,13 +22,13 @@
 #endif
 
 // VPDPBUSD (unsigned x signed bytes, four products summed into each int32 lane): the batched path of the
-// quantized-block linear layers (ggml_linear.cpp).
+// quantized-block linear layers (ggml_gemm.cpp).
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 #include <immintrin.h>
 #define CONVEYOR_AVX512_VNNI 1
 #endif
 
-// AMX tiles (Intel since Sapphire Rapids): bf16 products in tile_linear.cpp, int8 ones in ggml_linear.cpp.
+// AMX tiles (Intel since Sapphire Rapids): bf16 products in tile_linear.cpp, int8 ones in ggml_gemm.cpp.
 #if defined(__AMX_TILE__)
 #include <immintrin.h>
 #include <sys/syscall.h>

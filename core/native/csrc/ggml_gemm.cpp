@@ -1,0 +1,367 @@
+// The batched paths of ggml_linear (ggml_blocks.h): steps of many rows (batched decodes, prompt chunks), where
+// each unpacked panel of weights serves every row of the step. ggml_linear.cpp's opening comment says why
+// integer products, and measures them.
+#include "ggml_blocks.h"
+
+namespace conveyor {
+namespace ggml {
+namespace {
+
+#ifdef CONVEYOR_AVX2
+// The batched path: steps of kGemmRows rows or more. Each thread unpacks a panel of kPanel output columns once
+// into its scratch, bytes in the order the integer dot products read them (per sub-block and group of four
+// values, the panel's columns side by side, four bytes each), then multiplies every row of the step with it:
+// one register of weights serves 16 columns (AVX-512 VNNI: VPDPBUSD) or 8 (AVX2: VPMADDUBSW + VPMADDWD) of a
+// tile of rows, x's four bytes broadcast. Unsigned values throughout: Q8_0's bytes move up by 128 and Q6_K's
+// by 32, their offsets taking the difference back, so one code path serves every type. (AVX2's VPMADDUBSW
+// saturates sums of two products past 32,767: Q8_0's bytes up to 255 do, so Q8_0 keeps the tiles there.)
+constexpr int64_t kPanel = 32;     // output columns a panel holds
+// the fewest rows the batched path takes (below them the tiles, which unpack the weights again for every four
+// rows, measured faster: Zen 4, SmolLM2's layers, 8 rows 11.6 ms batched against 12.8 in tiles with VNNI; with
+// AVX2 alone 14.7 against 12.8 at 8 rows, 21.2 against 25 at 16); AMX from 32 rows (below them VPDPBUSD was the
+// faster: Xeon with AMX, one Q4_0 layer of 3072 x 576, 24 rows 187 us against 212, 32 rows 229 against 210)
+constexpr int64_t kGemmRows = 8, kGemmRowsAvx2 = 16, kGemmRowsAmx = 32;
+
+// The scratch a panel takes, in floats: its bytes, then per sub-block (half) and column a scale and an offset.
+inline int64_t panel_floats(int64_t K) { return kPanel * K / 4 + 2 * 2 * (K / kSub) * kPanel; }
+
+// Eight registers of eight 32-bit lanes transposed in place: lane g of register c goes to lane c of register g.
+inline void transpose_8x8(__m256i* r) {
+  __m256i a[8], b[8];
+  for (int i = 0; i < 8; i += 2) {
+    a[i] = _mm256_unpacklo_epi32(r[i], r[i + 1]);
+    a[i + 1] = _mm256_unpackhi_epi32(r[i], r[i + 1]);
+  }
+  for (int i = 0; i < 8; i += 4)
+    for (int j = 0; j < 2; ++j) {
+      b[i + j] = _mm256_unpacklo_epi64(a[i + j], a[i + j + 2]);
+      b[i + j + 2] = _mm256_unpackhi_epi64(a[i + j], a[i + j + 2]);
+    }
+  // b[0..3]: lanes 0-1 / 4-5 of registers 0-3 (128-bit halves: lanes 0-3, 4-7); b[4..7] the same for 4-7
+  const int order[4] = {0, 2, 1, 3};  // (b[0] holds lanes 0 and 4, b[2] lanes 1 and 5, b[1] 2 and 6, b[3] 3 and 7)
+  for (int g = 0; g < 4; ++g) {
+    r[g] = _mm256_permute2x128_si256(b[order[g]], b[4 + order[g]], 0x20);
+    r[g + 4] = _mm256_permute2x128_si256(b[order[g]], b[4 + order[g]], 0x31);
+  }
+}
+
+// Columns [n, n + kPanel) unpacked into scratch (those past N repeat column N - 1): per sub-block, eight rows of
+// four values, each the panel's columns side by side (eight columns' sub-blocks transposed in registers at once).
+// NOTE: one four-byte copy per group instead took 40% of a step of 16 rows (perf, Q8_0 blocks, Xeon with AMX):
+// SmolLM2's 210 layers at 16 rows went from 21.5-23.6 to 14.8-16.7 ms (Q4_X2) and 23.3-23.9 to 19.6-20.8 (Q8_0).
+template <Type t>
+void unpack_panel(const uint8_t* weight, int64_t row_bytes, int64_t n, int64_t N, int64_t K, float* scratch) {
+  constexpr int64_t values = kBlockValues[t], size = kBlockBytes[t], per_block = values / kSub;
+  constexpr int H = kHalves<t>;
+  const int64_t subs = K / kSub;
+  uint8_t* q = reinterpret_cast<uint8_t*>(scratch);
+  float* scale = scratch + kPanel * K / 4;
+  float* offset = scale + H * subs * kPanel;
+  const uint8_t* rows[kPanel];
+  for (int64_t c = 0; c < kPanel; ++c) rows[c] = weight + std::min(n + c, N - 1) * row_bytes;
+  for (int64_t blk = 0; blk < K / values; ++blk)
+    for (int j = 0; j < per_block; ++j) {
+      const int64_t s = blk * per_block + j;
+      for (int64_t c0 = 0; c0 < kPanel; c0 += 8) {
+        __m256i v[8];
+        for (int c = 0; c < 8; ++c) {
+          const SubBlock sub = unpack_sub<t>(rows[c0 + c] + blk * size, j);
+          v[c] = sub.q;
+          if constexpr (t == Q8_0) v[c] = _mm256_xor_si256(v[c], _mm256_set1_epi8(char(0x80)));  // w + 128
+          if constexpr (t == Q6_K) v[c] = _mm256_add_epi8(v[c], _mm256_set1_epi8(32));           // 0-63
+          float sc[H], of[H];
+          vector_scales<t>(sub, sc, of);
+          for (int h = 0; h < H; ++h)
+            scale[(H * s + h) * kPanel + c0 + c] = sc[h], offset[(H * s + h) * kPanel + c0 + c] = of[h];
+        }
+        transpose_8x8(v);
+        for (int g = 0; g < 8; ++g)
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + ((s * 8 + g) * kPanel + c0) * 4), v[g]);
+      }
+    }
+}
+
+// The vector operations of the batched path: L columns a register, tiles of R rows x C registers.
+struct Avx2Lanes {
+  static constexpr int L = 8, R = 4, C = 1;
+  using I = __m256i;
+  using F = __m256;
+  static I izero() { return _mm256_setzero_si256(); }
+  static F fzero() { return _mm256_setzero_ps(); }
+  static I load(const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+  static I broadcast(const int8_t* p) {
+    int32_t v;
+    std::memcpy(&v, p, 4);
+    return _mm256_set1_epi32(v);
+  }
+  static I dot(I acc, I w, I x) {
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), _mm256_set1_epi16(1)));
+  }
+  static F cvt(I v) { return _mm256_cvtepi32_ps(v); }
+  static F loadf(const float* p) { return _mm256_loadu_ps(p); }
+  static F set1(float v) { return _mm256_set1_ps(v); }
+  static F fma(F a, F b, F c) { return _mm256_fmadd_ps(a, b, c); }
+  static F mul(F a, F b) { return _mm256_mul_ps(a, b); }
+  static void storef(float* p, F v) { _mm256_storeu_ps(p, v); }
+};
+
+#ifdef CONVEYOR_AVX512_VNNI
+struct VnniLanes {
+  static constexpr int L = 16, R = 6, C = 2;
+  using I = __m512i;
+  using F = __m512;
+  static I izero() { return _mm512_setzero_si512(); }
+  static F fzero() { return _mm512_setzero_ps(); }
+  static I load(const uint8_t* p) { return _mm512_loadu_si512(p); }
+  static I broadcast(const int8_t* p) {
+    int32_t v;
+    std::memcpy(&v, p, 4);
+    return _mm512_set1_epi32(v);
+  }
+  static I dot(I acc, I w, I x) { return _mm512_dpbusd_epi32(acc, w, x); }
+  static F cvt(I v) { return _mm512_cvtepi32_ps(v); }
+  static F loadf(const float* p) { return _mm512_loadu_ps(p); }
+  static F set1(float v) { return _mm512_set1_ps(v); }
+  static F fma(F a, F b, F c) { return _mm512_fmadd_ps(a, b, c); }
+  static F mul(F a, F b) { return _mm512_mul_ps(a, b); }
+  static void storef(float* p, F v) { _mm512_storeu_ps(p, v); }
+};
+#endif
+
+// Rows [m0, m0 + R) x the panel's columns [col0, col0 + L * C) into sums[r * kPanel + column].
+template <Type t, typename V, int R>
+void panel_tile(const float* scratch, int64_t col0, int64_t K, const QuantizedRows& x, int64_t m0, float* sums) {
+  constexpr int C = V::C, L = V::L, H = kHalves<t>;
+  const int64_t subs = K / kSub;
+  const uint8_t* q = reinterpret_cast<const uint8_t*>(scratch) + col0 * 4;
+  const float* scale = scratch + kPanel * K / 4 + col0;
+  const float* offset = scale + H * subs * kPanel;
+  const int8_t* xq = x.q.data() + m0 * K;
+  typename V::F acc[R][C];
+  typename V::I dots[R][C];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) acc[r][c] = V::fzero(), dots[r][c] = V::izero();
+  for (int64_t s = 0; s < subs; ++s)
+    for (int h = 0; h < H; ++h) {
+      for (int g = 8 / H * h; g < 8 / H * (h + 1); ++g) {
+        typename V::I w[C];
+        for (int c = 0; c < C; ++c) w[c] = V::load(q + ((s * 8 + g) * kPanel + c * L) * 4);
+        for (int r = 0; r < R; ++r) {
+          const typename V::I xv = V::broadcast(xq + r * K + s * kSub + 4 * g);
+          for (int c = 0; c < C; ++c) dots[r][c] = V::dot(dots[r][c], w[c], xv);
+        }
+      }
+      typename V::F ws[C], wo[C];
+      for (int c = 0; c < C; ++c)
+        ws[c] = V::loadf(scale + (s * H + h) * kPanel + c * L), wo[c] = V::loadf(offset + (s * H + h) * kPanel + c * L);
+      for (int r = 0; r < R; ++r) {
+        const int64_t i = (m0 + r) * subs + s;
+        const typename V::F xd = V::set1(x.scale[i]), xo = V::set1(H == 1 ? x.sum[i] : x.half_sum[2 * i + h]);
+        for (int c = 0; c < C; ++c) {
+          acc[r][c] = V::fma(V::mul(V::cvt(dots[r][c]), ws[c]), xd, acc[r][c]);
+          acc[r][c] = V::fma(wo[c], xo, acc[r][c]);
+          dots[r][c] = V::izero();
+        }
+      }
+    }
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) V::storef(sums + r * kPanel + col0 + c * L, acc[r][c]);
+}
+
+// sums[r * kPanel + c] of a panel's columns [n, n + kPanel), rows out[r * N ...]: those below N, bias added.
+template <typename T>
+void store_panel(const float* sums, int64_t rows, int64_t n, int64_t N, const T* bias, T* out) {
+  const int64_t columns = std::min(kPanel, N - n);
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t c = 0; c < columns; ++c)
+      store(out + r * N + n + c, sums[r * kPanel + c] + (bias ? to_float(bias[n + c]) : 0.0f));
+}
+
+// Every row of x times columns [n, n + kPanel) (those below N stored, bias added).
+template <typename T, Type t, typename V>
+void panel_columns(const uint8_t* weight, int64_t row_bytes, int64_t n, int64_t N, int64_t K, const QuantizedRows& x,
+                   int64_t M, const T* bias, T* out, float* scratch) {
+  using Tile = void (*)(const float*, int64_t, int64_t, const QuantizedRows&, int64_t, float*);
+  static_assert(V::R <= 6, "the table below covers tiles of up to six rows");
+  static constexpr Tile tiles[6] = {panel_tile<t, V, 1>, panel_tile<t, V, std::min(2, V::R)>,
+                                    panel_tile<t, V, std::min(3, V::R)>, panel_tile<t, V, std::min(4, V::R)>,
+                                    panel_tile<t, V, std::min(5, V::R)>, panel_tile<t, V, std::min(6, V::R)>};
+  unpack_panel<t>(weight, row_bytes, n, N, K, scratch);
+  float sums[V::R * kPanel];
+  for (int64_t m0 = 0; m0 < M; m0 += V::R) {
+    const int64_t rows = std::min<int64_t>(V::R, M - m0);
+    for (int64_t col0 = 0; col0 < kPanel; col0 += V::L * V::C) tiles[rows - 1](scratch, col0, K, x, m0, sums);
+    store_panel(sums, rows, n, N, bias, out + m0 * N);
+  }
+}
+
+template <typename T, typename V>
+using PanelColumns = void (*)(const uint8_t*, int64_t, int64_t, int64_t, int64_t, const QuantizedRows&, int64_t,
+                              const T*, T*, float*);
+
+template <typename T, typename V>
+PanelColumns<T, V> pick_panel(Type t) {
+  static constexpr PanelColumns<T, V> table[kNumTypes] = {
+      panel_columns<T, Q4_0, V>, panel_columns<T, Q4_1, V>, panel_columns<T, Q5_0, V>,
+      panel_columns<T, Q5_1, V>, panel_columns<T, Q8_0, V>, panel_columns<T, Q4_K, V>,
+      panel_columns<T, Q5_K, V>, panel_columns<T, Q6_K, V>, panel_columns<T, Q4_X2, V>};
+  return table[t];
+}
+
+template <typename T, typename V>
+void run_panels(const uint8_t* weight, Type t, int64_t M, int64_t N, int64_t K, const QuantizedRows& x, const T* bias,
+                T* out) {
+  const int64_t row_bytes = K / kBlockValues[t] * kBlockBytes[t];
+  const PanelColumns<T, V> columns = pick_panel<T, V>(t);
+  run_work_queue((N + kPanel - 1) / kPanel, panel_floats(K), [&](int64_t panel, float* scratch) {
+    columns(weight, row_bytes, panel * kPanel, N, K, x, M, bias, out, scratch);
+  });
+}
+
+#ifdef CONVEYOR_AMX_INT8
+// The batched path with AMX: the same panel, its bytes already in the layout of a TDPBSUD B tile (per sub-block
+// eight rows of four values, 16 columns a tile), and x's bytes as A tiles of 16 rows (x padded with zero rows to
+// a multiple of 16). One TDPBSUD gives a sub-block's integer sums for 16 rows x 16 columns (VPDPBUSD: one row x
+// 16 columns a group of four values); then the sub-block's scales are applied in the same order as panel_tile
+// applies them, so a row's outputs are the same bits on every path. Types of one scale a sub-block (all but
+// Q6_K). The products of the next sub-block run while the scales of this one are applied: tiles 0, 2, 3 (x, the
+// panel, the sums) for even sub-blocks and 1, 4, 5 for odd ones (a tile's number is part of the instruction).
+void amx_configure() {
+  TileConfig config;
+  config.rows[0] = config.rows[1] = 16;
+  config.colsb[0] = config.colsb[1] = kSub;
+  config.rows[2] = config.rows[4] = kSub / 4;
+  config.colsb[2] = config.colsb[4] = 64;
+  config.rows[3] = config.rows[5] = 16;
+  config.colsb[3] = config.colsb[5] = 64;
+  load_tile_config(config);
+}
+
+#define CONVEYOR_AMX_PRODUCT(xt, wt, st, xp, wp, stride)  \
+  do {                                                    \
+    _tile_loadd(xt, xp, stride);                          \
+    _tile_loadd(wt, wp, kPanel * 4);                      \
+    _tile_zero(st);                                       \
+    _tile_dpbsud(st, xt, wt);                             \
+  } while (0)
+
+// Sub-block s's integer sums (dots[16 r + column]) times its scales, added to acc[r].
+inline void amx_scale(const int32_t* dots, const float* scale, const float* offset, const QuantizedRows& x,
+                      int64_t m0, int64_t subs, int64_t s, __m512* acc) {
+  const __m512 ws = _mm512_loadu_ps(scale + s * kPanel), wo = _mm512_loadu_ps(offset + s * kPanel);
+#pragma GCC unroll 16
+  for (int r = 0; r < 16; ++r) {
+    const int64_t i = (m0 + r) * subs + s;
+    const __m512 d = _mm512_cvtepi32_ps(_mm512_load_si512(dots + 16 * r));
+    acc[r] = _mm512_fmadd_ps(_mm512_mul_ps(d, ws), _mm512_set1_ps(x.scale[i]), acc[r]);
+    acc[r] = _mm512_fmadd_ps(wo, _mm512_set1_ps(x.sum[i]), acc[r]);
+  }
+}
+
+// Rows [m0, m0 + 16) x the panel's columns [col0, col0 + 16) into sums[r * kPanel + column].
+void amx_tile(const float* scratch, int64_t col0, int64_t K, const QuantizedRows& x, int64_t m0, float* sums) {
+  const int64_t subs = K / kSub;
+  const uint8_t* q = reinterpret_cast<const uint8_t*>(scratch) + col0 * 4;
+  const float* scale = scratch + kPanel * K / 4 + col0;
+  const float* offset = scale + subs * kPanel;
+  const int8_t* xq = x.q.data() + m0 * K;
+  alignas(64) int32_t even[16 * 16], odd[16 * 16];
+  __m512 acc[16];
+#pragma GCC unroll 16
+  for (int r = 0; r < 16; ++r) acc[r] = _mm512_setzero_ps();
+  const int64_t step = 8 * kPanel * 4;  // a sub-block's bytes in the panel
+  CONVEYOR_AMX_PRODUCT(0, 2, 3, xq, q, K);
+  for (int64_t s = 0; s < subs; s += 2) {
+    if (s + 1 < subs) CONVEYOR_AMX_PRODUCT(1, 4, 5, xq + (s + 1) * kSub, q + (s + 1) * step, K);
+    _tile_stored(3, even, 64);
+    if (s + 2 < subs) CONVEYOR_AMX_PRODUCT(0, 2, 3, xq + (s + 2) * kSub, q + (s + 2) * step, K);
+    amx_scale(even, scale, offset, x, m0, subs, s, acc);
+    if (s + 1 < subs) {
+      _tile_stored(5, odd, 64);
+      amx_scale(odd, scale, offset, x, m0, subs, s + 1, acc);
+    }
+  }
+#pragma GCC unroll 16
+  for (int r = 0; r < 16; ++r) _mm512_storeu_ps(sums + r * kPanel + col0, acc[r]);
+}
+
+template <typename T, Type t>
+void amx_panel_columns(const uint8_t* weight, int64_t row_bytes, int64_t n, int64_t N, int64_t K,
+                       const QuantizedRows& x, int64_t M, const T* bias, T* out, float* scratch) {
+  static_assert(kHalves<t> == 1, "one scale a sub-block");
+  unpack_panel<t>(weight, row_bytes, n, N, K, scratch);
+  amx_configure();
+  alignas(64) float sums[16 * kPanel];
+  for (int64_t m0 = 0; m0 < M; m0 += 16) {
+    for (int64_t col0 = 0; col0 < kPanel; col0 += 16) amx_tile(scratch, col0, K, x, m0, sums);
+    store_panel(sums, std::min<int64_t>(16, M - m0), n, N, bias, out + m0 * N);
+  }
+  _tile_release();
+}
+
+// Whether type t takes the AMX path (one scale a sub-block).
+constexpr bool amx_type(Type t) { return t != Q6_K; }
+
+template <typename T>
+void run_amx_panels(const uint8_t* weight, Type t, int64_t M, int64_t N, int64_t K, QuantizedRows& x,
+                    const T* bias, T* out) {
+  const int64_t padded = (M + 15) / 16 * 16, subs = K / kSub;  // (zero rows: whole tiles of x)
+  x.q.resize(padded * K, 0);
+  x.scale.resize(padded * subs, 0.0f);
+  x.sum.resize(padded * subs, 0.0f);
+  using Columns = void (*)(const uint8_t*, int64_t, int64_t, int64_t, int64_t, const QuantizedRows&, int64_t,
+                           const T*, T*, float*);
+  static constexpr Columns table[kNumTypes] = {
+      amx_panel_columns<T, Q4_0>, amx_panel_columns<T, Q4_1>, amx_panel_columns<T, Q5_0>,
+      amx_panel_columns<T, Q5_1>, amx_panel_columns<T, Q8_0>, amx_panel_columns<T, Q4_K>,
+      amx_panel_columns<T, Q5_K>, nullptr, amx_panel_columns<T, Q4_X2>};
+  const int64_t row_bytes = K / kBlockValues[t] * kBlockBytes[t];
+  run_work_queue((N + kPanel - 1) / kPanel, panel_floats(K), [&](int64_t panel, float* scratch) {
+    table[t](weight, row_bytes, panel * kPanel, N, K, x, M, bias, out, scratch);
+  });
+}
+#endif
+
+}  // namespace
+
+template <typename T>
+bool run_gemm(const uint8_t* weight, Type t, int64_t M, int64_t N, int64_t K, QuantizedRows& x, const T* bias, T* out,
+              Path path) {
+#ifdef CONVEYOR_AMX_INT8
+  if (M >= kGemmRowsAmx && path == kAmx && amx_type(t)) {
+    run_amx_panels<T>(weight, t, M, N, K, x, bias, out);
+    return true;
+  }
+#endif
+#ifdef CONVEYOR_AVX512_VNNI
+  if (M >= kGemmRows && path >= kVnni) {
+    run_panels<T, VnniLanes>(weight, t, M, N, K, x, bias, out);
+    return true;
+  }
+#endif
+  if (M >= kGemmRowsAvx2 && path == kAvx2 && t != Q8_0) {
+    run_panels<T, Avx2Lanes>(weight, t, M, N, K, x, bias, out);
+    return true;
+  }
+  return false;
+}
+#else
+}  // namespace
+
+template <typename T>
+bool run_gemm(const uint8_t*, Type, int64_t, int64_t, int64_t, QuantizedRows&, const T*, T*, Path) {
+  return false;
+}
+#endif
+
+template bool run_gemm<double>(const uint8_t*, Type, int64_t, int64_t, int64_t, QuantizedRows&, const double*,
+                               double*, Path);
+template bool run_gemm<float>(const uint8_t*, Type, int64_t, int64_t, int64_t, QuantizedRows&, const float*, float*,
+                              Path);
+template bool run_gemm<at::BFloat16>(const uint8_t*, Type, int64_t, int64_t, int64_t, QuantizedRows&,
+                                     const at::BFloat16*, at::BFloat16*, Path);
+template bool run_gemm<at::Half>(const uint8_t*, Type, int64_t, int64_t, int64_t, QuantizedRows&, const at::Half*,
+                                 at::Half*, Path);
+
+}  // namespace ggml
+}  // namespace conveyor
