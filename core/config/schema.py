@@ -3,17 +3,10 @@
 from __future__ import annotations
 
 import os
-import sys
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import msgspec
-
-if sys.version_info >= (3, 11):
-    pass
-else:  # pragma: no cover
-    pass
-
 
 
 class ConfigError(ValueError):
