@@ -8,7 +8,10 @@ from __future__ import annotations
 import asyncio
 import os
 import re
+import shutil
 import signal
+import subprocess
+import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import aclosing
@@ -20,7 +23,7 @@ import pytest
 
 from conveyor.config import ConfigError, load_config
 from conveyor.engine.client import EngineUnavailable
-from conveyor.engine.pd_client import PDClient, transfer_config
+from conveyor.engine.pd_client import TRANSFER_PREFIX, PDClient, remove_orphans, transfer_config
 from conveyor.engine.router import Router
 from conveyor.messages import EngineRequest, KVTransfer, RequestOutput
 from conveyor.request import Request, RequestStatus
@@ -210,6 +213,35 @@ def test_the_config_names_what_disaggregation_needs(tmp_path):
     engines, directory = transfer_config(load_config(None, mine))
     assert directory is None and engines.connector.options.disk_dir == str(tmp_path)
     assert engines.connector.options.host_gb == 0.5
+
+
+def test_a_new_server_removes_the_transfer_directories_of_killed_ones(tmp_path):
+    """A server killed by SIGKILL leaves its transfer directory behind (in shared memory: its blocks hold RAM); the
+    next one to make a directory removes those whose process is gone, and keeps those of live processes."""
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    stale = tmp_path / f"{TRANSFER_PREFIX}{dead.pid}-abc"
+    (stale / "disk").mkdir(parents=True)
+    (stale / "disk" / "block.bin").write_bytes(b"kv")
+    live = tmp_path / f"{TRANSFER_PREFIX}{os.getpid()}-def"
+    live.mkdir()
+    unrelated = tmp_path / f"{TRANSFER_PREFIX}cache-ghi"
+    unrelated.mkdir()
+    assert remove_orphans(tmp_path) == [stale]
+    assert not stale.exists() and live.is_dir() and unrelated.is_dir()
+    # where the servers make them: transfer_config itself sweeps before it makes its own
+    config = load_config(None, {"parallel.prefill_engines": 1, "parallel.decode_engines": 1})
+    _, first = transfer_config(config)
+    orphan = first.parent / f"{TRANSFER_PREFIX}{dead.pid}-jkl"
+    orphan.mkdir()
+    try:
+        assert first.name.startswith(f"{TRANSFER_PREFIX}{os.getpid()}-")
+        _, second = transfer_config(config)
+        assert not orphan.exists() and first.is_dir() and second.is_dir()
+        second.rmdir()
+    finally:
+        first.rmdir()
+        shutil.rmtree(orphan, ignore_errors=True)
 
 
 # ---------------------------------------------------------------- real servers: SmolLM2, one host

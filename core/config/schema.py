@@ -114,7 +114,7 @@ class ParallelConfig(msgspec.Struct, forbid_unknown_fields=True):
     # engines that take the prompts' KV from the prefill engines and decode
     decode_engines: Annotated[int, msgspec.Meta(ge=0)] = 0
     # the directory the prefill engines store the KV blocks in for the decode engines; "": a new one in shared
-    # memory (/dev/shm where there is one), removed when the server stops
+    # memory (/dev/shm where there is one), removed when the server stops (after a kill, by the next server)
     kv_transfer_dir: str = ""
     # seconds a decode engine waits for a prompt's blocks before it computes what has not come
     kv_transfer_timeout: Annotated[float, msgspec.Meta(gt=0)] = 30.0

@@ -164,6 +164,29 @@ class PDClient(DPClient):
         return False, None
 
 
+# the transfer directories this client makes: TRANSFER_PREFIX, the pid of the process that made it, "-", a suffix
+TRANSFER_PREFIX = "conveyor-kv-"
+
+
+def remove_orphans(parent: Path) -> list[Path]:
+    """Removes the transfer directories in ``parent`` whose process has gone without removing its own (killed:
+    SIGKILL, a crash); in shared memory they would hold their KV blocks in RAM until the machine restarts. Only
+    the user's own, and only where no process of that pid runs. Returns those removed."""
+    removed = []
+    for path in parent.glob(f"{TRANSFER_PREFIX}*-*"):
+        pid = path.name[len(TRANSFER_PREFIX) :].split("-", 1)[0]
+        try:
+            if not pid.isdigit() or path.stat().st_uid != os.getuid():
+                continue
+            os.kill(int(pid), 0)
+        except ProcessLookupError:
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(path)
+        except OSError:  # (gone already, or a process of that pid that is not ours: alive)
+            continue
+    return removed
+
+
 def transfer_config(config: Config) -> tuple[Config, Path | None]:
     """The engines' config: the ``tiers`` connector with its disk tier on the transfer directory; and that
     directory when it is a new one (in shared memory where there is some), for the caller to remove.
@@ -181,7 +204,9 @@ def transfer_config(config: Config) -> tuple[Config, Path | None]:
     directory = None
     options = spec.options if spec.plugin == "tiers" else PluginRegistry.of(config).get("connector", "tiers").Options()
     if not disk_dir:
-        directory = Path(tempfile.mkdtemp(prefix="conveyor-kv-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None))
+        parent = Path("/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir())
+        remove_orphans(parent)
+        directory = Path(tempfile.mkdtemp(prefix=f"{TRANSFER_PREFIX}{os.getpid()}-", dir=parent))
         disk_dir = str(directory)
         # the engines' workers share the space: each keeps its blocks within its part of most of it
         workers = (parallel.prefill_engines + parallel.decode_engines) * parallel.world_size
