@@ -48,7 +48,8 @@ inline void transpose_8x8(__m256i* r) {
 // Columns [n, n + kPanel) unpacked into scratch (those past N repeat column N - 1): per sub-block, eight rows of
 // four values, each the panel's columns side by side (eight columns' sub-blocks transposed in registers at once).
 // NOTE: one four-byte copy per group instead took 40% of a step of 16 rows (perf, Q8_0 blocks, Xeon with AMX):
-// SmolLM2's 210 layers at 16 rows went from 21.5-23.6 to 14.8-16.7 ms (Q4_X2) and 23.3-23.9 to 19.6-20.8 (Q8_0).
+// SmolLM2's 210 layers at 16 rows went from 19.9-23.6 to 14.8-16.8 ms (Q4_X2) and 22.4-23.9 to 19.6-21.3 (Q8_0),
+// two runs alternating the builds.
 template <Type t>
 void unpack_panel(const uint8_t* weight, int64_t row_bytes, int64_t n, int64_t N, int64_t K, float* scratch) {
   constexpr int64_t values = kBlockValues[t], size = kBlockBytes[t], per_block = values / kSub;
