@@ -13,6 +13,7 @@
 #include <cstdint>
 #include <cstring>
 #include <thread>
+#include <type_traits>
 #include <vector>
 
 // VDPBF16PS (bf16 pairs multiplied, float32 sums): the fast paths of the attention kernels.
@@ -171,33 +172,48 @@ inline int num_threads() { return t_member != nullptr ? t_member->team->threads(
 // a 64-byte line.
 template <typename Visit>
 void run_work_queue(int64_t num_items, int64_t scratch_floats, Visit&& visit, int64_t bytes = -1) {
+  // visit(item, scratch), or visit(item, next, scratch): `next` is the item this thread takes after `item`, taken
+  // before it starts `item` (-1: none), so that it can fetch the next item's memory while it computes this one's
+  constexpr bool ahead = std::is_invocable_v<Visit, int64_t, int64_t, float*>;
   auto scratch_of = [&](std::vector<float>& storage) {
     storage.resize(scratch_floats + kLineFloats);
     const uintptr_t address = reinterpret_cast<uintptr_t>(storage.data());
     return reinterpret_cast<float*>((address + 63) & ~uintptr_t(63));
+  };
+  // items from take(&item) until it returns false, each visited, then done(); offset: what take's items start at
+  auto drain = [&](auto&& take, auto&& done, int64_t offset) {
+    int64_t item;
+    if (!take(&item)) return;
+    std::vector<float> storage;
+    float* scratch = scratch_of(storage);
+    if constexpr (ahead) {
+      for (;;) {
+        int64_t next;
+        const bool more = take(&next);
+        visit(item - offset, more ? next - offset : -1, scratch);
+        done();
+        if (!more) break;
+        item = next;
+      }
+    } else {
+      do {
+        visit(item - offset, scratch);
+        done();
+      } while (take(&item));
+    }
   };
   if (TeamMember* member = t_member) {
     Team& team = *member->team;
     const int64_t first = member->first, end = first + num_items;
     member->first = end;
     member->digest = member->digest * 1000003u + uint64_t(num_items);
-    int64_t item;
-    if (team.claim(end, &item)) {
-      std::vector<float> storage;
-      float* scratch = scratch_of(storage);
-      do {
-        visit(item - first, scratch);
-        team.finished();
-      } while (team.claim(end, &item));
-    }
+    drain([&](int64_t* item) { return team.claim(end, item); }, [&] { team.finished(); }, first);
     team.wait_done(end);
     return;
   }
   std::atomic<int64_t> next{0};
   auto work = [&](int64_t, int64_t) {
-    std::vector<float> storage;
-    float* scratch = scratch_of(storage);
-    for (int64_t item; (item = next.fetch_add(1)) < num_items;) visit(item, scratch);
+    drain([&](int64_t* item) { return (*item = next.fetch_add(1)) < num_items; }, [] {}, 0);
   };
   if (bytes >= 0 && bytes < kSoloBytes) return work(0, 1);
   at::parallel_for(0, at::get_num_threads(), 1, work);
