@@ -98,7 +98,7 @@ void unpack_panel(const uint8_t* weight, int64_t row_bytes, int64_t n, int64_t N
 // there rather than waiting for memory with nothing to compute.
 // NOTE: 2-core AMD EPYC (Zen 4), int8's Q8_0 blocks, SmolLM2's 210 layers, with kUnpackAhead (best of 7 steps, four
 // runs alternating the builds), ms at 16 / 64 rows: 18.9-19.9 / 44.9-49.2 -> 18.1-18.5 / 42.3-42.4. Into the L2
-// cache alone (_MM_HINT_T1) it measured slower at 64 rows.
+// cache alone (_MM_HINT_T1) it measured slower at 64 rows. (The AMX path does the same; not yet measured on a Xeon.)
 class PanelAhead {
  public:
   // next: the first column of the thread's next panel (-1: none); shares: the calls of fetch() to spread it over
@@ -330,13 +330,15 @@ void amx_tile(const float* scratch, int64_t col0, int64_t K, const QuantizedRows
 }
 
 template <typename T, Type t>
-void amx_panel_columns(const uint8_t* weight, int64_t row_bytes, int64_t n, int64_t N, int64_t K,
+void amx_panel_columns(const uint8_t* weight, int64_t row_bytes, int64_t n, int64_t next, int64_t N, int64_t K,
                        const QuantizedRows& x, int64_t M, const T* bias, T* out, float* scratch) {
   static_assert(kHalves<t> == 1, "one scale a sub-block");
   unpack_panel<t>(weight, row_bytes, n, N, K, scratch);
   amx_configure();
   alignas(64) float sums[16 * kPanel];
+  PanelAhead ahead(weight, row_bytes, next, N, (M + 15) / 16);
   for (int64_t m0 = 0; m0 < M; m0 += 16) {
+    ahead.fetch();
     for (int64_t col0 = 0; col0 < kPanel; col0 += 16) amx_tile(scratch, col0, K, x, m0, sums);
     store_panel(sums, std::min<int64_t>(16, M - m0), n, N, bias, out + m0 * N);
   }
@@ -353,15 +355,15 @@ void run_amx_panels(const uint8_t* weight, Type t, int64_t M, int64_t N, int64_t
   x.q.resize(padded * K, 0);
   x.scale.resize(padded * subs, 0.0f);
   x.sum.resize(padded * subs, 0.0f);
-  using Columns = void (*)(const uint8_t*, int64_t, int64_t, int64_t, int64_t, const QuantizedRows&, int64_t,
-                           const T*, T*, float*);
+  using Columns = void (*)(const uint8_t*, int64_t, int64_t, int64_t, int64_t, int64_t, const QuantizedRows&,
+                           int64_t, const T*, T*, float*);
   static constexpr Columns table[kNumTypes] = {
       amx_panel_columns<T, Q4_0>, amx_panel_columns<T, Q4_1>, amx_panel_columns<T, Q5_0>,
       amx_panel_columns<T, Q5_1>, amx_panel_columns<T, Q8_0>, amx_panel_columns<T, Q4_K>,
       amx_panel_columns<T, Q5_K>, nullptr, amx_panel_columns<T, Q4_X2>};
   const int64_t row_bytes = K / kBlockValues[t] * kBlockBytes[t];
-  run_work_queue((N + kPanel - 1) / kPanel, panel_floats(K), [&](int64_t panel, float* scratch) {
-    table[t](weight, row_bytes, panel * kPanel, N, K, x, M, bias, out, scratch);
+  run_work_queue((N + kPanel - 1) / kPanel, panel_floats(K), [&](int64_t panel, int64_t next, float* scratch) {
+    table[t](weight, row_bytes, panel * kPanel, next < 0 ? -1 : next * kPanel, N, K, x, M, bias, out, scratch);
   });
 }
 #endif
