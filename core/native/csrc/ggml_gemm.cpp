@@ -185,6 +185,9 @@ void panel_tile(const float* scratch, int64_t col0, int64_t K, const QuantizedRo
     for (int c = 0; c < C; ++c) acc[r][c] = V::fzero(), dots[r][c] = V::izero();
   for (int64_t s = 0; s < subs; ++s)
     for (int h = 0; h < H; ++h) {
+      // (unrolled: GCC otherwise copied every accumulator between registers around each product; Zen 4, SmolLM2's
+      // layers as Q4_X2, 64 and 256 rows 3% faster)
+#pragma GCC unroll 8
       for (int g = 8 / H * h; g < 8 / H * (h + 1); ++g) {
         typename V::I w[C];
         for (int c = 0; c < C; ++c) w[c] = V::load(q + ((s * 8 + g) * kPanel + c * L) * 4);
