@@ -59,14 +59,16 @@ constexpr int64_t kColumns = 4;  // the most output columns unpacked and multipl
 inline int64_t tile_columns(int64_t rows) { return rows == 1 ? 4 : 2; }
 constexpr int64_t kMinChunk = 16;  // the fewest output columns a thread takes at a time
 
-// Output columns [n, n + columns) for rows [m0, m0 + rows): sums[r * kColumns + c], offsets included.
-using Tile = void (*)(const uint8_t* weight, int64_t row_bytes, int64_t n, int64_t columns, const QuantizedRows& x,
-                      int64_t m0, int64_t rows, int64_t K, float* sums, float* scratch);
+// Output columns [n, n + columns) for rows [m0, m0 + rows): sums[r * kColumns + c], offsets included. `ahead`: the
+// weights the thread multiplies after these (as many rows from there as this tile has), fetched into the cache
+// while it multiplies these.
+using Tile = void (*)(const uint8_t* weight, int64_t row_bytes, int64_t n, int64_t columns, const uint8_t* ahead,
+                      const QuantizedRows& x, int64_t m0, int64_t rows, int64_t K, float* sums, float* scratch);
 
 // The portable path: each weight row unpacked into scratch, then plain integer dot products.
 template <Type t>
-void scalar_tile(const uint8_t* weight, int64_t row_bytes, int64_t n, int64_t columns, const QuantizedRows& x,
-                 int64_t m0, int64_t rows, int64_t K, float* sums, float* scratch) {
+void scalar_tile(const uint8_t* weight, int64_t row_bytes, int64_t n, int64_t columns, const uint8_t*,
+                 const QuantizedRows& x, int64_t m0, int64_t rows, int64_t K, float* sums, float* scratch) {
   const int64_t subs = K / kSub;
   const Unpacked w{reinterpret_cast<uint8_t*>(scratch), scratch + K / 4, scratch + K / 4 + 8 * subs};
   for (int c = 0; c < columns; ++c) {
@@ -90,12 +92,14 @@ void scalar_tile(const uint8_t* weight, int64_t row_bytes, int64_t n, int64_t co
 }
 
 #ifdef CONVEYOR_AVX2
-// The tiles prefetch the weights of the next tile while they multiply these. NOTE: without it a step of one row
-// read the default model's packed layers from memory at 9.9 GB/s and its Q8_0 head at 11.8 (6.7 and 2.5 ms,
-// 2-core Zen 4, where the same core streams 21 GB/s and two 28): each tile's four rows are only 1.4-3.8 KB of
+// The tiles prefetch the weights of the thread's next tile while they multiply these. NOTE: without it a step of
+// one row read the default model's packed layers from memory at 9.9 GB/s and its Q8_0 head at 11.8 (6.7 and 2.5
+// ms, 2-core Zen 4, where the same core streams 21 GB/s and two 28): each tile's four rows are only 1.4-3.8 KB of
 // memory, too short a run for the hardware's prefetcher to get ahead. With it, 15-16 GB/s and 21-24 GB/s (4.1-4.5
-// and 1.3-1.4 ms); one tile ahead and two measured alike, four and eight slower for the layers.
-constexpr int64_t kPrefetchTiles = 1;
+// and 1.3-1.4 ms); one tile ahead and two measured alike, four and eight slower for the layers (their fetches
+// past the end of a chunk read another thread's weights). The last tile of a chunk fetches the first of the
+// thread's next chunk, where it took the neighbouring columns before (another thread's, mostly): one stream
+// in-process (`LLM.generate`, 400 tokens), six runs alternating the builds, 185 -> 207 tok/s on average.
 
 // The int32 dot products of up to four columns (C of them; lanes: groups of four values) summed per half of
 // the register, column c in lane c: low, the first 16 values (lanes 0-3), high, the second 16.
@@ -120,8 +124,8 @@ inline __m128 accumulate(__m128 acc, __m128i dots, __m128 scale, __m128 offset, 
 // multiplied as the batched path stores them (Q8_0's up by 128, Q6_K's by 32: the shift is added to the
 // integer sums exactly and taken back by the offset).
 template <Type t, int R, int C>
-void avx2_tile_fixed(const uint8_t* weight, int64_t row_bytes, int64_t n, const QuantizedRows& x, int64_t m0,
-                     int64_t K, float* sums) {
+void avx2_tile_fixed(const uint8_t* weight, int64_t row_bytes, int64_t n, const uint8_t* ahead_rows,
+                     const QuantizedRows& x, int64_t m0, int64_t K, float* sums) {
   constexpr int64_t values = kBlockValues[t], size = kBlockBytes[t], per_block = values / kSub;
   constexpr int H = kHalves<t>;
   const int64_t subs = K / kSub;
@@ -132,8 +136,7 @@ void avx2_tile_fixed(const uint8_t* weight, int64_t row_bytes, int64_t n, const 
   for (int64_t blk = 0; blk < K / values; ++blk) {
     const uint8_t* block[C];
     for (int c = 0; c < C; ++c) block[c] = weight + (n + c) * row_bytes + blk * size;
-    const char* ahead =
-        reinterpret_cast<const char*>(weight + (n + kPrefetchTiles * C) * row_bytes + C * blk * size);
+    const char* ahead = reinterpret_cast<const char*>(ahead_rows + C * blk * size);
     for (int64_t line = 0; line < C * size; line += 64) _mm_prefetch(ahead + line, _MM_HINT_T0);
     for (int j = 0; j < per_block; ++j) {
       const int64_t s = blk * per_block + j;
@@ -203,8 +206,8 @@ void pair_rows(QuantizedRows& x, int64_t M, int64_t K) {
 // Q4_X2: a unit's 64 nibbles unpacked with three instructions, its two sub-blocks' sums in the low and high
 // halves of one register.
 template <int R, int C>
-void avx2_tile_q4x2(const uint8_t* weight, int64_t row_bytes, int64_t n, const QuantizedRows& x, int64_t m0,
-                    int64_t K, float* sums) {
+void avx2_tile_q4x2(const uint8_t* weight, int64_t row_bytes, int64_t n, const uint8_t* ahead_rows,
+                    const QuantizedRows& x, int64_t m0, int64_t K, float* sums) {
   const int64_t pairs = K / 64, subs = K / kSub;
   const __m256i ones = _mm256_set1_epi16(1), low4 = _mm256_set1_epi8(0x0f);
   __m128 acc[R];
@@ -213,8 +216,8 @@ void avx2_tile_q4x2(const uint8_t* weight, int64_t row_bytes, int64_t n, const Q
     __m256i lo[C], hi[C];
     // per column [d0, d1, m0, m1], transposed: d0 of each column, d1, m0, m1
     __m128 halves[4] = {_mm_setzero_ps(), _mm_setzero_ps(), _mm_setzero_ps(), _mm_setzero_ps()};
-    // the weights of the tile kPrefetchTiles ahead, as far into their run of memory as this tile has come
-    const char* ahead = reinterpret_cast<const char*>(weight + (n + kPrefetchTiles * C) * row_bytes + C * 40 * p);
+    // the next tile's weights, as far into their run of memory as this tile has come
+    const char* ahead = reinterpret_cast<const char*>(ahead_rows + C * 40 * p);
     for (int line = 0; line < C * 40; line += 64) _mm_prefetch(ahead + line, _MM_HINT_T0);
     for (int c = 0; c < C; ++c) {
       const uint8_t* unit = weight + (n + c) * row_bytes + 40 * p;
@@ -247,24 +250,25 @@ void avx2_tile_q4x2(const uint8_t* weight, int64_t row_bytes, int64_t n, const Q
 }
 
 template <Type t>
-void avx2_tile(const uint8_t* weight, int64_t row_bytes, int64_t n, int64_t columns, const QuantizedRows& x,
-               int64_t m0, int64_t rows, int64_t K, float* sums, float*) {
+void avx2_tile(const uint8_t* weight, int64_t row_bytes, int64_t n, int64_t columns, const uint8_t* ahead,
+               const QuantizedRows& x, int64_t m0, int64_t rows, int64_t K, float* sums, float*) {
   static_assert(kRowTile == 4 && kColumns == 4, "the table below covers 1-4 rows and tile_columns");
-  using Fixed = void (*)(const uint8_t*, int64_t, int64_t, const QuantizedRows&, int64_t, int64_t, float*);
+  using Fixed = void (*)(const uint8_t*, int64_t, int64_t, const uint8_t*, const QuantizedRows&, int64_t, int64_t,
+                         float*);
   if constexpr (t == Q4_X2) {
     static constexpr Fixed tiles[kRowTile][kColumns] = {
         {avx2_tile_q4x2<1, 1>, avx2_tile_q4x2<1, 2>, avx2_tile_q4x2<1, 3>, avx2_tile_q4x2<1, 4>},
         {avx2_tile_q4x2<2, 1>, avx2_tile_q4x2<2, 2>, nullptr, nullptr},
         {avx2_tile_q4x2<3, 1>, avx2_tile_q4x2<3, 2>, nullptr, nullptr},
         {avx2_tile_q4x2<4, 1>, avx2_tile_q4x2<4, 2>, nullptr, nullptr}};
-    tiles[rows - 1][columns - 1](weight, row_bytes, n, x, m0, K, sums);
+    tiles[rows - 1][columns - 1](weight, row_bytes, n, ahead, x, m0, K, sums);
   } else {
     static constexpr Fixed tiles[kRowTile][kColumns] = {
         {avx2_tile_fixed<t, 1, 1>, avx2_tile_fixed<t, 1, 2>, avx2_tile_fixed<t, 1, 3>, avx2_tile_fixed<t, 1, 4>},
         {avx2_tile_fixed<t, 2, 1>, avx2_tile_fixed<t, 2, 2>, nullptr, nullptr},
         {avx2_tile_fixed<t, 3, 1>, avx2_tile_fixed<t, 3, 2>, nullptr, nullptr},
         {avx2_tile_fixed<t, 4, 1>, avx2_tile_fixed<t, 4, 2>, nullptr, nullptr}};
-    tiles[rows - 1][columns - 1](weight, row_bytes, n, x, m0, K, sums);
+    tiles[rows - 1][columns - 1](weight, row_bytes, n, ahead, x, m0, K, sums);
   }
 }
 #endif
@@ -304,14 +308,18 @@ void run(const T* x, const uint8_t* weight, Type t, int64_t M, int64_t N, int64_
   if (M > kRowTile) chunk_columns = std::min(chunk_columns, (int64_t(128) << 10) / row_bytes / 4 * 4);
   chunk_columns = std::max(kMinChunk, chunk_columns);
   const int64_t chunks = (N + chunk_columns - 1) / chunk_columns;
-  auto visit = [&](int64_t chunk, float* scratch) {
+  auto visit = [&](int64_t chunk, int64_t next_chunk, float* scratch) {
     float sums[kRowTile * kColumns];
-    const int64_t n_end = std::min(N, (chunk + 1) * chunk_columns);
+    const int64_t n_begin = chunk * chunk_columns, n_end = std::min(N, n_begin + chunk_columns);
     for (int64_t m0 = 0; m0 < M; m0 += kRowTile) {
       const int64_t rows = std::min<int64_t>(kRowTile, M - m0);
-      for (int64_t n = chunk * chunk_columns; n < n_end; n += tile_columns(rows)) {
+      for (int64_t n = n_begin; n < n_end; n += tile_columns(rows)) {
         const int64_t columns = std::min<int64_t>(tile_columns(rows), n_end - n);
-        tile(weight, row_bytes, n, columns, xq, m0, rows, K, sums, scratch);
+        // the next tile: this chunk's next columns, or its first again for the next rows (in the cache), or the
+        // thread's next chunk (this one's own columns where there is none)
+        int64_t ahead = n + columns;
+        if (ahead >= n_end) ahead = m0 + kRowTile < M ? n_begin : next_chunk >= 0 ? next_chunk * chunk_columns : n;
+        tile(weight, row_bytes, n, columns, weight + ahead * row_bytes, xq, m0, rows, K, sums, scratch);
         for (int r = 0; r < rows; ++r)
           for (int c = 0; c < columns; ++c) {
             const float b = bias ? to_float(bias[n + c]) : 0.0f;
