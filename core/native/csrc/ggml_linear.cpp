@@ -34,7 +34,7 @@
 // weights): 1 row 7.7 / 8.5 / 31.0; 16 rows 21.9 / 29.4 / 36.3; 64 rows 67.8 / 92.6 / 59.6; 256 rows
 // 147.1 / 283.1 / 175.0; 512 rows 284.7 / 558.6 / 312.5. (This machine's timings vary by up to 2x from run to
 // run: compare within a run.) One thread, 512 x 1536 x 576: 118 GMAC/s against bf16's 94. With the tiles'
-// prefetch (kPrefetchTiles), another run: 1 row 5.0 / 5.1 / 19.3; 4 rows 9.0 / 8.9 / 22.6; 16 rows 22.4 / 29.5 /
+// prefetch (kAheadTiles), another run: 1 row 5.0 / 5.1 / 19.3; 4 rows 9.0 / 8.9 / 22.6; 16 rows 22.4 / 29.5 /
 // 33.9.
 // NOTE: 2-core Xeon with AMX, the same command, one run (VNNI / AMX / bf16 F.linear, oneDNN's AMX): 64 rows
 // 46.6 / 45.1 / 27.4 ms; 256 rows 157.2 / 147.9 / 76.2; 512 rows 253.3 / 226.6 / 68.4. AMX gains little here:
@@ -96,10 +96,12 @@ void scalar_tile(const uint8_t* weight, int64_t row_bytes, int64_t n, int64_t co
 // one row read the default model's packed layers from memory at 9.9 GB/s and its Q8_0 head at 11.8 (6.7 and 2.5
 // ms, 2-core Zen 4, where the same core streams 21 GB/s and two 28): each tile's four rows are only 1.4-3.8 KB of
 // memory, too short a run for the hardware's prefetcher to get ahead. With it, 15-16 GB/s and 21-24 GB/s (4.1-4.5
-// and 1.3-1.4 ms); one tile ahead and two measured alike, four and eight slower for the layers (their fetches
-// past the end of a chunk read another thread's weights). The last tile of a chunk fetches the first of the
-// thread's next chunk, where it took the neighbouring columns before (another thread's, mostly): one stream
-// in-process (`LLM.generate`, 400 tokens), six runs alternating the builds, 185 -> 207 tok/s on average.
+// and 1.3-1.4 ms); one tile ahead and two measured alike, four and eight slower for the layers: their fetches past
+// the end of a chunk read the next columns, mostly another thread's. Now the tiles near a chunk's end fetch the
+// thread's next chunk (run_work_queue's lookahead): one stream in-process (`LLM.generate`, 400 tokens), six runs
+// alternating the builds, 185 -> 207 tok/s on average one tile ahead; then two tiles ahead against one, six runs:
+// 1 row 190-234 against 181-225 tok/s, each run faster; 4 rows alike; three tiles no faster than two.
+constexpr int64_t kAheadTiles = 2;
 
 // The int32 dot products of up to four columns (C of them; lanes: groups of four values) summed per half of
 // the register, column c in lane c: low, the first 16 values (lanes 0-3), high, the second 16.
@@ -315,10 +317,12 @@ void run(const T* x, const uint8_t* weight, Type t, int64_t M, int64_t N, int64_
       const int64_t rows = std::min<int64_t>(kRowTile, M - m0);
       for (int64_t n = n_begin; n < n_end; n += tile_columns(rows)) {
         const int64_t columns = std::min<int64_t>(tile_columns(rows), n_end - n);
-        // the next tile: this chunk's next columns, or its first again for the next rows (in the cache), or the
-        // thread's next chunk (this one's own columns where there is none)
-        int64_t ahead = n + columns;
-        if (ahead >= n_end) ahead = m0 + kRowTile < M ? n_begin : next_chunk >= 0 ? next_chunk * chunk_columns : n;
+        // the tile kAheadTiles on: in this chunk, or its first again for the next rows (in the cache), or in the
+        // thread's next chunk (this tile's own columns where there is none)
+        int64_t ahead = n + kAheadTiles * columns;
+        if (ahead >= n_end)
+          ahead = m0 + kRowTile < M ? n_begin : next_chunk >= 0 ? next_chunk * chunk_columns + ahead - n_end : n;
+        if (ahead >= N) ahead = n;
         tile(weight, row_bytes, n, columns, weight + ahead * row_bytes, xq, m0, rows, K, sums, scratch);
         for (int r = 0; r < rows; ++r)
           for (int c = 0; c < columns; ++c) {
