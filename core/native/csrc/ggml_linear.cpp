@@ -36,6 +36,9 @@
 // run: compare within a run.) One thread, 512 x 1536 x 576: 118 GMAC/s against bf16's 94. With the tiles'
 // prefetch (kAheadTiles), another run: 1 row 5.0 / 5.1 / 19.3; 4 rows 9.0 / 8.9 / 22.6; 16 rows 22.4 / 29.5 /
 // 33.9.
+// With the panels' fetches ahead (ggml_gemm.cpp) and the tiles' into the thread's next chunk, another run: 1 row
+// 3.8 / 3.9 / 17.9; 16 rows 14.3 / 20.1 / 25.6; 64 rows 32.2 / 58.7 / 52.3; 256 rows 108.8 / 216.9 / 146.5; 512 rows
+// 214.0 / 429.0 / 276.7.
 // NOTE: 2-core Xeon with AMX, the same command, one run (VNNI / AMX / bf16 F.linear, oneDNN's AMX): 64 rows
 // 46.6 / 45.1 / 27.4 ms; 256 rows 157.2 / 147.9 / 76.2; 512 rows 253.3 / 226.6 / 68.4. AMX gains little here:
 // every 32 values have their own scales, so each TDPBSUD (16 rows x 16 columns x 32) is followed by a store of
