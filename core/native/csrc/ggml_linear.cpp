@@ -34,7 +34,7 @@
 // weights): 1 row 7.7 / 8.5 / 31.0; 16 rows 21.9 / 29.4 / 36.3; 64 rows 67.8 / 92.6 / 59.6; 256 rows
 // 147.1 / 283.1 / 175.0; 512 rows 284.7 / 558.6 / 312.5. (This machine's timings vary by up to 2x from run to
 // run: compare within a run.) One thread, 512 x 1536 x 576: 118 GMAC/s against bf16's 94. With the tiles'
-// prefetch (kAheadTiles), another run: 1 row 5.0 / 5.1 / 19.3; 4 rows 9.0 / 8.9 / 22.6; 16 rows 22.4 / 29.5 /
+// prefetch (one tile ahead), another run: 1 row 5.0 / 5.1 / 19.3; 4 rows 9.0 / 8.9 / 22.6; 16 rows 22.4 / 29.5 /
 // 33.9.
 // With the panels' fetches ahead (ggml_gemm.cpp) and the tiles' into the thread's next chunk, another run: 1 row
 // 3.8 / 3.9 / 17.9; 16 rows 14.3 / 20.1 / 25.6; 64 rows 32.2 / 58.7 / 52.3; 256 rows 108.8 / 216.9 / 146.5; 512 rows
@@ -62,9 +62,20 @@ constexpr int64_t kColumns = 4;  // the most output columns unpacked and multipl
 inline int64_t tile_columns(int64_t rows) { return rows == 1 ? 4 : 2; }
 constexpr int64_t kMinChunk = 16;  // the fewest output columns a thread takes at a time
 
+// The vector tiles fetch the weights kAheadTiles tiles on while they multiply these. NOTE: without it a step of
+// one row read the default model's packed layers from memory at 9.9 GB/s and its Q8_0 head at 11.8 (6.7 and 2.5
+// ms, 2-core Zen 4, where the same core streams 21 GB/s and two 28): each tile's four rows are only 1.4-3.8 KB of
+// memory, too short a run for the hardware's prefetcher to get ahead. With it, 15-16 GB/s and 21-24 GB/s (4.1-4.5
+// and 1.3-1.4 ms); one tile ahead and two measured alike, four and eight slower for the layers: their fetches past
+// the end of a chunk read the next columns, mostly another thread's. Now the tiles near a chunk's end fetch the
+// thread's next chunk (run_work_queue's lookahead): one stream in-process (`LLM.generate`, 400 tokens), six runs
+// alternating the builds, 185 -> 207 tok/s on average one tile ahead; then two tiles ahead against one, six runs:
+// 1 row 190-234 against 181-225 tok/s, each run faster; 4 rows alike; three tiles no faster than two.
+constexpr int64_t kAheadTiles = 2;
+
 // Output columns [n, n + columns) for rows [m0, m0 + rows): sums[r * kColumns + c], offsets included. `ahead`: the
-// weights the thread multiplies after these (as many rows from there as this tile has), fetched into the cache
-// while it multiplies these.
+// weights the thread multiplies kAheadTiles tiles later (as many rows from there as this tile has), fetched into
+// the cache while it multiplies these.
 using Tile = void (*)(const uint8_t* weight, int64_t row_bytes, int64_t n, int64_t columns, const uint8_t* ahead,
                       const QuantizedRows& x, int64_t m0, int64_t rows, int64_t K, float* sums, float* scratch);
 
@@ -95,17 +106,6 @@ void scalar_tile(const uint8_t* weight, int64_t row_bytes, int64_t n, int64_t co
 }
 
 #ifdef CONVEYOR_AVX2
-// The tiles prefetch the weights of the thread's next tile while they multiply these. NOTE: without it a step of
-// one row read the default model's packed layers from memory at 9.9 GB/s and its Q8_0 head at 11.8 (6.7 and 2.5
-// ms, 2-core Zen 4, where the same core streams 21 GB/s and two 28): each tile's four rows are only 1.4-3.8 KB of
-// memory, too short a run for the hardware's prefetcher to get ahead. With it, 15-16 GB/s and 21-24 GB/s (4.1-4.5
-// and 1.3-1.4 ms); one tile ahead and two measured alike, four and eight slower for the layers: their fetches past
-// the end of a chunk read the next columns, mostly another thread's. Now the tiles near a chunk's end fetch the
-// thread's next chunk (run_work_queue's lookahead): one stream in-process (`LLM.generate`, 400 tokens), six runs
-// alternating the builds, 185 -> 207 tok/s on average one tile ahead; then two tiles ahead against one, six runs:
-// 1 row 190-234 against 181-225 tok/s, each run faster; 4 rows alike; three tiles no faster than two.
-constexpr int64_t kAheadTiles = 2;
-
 // The int32 dot products of up to four columns (C of them; lanes: groups of four values) summed per half of
 // the register, column c in lane c: low, the first 16 values (lanes 0-3), high, the second 16.
 template <int C>
@@ -221,7 +221,7 @@ void avx2_tile_q4x2(const uint8_t* weight, int64_t row_bytes, int64_t n, const u
     __m256i lo[C], hi[C];
     // per column [d0, d1, m0, m1], transposed: d0 of each column, d1, m0, m1
     __m128 halves[4] = {_mm_setzero_ps(), _mm_setzero_ps(), _mm_setzero_ps(), _mm_setzero_ps()};
-    // the next tile's weights, as far into their run of memory as this tile has come
+    // the weights kAheadTiles tiles on, as far into their run of memory as this tile has come
     const char* ahead = reinterpret_cast<const char*>(ahead_rows + C * 40 * p);
     for (int line = 0; line < C * 40; line += 64) _mm_prefetch(ahead + line, _MM_HINT_T0);
     for (int c = 0; c < C; ++c) {
