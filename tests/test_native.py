@@ -9,10 +9,15 @@ the kernels cannot be built.
 from __future__ import annotations
 
 import os
+import platform
 import random
 import shutil
+import subprocess
 import sys
+import sysconfig
 import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import pytest
 import torch
@@ -184,6 +189,31 @@ def test_each_checkout_and_environment_builds_in_its_own_directory(tmp_path):
     assert native.build_name(prefix=str(tmp_path / "venv")) != here
     ninja = (native.cache_dir() / here / "build.ninja").read_text()  # (built by the skip check above)
     assert str(native.CSRC) in ninja
+
+
+@pytest.mark.skipif(platform.machine() != "x86_64", reason="the other targets are x86 CPUs")
+def test_every_source_compiles_for_the_other_x86_cpus():
+    """The build is for this CPU (-march=native), so the code guarded for other CPUs is never compiled here: each
+    source is checked (syntax and types, no code generated) for a CPU without AVX2 (the portable paths), one with
+    AVX2 alone, and the other AVX-512 family: with AMX where this CPU has none (Intel since Sapphire Rapids),
+    without it where it has (AVX-512 VNNI and BF16 alone, as AMD Zen 4)."""
+    from torch.utils import cpp_extension
+
+    amx = "amx_int8" in Path("/proc/cpuinfo").read_text()
+    targets = ["x86-64", "haswell", "cooperlake" if amx else "sapphirerapids"]
+    flags = [flag for flag in native.CFLAGS if not flag.startswith(("-march", "-O"))]
+    includes = [f"-I{path}" for path in cpp_extension.include_paths()] + [f"-I{sysconfig.get_paths()['include']}"]
+    compiler = os.environ.get("CXX", "c++")
+
+    def check(target: str, source: Path) -> str | None:
+        command = [compiler, f"-march={target}", "-fsyntax-only", "-w", *flags, *includes, str(source)]
+        result = subprocess.run(command, capture_output=True, text=True)
+        return None if result.returncode == 0 else f"{source.name} for -march={target}:\n{result.stderr[-2000:]}"
+
+    jobs = [(target, source) for target in targets for source in native.SOURCES]
+    with ThreadPoolExecutor(max_workers=os.cpu_count()) as pool:
+        failures = [failure for failure in pool.map(lambda job: check(*job), jobs) if failure]
+    assert not failures, "\n".join(failures)
 
 
 def test_without_a_compiler_everything_falls_back_to_torch(monkeypatch, caplog):
