@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import threading
+from pathlib import Path
 
 import httpx
 import pytest
@@ -185,6 +186,42 @@ def test_an_engine_whose_frontend_is_killed_stops_by_itself(tmp_path):
     finally:
         server.stop()
         if running(engine):
+            os.kill(engine, signal.SIGKILL)
+
+
+def engine_child(parent: int) -> int | None:
+    """The pid of ``parent``'s engine process, once it has started one."""
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            cmdline = (stat.parent / "cmdline").read_bytes()
+        except OSError:
+            continue
+        if int(fields[1]) == parent and b"conveyor.engine.process" in cmdline:
+            return int(stat.parent.name)
+    return None
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL], ids=["SIGTERM", "SIGKILL"])
+def test_an_engine_whose_frontend_is_killed_while_it_loads_stops_by_itself(tmp_path, sig):
+    """Killed while its engine still starts (before the frontend handles signals), the frontend leaves its engine
+    behind: the engine must still find that it is gone and stop, not hold the model's memory for good. It is held
+    still (SIGSTOP) from its first moments until the frontend has exited, so it cannot have looked before."""
+    server = Server(http_config(), tmp_path).launch()
+    engine = None
+    try:
+        server.wait_for(lambda: engine_child(server.process.pid) is not None, timeout=60, what="the engine to start")
+        engine = engine_child(server.process.pid)
+        os.kill(engine, signal.SIGSTOP)
+        server.process.send_signal(sig)
+        server.process.wait(30)
+        assert not any(re.search(r"engine process \d+ ready", line) for line in server.lines), server.output
+        os.kill(engine, signal.SIGCONT)
+        server.wait_for(lambda: not running(engine), timeout=120, what="the engine to exit")
+    finally:
+        server.stop()
+        if engine is not None and running(engine):
             os.kill(engine, signal.SIGKILL)
 
 

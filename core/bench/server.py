@@ -52,7 +52,8 @@ class Server:
         self.urls: list[str] = []
         self.process: subprocess.Popen | None = None
 
-    def start(self) -> Server:
+    def launch(self) -> Server:
+        """Starts the server process and returns at once (its output collected into ``lines`` as it comes)."""
         self.process = subprocess.Popen(
             [sys.executable, "-m", "conveyor", "serve", str(self.config_path)]
             + [arg for override in self.overrides for arg in ("--set", override)],
@@ -62,6 +63,11 @@ class Server:
             text=True,
         )
         threading.Thread(target=self._collect, daemon=True).start()
+        return self
+
+    def start(self) -> Server:
+        """Starts the server and returns once every transport listens (the engine ready)."""
+        self.launch()
         deadline = time.monotonic() + STARTUP_TIMEOUT
         expected = max(1, len(tomllib.loads(self.config_path.read_text()).get("transport", [])))
         while len(self.urls) < expected:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import subprocess
 import sys
 import tempfile
@@ -109,7 +110,7 @@ class MPClient(EngineClient):
             input_address = _bind(push, self.address, Path(tmp) / "input")
             output_address = _bind(pull, self.address, Path(tmp) / "output")
             command = [sys.executable, "-m", "conveyor.engine.process", "--input", input_address,
-                       "--output", output_address, "--log-level", self.log_level]
+                       "--output", output_address, "--log-level", self.log_level, "--parent", str(os.getpid())]
             self.ready = None
             process = await anyio.open_process(command, stdin=subprocess.PIPE, stdout=None, stderr=None)
             self._process = process

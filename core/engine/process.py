@@ -42,7 +42,7 @@ STARTUP_ERRORS = (ConfigError, PluginError, FileNotFoundError, ImportError, Valu
 class EngineProcess:
     """The engine side of the frontend <-> engine protocol."""
 
-    def __init__(self, core: EngineCore, context: zmq.Context, input_address: str, output_address: str):
+    def __init__(self, core: EngineCore, context: zmq.Context, input_address: str, output_address: str, parent: int):
         self.core = core
         self.input = context.socket(zmq.PULL)
         self.input.connect(input_address)
@@ -51,7 +51,7 @@ class EngineProcess:
         self.output.connect(output_address)
         self.stopping = False
         # the frontend that started this engine (a process whose parent exits is given another one)
-        self.parent = os.getppid()
+        self.parent = parent
 
     def frontend_gone(self) -> bool:
         """Whether the frontend has exited; the engine then stops (nobody reads its outputs or sends it work)."""
@@ -121,7 +121,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--input", required=True, help="address to PULL requests from")
     parser.add_argument("--output", required=True, help="address to PUSH outputs to")
     parser.add_argument("--log-level", default="INFO")
+    parser.add_argument("--parent", type=int, default=0,
+                        help="the frontend's pid (default: this process's parent as it starts); the engine stops "
+                             "once that process is gone")
     args = parser.parse_args(argv)
+    # Named by the frontend: one killed while this engine still loads (SIGTERM or SIGKILL before its signal
+    # handling starts) would otherwise have passed this process to another parent before it looked.
+    parent = args.parent or os.getppid()
     logging.basicConfig(level=args.log_level, format="engine: %(message)s", stream=sys.stderr)
     # Ctrl-C reaches the whole process group; the frontend decides when the engine stops.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -136,7 +142,7 @@ def main(argv: list[str] | None = None) -> int:
         failed.close(linger=5000)
         context.term()
         return 2
-    engine = EngineProcess(core, context, args.input, args.output)
+    engine = EngineProcess(core, context, args.input, args.output, parent)
 
     def stop(signum, frame) -> None:
         engine.stopping = True
