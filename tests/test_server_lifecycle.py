@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import httpx
@@ -223,6 +224,36 @@ def test_an_engine_whose_frontend_is_killed_while_it_loads_stops_by_itself(tmp_p
         server.stop()
         if engine is not None and running(engine):
             os.kill(engine, signal.SIGKILL)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_a_worker_whose_engine_died_while_it_started_exits(tmp_path):
+    """An engine process that dies while its worker still imports sends no parent-death signal (the worker has
+    not asked for one yet), and the worker's new parent is another process: the worker must find that the
+    engine named on its command line is gone, not wait for a config that never comes. Its stdin is held open
+    here, and the engine exits as soon as the worker is spawned."""
+    log = tmp_path / "worker.log"
+    config_in, held = os.pipe()
+    worker = None
+    spawn = ("import os, subprocess, sys\n"
+             "worker = subprocess.Popen([sys.executable, '-m', 'conveyor.worker.process', '--rank', '0', "
+             "'--executor', 'tcp://127.0.0.1:9', '--init-method', 'tcp://127.0.0.1:9', '--parent', str(os.getpid())], "
+             f"stdin={config_in}, stderr=open({str(log)!r}, 'w'))\n"
+             "print(worker.pid, flush=True)\n"
+             "os._exit(0)\n")
+    try:
+        worker = int(subprocess.run([sys.executable, "-c", spawn], pass_fds=(config_in,), check=True, timeout=60,
+                                    capture_output=True, text=True).stdout)
+        deadline = time.monotonic() + 60
+        while running(worker) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not running(worker), log.read_text()
+        assert "the engine process" in log.read_text() and "is gone" in log.read_text()
+    finally:
+        os.close(config_in)
+        os.close(held)
+        if worker is not None and running(worker):
+            os.kill(worker, signal.SIGKILL)
 
 
 def test_sigterm_aborts_what_outlasts_drain_timeout(tmp_path):

@@ -14,6 +14,7 @@ new set of workers (workers die with the engine process: no orphans).
 from __future__ import annotations
 
 import logging
+import os
 import shutil
 import socket
 import subprocess
@@ -63,7 +64,7 @@ class MPExecutor(PipelinedExecutor):
             for rank in range(self.world_size):
                 process = subprocess.Popen(
                     [sys.executable, "-m", "conveyor.worker.process", "--rank", str(rank), "--local-rank", str(rank),
-                     "--executor", address, "--init-method", init_method,
+                     "--executor", address, "--init-method", init_method, "--parent", str(os.getpid()),
                      "--log-level", logging.getLevelName(logging.getLogger("conveyor").getEffectiveLevel())],
                     stdin=subprocess.PIPE,
                 )

@@ -5,8 +5,9 @@ conveyor.worker.process``, writes the validated config to its stdin
 (msgpack), and names its rank, the executor's ROUTER socket and where the
 workers meet for torch.distributed. The worker's first message says it
 started, or why it could not; then it answers calls (``conveyor.executor.rpc``)
-in the order they come. It dies with its parent: Linux's parent-death signal,
-and a check of the parent's pid while idle elsewhere.
+in the order they come. It dies with its parent (named by ``--parent``, so
+that a parent gone while this process still imported is noticed): Linux's
+parent-death signal, and a check of the parent's pid while idle elsewhere.
 """
 
 from __future__ import annotations
@@ -90,9 +91,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--executor", required=True, help="the executor's ROUTER socket address")
     parser.add_argument("--init-method", required=True, help="torch.distributed rendezvous, tcp://HOST:PORT")
     parser.add_argument("--log-level", default="INFO")
+    parser.add_argument("--parent", type=int, default=0,
+                        help="the engine process's pid (default: this process's parent as it starts)")
     args = parser.parse_args(argv)
-    parent = os.getppid()
+    parent = args.parent or os.getppid()
     die_with_parent()
+    # an engine that died before the death signal was asked for (while this process imported) sends none
+    if os.getppid() != parent:
+        print(f"worker {args.rank}: the engine process (pid {parent}) is gone; exiting", file=sys.stderr)
+        return 1
     logging.basicConfig(level=args.log_level, format=f"worker {args.rank}: %(message)s", stream=sys.stderr)
     # the engine process decides when its workers stop
     signal.signal(signal.SIGINT, signal.SIG_IGN)
