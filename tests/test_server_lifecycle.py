@@ -227,6 +227,34 @@ def test_an_engine_whose_frontend_is_killed_while_it_loads_stops_by_itself(tmp_p
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_models_are_listed_only_once_the_engine_is_up(tmp_path):
+    """Scripts written for vLLM wait for /v1/models to answer before they send work: while the engine starts,
+    it answers 503 naming why (as /health and completions do), then lists the model with its context length.
+    The engine is held still (SIGSTOP) until the HTTP server has answered."""
+    server = Server(http_config(), tmp_path).launch()
+    engine = None
+    try:
+        server.wait_for(lambda: engine_child(server.process.pid) is not None, timeout=60, what="the engine to start")
+        engine = engine_child(server.process.pid)
+        os.kill(engine, signal.SIGSTOP)
+        server.wait_for(lambda: any("(503 until it is ready)" in line for line in server.lines), timeout=60,
+                        what="the HTTP server")
+        http = re.search(r"\(503 until it is ready\): (http\S+)", server.output).group(1)
+        starting = httpx.get(f"{http}/v1/models", timeout=5)
+        assert starting.status_code == 503 and "starting" in starting.json()["error"]["message"]
+        assert httpx.get(f"{http}/health", timeout=5).status_code == 503
+        os.kill(engine, signal.SIGCONT)
+        server.wait_for(lambda: httpx.get(f"{http}/health", timeout=5).status_code == 200, timeout=120,
+                        what="the engine")
+        (model,) = httpx.get(f"{http}/v1/models", timeout=5).json()["data"]
+        assert model["max_model_len"] > 0 and model["id"]
+    finally:
+        if engine is not None and running(engine):
+            os.kill(engine, signal.SIGCONT)
+        server.stop()
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 def test_a_worker_whose_engine_died_while_it_started_exits(tmp_path):
     """An engine process that dies while its worker still imports sends no parent-death signal (the worker has
     not asked for one yet), and the worker's new parent is another process: the worker must find that the

@@ -65,7 +65,7 @@ async def serve(config_path: str | Path | None, overrides: Mapping[str, Any] | N
         async with anyio.create_task_group() as tg:
             # Transports first: a busy port fails at once, and /health answers 503 while the model loads.
             urls = [await tg.start(transport.serve, frontend) for transport in transports]
-            logger.info("starting the engine process")
+            logger.info("starting the engine process; up at once (503 until it is ready): %s", ", ".join(urls))
             ready = await tg.start(engine.run)
             _print_banner(model_name, config.kvcache.plugin, ready, urls)
             if isinstance(engine, PDClient):

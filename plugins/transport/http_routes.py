@@ -87,6 +87,8 @@ class Routes:
     async def models(self, request: Request) -> Response:
         if (denied := self._check_key(request)) is not None:
             return denied
+        if not self.frontend.max_model_len:  # (vLLM lists nothing before its engine is up: scripts wait on this)
+            return error_response(RequestError("the engine is starting", 503))
         base = self.frontend.model_name
         models = [{"id": base, "object": "model", "created": 0, "owned_by": "conveyor",
                    "max_model_len": self.frontend.max_model_len}]

@@ -191,7 +191,7 @@ def openapi_document(api_key: bool, models: list[str], max_model_len: int, vocab
         "/detokenize": post("detokenize", detokenize, _json({"type": "object", "required": ["prompt"]},
                             "the text"), *no_engine),
         "/v1/models": get("listModels", _json({"type": "object"}, "the base model and its LoRA adapters"),
-                          *(("401",) if api_key else ())),
+                          "503", *(("401",) if api_key else ())),
         "/health": get("health", _json({"type": "object"}, "the engine is up"), "503", open_route=True),
         "/metrics": get("metrics", {"description": "Prometheus text",
                                     "content": {"text/plain": {"schema": {"type": "string"}}}}, open_route=True),
