@@ -3,6 +3,7 @@ with requests in flight."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -203,27 +204,37 @@ def engine_child(parent: int) -> int | None:
     return None
 
 
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL], ids=["SIGTERM", "SIGKILL"])
-def test_an_engine_whose_frontend_is_killed_while_it_loads_stops_by_itself(tmp_path, sig):
-    """Killed while its engine still starts (before the frontend handles signals), the frontend leaves its engine
-    behind: the engine must still find that it is gone and stop, not hold the model's memory for good. It is held
-    still (SIGSTOP) from its first moments until the frontend has exited, so it cannot have looked before."""
+@contextlib.contextmanager
+def engine_held_at_start(tmp_path: Path):
+    """A server launched with its engine process stopped (SIGSTOP) from its first moments: (server, engine pid).
+    On leaving, the engine goes on, the server stops, and an engine still left is killed."""
     server = Server(http_config(), tmp_path).launch()
     engine = None
     try:
         server.wait_for(lambda: engine_child(server.process.pid) is not None, timeout=60, what="the engine to start")
         engine = engine_child(server.process.pid)
         os.kill(engine, signal.SIGSTOP)
+        yield server, engine
+    finally:
+        if engine is not None and running(engine):
+            os.kill(engine, signal.SIGCONT)
+        server.stop()
+        if engine is not None and running(engine):
+            os.kill(engine, signal.SIGKILL)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL], ids=["SIGTERM", "SIGKILL"])
+def test_an_engine_whose_frontend_is_killed_while_it_loads_stops_by_itself(tmp_path, sig):
+    """Killed while its engine still starts (before the frontend handles signals), the frontend leaves its engine
+    behind: the engine must still find that it is gone and stop, not hold the model's memory for good. It is held
+    still (SIGSTOP) from its first moments until the frontend has exited, so it cannot have looked before."""
+    with engine_held_at_start(tmp_path) as (server, engine):
         server.process.send_signal(sig)
         server.process.wait(30)
         assert not any(re.search(r"engine process \d+ ready", line) for line in server.lines), server.output
         os.kill(engine, signal.SIGCONT)
         server.wait_for(lambda: not running(engine), timeout=120, what="the engine to exit")
-    finally:
-        server.stop()
-        if engine is not None and running(engine):
-            os.kill(engine, signal.SIGKILL)
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
@@ -231,12 +242,7 @@ def test_models_are_listed_only_once_the_engine_is_up(tmp_path):
     """Scripts written for vLLM wait for /v1/models to answer before they send work: while the engine starts,
     it answers 503 naming why (as /health and completions do), then lists the model with its context length.
     The engine is held still (SIGSTOP) until the HTTP server has answered."""
-    server = Server(http_config(), tmp_path).launch()
-    engine = None
-    try:
-        server.wait_for(lambda: engine_child(server.process.pid) is not None, timeout=60, what="the engine to start")
-        engine = engine_child(server.process.pid)
-        os.kill(engine, signal.SIGSTOP)
+    with engine_held_at_start(tmp_path) as (server, engine):
         server.wait_for(lambda: any("(503 until it is ready)" in line for line in server.lines), timeout=60,
                         what="the HTTP server")
         http = re.search(r"\(503 until it is ready\): (http\S+)", server.output).group(1)
@@ -248,10 +254,6 @@ def test_models_are_listed_only_once_the_engine_is_up(tmp_path):
                         what="the engine")
         (model,) = httpx.get(f"{http}/v1/models", timeout=5).json()["data"]
         assert model["max_model_len"] > 0 and model["id"]
-    finally:
-        if engine is not None and running(engine):
-            os.kill(engine, signal.SIGCONT)
-        server.stop()
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
