@@ -98,6 +98,7 @@ class RequestOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fals
 class SchedulerStats(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     """The scheduler's queues now, and what it has done since it started."""
 
+    # in a step's stats, the batch that step ran (its requests that ended included) while any request is left
     num_running: int = 0
     num_waiting: int = 0
     # the rest are cumulative

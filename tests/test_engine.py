@@ -109,6 +109,27 @@ def test_steps_report_which_request_holds_which_kv_blocks(llm_fp32, monkeypatch)
     assert steps[-1].kv_owners.request_ids == []
 
 
+def test_the_running_count_is_the_batch_a_step_ran_until_none_is_left(llm_fp32):
+    """A step's stats are read after its finished requests leave and before the next step admits: the running
+    count is still the batch the step ran (requests that each gave a token in it), not one fewer for each that
+    just ended (with requests ending every step, a full batch read as one short in every sample); after the last
+    request, 0."""
+    engine = llm_fp32.engine
+    lengths = [2, 4, 7]
+    requests = [EngineRequest(f"count-{n}", [300 + n, 17, 42, 9], SamplingParams(max_tokens=n, temperature=0,
+                                                                             ignore_eos=True)) for n in lengths]
+    for request in requests:
+        engine.add_request(request)
+    counts, gave = [], []
+    while engine.has_unfinished():
+        outputs, step = engine.step()
+        if step is not None:
+            counts.append(step.scheduler.num_running)
+            gave.append(len({o.request_id for o in outputs if o.new_token_ids}))
+    assert counts[-1] == 0
+    assert counts[:-1] == gave[:-1] and sorted(set(gave[:-1])) == [1, 2, 3]
+
+
 def test_shared_system_prompt_hits_the_prefix_cache(llm_fp32, tokenizer):
     system = "You are a meticulous assistant for a museum of natural history. " * 12
     conversations = [

@@ -311,6 +311,10 @@ class EngineCore:
         """The queues now, and what the step ran, how long each stage took and what it used of the devices."""
         batch = flight.batch
         stats = self.stats()
+        if self.scheduler.has_unfinished():
+            # the running batch is the one this step ran (with any admitted since): read after its finished
+            # requests left and before the next step admits, the queue alone is one short for each that ended
+            stats.scheduler.num_running = max(stats.scheduler.num_running, len(batch.requests))
         stats.num_prefill_tokens = batch.total_tokens - flight.num_decode
         stats.num_decode_tokens = flight.num_decode
         stats.num_decode_seqs = flight.num_decode
