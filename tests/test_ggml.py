@@ -11,6 +11,9 @@ import torch
 
 from conveyor import native
 from conveyor.model import ggml
+from conveyor.native import gemm_choice
+from conveyor.native.gemm_choice import amx_from, choose_amx_rows
+from conveyor.quant import FP8_TYPE_ID, NativeWeight
 from tests.kquants import quantize
 
 # the GGUF types (not Q4_X2, the kernels' own layout of two of them)
@@ -124,6 +127,67 @@ def test_a_row_gives_the_same_bits_alone_and_among_others(format, path):
     for rows in (3, 9, 20, 40):  # (tiles; the batched path from 8 rows, 16 with AVX2 alone, 32 with AMX)
         together = native.ggml_linear(x[:rows], packed.data, ggml.TYPE_IDS[packed.format], path=path)
         assert torch.equal(together, alone[:rows]), f"{format} {path}: {rows} rows"
+
+
+@pytest.fixture(autouse=True)
+def amx_from_32_rows():
+    """The kernel tests force each path; on the AMX one, its panels run from 32 rows, whatever a model loaded
+    earlier in this process chose (conveyor.native.gemm_choice)."""
+    if not native.load():
+        yield
+        return
+    before = native.amx_min_rows()
+    native.set_amx_min_rows(32)
+    yield
+    native.set_amx_min_rows(before)
+
+
+def test_amx_takes_over_from_the_fewest_rows_it_won_at_and_at_every_count_above():
+    assert amx_from({32: (1.0, 0.9), 64: (1.0, 1.1), 128: (1.0, 2.0), 256: (1.0, 2.0)}) == 64
+    assert amx_from({32: (0.5, 0.9), 64: (2.0, 1.1), 128: (1.0, 2.0)}) == 128  # (a loss in between: above it)
+    assert amx_from({64: (0.5, 0.9), 32: (0.5, 0.9)}) == 32  # (in any order)
+    assert amx_from({32: (0.5, 0.9), 64: (2.0, 1.1)}) is None  # (lost at the most rows)
+
+
+@pytest.mark.skipif(not kernel_paths(), reason="the C++ kernels do not build here")
+def test_the_rows_from_which_amx_runs_are_chosen_where_the_cpu_has_it():
+    """Timed against VNNI at load where the fastest path is AMX, and set (a count timed, or never); elsewhere, and
+    for weights AMX does not take (Q6_K, fp8), nothing is chosen and nothing changes."""
+    q6k, _ = packed_random("Q6_K", 64, 256, seed=1)
+    q4, _ = packed_random("Q4_0", 96, 128, seed=2)
+    fp8 = NativeWeight(torch.zeros(8, 32, dtype=torch.float8_e4m3fn), FP8_TYPE_ID, torch.ones(8))
+    assert choose_amx_rows([NativeWeight(q6k.data, ggml.TYPE_IDS["Q6_K"]), fp8]) is None
+    assert native.amx_min_rows() == 32
+    weights = [NativeWeight(q6k.data, ggml.TYPE_IDS["Q6_K"]), NativeWeight(q4.data, ggml.TYPE_IDS["Q4_0"])]
+    chosen = choose_amx_rows(weights)
+    if native.ggml_linear_path() == "amx":
+        assert chosen in (*gemm_choice.ROWS, gemm_choice.NEVER) and native.amx_min_rows() == chosen
+    else:
+        assert chosen is None and native.amx_min_rows() == 32
+
+
+@pytest.mark.skipif(not kernel_paths(), reason="the C++ kernels do not build here")
+def test_the_choice_times_both_paths_on_the_largest_weight_amx_takes(monkeypatch):
+    """The choice as it runs on an AMX CPU, on any CPU: the paths' names go to this CPU's best (the kernel checks
+    each call's shapes), and the largest weight of a type AMX takes is the one timed, by both paths at each
+    count of rows."""
+    small, _ = packed_random("Q4_0", 32, 128, seed=2)
+    large, _ = packed_random("Q8_0", 96, 256, seed=3)
+    q6k, _ = packed_random("Q6_K", 512, 256, seed=1)
+    calls = []
+    real, best = native.ggml_linear, kernel_paths()[-1]
+
+    def ggml_linear(x, weight, type_id, bias=None, path=None):
+        calls.append((weight.data_ptr(), x.shape[0], path))
+        return real(x, weight, type_id, bias, path=best)
+
+    monkeypatch.setattr(native, "ggml_linear_path", lambda: "amx")
+    monkeypatch.setattr(native, "ggml_linear", ggml_linear)
+    chosen = choose_amx_rows([NativeWeight(w.data, ggml.TYPE_IDS[w.format]) for w in (small, q6k, large)])
+    assert chosen in (*gemm_choice.ROWS, gemm_choice.NEVER) and native.amx_min_rows() == chosen
+    assert {ptr for ptr, _, _ in calls} == {large.data.data_ptr()}
+    timed = {(r, p) for r in gemm_choice.ROWS for p in ("amx", "avx512_vnni")}
+    assert {(rows, path) for _, rows, path in calls} == timed
 
 
 @pytest.mark.skipif(not kernel_paths(), reason="the C++ kernels do not build here")

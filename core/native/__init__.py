@@ -291,6 +291,16 @@ def ggml_linear(x: torch.Tensor, weight: torch.Tensor, type_id: int, bias: torch
     return out
 
 
+def amx_min_rows() -> int:
+    """The fewest rows a step needs for ``ggml_linear``'s AMX panels, where its path is "amx" (fewer: VNNI);
+    ``conveyor.native.gemm_choice`` sets it by timing both."""
+    return int(_ops().ggml_amx_min_rows())
+
+
+def set_amx_min_rows(rows: int) -> None:
+    _ops().ggml_set_amx_min_rows(rows)
+
+
 def fp8_upcast(weight: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """``weight`` (float8 e4m3 ``[N, K]``) times ``scale`` (float32 ``[N]``) in ``dtype``, bit for bit as torch
     computes ``weight.to(dtype) * scale[:, None].to(dtype)``, in one vectorized pass."""

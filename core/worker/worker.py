@@ -27,6 +27,7 @@ from conveyor.model.invariant import INVARIANT_ROWS
 from conveyor.model.llama import LlamaModel
 from conveyor.model.loader import DTYPES, load_model, model_len, open_model, resolve_device
 from conveyor.model.lora import Adapters
+from conveyor.native.gemm_choice import choose_amx_rows
 from conveyor.quant import QuantMethod
 from conveyor.registry import PluginRegistry
 from conveyor.worker.compiled import CompiledDecode, use_inductor_cache
@@ -125,6 +126,9 @@ class Worker:
                                   "mixture-of-experts layers, whose routing is not batch-invariant yet; allowed "
                                   "with this model: batch_invariant = false")
             self.model.fix_matmul_rows(INVARIANT_ROWS)
+        if self.device.type == "cpu":  # (where both batched packed-block products run: from how many rows AMX's)
+            choose_amx_rows(native for linear in self.model.layers[0].linears()
+                            if (native := linear.method.native_weight(linear.params)) is not None)
         lora = config.lora
         if lora.max_loras:  # (before the KV cache is sized: the slots take their memory now)
             self.adapters = Adapters(self.model, lora.max_loras, lora.max_lora_rank)

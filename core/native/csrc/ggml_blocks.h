@@ -384,5 +384,10 @@ template <typename T>
 bool run_gemm(const uint8_t* weight, Type t, int64_t M, int64_t N, int64_t K, QuantizedRows& x, const T* bias, T* out,
               Path path);
 
+// ggml_gemm.cpp: the fewest rows a step needs to take the AMX panels on the kAmx path (fewer: the VNNI panels or
+// the tiles). Chosen by timing both at load (conveyor.native.gemm_choice); 32 until then.
+int64_t amx_min_rows();
+void set_amx_min_rows(int64_t rows);
+
 }  // namespace ggml
 }  // namespace conveyor

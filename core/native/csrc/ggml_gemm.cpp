@@ -5,6 +5,15 @@
 
 namespace conveyor {
 namespace ggml {
+
+namespace {
+std::atomic<int64_t> g_amx_min_rows{32};
+}  // namespace
+
+int64_t amx_min_rows() { return g_amx_min_rows.load(std::memory_order_relaxed); }
+
+void set_amx_min_rows(int64_t rows) { g_amx_min_rows.store(std::max<int64_t>(1, rows), std::memory_order_relaxed); }
+
 namespace {
 
 #ifdef CONVEYOR_AVX2
@@ -18,9 +27,11 @@ namespace {
 constexpr int64_t kPanel = 32;     // output columns a panel holds
 // the fewest rows the batched path takes (below them the tiles, which unpack the weights again for every four
 // rows, measured faster: Zen 4, SmolLM2's layers, 8 rows 11.6 ms batched against 12.8 in tiles with VNNI; with
-// AVX2 alone 14.7 against 12.8 at 8 rows, 21.2 against 25 at 16); AMX from 32 rows (below them VPDPBUSD was the
-// faster: Xeon with AMX, one Q4_0 layer of 3072 x 576, 24 rows 187 us against 212, 32 rows 229 against 210)
-constexpr int64_t kGemmRows = 8, kGemmRowsAvx2 = 16, kGemmRowsAmx = 32;
+// AVX2 alone 14.7 against 12.8 at 8 rows, 21.2 against 25 at 16). AMX takes over from amx_min_rows(), measured
+// at load: 32 at first (below them VPDPBUSD was the faster: Xeon with AMX, one Q4_0 layer of 3072 x 576, 24 rows
+// 187 us against 212, 32 rows 229 against 210), but both panels since fetch ahead, and which wins by how much
+// varies with the CPU and the layer.
+constexpr int64_t kGemmRows = 8, kGemmRowsAvx2 = 16;
 
 // The scratch a panel takes, in floats: its bytes, then per sub-block (half) and column a scale and an offset.
 inline int64_t panel_floats(int64_t K) { return kPanel * K / 4 + 2 * 2 * (K / kSub) * kPanel; }
@@ -377,7 +388,7 @@ template <typename T>
 bool run_gemm(const uint8_t* weight, Type t, int64_t M, int64_t N, int64_t K, QuantizedRows& x, const T* bias, T* out,
               Path path) {
 #ifdef CONVEYOR_AMX_INT8
-  if (M >= kGemmRowsAmx && path == kAmx && amx_type(t)) {
+  if (path == kAmx && M >= amx_min_rows() && amx_type(t)) {
     run_amx_panels<T>(weight, t, M, N, K, x, bias, out);
     return true;
   }

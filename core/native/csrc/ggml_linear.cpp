@@ -19,10 +19,11 @@
 // at once (their AVX2 path runs on any x86-64 CPU of the last decade). Steps of more rows (batched decodes,
 // prompt chunks) take a GEMM: a thread unpacks a panel of 32 output columns once into its cache and multiplies
 // every row with it, with VPDPBUSD where the CPU has AVX-512 VNNI (AMD Zen 4, Intel since Ice Lake), else
-// VPMADDUBSW; from 32 rows with AMX-INT8 tiles where the CPU has them (Intel since Sapphire Rapids). Weights
-// unpacked to bfloat16 in registers (AVX-512 BF16) were the other choice, decided by count rather than by a
-// second kernel: VPDPBF16PS does 32 multiply-adds an instruction against VPDPBUSD's 64, with the
-// same unpacking, and the kernel is bound by its instructions, not by the bytes it reads.
+// VPMADDUBSW; with AMX-INT8 tiles where the CPU has them (Intel since Sapphire Rapids), from the rows at which
+// they timed faster at load (conveyor.native.gemm_choice). Weights unpacked to bfloat16 in registers (AVX-512
+// BF16) were the other choice, decided by count rather than by a second kernel: VPDPBF16PS does 32 multiply-adds
+// an instruction against VPDPBUSD's 64, with the same unpacking, and the kernel is bound by its instructions, not
+// by the bytes it reads.
 //
 // Threads take output columns from a shared counter, so a thread on a core that another process also wants
 // does less of the work rather than holding the step back (a static split waits for its slowest share). A
@@ -391,6 +392,8 @@ void ggml_linear_into(const at::Tensor& x, const at::Tensor& weight, int64_t typ
 
 TORCH_LIBRARY_FRAGMENT(conveyor_cpu, m) {
   m.def("ggml_linear_path() -> str", &conveyor::ggml_linear_path);
+  m.def("ggml_amx_min_rows() -> int", &conveyor::ggml::amx_min_rows);
+  m.def("ggml_set_amx_min_rows(int rows) -> ()", &conveyor::ggml::set_amx_min_rows);
   m.def("ggml_linear(Tensor x, Tensor weight, int type, Tensor? bias, Tensor(a!) out, str path) -> ()");
 }
 
