@@ -16,7 +16,7 @@ from conveyor.bench.planner import Candidate, Planner, Slo, format_plan, parse_s
 from conveyor.bench.simulator import MODELS, SimRequest, simulate
 from conveyor.bench.stats import summarize
 from conveyor.config import load_config
-from conveyor.perf.peaks import gpu_peaks
+from conveyor.perf.peaks import DevicePeaks, gpu_peaks
 
 SLOS = "ttft_p99=400ms,itl_p99=40ms"
 # a small search: two budgets and two batch sizes, block sizes 16 and 32
@@ -82,6 +82,33 @@ def test_the_search_covers_the_grid_and_ranks_by_capacity(plan):
         (tp, q, kv) for tp in (1, 2) for q in ("none", "int8", "fp8") for kv in ("auto", "fp8")}
     assert {k.get("scheduler.max_num_batched_tokens") for k in keys} == {None, 512, 4096}
     assert {k.get("kvcache.block_size") for k in keys} == {None, 16, 32}
+
+
+def test_on_a_cpu_each_weight_format_and_kv_dtype_is_calibrated_by_its_own_run(monkeypatch):
+    """A CPU's step cost is fitted to a real run of the config, whose weight format and KV dtype decide how fast
+    its kernels go: each (format, KV dtype) of the search gets a calibration of its own, used for its candidates
+    only, and ``auto`` (the checkpoint's own format: the default model's packed GGUF blocks) is among them; never
+    one calibration standing for all of them."""
+    from conveyor.bench import planner as planner_module
+
+    speed = {"auto": 4.0, "int8": 2.0, "none": 1.0}  # (how fast each format's fake calibration says it runs)
+    calibrated = []
+
+    def fake_calibration(hardware, config, spec, interconnect=None):
+        assert hardware == "cpu"
+        calibrated.append((config.quant.plugin, config.kvcache.options.dtype))
+        cost = CostModel(0.002, 0.0, 2e-9 / speed[config.quant.plugin], weight_bytes=10**8)
+        return DevicePeaks("a CPU", {"float32": 1e11}, 3e10, "fake"), cost
+
+    monkeypatch.setattr(planner_module, "hardware_costs", fake_calibration)
+    requests, arrivals = workload(16, seed=2)
+    grid = {"tp": (1,), "kv": ("auto", "fp8"), "seqs": (32,), "tokens": (512,), "block": (16,)}
+    planner = Planner(None, {}, MODELS["smollm2-135m"], "cpu", requests, arrivals, parse_slos("itl_p99=1s"))
+    candidates = planner.rounds(grid=grid)
+    assert sorted(calibrated) == sorted((q, kv) for q in speed for kv in ("auto", "fp8"))  # (fp8 weights: GPUs)
+    assert candidates[0].keys["quant.plugin"] == "auto"
+    by_format = {q: max(c.capacity for c in candidates if c.keys["quant.plugin"] == q) for q in speed}
+    assert by_format["auto"] > by_format["int8"] > by_format["none"] > 0
 
 
 def test_a_tighter_slo_carries_no_more_and_an_impossible_one_nothing():

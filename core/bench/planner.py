@@ -13,7 +13,9 @@ times.
 The search runs in rounds (the whole grid would take hours):
 
 1. ``parallel.tensor_parallel_size`` x ``quant.plugin`` x ``kvcache.dtype``,
-   at the config's scheduler;
+   at the config's scheduler (on ``--hardware cpu`` each weight format and
+   KV dtype calibrated by a real run of its own, ``auto`` too: the
+   checkpoint's own format, a GGUF's blocks kept packed);
 2. the best ``KEEP`` of round 1 x ``scheduler.max_num_seqs`` x
    ``scheduler.max_num_batched_tokens``;
 3. the best ``KEEP`` so far with the other ``kvcache.block_size``.
@@ -50,8 +52,9 @@ from conveyor.config import Config, ConfigError, load_config
 KEEP = 2
 # bisection steps between 0 and the all-at-once rate (the capacity is found within 1/2^STEPS of that rate)
 BISECT_STEPS = 6
-# the values tried, by the keys' short names (fp8 weights only on a GPU with fp8 matmuls)
-GRID: dict[str, Sequence[Any]] = {"tp": (1, 2, 4, 8), "quant": ("none", "int8", "fp8"), "kv": ("auto", "fp8"),
+# the values tried, by the keys' short names (fp8 weights only on a GPU with fp8 matmuls; auto, the checkpoint's
+# own format, only on a CPU, whose calibration runs the checkpoint: the datasheet knows formats by name)
+GRID: dict[str, Sequence[Any]] = {"tp": (1, 2, 4, 8), "quant": ("auto", "none", "int8", "fp8"), "kv": ("auto", "fp8"),
                                   "seqs": (32, 64, 128, 256), "tokens": (512, 2048, 8192), "block": (16, 32)}
 # the keys searched, as progress lines name them
 SHORT = {"parallel.tensor_parallel_size": "tp", "parallel.data_parallel_size": "dp", "quant.plugin": "quant",
@@ -132,14 +135,16 @@ class Planner:
         self.interconnect = interconnect
         self.requests, self.arrivals, self.slos, self.gpus = list(requests), list(arrivals), list(slos), gpus
         self.progress = progress or (lambda line: None)
-        self._costs: dict[tuple[int, str], Any] = {}
+        self._costs: dict[tuple, Any] = {}
 
     def config(self, keys: dict[str, Any]) -> Config:
         return load_config(self.config_file, {**self.overrides, **keys})
 
     def _hardware(self, config: Config):
-        key = (config.parallel.tensor_parallel_size, config.model.dtype)
-        if key not in self._costs:  # (a CPU calibrates once)
+        key: tuple = (config.parallel.tensor_parallel_size, config.model.dtype)
+        if self.hardware == "cpu":  # (a run of each weight format and KV dtype: their kernels are what it measures)
+            key += (config.quant.plugin, getattr(config.kvcache.options, "dtype", None))
+        if key not in self._costs:
             self._costs[key] = hardware_costs(self.hardware, config, self.spec, self.interconnect)
         return self._costs[key]
 
@@ -192,7 +197,8 @@ class Planner:
         tps = [t for t in values["tp"] if t <= self.gpus and self.gpus % t == 0 and self.spec.num_heads % t == 0
                and self.spec.num_kv_heads % t == 0]
         peaks, _ = self._hardware(base) if self.hardware != "cpu" else (None, None)
-        quants = [q for q in values["quant"] if q != "fp8" or (peaks is not None and peaks.flops_for("fp8"))]
+        quants = [q for q in values["quant"] if (q != "fp8" or (peaks is not None and peaks.flops_for("fp8")))
+                  and (q != "auto" or self.hardware == "cpu")]
         paged = base.kvcache.plugin == "paged"
         seen: dict[str, Candidate] = {}
 

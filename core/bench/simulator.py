@@ -300,7 +300,9 @@ def hardware_costs(hardware: str, config: Config, spec: ModelSpec,
         if interconnect is not None:
             raise ValueError("--interconnect applies to GPUs (--hardware); this CPU's workers are calibrated")
         peaks = cpu_peaks(paths.cache_root())
-        print("calibrating on this machine: a short real run of the config's model ...", flush=True)
+        kv = getattr(config.kvcache.options, "dtype", "auto")
+        print(f"calibrating on this machine: a short real run of the config's model (quant {config.quant.plugin}, "
+              f"KV {kv}) ...", flush=True)
         return peaks, calibrate(*measure_steps(config))
     peaks = gpu_peaks(hardware)
     if peaks is None:
