@@ -2,7 +2,8 @@
 
 The engine's ``SentRequests`` remembers what every worker holds of each request it scheduled: its
 sampling parameters, its block table, and, under a repetition, presence or frequency penalty, its
-prompt and the outputs sent so far. A step's ``ScheduledRequest`` then carries the parameters only
+prompt and the outputs sent so far. (Under min_tokens a step also carries the tokens it may not sample yet,
+as long as they apply; nothing is kept of them.) A step's ``ScheduledRequest`` then carries the parameters only
 the first time, the table from the first entry that changed (``block_offset``: a table grows at its
 end, and a preempted request's new table usually shares little), and only the new outputs. A
 worker's ``HeldRequests`` applies the step to what it holds and fills each entry in place, so that
@@ -46,7 +47,12 @@ class SentRequests:
 
     def fill(self, entry: ScheduledRequest, request: Request, table: list[int], penalties: bool) -> None:
         """Put into ``entry`` what the workers lack of ``request``: its parameters if they do not hold it, its
-        table from the first block that changed, and, with ``penalties``, its prompt once and its new outputs."""
+        table from the first block that changed, with ``penalties`` its prompt once and its new outputs, and,
+        while its output is short of min_tokens, the tokens the step may not sample yet (they change from
+        step to step and are not held: the engine knows the outputs, a worker only those it sampled)."""
+        if entry.sample and request.params.min_tokens:
+            # (a ``follows`` entry samples after the token of the step in flight, which the engine has not seen)
+            entry.banned_token_ids, entry.min_tokens_left = request.min_tokens_ban(int(entry.follows))
         sent = self._sent.get(request.request_id)
         if sent is None:
             entry.params = request.params

@@ -175,6 +175,8 @@ class LLM:
         if len(lora) != len(prompts):
             raise ValueError(f"got {len(lora)} adapters for {len(prompts)} prompts")
         prompt_ids = [self.encode(p) for p in prompts]
+        for p in params:
+            p.check_vocabulary(self.tokenizer.vocab_size)  # (a logit_bias id past the vocabulary: ValueError)
         try:
             adapters = [self.frontend.adapter(name) for name in lora]
         except RequestError as e:

@@ -270,6 +270,11 @@ class ScheduledRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=F
     # async scheduling: its one input token (token_ids is [-1]) is the one the worker sampled for it in the step
     # before, which the engine has not seen yet
     follows: bool = False
+    # params.min_tokens, sent each step while the output is short of it: the tokens that may not come yet (the
+    # end-of-sequence and stop ids), and how many tokens must come before they may (with drafts, a step samples
+    # several: only its first ones are held back)
+    banned_token_ids: list[int] = []
+    min_tokens_left: int = 0
 
 
 class StepInput(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):

@@ -193,13 +193,25 @@ class Request:
     def all_token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
 
+    def min_tokens_ban(self, num_ahead: int) -> tuple[list[int], int]:
+        """Under ``params.min_tokens``: the tokens the sampler may not draw yet (end-of-sequence and stop ids)
+        and how many tokens must come first, for a step that samples after ``num_ahead`` tokens the engine has
+        not recorded yet (async scheduling: the one its step in flight samples). ``([], 0)`` once they may, and
+        under structured output (its grammar says where the output ends: banning that end could leave it no
+        token to draw)."""
+        left = self.params.min_tokens - self.num_output_tokens - num_ahead
+        if left <= 0 or self.params.structured is not None:
+            return [], 0
+        banned = sorted(self.eos_token_ids.union(self.params.stop_token_ids))
+        return banned, left if banned else 0
+
     def append_token(self, token_id: int) -> FinishReason | None:
-        """Add a sampled token; return why the request ends now, if it does."""
+        """Add a sampled token; return why the request ends now, if it does. End-of-sequence and stop tokens end
+        it only from ``params.min_tokens`` on (the sampler does not draw them before; a token a grammar forces
+        may still be one)."""
         self.output_token_ids.append(token_id)
-        num_output = len(self.output_token_ids)
-        if token_id in self.params.stop_token_ids:
-            return FinishReason.STOP
-        if token_id in self.eos_token_ids and num_output >= self.params.min_tokens:
+        ends = token_id in self.params.stop_token_ids or token_id in self.eos_token_ids
+        if ends and len(self.output_token_ids) >= self.params.min_tokens:
             return FinishReason.STOP
         if self.num_tokens >= self.max_total_tokens:
             return FinishReason.LENGTH

@@ -12,6 +12,9 @@ MAX_STOP_TOKEN_IDS = 64
 MAX_CHOICES = 256
 # presence and frequency penalties lie in [-MAX_PENALTY, MAX_PENALTY] (OpenAI's range)
 MAX_PENALTY = 2.0
+# logit_bias: biases lie in [-MAX_LOGIT_BIAS, MAX_LOGIT_BIAS] (OpenAI's range), for at most this many tokens
+MAX_LOGIT_BIAS = 100.0
+MAX_LOGIT_BIAS_TOKENS = 1024
 # SamplingParams.pooling: "" generates tokens
 POOLING = ("", "last", "mean")
 
@@ -63,13 +66,18 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, forbid_unknown_fields=T
     presence_penalty: float = 0.0
     # subtracted once per earlier occurrence in the output
     frequency_penalty: float = 0.0
+    # token id -> a bias added to its logit before sampling (OpenAI's logit_bias: -100 all but bans it, +100 all
+    # but forces it); logprobs stay the model's
+    logit_bias: dict[int, float] = msgspec.field(default_factory=dict)
     # generation ends before any of these strings (not included in the text)
     stop: str | list[str] = msgspec.field(default_factory=list)
     # generation ends after any of these tokens
     stop_token_ids: list[int] = msgspec.field(default_factory=list)
+    # the text ends with the stop string (or stop token) that ended it, rather than before it
+    include_stop_str_in_output: bool = False
     # keep going past the end-of-sequence token
     ignore_eos: bool = False
-    # end-of-sequence is not honored before this many tokens
+    # neither end-of-sequence nor a stop token comes before this many tokens (the sampler masks them)
     min_tokens: int = 0
     # return the chosen token's logprob and this many most likely alternatives
     logprobs: int | None = None
@@ -115,6 +123,33 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, forbid_unknown_fields=T
         _check(all(t >= 0 for t in self.stop_token_ids), "stop_token_ids must be >= 0")
         _check(len(self.stop_token_ids) <= MAX_STOP_TOKEN_IDS,
                f"stop_token_ids has {len(self.stop_token_ids)} ids; at most {MAX_STOP_TOKEN_IDS} are allowed")
+        self._check_logit_bias()
+
+    def _check_logit_bias(self) -> None:
+        """Token ids (OpenAI's JSON gives them as strings) become ints; each id and bias is checked."""
+        if not self.logit_bias:
+            return
+        _check(len(self.logit_bias) <= MAX_LOGIT_BIAS_TOKENS,
+               f"logit_bias has {len(self.logit_bias)} tokens; at most {MAX_LOGIT_BIAS_TOKENS} are allowed")
+        biases = {}
+        for token, bias in self.logit_bias.items():
+            token_id = _token_id(token)
+            _check(token_id is not None, f"logit_bias has the key {token!r}; keys must be token ids")
+            _check(token_id >= 0, f"logit_bias has the token id {token_id}; token ids must be >= 0")
+            # (ids travel to the engine as 64-bit msgpack ints)
+            _check(token_id < 2**63, f"logit_bias has the token id {token_id}, which is outside any vocabulary")
+            _check(isinstance(bias, (int, float)) and -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS,
+                   f"logit_bias has the bias {bias!r} for token {token_id}; biases must be in "
+                   f"[-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}]")
+            biases[token_id] = float(bias)
+        self.logit_bias = biases
+
+    def check_vocabulary(self, vocab_size: int) -> None:
+        """Raise ValueError naming a ``logit_bias`` token id outside ``0..vocab_size - 1`` (the frontend checks
+        what SamplingParams alone cannot know)."""
+        for token_id in self.logit_bias:
+            _check(token_id < vocab_size,
+                   f"logit_bias has the token id {token_id}, which is outside the vocabulary (0..{vocab_size - 1})")
 
     @property
     def greedy(self) -> bool:
@@ -123,6 +158,13 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, forbid_unknown_fields=T
     @property
     def has_penalties(self) -> bool:
         return self.repetition_penalty != 1 or self.presence_penalty != 0 or self.frequency_penalty != 0
+
+
+def _token_id(key: object) -> int | None:
+    """A logit_bias key as a token id: an int, or a string of one; None for anything else."""
+    if isinstance(key, str) and key.strip().lstrip("-").isdigit():
+        return int(key)
+    return key if isinstance(key, int) and not isinstance(key, bool) else None
 
 
 def _check(ok: bool, message: str) -> None:

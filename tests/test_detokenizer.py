@@ -85,3 +85,41 @@ def test_the_stop_string_that_ended_the_text_is_named(tokenizer, text, stops):
         return
     assert stream.matched in stops and full.startswith(shown + stream.matched)
     assert not any(s in shown for s in stops)
+
+
+@settings(max_examples=60, deadline=None)
+@given(text=st.text(alphabet="ab c.", min_size=1, max_size=30), stop=st.text(alphabet="ab c.", min_size=1, max_size=3),
+       min_tokens=st.integers(0, 6))
+def test_stop_strings_count_from_the_min_tokens_th_token_on(tokenizer, text, stop, min_tokens):
+    """As vLLM: before min_tokens tokens no stop string ends the text, and one that begins in the text of the
+    tokens before the min_tokens-th does not either."""
+    ids = tokenizer.encode(text)
+    full = tokenizer.decode(ids)
+    before = len(tokenizer.decode(ids[: max(0, min_tokens - 1)]))
+    stream = TextStream(tokenizer, SamplingParams(stop=[stop], min_tokens=min_tokens))
+    shown = "".join(stream.add([t]) for t in ids) + stream.add([], final=True)
+    at = full.find(stop, before)
+    assert shown == (full[:at] if at >= 0 else full)
+    assert stream.stopped == (at >= 0)
+
+
+@settings(max_examples=60, deadline=None)
+@given(text=st.text(alphabet="ab c.", min_size=1, max_size=30), stop=st.text(alphabet="ab c.", min_size=1, max_size=3))
+def test_include_stop_str_in_output_ends_the_text_after_the_stop(tokenizer, text, stop):
+    ids = tokenizer.encode(text)
+    full = tokenizer.decode(ids)
+    stream = TextStream(tokenizer, SamplingParams(stop=[stop], include_stop_str_in_output=True))
+    shown = "".join(stream.add([t]) for t in ids) + stream.add([], final=True)
+    assert shown == (full[: full.index(stop) + len(stop)] if stop in full else full)
+
+
+@pytest.mark.parametrize("include", [False, True])
+def test_a_stop_token_that_ends_the_request_is_not_text(tokenizer, include):
+    """As vLLM: the text of the stop_token_ids token the engine ended the request on is left out (kept with
+    include_stop_str_in_output); the same token earlier, where it ended nothing, is text."""
+    ids = tokenizer.encode("One. Two. Three.")
+    dot = tokenizer.encode(".")[0]
+    assert ids.count(dot) == 3 and ids[-1] == dot
+    stream = TextStream(tokenizer, SamplingParams(stop_token_ids=[dot], include_stop_str_in_output=include))
+    shown = "".join(stream.add([t]) for t in ids[:-1]) + stream.add(ids[-1:], final=True)
+    assert shown == ("One. Two. Three." if include else "One. Two. Three")

@@ -287,6 +287,50 @@ def test_stop_string_cuts_the_text(client, model):
 
 
 
+def test_a_stop_string_completed_by_the_last_token_allowed_is_a_stop(client, model):
+    """The stop string ends the text on the last token max_tokens allows: the finish is "stop" (the stop matched
+    and cut the text), not "length", streamed or not, chat and completions."""
+    chat = {"model": model, "messages": user("Who painted the Mona Lisa?"), "temperature": 0, "max_tokens": 4,
+            "extra_body": {"ignore_eos": True}}
+    completion = {"model": model, "prompt": "The Mona Lisa was painted by", "temperature": 0, "max_tokens": 4,
+                  "extra_body": {"ignore_eos": True}}
+    for create, kwargs, text_of in ((client.chat.completions.create, chat, lambda c: c.message.content),
+                                    (client.completions.create, completion, lambda c: c.text)):
+        whole = create(**kwargs).choices[0]
+        full = text_of(whole)
+        assert whole.finish_reason == "length"
+        # the shortest tail of the text found nowhere earlier in it: it ends only on the last token
+        stop = next(full[-n:] for n in range(1, len(full) + 1) if full.find(full[-n:]) == len(full) - n)
+        cut = create(**kwargs, stop=[stop]).choices[0]
+        assert (text_of(cut), cut.finish_reason) == (full[: -len(stop)], "stop")
+        streamed = [c for chunk in create(**kwargs, stop=[stop], stream=True) for c in chunk.choices]
+        assert [c.finish_reason for c in streamed if c.finish_reason] == ["stop"]
+
+
+def test_a_field_sent_as_null_takes_its_default(client, model):
+    """OpenAI's SDK sends None as null, and OpenAI's server and vLLM's read a null field as one left out."""
+    kwargs = {"model": model, "messages": user("Say hello."), "temperature": 0, "max_tokens": 3}
+    # (each compared with a request run as it is, from the prefix cache: a prompt computed whole may tip a near tie)
+    client.chat.completions.create(**kwargs)
+    expected = client.chat.completions.create(**kwargs).choices[0].message.content
+    nulls = {"n": None, "presence_penalty": None, "frequency_penalty": None, "logprobs": None, "stream": None,
+             "top_p": None, "seed": None, "stop": None}
+    response = client.chat.completions.create(**kwargs, **nulls)
+    assert [c.message.content for c in response.choices] == [expected]
+    client.completions.create(model=model, prompt="Hello", max_tokens=3, temperature=0)
+    text = client.completions.create(model=model, prompt="Hello", max_tokens=3, temperature=0).choices[0].text
+    again = client.completions.create(model=model, prompt="Hello", max_tokens=3, temperature=0, n=None, echo=None,
+                                      stream=None, presence_penalty=None, frequency_penalty=None, logprobs=None)
+    assert again.choices[0].text == text
+
+
+def test_continue_final_message_needs_the_assistant_last_and_no_generation_prompt(client, model):
+    for extra, messages in (({"continue_final_message": True}, user("Hi") + [{"role": "assistant", "content": "Hel"}]),
+                            ({"continue_final_message": True, "add_generation_prompt": False}, user("Hi"))):
+        with pytest.raises(openai.BadRequestError, match="continue_final_message"):
+            client.chat.completions.create(model=model, messages=messages, max_tokens=2, extra_body=extra)
+
+
 def test_client_leaving_a_stream_aborts_the_request(server, client, model):
     wait_until_idle(server)
     aborted, engine_aborted = server.num_finished("abort"), server.engine_aborts()

@@ -50,9 +50,11 @@ def test_a_text_reply_is_the_chat_completion_of_the_same_conversation(client, op
     assert reply.stop_reason == {"length": "max_tokens", "stop": "end_turn"}[expected.choices[0].finish_reason]
     assert reply.stop_reason == "max_tokens" and reply.usage.output_tokens == 24
     rendered = hf_tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-    assert reply.usage.input_tokens == len(getattr(rendered, "input_ids", rendered))
+    # (Anthropic's count: the prompt is the tokens computed plus those read from the cache)
+    prompt = reply.usage.input_tokens + reply.usage.cache_read_input_tokens
+    assert prompt == len(getattr(rendered, "input_ids", rendered))
     counted = client.messages.count_tokens(model=model, system=system, messages=[{"role": "user", "content": QUESTION}])
-    assert counted.input_tokens == reply.usage.input_tokens
+    assert counted.input_tokens == prompt
 
 
 def test_a_stop_sequence_ends_the_reply_and_is_named(client, openai_client, model):
@@ -63,6 +65,39 @@ def test_a_stop_sequence_ends_the_reply_and_is_named(client, openai_client, mode
                                    messages=[{"role": "user", "content": QUESTION}])
     assert reply.stop_reason == "stop_sequence" and reply.stop_sequence == stop
     assert reply.content[0].text == whole[:whole.index(stop)]
+
+
+def test_cached_prompt_tokens_are_not_counted_twice(client, model):
+    """Anthropic's usage: input_tokens + cache_read_input_tokens is the prompt. A prompt sent again is read from
+    the prefix cache, and the streamed reply ends with the same usage as the one unstreamed (message_start goes
+    out before the cache is looked up: message_delta carries the whole usage)."""
+    request = {"model": model, "max_tokens": 4, **GREEDY,
+               "messages": [{"role": "user", "content": QUESTION + " Answer in French, please."}]}
+    first, again = client.messages.create(**request), client.messages.create(**request)
+    total = first.usage.input_tokens + first.usage.cache_read_input_tokens
+    assert again.usage.cache_read_input_tokens > 0
+    assert again.usage.input_tokens == total - again.usage.cache_read_input_tokens
+    with client.messages.stream(**request) as stream:
+        streamed = stream.get_final_message()
+    assert streamed.usage.input_tokens + streamed.usage.cache_read_input_tokens == total
+    assert streamed.usage.cache_read_input_tokens == again.usage.cache_read_input_tokens
+
+
+def test_a_final_assistant_message_is_continued(client, openai_client, model, hf_tokenizer):
+    """Anthropic's prefill: a conversation that ends with the assistant's words has the model go on with them
+    (the template's end-of-turn cut, no new turn opened): its prompt is transformers' rendering with
+    continue_final_message, and the reply is the continuation chat completions give with vLLM's
+    continue_final_message."""
+    start = "The capital of France is"
+    messages = [{"role": "user", "content": "What is the capital of France?"}, {"role": "assistant", "content": start}]
+    reply = client.messages.create(model=model, max_tokens=6, **GREEDY, messages=messages)
+    rendered = hf_tokenizer.apply_chat_template(messages, continue_final_message=True, tokenize=True)
+    assert reply.usage.input_tokens + reply.usage.cache_read_input_tokens == len(getattr(rendered, "input_ids",
+                                                                                          rendered))
+    expected = chat(openai_client, model, messages, max_tokens=6,
+                    extra_body={"continue_final_message": True, "add_generation_prompt": False})
+    assert reply.content[0].text == expected.choices[0].message.content
+    assert expected.usage.prompt_tokens == reply.usage.input_tokens + reply.usage.cache_read_input_tokens
 
 
 def test_a_tool_use_round_trip(client, openai_client, model):
@@ -88,7 +123,7 @@ def test_a_tool_use_round_trip(client, openai_client, model):
                     tools=[tool], max_tokens=8)
     text = "".join(block.text for block in second.content if block.type == "text")
     assert text == (expected.choices[0].message.content or "")
-    assert second.usage.input_tokens == expected.usage.prompt_tokens
+    assert second.usage.input_tokens + second.usage.cache_read_input_tokens == expected.usage.prompt_tokens
 
 
 def test_a_stream_is_anthropics_event_sequence_and_the_same_reply(client, model):

@@ -154,6 +154,23 @@ def test_family_chat_templates_render_as_transformers_renders_them(tokenizer, fa
     assert ours.apply_chat_template(CONVERSATION, add_generation_prompt) == rendered[0]
 
 
+@pytest.mark.parametrize("family", list(FAMILY_TEMPLATES))
+@pytest.mark.parametrize("start", ["The answer is", "The answer is ", "  4"])
+def test_a_continued_final_message_renders_as_transformers_renders_it(tokenizer, family, start):
+    """continue_final_message: the last (assistant) message left open for the model to go on with, its spaces as
+    the template kept them."""
+    from transformers.utils.chat_template_utils import render_jinja_template
+
+    template = FAMILY_TEMPLATES[family]
+    ours = Tokenizer(tokenizer.hf, {"chat_template": template, "bos_token_id": 1, "eos_token_id": 2})
+    conversation = [{"role": "user", "content": "What is 2 + 2?"}, {"role": "assistant", "content": start}]
+    rendered, _ = render_jinja_template(
+        [conversation], chat_template=template, continue_final_message=True, add_generation_prompt=False,
+        bos_token=tokenizer.hf.id_to_token(1), eos_token=tokenizer.hf.id_to_token(2),
+    )
+    assert ours.apply_chat_template(conversation, False, continue_final_message=True) == rendered[0]
+
+
 def test_a_template_that_refuses_the_conversation_says_why(tokenizer):
     gemma = Tokenizer(tokenizer.hf, {"chat_template": FAMILY_TEMPLATES["gemma"]})
     with pytest.raises(ChatTemplateError, match="roles must alternate"):
@@ -175,3 +192,26 @@ def test_a_model_directory_without_its_files_is_a_config_error_naming_the_key(tm
         load_tokenizer(ModelConfig(path=str(tmp_path)), "mine.toml")
     with pytest.raises(ConfigError, match=r"^mine.toml: \[model\] tokenizer = 'nowhere': no tokenizer.json there"):
         load_tokenizer(ModelConfig(path=str(tmp_path), tokenizer="nowhere"), "mine.toml")
+
+
+def test_token_bytes_rebuild_characters_that_tokens_split(tokenizer):
+    """OpenAI logprobs' ``bytes``: joined over a reply's tokens they are its UTF-8, also where a token ends inside
+    a character (its text then shows U+FFFD): SmolLM2's byte-level BPE, and a SentencePiece vocabulary that falls
+    back to byte tokens for characters it lacks."""
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers import decoders, models, pre_tokenizers
+
+    ids = tokenizer.encode(MULTILINGUAL)
+    assert any("\ufffd" in tokenizer.token_text(i) for i in ids)
+    assert b"".join(tokenizer.token_bytes(i) for i in ids) == MULTILINGUAL.encode()
+    vocab = {"<unk>": 0, **{f"<0x{b:02X}>": 1 + b for b in range(256)}}
+    vocab |= {c: len(vocab) + i for i, c in enumerate(["\u2581", *map(chr, range(33, 127))])}
+    spm = HFTokenizer(models.BPE(vocab, [], unk_token="<unk>", byte_fallback=True))
+    spm.pre_tokenizer = pre_tokenizers.Metaspace()
+    spm.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                     decoders.Strip(" ", 1, 0)])
+    ours = Tokenizer(spm, {})
+    text = "naïve café 日本 👍🏽 ok"
+    ids = ours.encode(text)
+    assert ours.decode(ids) == text and any(spm.id_to_token(i).startswith("<0x") for i in ids)
+    assert b"".join(ours.token_bytes(i) for i in ids) == b" " + text.encode()  # (Metaspace's leading space)

@@ -188,6 +188,49 @@ class Tokenizer:
         """The text of one token (as OpenAI logprobs show it)."""
         return self.hf.decode([token_id], skip_special_tokens=False)
 
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes one token stands for (OpenAI logprobs' ``bytes``, from which a client rebuilds characters
+        split across tokens: such a token's text shows U+FFFD, its bytes part of the character's UTF-8)."""
+        token = self.hf.id_to_token(token_id)
+        if token is not None and token_id not in self._added_ids:
+            chars = self._byte_level_chars
+            if chars is not None and all(c in chars for c in token):
+                return bytes(chars[c] for c in token)
+            # (SentencePiece's byte fallback)
+            if len(token) == 6 and token.startswith("<0x") and token.endswith(">"):
+                try:
+                    return bytes([int(token[3:5], 16)])
+                except ValueError:
+                    pass
+            if self._spaces_as_metaspace:  # (decoding the token alone would drop a leading space)
+                return token.replace("\u2581", " ").encode()
+        return self.token_text(token_id).encode()
+
+    @cached_property
+    def _decoder_kinds(self) -> set[str]:
+        decoder = json.loads(self.hf.to_str()).get("decoder") or {}
+        return {decoder.get("type"), *(d.get("type") for d in decoder.get("decoders") or [])}
+
+    @cached_property
+    def _spaces_as_metaspace(self) -> bool:
+        """Whether the vocabulary writes spaces as U+2581 (SentencePiece's)."""
+        return "Metaspace" in self._decoder_kinds or "Replace" in self._decoder_kinds
+
+    @cached_property
+    def _added_ids(self) -> frozenset[int]:
+        return frozenset(self.hf.get_added_tokens_decoder())
+
+    @cached_property
+    def _byte_level_chars(self) -> dict[str, int] | None:
+        """For a byte-level BPE (GPT-2's scheme, decoded by a ByteLevel decoder): the character each byte is
+        written as in the vocabulary (printable bytes as themselves, the others as characters from U+0100 on, in
+        byte order), mapped back to the byte. None for other tokenizers."""
+        if "ByteLevel" not in self._decoder_kinds:
+            return None
+        printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+        others = [b for b in range(256) if b not in printable]
+        return {chr(b): b for b in printable} | {chr(256 + i): b for i, b in enumerate(others)}
+
     @cached_property
     def _template(self):
         if not self.chat_template:
@@ -205,13 +248,16 @@ class Tokenizer:
         return env.from_string(self.chat_template)
 
     def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
-                            **context: Any) -> str:
+                            continue_final_message: bool = False, **context: Any) -> str:
         """Render a conversation to the prompt text the model was trained on (``context``: more variables the
-        template may read, e.g. ``tools``).
+        template may read, e.g. ``tools``). ``continue_final_message``: the last message (the assistant's
+        start of a reply) stays open, its end-of-turn markup cut, so that the model goes on with it.
 
         Raises:
             ChatTemplateError: no template, malformed messages, or the template refused them.
         """
+        if continue_final_message:
+            return self._continued(messages, context)
         if self._template is None:
             raise ChatTemplateError("this model has no chat template; send a plain prompt instead")
         if not isinstance(messages, list) or not messages:
@@ -228,6 +274,22 @@ class Tokenizer:
             )
         except TemplateError as e:
             raise ChatTemplateError(f"chat template: {e}") from None
+
+    def _continued(self, messages: list[dict[str, Any]], context: dict[str, Any]) -> str:
+        """The conversation rendered without a generation prompt and cut after its last message's text (as
+        transformers' ``continue_final_message`` does: the text as the template wrote it, spaces at its end
+        included where the template kept them)."""
+        rendered = self.apply_chat_template(messages, False, **context)
+        last = messages[-1] if isinstance(messages, list) and messages else {}
+        text = last.get("content") if isinstance(last, dict) else None
+        if not isinstance(text, str) or not text.strip():
+            raise ChatTemplateError("continuing the final message needs it to have text")
+        at = rendered.rfind(text.strip())
+        if at < 0:
+            raise ChatTemplateError("the chat template does not write the final message's text as given")
+        kept = text.lstrip()
+        end = at + (len(kept) if rendered.startswith(kept, at) else len(text.strip()))
+        return rendered[:end]
 
     def encode_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
                     **context: Any) -> list[int]:

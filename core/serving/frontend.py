@@ -200,6 +200,10 @@ class EngineFrontend:
         problem = length_error(len(prompt_ids), params.max_tokens, self.max_model_len)
         if problem is not None:
             raise RequestError(problem[0], 400, problem[1])
+        try:
+            params.check_vocabulary(self.tokenizer.vocab_size)
+        except ValueError as e:
+            raise RequestError(str(e), 400, "logit_bias") from None
 
     def _refuse_new_work(self) -> None:
         if self.draining:
@@ -251,7 +255,7 @@ class EngineFrontend:
                         num_output += len(output.new_token_ids)
                     reason = output.finish_reason
                     delta = text.add(output.new_token_ids, final=reason is not None)
-                    if reason is None and text.stopped:
+                    if text.stopped:  # (a stop string in the last token allowed ends it as a stop too)
                         reason = "stop"
                     yield Chunk(
                         delta,

@@ -1,4 +1,4 @@
-"""Batched token sampling: penalties, greedy, temperature, top-k, top-p, min-p, logprobs.
+"""Batched token sampling: logit bias, min_tokens, penalties, greedy, temperature, top-k, top-p, min-p, logprobs.
 
 NOTE: on CPU, ``torch.multinomial`` and ``exponential_`` cost about 1 ms per
 row of a 49k vocabulary, and a full sort 2 ms; this sampler draws one uniform
@@ -35,11 +35,14 @@ class Sampler:
         self.generators: dict[str, torch.Generator] = {}
         # the sampled rows' parameters as tensors, in buffers kept from step to step (made on the first step)
         self.buffers: SamplingBuffers | None = None
+        # request id -> its params and their logit_bias as tensors (token ids, biases), made on its first step
+        self.biases: dict[str, tuple[SamplingParams, torch.Tensor, torch.Tensor]] = {}
 
     def forget(self, request_ids: Iterable[str]) -> None:
         """Drop what is kept for requests that ended."""
         for request_id in request_ids:
             self.generators.pop(request_id, None)
+            self.biases.pop(request_id, None)
 
     def sample(
         self, logits: torch.Tensor, requests: list[ScheduledRequest],
@@ -58,8 +61,12 @@ class Sampler:
         """
         logprobs = None
         if any(r.params.logprobs is not None for r in requests):
-            # Logprobs describe the model's distribution, before penalties and filters.
+            # Logprobs describe the model's distribution, before bias, penalties and filters.
             logprobs = torch.log_softmax(logits, dim=-1)
+        adjusted = [(i, r, r.min_tokens_left > 0) for i, r in enumerate(requests)
+                    if r.params.logit_bias or r.min_tokens_left]
+        if adjusted:  # (the rows under a logit bias or still short of min_tokens)
+            self._adjust(logits, adjusted)
         penalized = [i for i, r in enumerate(requests) if r.params.has_penalties]
         if penalized:
             apply_penalties(logits, penalized, requests)
@@ -125,6 +132,11 @@ class Sampler:
             The tokens (the accepted drafts, then the sampled one), and their logprobs entries where asked.
         """
         drafts, params = request.draft_token_ids, request.params
+        model_logits = logits
+        if params.logit_bias or request.min_tokens_left:
+            # (row i samples the request's i-th token of this step: min_tokens holds back the first ones)
+            logits = logits.clone()
+            self._adjust(logits, [(i, request, i < request.min_tokens_left) for i in range(len(logits))])
         if params.greedy:
             targets = logits.max(dim=-1).indices.tolist()
             taken = next((i for i, (d, t) in enumerate(zip(drafts, targets)) if d != t), len(drafts))
@@ -143,8 +155,41 @@ class Sampler:
             tokens.append(int(inverse_cdf(row, torch.tensor([[self._uniform(request)]], device=row.device))[0]))
         if params.logprobs is None:
             return tokens, [None] * len(tokens)
-        logprobs = torch.log_softmax(logits[: len(tokens)], dim=-1)
+        logprobs = torch.log_softmax(model_logits[: len(tokens)], dim=-1)
         return tokens, token_logprobs(logprobs, tokens, params.logprobs)
+
+    def _adjust(self, logits: torch.Tensor, rows: list[tuple[int, ScheduledRequest, bool]]) -> None:
+        """Add each row's request's logit_bias, then mask its banned tokens where it is still short of min_tokens
+        (``rows``: row, request, banned), in place: one scatter for the biases and one for the bans. Token ids
+        past the logits are skipped (the frontend refuses them; a stop id may be any number)."""
+        vocab = logits.shape[1]
+        bias_rows, bias_ids, bias_values, ban_rows, ban_ids = [], [], [], [], []
+        for row, request, banned in rows:
+            if request.params.logit_bias:
+                ids, values = self._bias(request, logits.device, vocab)
+                bias_rows.append(torch.full_like(ids, row))
+                bias_ids.append(ids)
+                bias_values.append(values)
+            if banned:
+                ids = [t for t in request.banned_token_ids if t < vocab]
+                ban_rows += [row] * len(ids)
+                ban_ids += ids
+        if bias_ids:
+            index = (torch.cat(bias_rows), torch.cat(bias_ids))
+            logits.index_put_(index, torch.cat(bias_values).to(logits.dtype), accumulate=True)
+        if ban_ids:
+            index = (torch.tensor(ban_rows, device=logits.device), torch.tensor(ban_ids, device=logits.device))
+            logits.index_put_(index, torch.tensor(float("-inf"), dtype=logits.dtype, device=logits.device))
+
+    def _bias(self, request: ScheduledRequest, device: torch.device, vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The request's logit_bias as tensors on ``device``: token ids below ``vocab``, and their biases."""
+        kept = self.biases.get(request.request_id)
+        if kept is None or kept[0] is not request.params or kept[1].device != device:
+            bias = {t: b for t, b in request.params.logit_bias.items() if t < vocab}
+            ids = torch.tensor(list(bias), dtype=torch.long, device=device)
+            kept = self.biases[request.request_id] = (
+                request.params, ids, torch.tensor(list(bias.values()), dtype=torch.float32, device=device))
+        return kept[1], kept[2]
 
 
 @dataclass

@@ -160,8 +160,13 @@ def to_chat(request: _Conversation) -> api.ChatCompletionRequest:
         fields = {"max_tokens": request.max_tokens, "temperature": request.temperature, "top_p": request.top_p,
                   "top_k": request.top_k, "stop": request.stop_sequences, "seed": request.seed,
                   "ignore_eos": request.ignore_eos}
-    return api.ChatCompletionRequest(messages=_messages(request), model=request.model, tools=tools or None,
-                                     tool_choice=_tool_choice(request.tool_choice), **fields)
+    messages = _messages(request)
+    # a final assistant message is the start of the reply, which the model continues (Anthropic's prefill)
+    last = messages[-1] if messages else {}
+    prefill = last.get("role") == "assistant" and bool(last.get("content")) and "tool_calls" not in last
+    return api.ChatCompletionRequest(messages=messages, model=request.model, tools=tools or None,
+                                     tool_choice=_tool_choice(request.tool_choice), add_generation_prompt=not prefill,
+                                     continue_final_message=prefill, **fields)
 
 
 def _stop_reason(finish_reason: str | None, stop_string: str | None) -> str:
@@ -196,9 +201,12 @@ def _blocks(call: Call) -> tuple[list[dict[str, Any]], str]:
 
 
 def _usage(call: Call) -> dict[str, int]:
+    """Anthropic's usage: input_tokens are the prompt tokens computed, apart from those read from the cache (the
+    prompt is their sum, as Anthropic counts it)."""
     usage = call.usage()
-    return {"input_tokens": usage["prompt_tokens"], "output_tokens": usage["completion_tokens"],
-            "cache_read_input_tokens": call.num_cached_tokens, "cache_creation_input_tokens": 0}
+    return {"input_tokens": usage["prompt_tokens"] - call.num_cached_tokens,
+            "output_tokens": usage["completion_tokens"], "cache_read_input_tokens": call.num_cached_tokens,
+            "cache_creation_input_tokens": 0}
 
 
 def _message(call: Call, content: list[dict[str, Any]], stop_reason: str | None) -> dict[str, Any]:
@@ -260,9 +268,10 @@ async def stream(call: Call, emit: Emit, begin: Any) -> None:
     if block >= 0:
         await emit({"type": "content_block_stop", "index": block})
     final = message(call)
+    # (the whole usage: message_start went out before the prompt's cached tokens were known)
     await emit({"type": "message_delta", "delta": {"stop_reason": final["stop_reason"],
                                                    "stop_sequence": final["stop_sequence"]},
-                "usage": {"output_tokens": final["usage"]["output_tokens"]}})
+                "usage": final["usage"]})
     await emit({"type": "message_stop"})
 
 

@@ -75,6 +75,8 @@ class _Common(msgspec.Struct, kw_only=True):
     seed: Int | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+    # token id -> bias in [-100, 100]; the ids are JSON's strings, which SamplingParams reads and checks
+    logit_bias: dict[str, float] | None = None
     user: str | None = None
     # vLLM's extras
     top_k: Int | None = None
@@ -83,6 +85,7 @@ class _Common(msgspec.Struct, kw_only=True):
     ignore_eos: bool = False
     min_tokens: Int = 0
     stop_token_ids: list[Int] | None = None
+    include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     priority: Int = 0
     # structured output
@@ -112,6 +115,9 @@ class ChatCompletionRequest(_Common, kw_only=True):
     # "none" | "auto" | "required" | {"type": "function", "function": {"name": ...}}
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
+    # vLLM's extras: the template's generation prompt; or the last (assistant) message continued instead
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
 
 
 def decode_body(body: bytes, kind: type[msgspec.Struct]) -> Any:
@@ -123,6 +129,12 @@ def decode_body(body: bytes, kind: type[msgspec.Struct]) -> Any:
     try:
         # lax as OpenAI's own server and pydantic-based ones are: 1.0 is an integer (JSON Schema says so too), "2"
         # a number; "hot" is still no temperature
+        if b"null" in body:
+            # a field given as null is a field left out, as OpenAI's and vLLM's servers read it (OpenAI's SDK sends
+            # None as null: `n=None` is n's default, not a type error)
+            fields = msgspec.json.decode(body)
+            if isinstance(fields, dict):
+                return msgspec.convert({k: v for k, v in fields.items() if v is not None}, kind, strict=False)
         return msgspec.json.decode(body, type=kind, strict=False)
     except msgspec.ValidationError as e:
         message, _, path = str(e).partition(" - at ")
@@ -165,8 +177,10 @@ def sampling_params(request: CompletionRequest | ChatCompletionRequest, default_
             repetition_penalty=request.repetition_penalty,
             presence_penalty=request.presence_penalty,
             frequency_penalty=request.frequency_penalty,
+            logit_bias=request.logit_bias or {},
             stop=request.stop or [],
             stop_token_ids=request.stop_token_ids or [],
+            include_stop_str_in_output=request.include_stop_str_in_output,
             ignore_eos=request.ignore_eos,
             min_tokens=request.min_tokens,
             logprobs=logprobs,
@@ -242,7 +256,7 @@ def chat_logprobs(tokenizer: Tokenizer, token_ids: list[int], logprobs: list[Tok
 
     def entry(token_id: int, logprob: float) -> dict[str, Any]:
         text = tokenizer.token_text(token_id)
-        return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+        return {"token": text, "logprob": logprob, "bytes": list(tokenizer.token_bytes(token_id))}
 
     content = []
     for token_id, lp in zip(token_ids, logprobs):

@@ -74,6 +74,7 @@ class Call:
             if reader.thinking is not None and reader.thinking.thinking:
                 self.reasoning_tokens[index] += len(chunk.token_ids)
             parts = reader.feed(chunk.text, final=chunk.finish_reason is not None)
+            self.num_cached_tokens = max(self.num_cached_tokens, chunk.num_cached_tokens)
             if on_chunk is not None:
                 await on_chunk(index, chunk, parts)
             self.texts[index] += chunk.text
@@ -82,7 +83,6 @@ class Call:
             self.finish_reasons[index] = chunk.finish_reason
             self.stop_strings[index] = chunk.stop_string
             self.grammar_closed[index] = chunk.grammar_closed
-            self.num_cached_tokens = max(self.num_cached_tokens, chunk.num_cached_tokens)
 
         try:
             await self.frontend.run_choices(self.prompt_ids, self.params, self.body.n, request_id=self.id,

@@ -17,6 +17,8 @@ from conveyor.plugins.transport import anthropic_api, embeddings_api, responses_
 from conveyor.plugins.transport import openai_api as api
 from conveyor.sampling import (
     MAX_CHOICES,
+    MAX_LOGIT_BIAS,
+    MAX_LOGIT_BIAS_TOKENS,
     MAX_LOGPROBS,
     MAX_PENALTY,
     MAX_STOP_STRING_CHARS,
@@ -110,6 +112,11 @@ def _limits(models: list[str], max_model_len: int, vocab_size: int) -> dict[str,
         "frequency_penalty": penalty,
         "repetition_penalty": {"type": "number", "exclusiveMinimum": 0},
         "min_tokens": {"type": "integer", "minimum": 0},
+        # token ids as JSON object keys: decimal strings (ids past the vocabulary are refused)
+        "logit_bias": {"type": "object", "maxProperties": MAX_LOGIT_BIAS_TOKENS,
+                       "propertyNames": {"pattern": "^(0|[1-9][0-9]*)$", "maxLength": len(str(vocab_size - 1))},
+                       "additionalProperties": {"type": "number", "minimum": -MAX_LOGIT_BIAS,
+                                                "maximum": MAX_LOGIT_BIAS}},
         "guided_choice": {"type": "array", "minItems": 1, "maxItems": MAX_CHOICES,
                           "items": {"type": "string", "minLength": 1}},
         "suffix": {"type": "string", "maxLength": 0},  # (not supported: only an empty one)
