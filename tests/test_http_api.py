@@ -324,11 +324,18 @@ def test_a_field_sent_as_null_takes_its_default(client, model):
     assert again.choices[0].text == text
 
 
-def test_continue_final_message_needs_the_assistant_last_and_no_generation_prompt(client, model):
-    for extra, messages in (({"continue_final_message": True}, user("Hi") + [{"role": "assistant", "content": "Hel"}]),
-                            ({"continue_final_message": True, "add_generation_prompt": False}, user("Hi"))):
-        with pytest.raises(openai.BadRequestError, match="continue_final_message"):
-            client.chat.completions.create(model=model, messages=messages, max_tokens=2, extra_body=extra)
+def test_continue_final_message_continues_the_last_message_whatever_add_generation_prompt_says(
+        client, model, hf_tokenizer):
+    """vLLM's continue_final_message: the prompt is transformers' rendering with continue_final_message (no new
+    turn opened, even with add_generation_prompt left at its default); a last message with no text is a 400."""
+    messages = user("Name a color.") + [{"role": "assistant", "content": "My favourite color is"}]
+    rendered = hf_tokenizer.apply_chat_template(messages, continue_final_message=True, tokenize=True)
+    for extra in ({"continue_final_message": True}, {"continue_final_message": True, "add_generation_prompt": False}):
+        response = client.chat.completions.create(model=model, messages=messages, max_tokens=2, extra_body=extra)
+        assert response.usage.prompt_tokens == len(getattr(rendered, "input_ids", rendered))
+    with pytest.raises(openai.BadRequestError, match="final message"):
+        client.chat.completions.create(model=model, messages=user("Hi") + [{"role": "assistant", "content": ""}],
+                                       max_tokens=2, extra_body={"continue_final_message": True})
 
 
 def test_client_leaving_a_stream_aborts_the_request(server, client, model):

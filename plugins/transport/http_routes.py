@@ -222,16 +222,11 @@ class Routes:
         return Call(self.frontend, body, prompt_ids, params, False, None, self.frontend.adapter(body.model))
 
     def _chat_prompt(self, body: api.ChatCompletionRequest) -> tuple[list[int], Tools]:
-        if body.continue_final_message:
-            if body.add_generation_prompt:
-                raise RequestError("continue_final_message needs add_generation_prompt=false (both at once would "
-                                   "open a new turn after the one to continue)", 400, "continue_final_message")
-            if not body.messages or body.messages[-1].get("role") != "assistant":
-                raise RequestError("continue_final_message continues the last message, which must be the "
-                                   "assistant's", 400, "continue_final_message")
         tools = Tools(body.tools, body.tool_choice, body.parallel_tool_calls)
         messages, context = tools.messages(body.messages, self.frontend.tokenizer.chat_template)
-        context.update(add_generation_prompt=body.add_generation_prompt,
+        # (continuing the last message opens no new turn, whatever add_generation_prompt says; vLLM refuses both
+        # at once, which a client that leaves add_generation_prompt at its default true then meets)
+        context.update(add_generation_prompt=body.add_generation_prompt and not body.continue_final_message,
                        continue_final_message=body.continue_final_message)
         return self.frontend.encode_chat(messages, **context), tools
 
