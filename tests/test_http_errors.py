@@ -9,6 +9,7 @@ import signal
 import threading
 
 import anthropic
+import anyio
 import httpx
 import openai
 import pytest
@@ -189,6 +190,21 @@ def test_api_key_required(server, http, headers):
         assert anonymous.get("/health").status_code == 200
         assert anonymous.get("/metrics").status_code == 200
     assert_still_serving(http)
+
+
+def test_bench_asks_for_the_model_with_its_api_key(server):
+    """`conveyor bench --api-key` sends the key with its first request (which model is served) too; without it the
+    refusal says to pass one, at once, rather than waiting as for a server still starting."""
+    from conveyor.bench.load import served_model
+
+    async def model(key):
+        async with httpx.AsyncClient(timeout=60) as client:
+            return await served_model(client, server.http, key)
+
+    assert anyio.run(model, KEY) == httpx.get(f"{server.http}/v1/models", headers={"Authorization": f"Bearer {KEY}"},
+                                             timeout=60).json()["data"][0]["id"]
+    with pytest.raises(ValueError, match=r"401 .*API key.*\(pass --api-key\)"):
+        anyio.run(model, None)
 
 
 @pytest.mark.parametrize("value", [None, ""], ids=["unset", "empty"])

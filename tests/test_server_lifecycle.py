@@ -14,6 +14,7 @@ import threading
 import time
 from pathlib import Path
 
+import anyio
 import httpx
 import pytest
 import torch
@@ -240,8 +241,8 @@ def test_an_engine_whose_frontend_is_killed_while_it_loads_stops_by_itself(tmp_p
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 def test_models_are_listed_only_once_the_engine_is_up(tmp_path):
     """Scripts written for vLLM wait for /v1/models to answer before they send work: while the engine starts,
-    it answers 503 naming why (as /health and completions do), then lists the model with its context length.
-    The engine is held still (SIGSTOP) until the HTTP server has answered."""
+    it answers 503 naming why (as /health and completions do), then lists the model with its context length;
+    `conveyor bench` waits for it. The engine is held still (SIGSTOP) until the HTTP server has answered."""
     with engine_held_at_start(tmp_path) as (server, engine):
         server.wait_for(lambda: any("(503 until it is ready)" in line for line in server.lines), timeout=60,
                         what="the HTTP server")
@@ -249,11 +250,29 @@ def test_models_are_listed_only_once_the_engine_is_up(tmp_path):
         starting = httpx.get(f"{http}/v1/models", timeout=5)
         assert starting.status_code == 503 and "starting" in starting.json()["error"]["message"]
         assert httpx.get(f"{http}/health", timeout=5).status_code == 503
+        # `conveyor bench` asks which model is served: it gives up after its ready timeout, naming the 503 ...
+        with pytest.raises(ValueError, match=r"not ready after 0 s \(503 the engine is starting\)"):
+            anyio.run(served_model_of, http, 0.0)
+        # ... and otherwise waits for the engine, however long it is held still
+        found = []
+        waiting = threading.Thread(target=lambda: found.append(anyio.run(served_model_of, http, 300.0)), daemon=True)
+        waiting.start()
+        time.sleep(2.0)
+        assert waiting.is_alive() and not found
         os.kill(engine, signal.SIGCONT)
         server.wait_for(lambda: httpx.get(f"{http}/health", timeout=5).status_code == 200, timeout=120,
                         what="the engine")
         (model,) = httpx.get(f"{http}/v1/models", timeout=5).json()["data"]
         assert model["max_model_len"] > 0 and model["id"]
+        waiting.join(timeout=60)
+        assert found == [model["id"]]
+
+
+async def served_model_of(url: str, ready_timeout: float) -> str:
+    from conveyor.bench.load import served_model
+
+    async with httpx.AsyncClient(timeout=5) as client:
+        return await served_model(client, url, ready_timeout=ready_timeout)
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")

@@ -49,6 +49,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--plot", metavar="PNG", help="where the sweep or comparison plot goes")
     parser.add_argument("--label", default="", help="name of this run in comparisons (default: the URL)")
     parser.add_argument("--api-key", default=None)
+    parser.add_argument("--ready-timeout", type=float, default=600.0, metavar="SECONDS",
+                        help="how long to wait for a server that is still starting (503) or not up yet (default: 600)")
     parser.add_argument("--no-progress", action="store_true")
 
 
@@ -143,7 +145,8 @@ def _tokenizer(path: str | None):
 async def _run_all(args: argparse.Namespace, workloads: list[list[BenchRequest]], warmup: list[BenchRequest],
                    rates: list[float], slos: dict[str, float]) -> dict[str, Any]:
     async with httpx.AsyncClient(timeout=30.0) as client:
-        model = args.model or await served_model(client, args.url)
+        served = await served_model(client, args.url, args.api_key, args.ready_timeout)  # (waits until it is up)
+    model = args.model or served
     config = {"url": args.url, "model": model, "dataset": args.dataset, "num_requests": args.num_requests,
               "burstiness": args.burstiness, "max_concurrency": args.max_concurrency, "seed": args.seed,
               "ignore_eos": args.ignore_eos, "temperature": args.temperature}

@@ -6,6 +6,7 @@ from __future__ import annotations
 import itertools
 import json
 import math
+import sys
 import time
 from collections.abc import Iterable, Sequence
 from typing import Any
@@ -50,11 +51,41 @@ def base_url(url: str) -> str:
     return url.rstrip("/").removesuffix("/v1")
 
 
-async def served_model(client: httpx.AsyncClient, url: str) -> str:
-    """The first model the server lists at /v1/models."""
-    response = await client.get(f"{base_url(url)}/v1/models")
-    response.raise_for_status()
-    return response.json()["data"][0]["id"]
+async def served_model(client: httpx.AsyncClient, url: str, api_key: str | None = None,
+                       ready_timeout: float = 600.0) -> str:
+    """The first model the server lists at /v1/models, once it lists one.
+
+    A server that does not answer yet, or answers 503 (its engine still starting, as Conveyor's and vLLM's do),
+    is asked again every second, saying so on stderr, for up to ``ready_timeout`` seconds.
+
+    Raises:
+        ValueError: the server refused the request (e.g. 401: the API key), or was not ready in time.
+    """
+    endpoint = f"{base_url(url)}/v1/models"
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    start = time.monotonic()
+    said = -math.inf  # when the wait was last reported
+    while True:
+        try:
+            response = await client.get(endpoint, headers=headers)
+            if response.status_code == 200:
+                models = response.json().get("data") or []
+                if not models:
+                    raise ValueError(f"{endpoint} lists no model: pass --model")
+                return models[0]["id"]
+            if response.status_code != 503:
+                hint = " (pass --api-key)" if response.status_code == 401 else ""
+                raise ValueError(f"{endpoint}: {response.status_code} {_error_message(response.text)}{hint}")
+            why = f"503 {_error_message(response.text)}"
+        except httpx.TransportError as e:
+            why = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
+        waited = time.monotonic() - start
+        if waited >= ready_timeout:
+            raise ValueError(f"{endpoint} was not ready after {ready_timeout:g} s ({why})")
+        if waited - said >= 15:
+            print(f"waiting for {endpoint} ({why}); {waited:.0f} s so far", file=sys.stderr, flush=True)
+            said = waited
+        await anyio.sleep(1.0)
 
 
 async def scrape_metrics(client: httpx.AsyncClient, url: str) -> list[Sample]:
