@@ -31,12 +31,18 @@ class FinishReason(str, enum.Enum):
     ERROR = "error"
 
 
-def length_error(num_prompt_tokens: int, max_tokens: int | None, max_model_len: int) -> tuple[str, str] | None:
+def length_error(num_prompt_tokens: int, max_tokens: int | None, max_model_len: int,
+                 pooling: bool = False) -> tuple[str, str] | None:
     """Why a request of this length can never run under ``max_model_len``, and the field at fault ("prompt" or
     "max_tokens"); None where it can. (The frontend refuses with it before queueing; the scheduler, given no
-    max_tokens, holds every request it takes to the prompt's part of it.)"""
+    max_tokens, holds every request it takes to the prompt's part of it.) A ``pooling`` request (an embedding)
+    generates nothing: its prompt may fill the context, and max_tokens does not count."""
     if num_prompt_tokens == 0:
         return "the prompt is empty", "prompt"
+    if pooling:
+        if num_prompt_tokens > max_model_len:
+            return f"the prompt has {num_prompt_tokens} tokens; max_model_len={max_model_len}", "prompt"
+        return None
     if num_prompt_tokens >= max_model_len:
         message = f"the prompt has {num_prompt_tokens} tokens; max_model_len={max_model_len} leaves no room for output"
         return message, "prompt"

@@ -221,7 +221,7 @@ class Scheduler(Gated):
         return len(self.waiting) + sum(len(held) for held in self.held.values())
 
     def _never_runs(self, request: Request) -> str | None:
-        problem = length_error(request.num_prompt_tokens, None, self.max_model_len)
+        problem = length_error(request.num_prompt_tokens, None, self.max_model_len, bool(request.params.pooling))
         if problem is not None:
             return problem[0]
         if not self.kvcache.can_fit([request.max_total_tokens]):

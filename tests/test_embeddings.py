@@ -152,6 +152,21 @@ def test_embedding_refusals_name_the_field(server, body, param):
     assert ok.status_code == 200 and len(ok.json()["data"][0]["embedding"]) == 32
 
 
+def test_an_input_may_fill_the_context(server, tiny):
+    """An embedding generates nothing, so its input may be max_model_len tokens long (as vLLM takes it; inputs
+    are often cut to exactly the context), where a completion's prompt must leave room for a token."""
+    ids = (list(range(3, len(WORDS))) * 8)[:64]
+    full = httpx.post(f"{server.http}/v1/embeddings", json={"input": ids, "normalize": False})
+    assert full.status_code == 200, full.text
+    assert full.json()["usage"]["prompt_tokens"] == 64
+    assert_close(full.json()["data"][0]["embedding"], hf_pooled(tiny, ids, "last"))
+    over = httpx.post(f"{server.http}/v1/embeddings", json={"input": [ids[:10], ids + [3]]})
+    assert over.status_code == 400 and over.json()["error"]["param"] == "input[1]", over.text
+    assert "65 tokens" in over.json()["error"]["message"]
+    completion = httpx.post(f"{server.http}/v1/completions", json={"prompt": ids, "max_tokens": 1})
+    assert completion.status_code == 400 and "no room for output" in completion.json()["error"]["message"]
+
+
 def test_embeddings_and_generation_together_leave_the_cache_empty(server):
     client = openai.AsyncOpenAI(base_url=f"{server.http}/v1", api_key="none")
 

@@ -197,7 +197,7 @@ class EngineFrontend:
     def check(self, prompt_ids: list[int], params: SamplingParams) -> None:
         """Refuse what the model cannot do (400) and new work while starting or draining (503)."""
         self._refuse_new_work()
-        problem = length_error(len(prompt_ids), params.max_tokens, self.max_model_len)
+        problem = length_error(len(prompt_ids), params.max_tokens, self.max_model_len, bool(params.pooling))
         if problem is not None:
             raise RequestError(problem[0], 400, problem[1])
         try:
