@@ -3,6 +3,7 @@ and a checkpoint with almost no compute."""
 
 from __future__ import annotations
 
+import json
 import math
 
 import torch
@@ -110,7 +111,7 @@ def relative_error(out, expected):
 
 def save_tiny_model_with_smollm2_vocab(path, tokenizer, max_position_embeddings: int) -> None:
     """A random Llama of one layer 32 wide with SmolLM2's tokenizer and 49,152-token vocabulary, and a chat
-    template that joins the messages' contents: a server whose forward pass costs next to nothing."""
+    template of SmolLM2's form (roles and contents): a server whose forward pass costs next to nothing."""
     import transformers
 
     torch.manual_seed(0)
@@ -119,5 +120,6 @@ def save_tiny_model_with_smollm2_vocab(path, tokenizer, max_position_embeddings:
                                       max_position_embeddings=max_position_embeddings)
     transformers.LlamaForCausalLM(config).save_pretrained(path)
     tokenizer.hf.save(str(path / "tokenizer.json"))
-    (path / "tokenizer_config.json").write_text('{"chat_template": "{% for m in messages %}{{ m.content }}'
-                                                '{% endfor %}"}')
+    template = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+                "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    (path / "tokenizer_config.json").write_text(json.dumps({"chat_template": template}))

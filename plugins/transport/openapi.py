@@ -123,6 +123,22 @@ def _limits(models: list[str], max_model_len: int, vocab_size: int) -> dict[str,
     }
 
 
+def _chat_dependencies(chat: dict[str, Any]) -> None:
+    """What a chat field needs of the others: top_logprobs needs logprobs=true; a tool_choice that forces a call
+    needs tools. Tools and tool_choice take the forms the server reads (a function with a name)."""
+    name = {"type": "string", "minLength": 1}
+    function = {"type": "object", "required": ["type", "function"], "properties": {
+        "type": {"const": "function"},
+        "function": {"type": "object", "required": ["name"], "properties": {"name": name}}}}
+    chat["properties"]["tool_choice"] = {"anyOf": [{"enum": ["none", "auto", "required"]}, function,
+                                                   {"type": "null"}]}
+    chat["properties"]["tools"] = {"anyOf": [{"type": "array", "items": function}, {"type": "null"}]}
+    chat["dependentSchemas"] = {"top_logprobs": {"required": ["logprobs"], "properties": {"logprobs": {"const": True}}}}
+    chat["if"] = {"required": ["tool_choice"], "properties": {"tool_choice": {"anyOf": [{"const": "required"},
+                                                                                        function]}}}
+    chat["then"] = {"required": ["tools"], "properties": {"tools": {"type": "array", "minItems": 1}}}
+
+
 def openapi_document(api_key: bool, models: list[str], max_model_len: int, vocab_size: int) -> dict[str, Any]:
     """The document.
 
@@ -143,6 +159,7 @@ def openapi_document(api_key: bool, models: list[str], max_model_len: int, vocab
     for name, fields in (("CompletionRequest", set(limits) - chat_only),
                          ("ChatCompletionRequest", set(limits) - completion_only)):  # (chat's logprobs: a bool)
         _narrow(components[name]["properties"], {field: limits[field] for field in fields})
+    _chat_dependencies(components["ChatCompletionRequest"])
     sampling = {field: limits[field] for field in ("model", "temperature", "top_p")}
     _narrow(components["ResponsesRequest"]["properties"], sampling | {"max_output_tokens": limits["max_tokens"]})
     _narrow(components["MessagesRequest"]["properties"], sampling | {
