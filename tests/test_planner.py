@@ -13,7 +13,8 @@ import pytest
 from conveyor.bench.arrivals import arrival_times
 from conveyor.bench.costs import CostModel
 from conveyor.bench.planner import Candidate, Planner, Slo, format_plan, parse_slos
-from conveyor.bench.simulator import MODELS, SimRequest, simulate
+from conveyor.bench.sim_fleet import simulate_fleet
+from conveyor.bench.simulator import MODELS, SimRequest, kv_link_bytes_per_s, simulate
 from conveyor.bench.stats import summarize
 from conveyor.config import load_config
 from conveyor.perf.peaks import DevicePeaks, gpu_peaks
@@ -56,6 +57,7 @@ def test_the_best_config_printed_meets_the_slos_when_simulated_again(plan, tmp_p
     path.write_text(text.split("\n", 3)[3])
     config = load_config(path)
     assert config.parallel.tensor_parallel_size * config.parallel.data_parallel_size == 2
+    assert config.parallel.prefill_engines == 0  # (the best here colocates; a split is checked below)
     assert config.scheduler.options.max_num_batched_tokens == best.keys.get("scheduler.max_num_batched_tokens",
                                                                             config.scheduler.options.max_num_batched_tokens)
     # each replica takes every other request at half the rate, simulated here on its own
@@ -82,6 +84,39 @@ def test_the_search_covers_the_grid_and_ranks_by_capacity(plan):
         (tp, q, kv) for tp in (1, 2) for q in ("none", "int8", "fp8") for kv in ("auto", "fp8")}
     assert {k.get("scheduler.max_num_batched_tokens") for k in keys} == {None, 512, 4096}
     assert {k.get("kvcache.block_size") for k in keys} == {None, 16, 32}
+
+
+def test_prefill_decode_splits_are_searched_and_meet_the_slos_when_simulated_again(tmp_path):
+    """With four GPUs, the best config of round 1 at TP=1 (four engines) is tried split 1+3, 2+2 and 3+1 into
+    prefill and decode engines, and at TP=2 (two engines) split 1+1; TP=4 runs one engine and is not split. A
+    split's capacity is the whole deployment's: its printed TOML, loaded as a config and all its engines
+    simulated at that rate, meets the SLOs."""
+    requests, arrivals = workload(24, seed=3)
+    spec = MODELS["llama-3-8b"]
+    grid = {"quant": ("none",), "kv": ("auto",), "seqs": (64,), "tokens": (512,), "block": (16,)}
+    planner = Planner(None, {"model.max_model_len": 4096}, spec, "h100", requests, arrivals,
+                      parse_slos("ttft_p99=1s,itl_p99=30ms"), gpus=4)
+    candidates = planner.rounds(grid=grid)
+    splits = {(c.keys["parallel.tensor_parallel_size"], c.keys["parallel.prefill_engines"],
+               c.keys["parallel.decode_engines"]) for c in candidates if c.keys.get("parallel.prefill_engines")}
+    assert splits == {(1, 1, 3), (1, 2, 2), (1, 3, 1), (2, 1, 1)}
+    split = max((c for c in candidates if c.keys.get("parallel.prefill_engines")), key=lambda c: c.capacity)
+    assert split.capacity > 0 and split.replicas == 1
+    path = tmp_path / "split.toml"
+    path.write_text(format_plan(planner, [split], 1, "plan").split("\n", 3)[3])
+    config = load_config(path)
+    parallel = config.parallel
+    assert (parallel.tensor_parallel_size, parallel.prefill_engines, parallel.decode_engines) == (
+        split.keys["parallel.tensor_parallel_size"], split.keys["parallel.prefill_engines"],
+        split.keys["parallel.decode_engines"])
+    assert parallel.data_parallel_size == 1
+    peaks = gpu_peaks("h100")
+    cost = CostModel.datasheet(peaks, config.model.dtype, spec, parallel.tensor_parallel_size)
+    records, duration, _ = simulate_fleet(config, spec, requests, [t / split.capacity for t in arrivals], cost, peaks,
+                                          kv_link_bytes_per_s("h100", None))
+    summary = summarize(records, duration)
+    assert summary["failed"] == 0 and summary["completed"] == len(requests)
+    assert summary["ttft_ms"]["p99"] <= 1000 and summary["itl_ms"]["p99"] <= 30, summary
 
 
 def test_on_a_cpu_each_weight_format_and_kv_dtype_is_calibrated_by_its_own_run(monkeypatch):

@@ -8,7 +8,9 @@ bisection between 0 and the rate at which it completes the requests when they
 all come at once. With ``--gpus N``, a candidate at tensor parallelism T runs
 N / T replicas (data parallelism): one replica is simulated on every
 (N / T)-th request at 1 / (N / T) of the rate, and its capacity counts N / T
-times.
+times. Its N / T engines may instead split into prefill and decode engines
+(disaggregation): those wait on each other, so all of them are simulated
+(``simulate_fleet``), the prompts' KV crossing ``--interconnect``.
 
 The search runs in rounds (the whole grid would take hours):
 
@@ -16,9 +18,12 @@ The search runs in rounds (the whole grid would take hours):
    at the config's scheduler (on ``--hardware cpu`` each weight format and
    KV dtype calibrated by a real run of its own, ``auto`` too: the
    checkpoint's own format, a GGUF's blocks kept packed);
-2. the best ``KEEP`` of round 1 x ``scheduler.max_num_seqs`` x
+2. for the best of round 1 at each tensor parallelism that runs two
+   engines or more: each split of its engines into
+   ``parallel.prefill_engines`` and ``parallel.decode_engines``;
+3. the best ``KEEP`` so far x ``scheduler.max_num_seqs`` x
    ``scheduler.max_num_batched_tokens``;
-3. the best ``KEEP`` so far with the other ``kvcache.block_size``.
+4. the best ``KEEP`` so far with the other ``kvcache.block_size``.
 
 The best configs print as TOML: the config given (or the defaults) with the
 chosen keys, and each one's predicted report at its capacity.
@@ -44,7 +49,8 @@ else:
     import tomli as tomllib
 
 from conveyor.bench.costs import DEFAULT_INTERCONNECT
-from conveyor.bench.simulator import SimRequest, comm_share, hardware_costs, simulate
+from conveyor.bench.sim_fleet import simulate_fleet
+from conveyor.bench.simulator import SimRequest, comm_share, hardware_costs, kv_link_bytes_per_s, simulate
 from conveyor.bench.stats import summarize
 from conveyor.config import Config, ConfigError, load_config
 
@@ -59,7 +65,8 @@ GRID: dict[str, Sequence[Any]] = {"tp": (1, 2, 4, 8), "quant": ("auto", "none", 
 # the keys searched, as progress lines name them
 SHORT = {"parallel.tensor_parallel_size": "tp", "parallel.data_parallel_size": "dp", "quant.plugin": "quant",
          "kvcache.dtype": "kv", "scheduler.max_num_seqs": "seqs", "scheduler.max_num_batched_tokens": "tokens",
-         "kvcache.block_size": "block"}
+         "kvcache.block_size": "block", "parallel.prefill_engines": "prefill",
+         "parallel.decode_engines": "decode"}
 # the latency metrics an SLO may bound, and the statistics of each
 SLO_METRICS = ("ttft", "itl", "tpot", "e2e")
 SLO_STATS = ("mean", "p50", "p90", "p95", "p99")
@@ -108,7 +115,8 @@ class Candidate:
     keys: dict[str, Any]
     # requests/s within the SLOs, all replicas; 0: none of the rates tried; None: not evaluated (see ``error``)
     capacity: float | None = None
-    # the report of one replica at its share of the capacity, and how many replicas the deployment runs
+    # the report of one replica at its share of the capacity, and how many replicas the deployment runs (a
+    # prefill/decode split: the whole deployment's report, and 1)
     summary: dict[str, Any] = field(default_factory=dict)
     replicas: int = 1
     error: str = ""
@@ -124,7 +132,8 @@ class Planner:
         config_file: the TOML config the candidates change (None: the defaults).
         overrides: ``section.key`` -> value applied before the candidate's keys.
         arrivals: seconds of each request's arrival at 1 request/s (scaled for each rate).
-        gpus: devices for one deployment (TP x DP = gpus).
+        gpus: devices for one deployment (TP x engines = gpus; the engines replicas, or prefill and decode
+            engines).
         interconnect: the link between the GPUs (``conveyor.bench.simulator.INTERCONNECTS``; None: NVLink 4).
     """
 
@@ -149,20 +158,29 @@ class Planner:
         return self._costs[key]
 
     def run(self, config: Config, rate: float, replicas: int) -> dict[str, Any]:
-        """One replica's simulated report at ``rate`` requests/s for the whole deployment (with ``comm_share``:
-        the share of its steps' time in collectives)."""
+        """One replica's simulated report at ``rate`` requests/s for the whole deployment, or the whole
+        deployment's with ``replicas`` 1 (with ``comm_share``: the share of its steps' time in collectives)."""
         peaks, cost = self._hardware(config)
         requests = self.requests[::replicas]
         share = rate / replicas
         arrivals = [0.0] * len(requests) if math.isinf(share) else [t / share for t in self.arrivals[::replicas]]
-        records, duration, steps = simulate(config, self.spec, requests, arrivals, cost, peaks)
+        if config.parallel.prefill_engines:
+            link = kv_link_bytes_per_s(self.hardware, self.interconnect)
+            records, duration, steps = simulate_fleet(config, self.spec, requests, arrivals, cost, peaks, link)
+        else:
+            records, duration, steps = simulate(config, self.spec, requests, arrivals, cost, peaks)
         return {**summarize(records, duration), "comm_share": comm_share(steps)}
 
     def evaluate(self, candidate: Candidate) -> Candidate:
         """Find the candidate's capacity (or why it cannot run)."""
         try:
             config = self.config(candidate.keys)
-            replicas = candidate.replicas = self.gpus // config.parallel.tensor_parallel_size
+            parallel = config.parallel
+            engines = parallel.prefill_engines + parallel.decode_engines or parallel.data_parallel_size
+            if engines * parallel.tensor_parallel_size != self.gpus:
+                raise ValueError(f"{engines} engines at tensor_parallel_size = {parallel.tensor_parallel_size} "
+                                 f"take {engines * parallel.tensor_parallel_size} devices, not --gpus {self.gpus}")
+            replicas = candidate.replicas = 1 if parallel.prefill_engines else engines
             flood = self.run(config, math.inf, replicas)
         except (ConfigError, ValueError) as e:
             candidate.error = str(e).splitlines()[0]
@@ -187,7 +205,7 @@ class Planner:
         return candidate
 
     def rounds(self, keep: int = KEEP, grid: dict[str, Sequence[Any]] | None = None) -> list[Candidate]:
-        """The three rounds of the search; every candidate evaluated, the best first.
+        """The rounds of the search; every candidate evaluated, the best first.
 
         Args:
             grid: values to try instead of the defaults, by ``SHORT`` name (``{"seqs": [16, 64]}``).
@@ -204,7 +222,7 @@ class Planner:
 
         def run_round(title: str, keys_list: list[dict[str, Any]]) -> list[Candidate]:
             fresh = [k for k in keys_list if json.dumps(k, sort_keys=True) not in seen]
-            self.progress(f"{title}: {len(fresh)} candidates")
+            self.progress(f"round {title}: {len(fresh)} candidates")
             for i, keys in enumerate(fresh, 1):
                 candidate = self.evaluate(Candidate(keys))
                 seen[json.dumps(keys, sort_keys=True)] = candidate
@@ -214,13 +232,23 @@ class Planner:
 
         first = [{"parallel.tensor_parallel_size": tp, "parallel.data_parallel_size": self.gpus // tp,
                   "quant.plugin": quant, "kvcache.dtype": kv} for tp in tps for quant in quants for kv in values["kv"]]
-        best = run_round("round 1/3: parallelism, weights, KV dtype", first)[:keep]
+        splittable = any(self.gpus // tp > 1 for tp in tps)  # (a round of prefill/decode splits)
+        total = 2 + splittable + paged
+        best = run_round(f"1/{total}: parallelism, weights, KV dtype", first)[:keep]
+        if splittable:
+            # (of the best at each tensor parallelism that runs two engines or more: the best of all may be one)
+            tops = {c.keys["parallel.tensor_parallel_size"]: c for c in reversed(ranked(seen.values()))}
+            splits = [{**c.keys, "parallel.data_parallel_size": 1, "parallel.prefill_engines": prefill,
+                       "parallel.decode_engines": engines - prefill}
+                      for c in tops.values() for engines in [c.keys["parallel.data_parallel_size"]]
+                      for prefill in range(1, engines)]
+            best = run_round(f"2/{total}: prefill/decode splits", splits)[:keep]
         second = [{**c.keys, "scheduler.max_num_seqs": seqs, "scheduler.max_num_batched_tokens": tokens}
                   for c in best for seqs in values["seqs"] for tokens in values["tokens"]]
-        best = run_round("round 2/3: batch size and token budget", second)[:keep]
+        best = run_round(f"{2 + splittable}/{total}: batch size and token budget", second)[:keep]
         if paged:
             third = [{**c.keys, "kvcache.block_size": size} for c in best for size in values["block"]]
-            run_round("round 3/3: block size", third)
+            run_round(f"{total}/{total}: block size", third)
         return ranked(seen.values())
 
     def toml(self, candidate: Candidate) -> str:
@@ -329,7 +357,7 @@ def add_arguments(parser) -> None:
     parser.set_defaults(num_requests=200)
     parser.add_argument("--slo", required=True, help="latency bounds, e.g. ttft_p99=500ms,itl_p99=50ms "
                         f"(metrics {', '.join(SLO_METRICS)}; statistics {', '.join(SLO_STATS)})")
-    parser.add_argument("--gpus", type=int, default=1, help="devices for one deployment: tensor x data "
-                        "parallelism (default: 1)")
+    parser.add_argument("--gpus", type=int, default=1, help="devices for one deployment: tensor "
+                        "parallelism x engines, replicas or prefill and decode engines (default: 1)")
     parser.add_argument("--top", type=int, default=3, help="configs to print (default: 3)")
     parser.add_argument("--json", dest="json_path", metavar="OUT", help="every candidate evaluated, as JSON")

@@ -325,9 +325,7 @@ def main(args) -> int:
     several = config.parallel.tensor_parallel_size * config.parallel.pipeline_parallel_size > 1
     link = f", {args.interconnect or DEFAULT_INTERCONNECT}" if several and args.hardware != "cpu" else ""
     requests = workload(args)
-    # the link a prompt's KV crosses from a prefill engine to a decode engine
-    transfer = (TIER_BYTES_PER_S["host"] if args.hardware == "cpu"
-                else INTERCONNECTS[args.interconnect or DEFAULT_INTERCONNECT].bytes_per_second)
+    transfer = kv_link_bytes_per_s(args.hardware, args.interconnect)
     runs = []
     for rate in args.request_rate:
         arrivals = [float(t) for t in arrival_times(len(requests), rate, args.burstiness, args.seed)]
@@ -343,6 +341,14 @@ def main(args) -> int:
         with open(args.json_path, "w") as f:
             json.dump({"cost_model": asdict(cost), "runs": runs}, f, indent=2)
     return 0
+
+
+def kv_link_bytes_per_s(hardware: str, interconnect: str | None) -> float:
+    """The link a prompt's KV crosses from a prefill engine to a decode engine: shared memory on a CPU, else the
+    interconnect between the GPUs."""
+    if hardware == "cpu":
+        return TIER_BYTES_PER_S["host"]
+    return INTERCONNECTS[interconnect or DEFAULT_INTERCONNECT].bytes_per_second
 
 
 def _engines(config: Config) -> str:
