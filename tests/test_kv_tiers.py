@@ -43,7 +43,7 @@ class Engine:
     """A scheduler, a paged pool with the tiers, and the pool's tensors, stepped by a fake model."""
 
     def __init__(self, num_blocks: int, host_blocks: int | None, disk_dir: str = "", disk_blocks: int = 1000,
-                 fingerprint: str = "f" * 24, max_num_seqs: int = 256):
+                 fingerprint: str = "f" * 24, max_num_seqs: int = 256, ranks: int = 1):
         self.kvcache = PagedKVCache(PagedOptions(block_size=BLOCK, num_blocks=num_blocks), SPEC)
         self.storage = KVStorage(self.kvcache.layout, torch.device("cpu"))
         self.scheduler = ContinuousScheduler(ContinuousOptions(max_num_batched_tokens=64, max_num_seqs=max_num_seqs),
@@ -53,8 +53,10 @@ class Engine:
             options = TiersOptions(host_gb=host_blocks * BLOCK_BYTES / 2**30, disk_dir=disk_dir,
                                    disk_gb=disk_blocks * BLOCK_BYTES / 2**30)
             self.connector = TieredConnector(options, self.kvcache.layout, fingerprint,
-                                             lambda payload: [self.worker.call(payload)])
-            self.worker = TierWorker(options, self.storage, 0, self.connector.setup)
+                                             lambda payload: [worker.call(payload) for worker in self.workers])
+            # (tensor parallelism's workers, each with its rank's files: here over the same pool)
+            self.workers = [TierWorker(options, self.storage, rank, self.connector.setup) for rank in range(ranks)]
+            self.worker = self.workers[0]
             self.kvcache.attach(self.connector)
             self.scheduler.add_gate(self.connector)
         self.computed = 0  # prompt tokens the fake model computed
@@ -63,7 +65,8 @@ class Engine:
         refused = self.scheduler.release(idle=True)
         batch = self.scheduler.schedule()
         if self.connector is not None and (payload := self.connector.take_payload()):
-            self.worker.apply(payload)
+            for worker in self.workers:
+                worker.apply(payload)
         sampled = []
         for request, n in zip(batch.requests, batch.num_tokens):
             tokens, start = request.all_token_ids(), request.num_computed_tokens
@@ -190,6 +193,29 @@ def test_engines_on_one_directory_find_the_blocks_the_other_wrote_after_they_sta
     assert other.connector.stats().blocks["disk"] == 0  # (it indexed the directory before they were written)
     assert conversations(other, turns=2) == replies
     assert other.connector.stats().hit_tokens["disk"] > 0 and other.computed < one.computed
+
+
+def test_with_several_workers_a_block_is_on_disk_only_when_every_ranks_file_is(tmp_path):
+    """Two workers (tensor parallelism) each write their rank's file of every block. A block one rank's file is
+    missing for (a prefill engine's write not done yet, a file removed) is not indexed at start-up nor found
+    later: it is computed, not fetched and failed on that rank; the replies are the same."""
+    first = Engine(num_blocks=16, host_blocks=256, disk_dir=str(tmp_path), ranks=2)
+    replies = conversations(first, turns=2)
+    for worker in first.workers:
+        worker.close()
+    rank0, rank1 = (block_dir(str(tmp_path), "f" * 24, rank) for rank in (0, 1))
+    names = sorted(p.name for p in rank0.glob("*.kv"))
+    assert names == sorted(p.name for p in rank1.glob("*.kv")) and len(names) > 6
+    missing = names[::2]
+    for name in missing:
+        (rank1 / name).unlink()
+    again = Engine(num_blocks=16, host_blocks=256, disk_dir=str(tmp_path), ranks=2)
+    assert again.connector.stats().blocks["disk"] == len(names) - len(missing)
+    (rank1 / names[1]).unlink()  # (after start-up: indexed, so fetched, failed on rank 1 and computed)
+    assert conversations(again, turns=2) == replies
+    stats = again.connector.stats()
+    assert stats.hit_tokens["disk"] > 0 and stats.num_errors <= 1
+    assert_no_leak(again.kvcache)
 
 
 def test_another_fingerprint_finds_nothing_and_the_disk_budget_drops_the_oldest_files(tmp_path):

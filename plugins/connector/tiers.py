@@ -10,8 +10,9 @@ holds is copied back into the pool before the request's first step. A miss that 
 makes the request wait at this connector's gate while every worker reads the files into host memory
 between steps, each checked against its header (the model's fingerprint, the block's digest, its length
 and checksum): a truncated, corrupt or foreign file is skipped with a warning and recomputed. Files are
-named by the block's digest under a directory named by the fingerprint, written whole to a temporary name
-and renamed, so the disk tier outlives the server and a crash never leaves half a block under a real name.
+named by the block's digest under a directory named by the fingerprint (one for each worker's rank: a block
+is on disk when every rank's file of it is), written whole to a temporary name and renamed, so the disk tier
+outlives the server and a crash never leaves half a block under a real name.
 
 Prefill/decode disaggregation goes through the disk tier, on a directory every engine shares (in shared
 memory: ``[parallel] prefill_engines``): the prefill engine saves a prompt's blocks as it computes them, and
@@ -74,8 +75,10 @@ class TieredConnector(KVConnector):
         self.num_disk_blocks = 0
         if options.disk_dir:
             self.num_disk_blocks = max(1, int(options.disk_gb * 2**30 // self.block_bytes))
-            self.directory = block_dir(options.disk_dir, fingerprint, 0)
+            # (each worker's files in a directory of its rank's: a block is stored when every rank's file is)
+            self.directory = block_dir(options.disk_dir, fingerprint, 0).parent
             self.disk = OrderedDict.fromkeys(_stored_digests(self.directory))
+            self.rank_dirs: list[Path] = []
         # what the workers do before the next step, in order
         self.ops: list[tuple[int, int, int, bytes]] = []
         self._trim_disk()
@@ -151,7 +154,10 @@ class TieredConnector(KVConnector):
         directory (a data-parallel replica; indexed now)."""
         if digest in self.disk:
             return True
-        if (self.directory / f"{digest.hex()}.kv").is_file():
+        if not self.rank_dirs:  # (every worker has made its own by the first request)
+            self.rank_dirs = _rank_dirs(self.directory)
+        name = f"{digest.hex()}.kv"
+        if self.rank_dirs and all((d / name).is_file() for d in self.rank_dirs):
             self.disk[digest] = None
             self._trim_disk()
             return digest in self.disk
@@ -313,14 +319,22 @@ class _Transfer:
         self.deadline = deadline
 
 
+def _rank_dirs(directory: Path) -> list[Path]:
+    """The directories of a fingerprint's workers, one a rank (``block_dir``)."""
+    return sorted(directory.glob("rank*")) if directory.is_dir() else []
+
+
 def _stored_digests(directory: Path) -> list[bytes]:
-    """The digests of the blocks a disk tier directory holds, oldest first (by modification time)."""
-    if not directory.is_dir():
+    """The digests of the blocks a fingerprint's disk tier directory holds a file of for every rank, oldest
+    first (by the modification time of rank 0's)."""
+    ranks = _rank_dirs(directory)
+    if not ranks:
         return []
     found = []
-    for path in directory.glob("*.kv"):
+    for path in ranks[0].glob("*.kv"):
         try:
-            found.append((path.stat().st_mtime_ns, bytes.fromhex(path.stem)))
+            if all((d / path.name).is_file() for d in ranks[1:]):
+                found.append((path.stat().st_mtime_ns, bytes.fromhex(path.stem)))
         except (OSError, ValueError):
             continue  # (removed meanwhile, or not a name this tier writes)
     return [digest for _, digest in sorted(found)]
