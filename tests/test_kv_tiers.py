@@ -21,6 +21,7 @@ from conveyor.plugins.connector.tier_store import HEADER, TierWorker, block_dir
 from conveyor.plugins.connector.tiers import TieredConnector, TiersOptions
 from conveyor.plugins.kvcache.paged import PagedKVCache, PagedOptions, block_digest
 from conveyor.plugins.schedulers.continuous import ContinuousOptions, ContinuousScheduler
+from conveyor.plugins.schedulers.static import StaticOptions, StaticScheduler
 from conveyor.registry import PluginRegistry
 from conveyor.request import Request
 from conveyor.sampling import SamplingParams
@@ -43,11 +44,15 @@ class Engine:
     """A scheduler, a paged pool with the tiers, and the pool's tensors, stepped by a fake model."""
 
     def __init__(self, num_blocks: int, host_blocks: int | None, disk_dir: str = "", disk_blocks: int = 1000,
-                 fingerprint: str = "f" * 24, max_num_seqs: int = 256, ranks: int = 1):
+                 fingerprint: str = "f" * 24, max_num_seqs: int = 256, ranks: int = 1, static: bool = False):
         self.kvcache = PagedKVCache(PagedOptions(block_size=BLOCK, num_blocks=num_blocks), SPEC)
         self.storage = KVStorage(self.kvcache.layout, torch.device("cpu"))
-        self.scheduler = ContinuousScheduler(ContinuousOptions(max_num_batched_tokens=64, max_num_seqs=max_num_seqs),
-                                             self.kvcache, 512)
+        if static:  # (batches run to completion)
+            self.scheduler = StaticScheduler(StaticOptions(max_num_batched_tokens=64, batch_size=max_num_seqs,
+                                                           max_wait_ms=0), self.kvcache, 512)
+        else:
+            self.scheduler = ContinuousScheduler(ContinuousOptions(max_num_batched_tokens=64,
+                                                                   max_num_seqs=max_num_seqs), self.kvcache, 512)
         self.connector = self.worker = None
         if host_blocks is not None:
             options = TiersOptions(host_gb=host_blocks * BLOCK_BYTES / 2**30, disk_dir=disk_dir,
@@ -193,6 +198,19 @@ def test_engines_on_one_directory_find_the_blocks_the_other_wrote_after_they_sta
     assert other.connector.stats().blocks["disk"] == 0  # (it indexed the directory before they were written)
     assert conversations(other, turns=2) == replies
     assert other.connector.stats().hit_tokens["disk"] > 0 and other.computed < one.computed
+
+
+def test_batches_run_to_completion_wait_for_the_blocks_the_disk_tier_fetches(tmp_path):
+    """The static scheduler (whose batches are admitted as a whole) on a disk tier another engine wrote: a batch
+    member whose prefix is on disk waits at the connector's gate while it is read, then runs; the replies are
+    those of the engine that computed them."""
+    first = Engine(num_blocks=16, host_blocks=64, disk_dir=str(tmp_path))
+    replies = conversations(first, turns=2)
+    first.worker.close()
+    batched = Engine(num_blocks=64, host_blocks=64, disk_dir=str(tmp_path), static=True, max_num_seqs=2)
+    assert conversations(batched, turns=2) == replies
+    assert batched.connector.stats().hit_tokens["disk"] > 0 and batched.computed < first.computed
+    assert_no_leak(batched.kvcache)
 
 
 def test_with_several_workers_a_block_is_on_disk_only_when_every_ranks_file_is(tmp_path):

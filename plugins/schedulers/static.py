@@ -14,7 +14,7 @@ from typing import Annotated
 import msgspec
 
 from conveyor.hookspecs import hookimpl
-from conveyor.request import Request
+from conveyor.request import Request, RequestStatus
 from conveyor.scheduler import ScheduledBatch, Scheduler, SchedulerOptions
 
 
@@ -84,11 +84,17 @@ class RunToCompletionScheduler(Scheduler):
                 raise RuntimeError(f"{self.name}: KV cache full inside a batch admitted as fitting")
             scheduled[request] = n
             budget -= n
-        while self.pending and budget > 0:
-            n = self.admit(self.pending[0], budget)
+        for request in list(self.pending):
+            if budget == 0:
+                break
+            # (one held at a gate, a KV connector fetching its prefix, is admitted once it is released)
+            n = self.admit(request, budget) if request.status == RequestStatus.WAITING else 0
             if not n:
+                if request.status != RequestStatus.WAITING:
+                    continue
                 raise RuntimeError(f"{self.name}: KV cache full inside a batch admitted as fitting")
-            scheduled[self.pending.pop(0)] = n
+            self.pending.remove(request)
+            scheduled[request] = n
             budget -= n
         if scheduled:
             self.counters.num_wasted_slots += self.num_slots - len(scheduled)
