@@ -115,8 +115,9 @@ class HeldRequests:
                 held.table.extend(entry.block_ids)
                 entry.block_ids = held.table
                 entry.block_offset = 0
-            if entry.follows:
-                entry.token_ids = [held.last_sampled]
+            if entry.follows:  # (-1: the step it follows failed, and the engine ends the request; any token
+                # keeps this step's other requests valid)
+                entry.token_ids = [max(held.last_sampled, 0)]
             if entry.prompt_token_ids:
                 held.prompt = entry.prompt_token_ids
             if entry.sample and entry.params.has_penalties:

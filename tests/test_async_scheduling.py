@@ -150,6 +150,44 @@ def test_requests_aborted_while_steps_are_in_flight_end_and_the_rest_are_unchang
             assert overlapped[request_id] == sync[request_id], request_id
 
 
+def test_a_failed_step_fails_its_own_requests_not_those_of_the_step_in_flight_after_it(tiny_llama):  # noqa: F811
+    """The worker raises on the step holding request "bad"'s last prompt chunk while the next step (scheduled
+    meanwhile) takes "bad"'s sampled token and starts "late": "bad" and the other request of the failed step end
+    with its error, "late" gives the tokens it gives alone, and no block leaks. (The next step fed "bad" the -1 of
+    a token never sampled, and its embedding failed it, "late" too.)"""
+    overrides = {"model.path": str(tiny_llama), "model.dtype": "float32", "model.max_model_len": 128,
+                 "kvcache.memory_gb": 0.05, "scheduler.max_num_batched_tokens": 20, "engine.async_scheduling": "on"}
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    with LLM(overrides=overrides) as llm:
+        (alone,) = llm.generate([list(range(30, 35))], params)
+        engine = llm.engine
+        runner = engine.executor.worker.runner
+        execute, failed = runner.execute, []
+
+        def fail_once(step):
+            if any(e.request_id == "bad" for e in step.requests) and not failed:
+                failed.append([e.request_id for e in step.requests])
+                raise ValueError("injected failure")
+            return execute(step)
+
+        runner.execute = fail_once
+        for request_id, prompt in (("bad", range(10, 20)), ("good", range(20, 30)), ("late", range(30, 35))):
+            engine.add_request(EngineRequest(request_id, list(prompt), params))
+        ends, tokens = {}, {}
+        for _ in range(50):
+            if not engine.has_unfinished():
+                break
+            outputs, _ = engine.step()
+            for output in outputs:
+                tokens.setdefault(output.request_id, []).extend(output.new_token_ids)
+                if output.finish_reason:
+                    ends[output.request_id] = (output.finish_reason, output.error)
+        assert failed == [["bad", "good"]]
+        assert ends["bad"][0] == ends["good"][0] == "error" and "injected failure" in ends["bad"][1]
+        assert ends["late"] == ("length", None) and tokens["late"] == alone.token_ids
+        assert engine.kvcache.num_free_blocks == engine.kvcache.num_blocks
+
+
 def test_async_scheduling_on_with_pipeline_stages_is_a_config_error_naming_the_key():
     with pytest.raises(ConfigError, match=r"pipeline_parallel_size = 2 cannot run with \[engine\] async_scheduling"):
         load_config(None, {"engine.async_scheduling": "on", "parallel.pipeline_parallel_size": 2})
