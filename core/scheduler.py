@@ -360,7 +360,8 @@ class Scheduler(Gated):
                 reason.value if reason else None, num_prompt_tokens=request.num_prompt_tokens,
                 num_cached_tokens=request.num_cached_tokens,
                 queue_time=request.queue_time if request.num_output_tokens == count else 0.0))
-            if reason is not None:
+            if reason is not None:  # (a stop among accepted drafts: those after it are not the request's)
+                request.num_computed_tokens = min(request.num_computed_tokens, request.num_tokens)
                 self.finish(request, reason)
         return outputs
 

@@ -7,10 +7,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from conveyor.plugins.kvcache.contiguous import ContiguousKVCache, ContiguousOptions
+from conveyor.plugins.kvcache.paged import block_digest
 from conveyor.plugins.schedulers.continuous import ContinuousOptions, ContinuousScheduler
 from conveyor.plugins.schedulers.dynamic import DynamicOptions, DynamicScheduler
 from conveyor.plugins.schedulers.static import StaticOptions, StaticScheduler
-from conveyor.request import RequestRejected, RequestStatus
+from conveyor.request import Request, RequestRejected, RequestStatus
+from conveyor.sampling import SamplingParams
 from tests.factories import (
     Countdown,
     assert_no_leak,
@@ -53,6 +55,29 @@ def test_long_prefill_threshold_caps_each_chunk():
     scheduler.add(b)
     batch, _ = fake_step(scheduler)
     assert batch.num_tokens == [8, 8]
+
+
+def test_a_stop_token_among_accepted_drafts_caches_only_the_requests_own_blocks():
+    """Speculative decoding: seven drafts accepted, the first of them a stop token. The request ends with that
+    token, and the prefix cache then holds exactly the full blocks of its own tokens (digests computed here), not
+    blocks reaching into the drafts after the stop."""
+    scheduler = create_scheduler(block_size=4)
+    request = Request("r", list(range(1, 8)), SamplingParams(max_tokens=20, temperature=0, stop_token_ids=[99]), 256)
+    scheduler.add(request)
+    scheduler.update(scheduler.schedule(), [50], [None])
+    drafts = [99, 51, 52, 53, 54, 55, 56]
+    request.draft_token_ids = list(drafts)
+    batch = scheduler.schedule()
+    assert batch.num_tokens == [1 + len(drafts)]
+    (output,) = scheduler.update(batch, [57], [None], accepted=[drafts])
+    assert output.finish_reason == "stop" and output.new_token_ids == [99]
+    tokens = [*range(1, 8), 50, 99]
+    digests, parent = set(), b""
+    for start in range(0, len(tokens) - len(tokens) % 4, 4):
+        parent = block_digest(parent, tokens[start : start + 4])
+        digests.add(parent)
+    assert set(scheduler.kvcache.cached) == digests
+    assert_no_leak(scheduler.kvcache)
 
 
 def test_max_num_seqs_limits_the_batch():
