@@ -12,6 +12,7 @@ import json
 import re
 import subprocess
 import sys
+import time
 
 import httpx
 import openai
@@ -198,6 +199,51 @@ async def test_concurrent_streams_all_complete(server, model, tokenizer):
         return [float(m.group(1)) for line in server.lines[first_new_line:] if (m := re.search(pattern, line))]
 
     server.wait_for(lambda: any(rate > 0 for rate in generation_rates()), timeout=10, what="a status line")
+
+
+async def test_a_long_prompt_is_tokenized_off_the_event_loop(server, model):
+    """A prompt of nearly 4 MB takes seconds to tokenize (then it is refused: far past max_model_len). Meanwhile a
+    running stream goes on and /health answers: the longest wait for /health while the long prompt is out is a
+    small part of its time (tokenized on the event loop, it was most of it)."""
+    huge = json.dumps({"model": model, "prompt": "The sky is blue. " * 240_000, "max_tokens": 1}).encode()
+    story = {"model": model, "messages": user("Tell me a long story about a dragon."), "max_tokens": 1000,
+             "ignore_eos": True, "temperature": 0, "stream": True}
+    chunk_times: list[float] = []
+    health_times: list[float] = []
+    refused = asyncio.Event()
+
+    async def read(lines) -> None:
+        async for line in lines:
+            if line.startswith("data: "):
+                chunk_times.append(time.perf_counter())
+
+    async def poll_health(http: httpx.AsyncClient) -> None:
+        while not refused.is_set():
+            assert (await http.get("/health")).status_code == 200
+            health_times.append(time.perf_counter())
+
+    async with httpx.AsyncClient(base_url=server.http, timeout=120) as http:
+        async with http.stream("POST", "/v1/chat/completions", json=story) as stream:
+            lines = stream.aiter_lines()
+            async for line in lines:  # the story runs
+                if line.startswith("data: "):
+                    break
+            reader, poller = asyncio.create_task(read(lines)), asyncio.create_task(poll_health(http))
+            sent = time.perf_counter()
+            response = await http.post("/v1/completions", content=huge, headers={"Content-Type": "application/json"})
+            answered = time.perf_counter()
+            refused.set()
+            await poller
+            reader.cancel()
+    assert response.status_code == 400 and response.json()["error"]["param"] == "prompt", response.text
+    assert "max_model_len" in response.json()["error"]["message"]
+
+    def longest_wait(times: list[float]) -> float:
+        inside = [sent, *(t for t in times if sent < t < answered), answered]
+        return max(b - a for a, b in zip(inside, inside[1:]))
+
+    assert longest_wait(health_times) < (answered - sent) / 4, (answered - sent, len(health_times))
+    assert longest_wait(chunk_times) < (answered - sent) / 2, (answered - sent, len(chunk_times))
 
 
 def test_chat_logprobs(client, model):

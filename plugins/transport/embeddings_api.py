@@ -76,16 +76,17 @@ def inputs(body: EmbeddingRequest) -> list[str | list[int]]:
     return prompts
 
 
-async def embed(frontend: Frontend, body: EmbeddingRequest, pooling: str) -> dict[str, Any]:
-    """The embeddings response: every input pooled with ``pooling`` ("last" or "mean"), at once.
+def prompts(frontend: Frontend, body: EmbeddingRequest, pooling: str) -> list[list[int]]:
+    """The request's inputs as token ids, each checked (this tokenizes them: the transport calls it in a worker
+    thread).
 
     Raises:
-        RequestError: an input refused (400 naming ``input``, 404 model, 429, 503).
+        RequestError: an input refused (400 naming ``input``, 404 model, 503).
     """
     if frontend.adapter(body.model) is not None:
         raise RequestError("embeddings are of the base model, not of a LoRA adapter", 400, "model")
     given_inputs = inputs(body)
-    params = SamplingParams(max_tokens=1, temperature=0, pooling=pooling)
+    params = _params(pooling)
     prompts = []
     for i, given in enumerate(given_inputs):
         field = "input" if len(given_inputs) == 1 else f"input[{i}]"
@@ -97,6 +98,21 @@ async def embed(frontend: Frontend, body: EmbeddingRequest, pooling: str) -> dic
         except RequestError as e:
             raise RequestError(f"{field}: {e.message}", e.status, field if e.status == 400 else None) from None
         prompts.append(ids)
+    return prompts
+
+
+def _params(pooling: str) -> SamplingParams:
+    return SamplingParams(max_tokens=1, temperature=0, pooling=pooling)
+
+
+async def embed(frontend: Frontend, body: EmbeddingRequest, prompts: list[list[int]], pooling: str) -> dict[str, Any]:
+    """The embeddings response: every input (``prompts``, from ``prompts()``) pooled with ``pooling`` ("last" or
+    "mean"), at once.
+
+    Raises:
+        RequestError: an input refused (429, 503).
+    """
+    params = _params(pooling)
     vectors: list[bytes] = [b""] * len(prompts)
     request_id = frontend.new_request_id("embd")
 
@@ -142,7 +158,8 @@ def _le_bytes(values: list[float]) -> bytes:
 
 
 def tokenize(frontend: Frontend, body: TokenizeRequest) -> dict[str, Any]:
-    """``{"count", "max_model_len", "tokens"}`` (and ``"token_strs"`` where asked), as vLLM answers.
+    """``{"count", "max_model_len", "tokens"}`` (and ``"token_strs"`` where asked), as vLLM answers (this
+    tokenizes: the transport calls it in a worker thread, as it does ``detokenize``).
 
     Raises:
         RequestError: 400: neither or both of prompt and messages; a conversation the template refuses.
@@ -151,7 +168,7 @@ def tokenize(frontend: Frontend, body: TokenizeRequest) -> dict[str, Any]:
     if (body.prompt is None) == (body.messages is None):
         raise RequestError("send exactly one of prompt and messages", 400, "prompt")
     if body.prompt is not None:
-        ids = frontend.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+        ids = frontend.encode(body.prompt, add_special_tokens=body.add_special_tokens)
     else:
         ids = frontend.encode_chat(body.messages, add_generation_prompt=body.add_generation_prompt)
     answer: dict[str, Any] = {"count": len(ids), "max_model_len": frontend.max_model_len, "tokens": ids}

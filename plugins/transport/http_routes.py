@@ -28,6 +28,7 @@ from conveyor.plugins.transport.sse import (
     json_response,
     until_disconnect,
 )
+from conveyor.plugins.transport.tokenizing import Tokenizing
 from conveyor.plugins.transport.tool_calls import Tools
 from conveyor.sampling import StructuredOutput
 from conveyor.transport import Frontend, RequestError
@@ -45,6 +46,8 @@ class Routes:
         self.api_key = api_key
         self.max_body_bytes = max_body_bytes
         self.store = store
+        # prompts are tokenized in these threads, not on the event loop
+        self.tokenizing = Tokenizing()
 
     async def not_found(self, request: Request, exc: Exception) -> Response:
         return error_response(RequestError(f"no route {request.method} {request.url.path}", 404))
@@ -188,9 +191,9 @@ class Routes:
             return denied
         try:
             if chat:
-                call = self._chat_call(await self._parse(request, api.ChatCompletionRequest))
+                call = await self._chat_call(await self._parse(request, api.ChatCompletionRequest))
             else:
-                call = self._completion_call(await self._parse(request, api.CompletionRequest))
+                call = await self._completion_call(await self._parse(request, api.CompletionRequest))
         except RequestError as e:
             return error_response(e)
         if call.body.stream:
@@ -210,33 +213,33 @@ class Routes:
             return error_response(rename(e), dialect)
         return None
 
-    def _completion_call(self, body: api.CompletionRequest) -> Call:
+    async def _completion_call(self, body: api.CompletionRequest) -> Call:
         prompt = body.prompt
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
             if len(prompt) != 1:
                 raise RequestError("send one prompt per request (a list of prompts is not supported)", 400, "prompt")
             prompt = prompt[0]
-        prompt_ids = self.frontend.encode(prompt, "prompt")
+        prompt_ids = await self.tokenizing.run(self.frontend.encode, prompt, "prompt")
         params = api.sampling_params(body, 16)  # (OpenAI's default max_tokens for completions)
         self.frontend.check(prompt_ids, params)
         return Call(self.frontend, body, prompt_ids, params, False, None, self.frontend.adapter(body.model))
 
-    def _chat_prompt(self, body: api.ChatCompletionRequest) -> tuple[list[int], Tools]:
+    async def _chat_prompt(self, body: api.ChatCompletionRequest) -> tuple[list[int], Tools]:
         tools = Tools(body.tools, body.tool_choice, body.parallel_tool_calls)
         messages, context = tools.messages(body.messages, self.frontend.tokenizer.chat_template)
         # (continuing the last message opens no new turn, whatever add_generation_prompt says; vLLM refuses both
         # at once, which a client that leaves add_generation_prompt at its default true then meets)
         context.update(add_generation_prompt=body.add_generation_prompt and not body.continue_final_message,
                        continue_final_message=body.continue_final_message)
-        return self.frontend.encode_chat(messages, **context), tools
+        return await self.tokenizing.run(self.frontend.encode_chat, messages, **context), tools
 
-    def _chat_call(self, body: api.ChatCompletionRequest, id_prefix: str | None = None) -> Call:
+    async def _chat_call(self, body: api.ChatCompletionRequest, id_prefix: str | None = None) -> Call:
         """A chat completions call (also what a Responses or a Messages request runs as), checked.
 
         Raises:
             RequestError: 400/404/503, the request refused.
         """
-        prompt_ids, tools = self._chat_prompt(body)
+        prompt_ids, tools = await self._chat_prompt(body)
         params = api.sampling_params(body, None)  # (chat: until the end of the context)
         if (schema := tools.forced_schema()) is not None:
             if params.structured is not None:
@@ -253,7 +256,7 @@ class Routes:
         try:
             body = await self._parse(request, responses_api.ResponsesRequest)
             chat, conversation = responses_api.to_chat(body, self.store)
-            call = self._chat_call(chat, "resp")
+            call = await self._chat_call(chat, "resp")
         except RequestError as e:
             return error_response(responses_api.in_responses_terms(e))
         reply = responses_api.Reply(call, body)
@@ -295,7 +298,7 @@ class Routes:
             return denied
         try:
             body = await self._parse(request, anthropic_api.MessagesRequest)
-            call = self._chat_call(anthropic_api.to_chat(body), "msg")
+            call = await self._chat_call(anthropic_api.to_chat(body), "msg")
         except RequestError as e:
             return error_response(e, ANTHROPIC)
         if body.stream:
@@ -310,7 +313,7 @@ class Routes:
             return denied
         try:
             body = await self._parse(request, anthropic_api.CountTokensRequest)
-            prompt_ids, _ = self._chat_prompt(anthropic_api.to_chat(body))
+            prompt_ids, _ = await self._chat_prompt(anthropic_api.to_chat(body))
         except RequestError as e:
             return error_response(e, ANTHROPIC)
         return json_response({"input_tokens": len(prompt_ids)})
@@ -321,10 +324,12 @@ class Routes:
             return denied
         try:
             body = await self._parse(request, embeddings_api.EmbeddingRequest)
+            pooling = self.frontend.pooling
+            prompts = await self.tokenizing.run(embeddings_api.prompts, self.frontend, body, pooling)
             done: dict[str, Any] = {}
 
             async def run() -> None:
-                done.update(await embeddings_api.embed(self.frontend, body, self.frontend.pooling))
+                done.update(await embeddings_api.embed(self.frontend, body, prompts, pooling))
 
             if not await until_disconnect(request.receive, run()):
                 return Response(status_code=499)
@@ -342,10 +347,11 @@ class Routes:
 
     async def _answer(self, request: Request, kind: type[msgspec.Struct],
                       answer: Callable[[Frontend, Any], dict[str, Any]]) -> Response:
-        """A route answered at once from its parsed body (no engine work)."""
+        """A route answered at once from its parsed body (no engine work; tokenizing, so in a worker thread)."""
         if (denied := self._check_key(request)) is not None:
             return denied
         try:
-            return json_response(answer(self.frontend, await self._parse(request, kind)))
+            body = await self._parse(request, kind)
+            return json_response(await self.tokenizing.run(answer, self.frontend, body))
         except RequestError as e:
             return error_response(e)

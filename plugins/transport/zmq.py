@@ -21,6 +21,7 @@ import zmq.asyncio
 from zmq.auth.asyncio import AsyncioAuthenticator
 
 from conveyor.hookspecs import hookimpl
+from conveyor.plugins.transport.tokenizing import Tokenizing
 from conveyor.serving import protocol
 from conveyor.transport import Frontend, RequestError, Transport
 
@@ -51,6 +52,8 @@ class ZMQTransport(Transport):
     def __init__(self, options: ZMQOptions):
         super().__init__(options)
         self._keys: tuple[bytes, bytes] | None = None
+        # prompts are tokenized in these threads, not on the event loop
+        self.tokenizing = Tokenizing()
         if options.curve_secret_key_file:
             if not zmq.has("curve"):
                 raise ValueError("[transport] CURVE keys are set but this libzmq has no CURVE support")
@@ -138,9 +141,9 @@ class ZMQTransport(Transport):
                     if (request.prompt is None) == (request.messages is None):
                         raise RequestError("give exactly one of prompt and messages", 400, "prompt")
                     if request.messages is not None:
-                        prompt_ids = frontend.encode_chat(request.messages)
+                        prompt_ids = await self.tokenizing.run(frontend.encode_chat, request.messages)
                     else:
-                        prompt_ids = frontend.encode(request.prompt)
+                        prompt_ids = await self.tokenizing.run(frontend.encode, request.prompt)
                     frontend.check(prompt_ids, request.params)
                     lora = frontend.adapter(request.model)
                     internal_id = f"zmq-{reply.identity.hex()}-{rid}"
