@@ -8,6 +8,7 @@ cleanup after a client leaves against the server's own metrics.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import json
 import re
 import subprocess
@@ -244,6 +245,32 @@ async def test_a_long_prompt_is_tokenized_off_the_event_loop(server, model):
 
     assert longest_wait(health_times) < (answered - sent) / 4, (answered - sent, len(health_times))
     assert longest_wait(chunk_times) < (answered - sent) / 2, (answered - sent, len(chunk_times))
+
+
+def test_created_is_when_the_request_came_in_every_chunk_and_in_the_reply(server, client, model):
+    """``created`` is the request's arrival, one value for a whole stream, as OpenAI and vLLM stamp it: the engine
+    is held still for more than a second mid-stream (a clock read per chunk would then differ), and before a
+    reply is made (a reply stamped at its finish would then carry a later second)."""
+    kwargs = {"model": model, "max_tokens": 12, "temperature": 0, "extra_body": {"ignore_eos": True}}
+    sent = time.time()
+    stream = client.chat.completions.create(messages=user("Count to twenty."), stream=True, **kwargs)
+    chunks, first_arrival = [], None
+    for chunk in stream:
+        first_arrival = first_arrival or time.time()
+        chunks.append(chunk)
+        if len(chunks) == 3:
+            with server.paused_engine():
+                time.sleep(1.5)
+    assert len(chunks) > 3
+    assert {chunk.created for chunk in chunks} == {chunks[0].created}
+    assert sent - 1 < chunks[0].created <= first_arrival
+
+    sent = time.time()
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        with server.paused_engine():
+            reply = pool.submit(client.completions.create, prompt="One, two,", **kwargs)
+            time.sleep(2.5)
+    assert sent - 1 < reply.result().created <= sent + 1
 
 
 def test_chat_logprobs(client, model):

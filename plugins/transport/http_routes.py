@@ -6,6 +6,7 @@ from __future__ import annotations
 import hmac
 import importlib.resources
 import logging
+import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -187,13 +188,14 @@ class Routes:
         return await self._handle(request, chat=True)
 
     async def _handle(self, request: Request, chat: bool) -> Response | EventStream:
+        created = int(time.time())
         if (denied := self._check_key(request)) is not None:
             return denied
         try:
             if chat:
-                call = await self._chat_call(await self._parse(request, api.ChatCompletionRequest))
+                call = await self._chat_call(await self._parse(request, api.ChatCompletionRequest), created)
             else:
-                call = await self._completion_call(await self._parse(request, api.CompletionRequest))
+                call = await self._completion_call(await self._parse(request, api.CompletionRequest), created)
         except RequestError as e:
             return error_response(e)
         if call.body.stream:
@@ -213,7 +215,7 @@ class Routes:
             return error_response(rename(e), dialect)
         return None
 
-    async def _completion_call(self, body: api.CompletionRequest) -> Call:
+    async def _completion_call(self, body: api.CompletionRequest, created: int) -> Call:
         prompt = body.prompt
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
             if len(prompt) != 1:
@@ -222,7 +224,7 @@ class Routes:
         prompt_ids = await self.tokenizing.run(self.frontend.encode, prompt, "prompt")
         params = api.sampling_params(body, 16)  # (OpenAI's default max_tokens for completions)
         self.frontend.check(prompt_ids, params)
-        return Call(self.frontend, body, prompt_ids, params, False, None, self.frontend.adapter(body.model))
+        return Call(self.frontend, body, prompt_ids, params, False, created, None, self.frontend.adapter(body.model))
 
     async def _chat_prompt(self, body: api.ChatCompletionRequest) -> tuple[list[int], Tools]:
         tools = Tools(body.tools, body.tool_choice, body.parallel_tool_calls)
@@ -233,8 +235,9 @@ class Routes:
                        continue_final_message=body.continue_final_message)
         return await self.tokenizing.run(self.frontend.encode_chat, messages, **context), tools
 
-    async def _chat_call(self, body: api.ChatCompletionRequest, id_prefix: str | None = None) -> Call:
-        """A chat completions call (also what a Responses or a Messages request runs as), checked.
+    async def _chat_call(self, body: api.ChatCompletionRequest, created: int, id_prefix: str | None = None) -> Call:
+        """A chat completions call (also what a Responses or a Messages request runs as), checked; ``created``:
+        when the request came (Unix seconds).
 
         Raises:
             RequestError: 400/404/503, the request refused.
@@ -247,16 +250,18 @@ class Routes:
                                    "tool_choice")
             params.structured = StructuredOutput(json=schema)
         self.frontend.check(prompt_ids, params)
-        return Call(self.frontend, body, prompt_ids, params, True, tools, self.frontend.adapter(body.model), id_prefix)
+        return Call(self.frontend, body, prompt_ids, params, True, created, tools, self.frontend.adapter(body.model),
+                    id_prefix)
 
     async def responses(self, request: Request) -> Response | EventStream:
         """OpenAI's Responses API (``responses_api``)."""
+        created = int(time.time())
         if (denied := self._check_key(request)) is not None:
             return denied
         try:
             body = await self._parse(request, responses_api.ResponsesRequest)
             chat, conversation = responses_api.to_chat(body, self.store)
-            call = await self._chat_call(chat, "resp")
+            call = await self._chat_call(chat, created, "resp")
         except RequestError as e:
             return error_response(responses_api.in_responses_terms(e))
         reply = responses_api.Reply(call, body)
@@ -294,11 +299,12 @@ class Routes:
 
     async def messages(self, request: Request) -> Response | EventStream:
         """Anthropic's Messages API (``anthropic_api``)."""
+        created = int(time.time())
         if (denied := self._check_key(request, ANTHROPIC)) is not None:
             return denied
         try:
             body = await self._parse(request, anthropic_api.MessagesRequest)
-            call = await self._chat_call(anthropic_api.to_chat(body), "msg")
+            call = await self._chat_call(anthropic_api.to_chat(body), created, "msg")
         except RequestError as e:
             return error_response(e, ANTHROPIC)
         if body.stream:

@@ -12,7 +12,6 @@ the older ``guided_json``, ``guided_regex``, ``guided_choice``, ``guided_grammar
 from __future__ import annotations
 
 import json
-import time
 from typing import Annotated, Any, Literal
 
 import msgspec
@@ -290,8 +289,10 @@ def usage(num_prompt_tokens: int, num_completion_tokens: int, num_cached_tokens:
     }
 
 
-def envelope(request_id: str, obj: str, model: str, choices: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
-    return {"id": request_id, "object": obj, "created": int(time.time()), "model": model, "choices": choices, **extra}
+def envelope(request_id: str, obj: str, model: str, created: int, choices: list[dict[str, Any]],
+             **extra: Any) -> dict[str, Any]:
+    """A response object, or a chunk of a stream (``created``: when the request came, the same in every chunk)."""
+    return {"id": request_id, "object": obj, "created": created, "model": model, "choices": choices, **extra}
 
 
 ERROR_TYPES = {

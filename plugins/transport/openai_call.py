@@ -24,10 +24,11 @@ OnChunk = Callable[[int, Chunk, list[Part]], Awaitable[None]]
 class Call:
     """One completions or chat completions call, with its n choices."""
 
-    def __init__(self, frontend: Frontend, body: Any, prompt_ids: list[int], params: Any, chat: bool,
+    def __init__(self, frontend: Frontend, body: Any, prompt_ids: list[int], params: Any, chat: bool, created: int,
                  tools: Tools | None = None, lora: LoraAdapter | None = None, id_prefix: str | None = None):
         """
         Args:
+            created: when the request came (Unix seconds): the response's ``created``, and every chunk's.
             tools: a chat call's tools; where they are active, replies are read for calls as they are generated.
             lora: the LoRA adapter the call's ``model`` names (None: the base model).
             id_prefix: the call's id begins with it (default: OpenAI's, "chatcmpl" or "cmpl").
@@ -41,6 +42,7 @@ class Call:
         self.prompt_ids = prompt_ids
         self.params = params
         self.chat = chat
+        self.created = created
         self.id = frontend.new_request_id(id_prefix or ("chatcmpl" if chat else "cmpl"))
         self.object = "chat.completion" if chat else "text_completion"
         self.texts = [""] * body.n
@@ -117,7 +119,7 @@ class Call:
             if self.grammar_closed[i]:
                 choice["grammar_closed"] = True
             choices.append(choice)
-        return api.envelope(self.id, self.object, self.model, choices, usage=self.usage())
+        return api.envelope(self.id, self.object, self.model, self.created, choices, usage=self.usage())
 
     def message(self, index: int) -> tuple[dict[str, Any], str | None]:
         """A chat choice's message (its text and tool calls, as read), and its finish reason ("tool_calls" when it
@@ -150,7 +152,7 @@ class Call:
             for i in range(self.body.n if self.chat else 0):
                 choice = {"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                           "finish_reason": None}
-                await emit(api.envelope(self.id, chunk_object, model, [choice], **extra))
+                await emit(api.envelope(self.id, chunk_object, model, self.created, [choice], **extra))
 
         async def on_chunk(index: int, chunk: Chunk, parts: list[Part]) -> None:
             await open_stream()
@@ -172,12 +174,12 @@ class Call:
                           "finish_reason": finish_reason if last else None}
                 if last and chunk.grammar_closed:
                     choice["grammar_closed"] = True
-                await emit(api.envelope(self.id, chunk_object, model, [choice], **extra))
+                await emit(api.envelope(self.id, chunk_object, model, self.created, [choice], **extra))
 
         await self.run(on_chunk)
         await open_stream()
         if include_usage:
-            await emit(api.envelope(self.id, chunk_object, model, [], usage=self.usage()))
+            await emit(api.envelope(self.id, chunk_object, model, self.created, [], usage=self.usage()))
 
 
 def _delta(part: Part) -> dict[str, Any]:

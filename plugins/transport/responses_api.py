@@ -17,7 +17,6 @@ oldest dropped past ``[[transport]] max_stored_responses``.
 
 from __future__ import annotations
 
-import time
 import uuid
 from collections import OrderedDict
 from typing import Any, Literal
@@ -229,7 +228,7 @@ class Reply:
     def __init__(self, call: Call, request: ResponsesRequest):
         self.call = call
         self.request = request
-        self.created_at = int(time.time())
+        self.created_at = call.created
         self.message_id = f"msg_{uuid.uuid4().hex}"
         self.reasoning_id = f"rs_{uuid.uuid4().hex}"
         self.sequence = 0
