@@ -18,6 +18,7 @@ from typing import Annotated, Any, Literal
 import anyio
 import msgspec
 
+from conveyor.plugins.transport.tool_calls import ToolDef, Tools
 from conveyor.sampling import SamplingParams
 from conveyor.transport import Frontend, RequestError, embedding_floats
 
@@ -48,6 +49,8 @@ class TokenizeRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     add_special_tokens: bool = True
     # a conversation: end with the assistant's turn opened
     add_generation_prompt: bool = True
+    # a conversation: the tools shown to the model, as chat completions shows them
+    tools: list[ToolDef] | None = None
     # also each token's text
     return_token_strs: bool = False
 
@@ -162,15 +165,20 @@ def tokenize(frontend: Frontend, body: TokenizeRequest) -> dict[str, Any]:
     tokenizes: the transport calls it in a worker thread, as it does ``detokenize``).
 
     Raises:
-        RequestError: 400: neither or both of prompt and messages; a conversation the template refuses.
+        RequestError: 400: neither or both of prompt and messages; tools with a prompt; a conversation or tools
+            the template refuses.
     """
     frontend.adapter(body.model)
     if (body.prompt is None) == (body.messages is None):
         raise RequestError("send exactly one of prompt and messages", 400, "prompt")
     if body.prompt is not None:
+        if body.tools is not None:
+            raise RequestError("tools go with messages, not with a prompt", 400, "tools")
         ids = frontend.encode(body.prompt, add_special_tokens=body.add_special_tokens)
     else:
-        ids = frontend.encode_chat(body.messages, add_generation_prompt=body.add_generation_prompt)
+        # (rendered as chat completions renders them, whatever tool_choice: it does not change the prompt)
+        messages, context = Tools(body.tools, None).messages(body.messages, frontend.tokenizer.chat_template)
+        ids = frontend.encode_chat(messages, add_generation_prompt=body.add_generation_prompt, **context)
     answer: dict[str, Any] = {"count": len(ids), "max_model_len": frontend.max_model_len, "tokens": ids}
     if body.return_token_strs:
         answer["token_strs"] = [frontend.tokenizer.token_text(t) for t in ids]
