@@ -8,6 +8,7 @@ from __future__ import annotations
 import importlib
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -72,3 +73,41 @@ def test_a_third_party_connector_package_serves_the_same_replies_across_a_restar
             assert chat(llm) == plain_replies
             hits.append(llm.engine.connector.stats().hit_tokens["sqlite"])
     assert 0 < hits[0] < hits[1]  # (the second server finds every history's blocks, its first turns' too)
+
+
+@pytest.mark.parametrize("ending", ["abort", "stop token, steps overlapped"])
+def test_the_blocks_of_the_last_request_reach_the_disk_without_another_request(ending, tmp_path):
+    """A 78-token prompt's fifth block fills at its third step. The request then ends: aborted there (as the
+    frontend does on a stop string), or by a stop token sampled there under async scheduling (a step scheduled
+    ahead is in flight). With nothing else to run, the engine still carries out the connector's work: all five
+    blocks reach the disk tier (the fifth was left for a next request that might never come)."""
+    from conveyor.config import load_config
+    from conveyor.engine.core import EngineCore
+    from conveyor.messages import EngineRequest, MessageType
+
+    overlapped = ending != "abort"
+    prompt = list(range(300, 378))
+    with LLM() as llm:  # (the tokens it gives: the third, as a stop token, ends the request there)
+        (probe,) = llm.generate([prompt], SamplingParams(max_tokens=3, temperature=0))
+    assert len(set(probe.token_ids)) == 3
+    config = load_config(None, {"connector.plugin": "tiers", "connector.host_gb": 0.1,
+                                "connector.disk_dir": str(tmp_path), "kvcache.block_size": 16,
+                                "engine.async_scheduling": "on" if overlapped else "off"})
+    engine = EngineCore(config)
+    try:
+        stop = [probe.token_ids[2]] if overlapped else []
+        engine.add_request(EngineRequest("last", prompt, SamplingParams(max_tokens=50, temperature=0,
+                                                                        stop_token_ids=stop)))
+        got = []
+        while engine.has_unfinished():
+            got += [t for output in engine.step()[0] for t in output.new_token_ids]
+            if not overlapped and len(got) == 3:
+                engine.apply([(MessageType.ABORT, ["last"])])
+                break
+        assert got == probe.token_ids
+        deadline = time.monotonic() + 60  # (a thread of the worker's writes the files)
+        while len(list(tmp_path.rglob("*.kv"))) < 5 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert len(list(tmp_path.rglob("*.kv"))) == 5
+    finally:
+        engine.shutdown()

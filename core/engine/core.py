@@ -202,10 +202,14 @@ class EngineCore:
                     logger.error("scheduler options not changed: %s", e)
         if not outputs and not aborted:
             return None
+        if aborted:  # (the last request may have ended: the blocks saved meanwhile reach the store now)
+            self._flush_when_idle()
         return EngineOutputs(outputs, self.stats() if aborted else None)
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
+        """Whether a request is unfinished or a step is in flight (one scheduled ahead while the last request
+        ended: its results, and the blocks the connector saves after it, are still to take)."""
+        return self.scheduler.has_unfinished() or bool(self._in_flight)
 
     def poll_timeout(self) -> float | None:
         """How long a loop around ``step`` may wait for new requests before stepping again:
