@@ -395,6 +395,12 @@ def test_a_field_sent_as_null_takes_its_default(client, model):
     again = client.completions.create(model=model, prompt="Hello", max_tokens=3, temperature=0, n=None, echo=None,
                                       stream=None, presence_penalty=None, frequency_penalty=None, logprobs=None)
     assert again.choices[0].text == text
+    # and so in an object: include_usage takes its default, false (no usage chunk)
+    stream = client.chat.completions.create(**kwargs, stream=True, stream_options={"include_usage": None},
+                                            response_format={"type": "text", "json_schema": None})
+    chunks = list(stream)
+    assert "".join(c.delta.content or "" for chunk in chunks for c in chunk.choices) == expected
+    assert all(chunk.usage is None for chunk in chunks)
 
 
 def test_continue_final_message_continues_the_last_message_whatever_add_generation_prompt_says(

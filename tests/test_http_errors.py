@@ -120,6 +120,19 @@ BAD_REQUESTS = {
     "n zero": ("chat/completions", chat(n=0), 400, "n", ["n=0"]),
     "n above 16": ("completions", json.dumps({"prompt": "Hi", "max_tokens": 2, "n": 17}).encode(), 400, "n",
                    ["n=17", "between 1 and 16"]),
+    "min_tokens over max_tokens": (
+        "completions", json.dumps({"prompt": "Hi", "max_tokens": 4, "min_tokens": 8}).encode(), 400, "min_tokens",
+        ["min_tokens=8", "max_tokens=4"]),
+    "min_tokens over completions' default max_tokens": (
+        "completions", json.dumps({"prompt": "Hi", "min_tokens": 17}).encode(), 400, "min_tokens",
+        ["min_tokens=17", "max_tokens=16"]),
+    "min_tokens over max_completion_tokens": ("chat/completions", chat(max_completion_tokens=2, min_tokens=3), 400,
+                                              "min_tokens", ["min_tokens=3", "max_completion_tokens=2"]),
+    "stream_options without stream": ("chat/completions", chat(stream_options={"include_usage": True}), 400,
+                                      "stream_options", ["stream=True"]),
+    "stream_options with stream false": (
+        "completions", json.dumps({"prompt": "Hi", "stream": False, "stream_options": {}}).encode(), 400,
+        "stream_options", ["stream=True"]),
     "too many top_logprobs": ("chat/completions", chat(logprobs=True, top_logprobs=50), 400, "top_logprobs",
                               ["50"]),
     "empty prompt": ("completions", b'{"prompt": ""}', 400, "prompt", ["empty"]),

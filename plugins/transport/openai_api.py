@@ -11,10 +11,12 @@ the older ``guided_json``, ``guided_regex``, ``guided_choice``, ``guided_grammar
 
 from __future__ import annotations
 
+import functools
 import json
 from typing import Annotated, Any, Literal
 
 import msgspec
+import msgspec.inspect
 
 from conveyor.messages import TokenLogprob
 from conveyor.model.tokenizer import Tokenizer
@@ -130,10 +132,10 @@ def decode_body(body: bytes, kind: type[msgspec.Struct]) -> Any:
         # a number; "hot" is still no temperature
         if b"null" in body:
             # a field given as null is a field left out, as OpenAI's and vLLM's servers read it (OpenAI's SDK sends
-            # None as null: `n=None` is n's default, not a type error)
+            # None as null: `n=None` is n's default, not a type error), in the body and in its objects
             fields = msgspec.json.decode(body)
             if isinstance(fields, dict):
-                return msgspec.convert({k: v for k, v in fields.items() if v is not None}, kind, strict=False)
+                return msgspec.convert(_without_nulls(fields, _type_info(kind)), kind, strict=False)
         return msgspec.json.decode(body, type=kind, strict=False)
     except msgspec.ValidationError as e:
         message, _, path = str(e).partition(" - at ")
@@ -141,6 +143,25 @@ def decode_body(body: bytes, kind: type[msgspec.Struct]) -> Any:
         raise RequestError(f"{param}: {message}" if param else message, 400, param) from None
     except msgspec.DecodeError as e:
         raise RequestError(f"the body is not valid JSON: {e}", 400) from None
+
+
+@functools.cache
+def _type_info(kind: type[msgspec.Struct]) -> msgspec.inspect.Type:
+    return msgspec.inspect.type_info(kind)
+
+
+def _without_nulls(value: Any, kind: msgspec.inspect.Type) -> Any:
+    """A JSON value of type ``kind`` without the fields sent as null: in its objects that are Structs, at any depth
+    (a dict's nulls, a JSON schema's or a message's, mean something and stay)."""
+    if isinstance(kind, msgspec.inspect.UnionType):
+        shape = msgspec.inspect.StructType if isinstance(value, dict) else msgspec.inspect.ListType
+        return next((_without_nulls(value, t) for t in kind.types if isinstance(t, shape)), value)
+    if isinstance(kind, msgspec.inspect.StructType) and isinstance(value, dict):
+        types = {field.encode_name: field.type for field in kind.fields}
+        return {k: _without_nulls(v, types[k]) if k in types else v for k, v in value.items() if v is not None}
+    if isinstance(kind, msgspec.inspect.ListType) and isinstance(value, list):
+        return [_without_nulls(item, kind.item_type) for item in value]
+    return value
 
 
 def sampling_params(request: CompletionRequest | ChatCompletionRequest, default_max_tokens: int | None) -> SamplingParams:
@@ -151,6 +172,8 @@ def sampling_params(request: CompletionRequest | ChatCompletionRequest, default_
     """
     if not 1 <= request.n <= MAX_N:
         raise RequestError(f"n={request.n} must be between 1 and {MAX_N}", 400, "n")
+    if request.stream_options is not None and not request.stream:
+        raise RequestError("Stream options can only be defined when `stream=True`.", 400, "stream_options")
     if isinstance(request, ChatCompletionRequest):
         max_tokens = request.max_completion_tokens if request.max_completion_tokens is not None else request.max_tokens
         logprobs = (request.top_logprobs or 0) if request.logprobs else None
@@ -166,7 +189,7 @@ def sampling_params(request: CompletionRequest | ChatCompletionRequest, default_
         if request.best_of not in (None, request.n):
             raise RequestError("best_of different from n is not supported", 400, "best_of")
     try:
-        return SamplingParams(
+        params = SamplingParams(
             max_tokens=max_tokens if max_tokens is not None else default_max_tokens,
             temperature=1.0 if request.temperature is None else request.temperature,
             top_p=1.0 if request.top_p is None else request.top_p,
@@ -193,6 +216,11 @@ def sampling_params(request: CompletionRequest | ChatCompletionRequest, default_
         if param == "logprobs" and isinstance(request, ChatCompletionRequest):
             param = "top_logprobs"
         raise RequestError(message, 400, param) from None
+    if params.max_tokens is not None and params.min_tokens > params.max_tokens:
+        name = "max_completion_tokens" if getattr(request, "max_completion_tokens", None) is not None else "max_tokens"
+        raise RequestError(f"min_tokens={params.min_tokens} must be at most {name}={params.max_tokens}", 400,
+                           "min_tokens")
+    return params
 
 
 # vLLM's structured-output fields -> the language each names

@@ -160,6 +160,9 @@ def openapi_document(api_key: bool, models: list[str], max_model_len: int, vocab
                          ("ChatCompletionRequest", set(limits) - completion_only)):  # (chat's logprobs: a bool)
         _narrow(components[name]["properties"], {field: limits[field] for field in fields})
     _chat_dependencies(components["ChatCompletionRequest"])
+    for name in ("CompletionRequest", "ChatCompletionRequest"):
+        components[name].setdefault("dependentSchemas", {})["stream_options"] = {
+            "required": ["stream"], "properties": {"stream": {"const": True}}}
     sampling = {field: limits[field] for field in ("model", "temperature", "top_p")}
     _narrow(components["ResponsesRequest"]["properties"], sampling | {"max_output_tokens": limits["max_tokens"]})
     _narrow(components["MessagesRequest"]["properties"], sampling | {
