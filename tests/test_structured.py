@@ -334,3 +334,17 @@ def test_a_closed_answer_says_so(openai_client):
             assert reply.usage.completion_tokens <= 20
             return
     pytest.fail("no answer of 20 tokens needed closing")
+
+
+def test_an_answer_cut_off_before_its_closing_fits_does_not_say_closed(openai_client):
+    """At max_tokens 5 the schema's answer cannot complete (its shortest closing is longer): the choice ends by
+    length, its text does not parse, and it does not claim grammar_closed."""
+    for max_tokens in (2, 5):
+        reply = openai_client.chat.completions.create(
+            model="smollm2-135m-instruct", messages=POPULATION_PROMPT, max_tokens=max_tokens, temperature=0,
+            response_format={"type": "json_schema", "json_schema": {"name": "city", "schema": CITY_POPULATION}})
+        choice = reply.choices[0]
+        assert choice.finish_reason == "length"
+        with pytest.raises(json.JSONDecodeError):
+            json.loads(choice.message.content)
+        assert not (choice.model_extra or {}).get("grammar_closed")

@@ -288,7 +288,9 @@ class EngineCore:
             self._end_grammars(batch, result.sampled, outputs)
         if self.grammars.closed:
             for output in outputs:
-                output.grammar_closed = output.finish_reason is not None and output.request_id in self.grammars.closed
+                # (closed: forced to complete its grammar; a budget too small for that ends it by length)
+                output.grammar_closed = (output.finish_reason == FinishReason.STOP.value
+                                         and output.request_id in self.grammars.closed)
             self.grammars.closed &= self.grammars.matchers.keys()
         if self.proposer is not None:
             self.proposer.propose(batch.requests, result)
