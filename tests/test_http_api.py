@@ -339,6 +339,39 @@ def test_n_choices(client, model):
     assert [c.message.content for c in again.choices] == texts
 
 
+def test_a_batch_of_prompts_answers_each_as_it_is_answered_alone(client, model, tokenizer):
+    """OpenAI's and vLLM's batch: a list of prompts (texts, or lists of token ids) gets n choices of each, choice
+    prompt_index * n + i with the text its prompt gets alone (greedy), usage summed; streamed, each chunk carries
+    its choice's index, and the usage comes once, summed."""
+    prompts = ["The capital of France is", "The sky is"]
+    kwargs = {"model": model, "max_tokens": 6, "temperature": 0, "extra_body": {"ignore_eos": True}}
+    # (each compared with a request run as it is, from the prefix cache: a prompt computed whole may tip a near tie)
+    for prompt in prompts:
+        client.completions.create(prompt=prompt, **kwargs)
+    alone = [client.completions.create(prompt=prompt, **kwargs) for prompt in prompts]
+    texts = [alone[0].choices[0].text] * 2 + [alone[1].choices[0].text] * 2
+    num_prompt_tokens = sum(reply.usage.prompt_tokens for reply in alone)
+
+    batch = client.completions.create(prompt=prompts, n=2, **kwargs)
+    assert [(c.index, c.text, c.finish_reason) for c in batch.choices] == [
+        (i, text, "length") for i, text in enumerate(texts)]
+    assert (batch.usage.prompt_tokens, batch.usage.completion_tokens) == (num_prompt_tokens, 4 * 6)
+    by_ids = client.completions.create(prompt=[tokenizer.encode(prompt) for prompt in prompts], **kwargs)
+    assert [(c.index, c.text) for c in by_ids.choices] == [(0, texts[0]), (1, texts[2])]
+
+    streamed, finishes, usages, ids = [""] * 4, [None] * 4, [], set()
+    for chunk in client.completions.create(prompt=prompts, n=2, stream=True, stream_options={"include_usage": True},
+                                           **kwargs):
+        ids.add(chunk.id)
+        assert len(chunk.choices) <= 1
+        usages += [chunk.usage] if chunk.usage else []
+        for choice in chunk.choices:
+            streamed[choice.index] += choice.text
+            finishes[choice.index] = choice.finish_reason or finishes[choice.index]
+    assert (streamed, finishes) == (texts, ["length"] * 4) and len(ids) == 1
+    assert [(u.prompt_tokens, u.completion_tokens) for u in usages] == [(num_prompt_tokens, 4 * 6)]
+
+
 def test_stop_string_cuts_the_text(client, model):
     kwargs = {"model": model, "messages": user("Who wrote Romeo and Juliet?"), "max_tokens": 16,
               "temperature": 0, "extra_body": {"ignore_eos": True}}

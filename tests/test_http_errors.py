@@ -136,6 +136,13 @@ BAD_REQUESTS = {
     "too many top_logprobs": ("chat/completions", chat(logprobs=True, top_logprobs=50), 400, "top_logprobs",
                               ["50"]),
     "empty prompt": ("completions", b'{"prompt": ""}', 400, "prompt", ["empty"]),
+    "a batch's prompt over max_model_len": (
+        "completions", json.dumps({"prompt": ["Hi", "hello " * 300], "max_tokens": 1}).encode(), 400, "prompt[1]",
+        ["prompt[1]", "max_model_len=256"]),
+    "a batch's token id outside the vocabulary": ("completions", b'{"prompt": [[1, 2], [3, 99999999]]}', 400,
+                                                  "prompt[1]", ["prompt[1]", "99999999"]),
+    "too many prompts": ("completions", json.dumps({"prompt": ["Hi"] * 65, "max_tokens": 1}).encode(), 400, "prompt",
+                         ["65", "at most 64"]),
     "token id outside the vocabulary": ("completions", b'{"prompt": [1, 99999999]}', 400, "prompt",
                                         ["99999999"]),
     "prompt + max_tokens over max_model_len": (

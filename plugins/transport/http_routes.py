@@ -31,7 +31,7 @@ from conveyor.plugins.transport.sse import (
 )
 from conveyor.plugins.transport.tokenizing import Tokenizing
 from conveyor.plugins.transport.tool_calls import Tools
-from conveyor.sampling import StructuredOutput
+from conveyor.sampling import SamplingParams, StructuredOutput
 from conveyor.transport import Frontend, RequestError
 
 logger = logging.getLogger("conveyor")
@@ -216,15 +216,27 @@ class Routes:
         return None
 
     async def _completion_call(self, body: api.CompletionRequest, created: int) -> Call:
-        prompt = body.prompt
-        if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
-            if len(prompt) != 1:
-                raise RequestError("send one prompt per request (a list of prompts is not supported)", 400, "prompt")
-            prompt = prompt[0]
-        prompt_ids = await self.tokenizing.run(self.frontend.encode, prompt, "prompt")
         params = api.sampling_params(body, 16)  # (OpenAI's default max_tokens for completions)
-        self.frontend.check(prompt_ids, params)
-        return Call(self.frontend, body, prompt_ids, params, False, created, None, self.frontend.adapter(body.model))
+        prompts = await self.tokenizing.run(self._completion_prompts, api.prompts(body), params)
+        return Call(self.frontend, body, prompts, params, False, created, None, self.frontend.adapter(body.model))
+
+    def _completion_prompts(self, prompts: list[str | list[int]], params: SamplingParams) -> list[list[int]]:
+        """A completions request's prompts tokenized and checked (in a worker thread); in a batch, a refusal names
+        ``prompt[i]``."""
+        if len(prompts) == 1:
+            prompt_ids = self.frontend.encode(prompts[0], "prompt")
+            self.frontend.check(prompt_ids, params)
+            return [prompt_ids]
+        batch = []
+        for i, prompt in enumerate(prompts):
+            field = f"prompt[{i}]"
+            prompt_ids = self.frontend.encode(prompt, field)
+            try:
+                self.frontend.check(prompt_ids, params)
+            except RequestError as e:
+                raise RequestError(f"{field}: {e.message}", e.status, field if e.status == 400 else None) from None
+            batch.append(prompt_ids)
+        return batch
 
     async def _chat_prompt(self, body: api.ChatCompletionRequest) -> tuple[list[int], Tools]:
         tools = Tools(body.tools, body.tool_choice, body.parallel_tool_calls)
@@ -250,7 +262,7 @@ class Routes:
                                    "tool_choice")
             params.structured = StructuredOutput(json=schema)
         self.frontend.check(prompt_ids, params)
-        return Call(self.frontend, body, prompt_ids, params, True, created, tools, self.frontend.adapter(body.model),
+        return Call(self.frontend, body, [prompt_ids], params, True, created, tools, self.frontend.adapter(body.model),
                     id_prefix)
 
     async def responses(self, request: Request) -> Response | EventStream:

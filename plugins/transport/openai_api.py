@@ -25,6 +25,8 @@ from conveyor.sampling import SamplingParams, StructuredOutput
 from conveyor.transport import RequestError
 
 MAX_N = 16
+# prompts one completions request may carry (a batch: each prompt is n requests of its own in the engine)
+MAX_PROMPTS = 64
 # integers travel to the engine as 64-bit msgpack ints; larger ones are a 400, not a failed send
 Int = Annotated[int, msgspec.Meta(ge=-(2**63), le=2**63 - 1)]
 
@@ -99,7 +101,7 @@ class _Common(msgspec.Struct, kw_only=True):
 
 
 class CompletionRequest(_Common, kw_only=True):
-    # a string, a list of token ids, or a list of one string
+    # a string or a list of token ids; or a batch: a list of strings, or of lists of token ids
     prompt: str | list[Any]
     logprobs: Int | None = None
     echo: bool = False
@@ -162,6 +164,22 @@ def _without_nulls(value: Any, kind: msgspec.inspect.Type) -> Any:
     if isinstance(kind, msgspec.inspect.ListType) and isinstance(value, list):
         return [_without_nulls(item, kind.item_type) for item in value]
     return value
+
+
+def prompts(request: CompletionRequest) -> list[str | list[int]]:
+    """A completions request's prompts: a text or a list of token ids is one, a list of texts or of token-id lists
+    a batch (each checked later, as the frontend tokenizes it).
+
+    Raises:
+        RequestError: 400 naming ``prompt``: more than MAX_PROMPTS.
+    """
+    prompt = request.prompt
+    batch = isinstance(prompt, list) and any(all(isinstance(p, kind) for p in prompt) for kind in (str, list))
+    if not prompt or not batch:
+        return [prompt]  # (token ids, or a mix that the frontend refuses)
+    if len(prompt) > MAX_PROMPTS:
+        raise RequestError(f"prompt has {len(prompt)} prompts; at most {MAX_PROMPTS} are allowed", 400, "prompt")
+    return list(prompt)
 
 
 def sampling_params(request: CompletionRequest | ChatCompletionRequest, default_max_tokens: int | None) -> SamplingParams:

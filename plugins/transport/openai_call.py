@@ -6,6 +6,8 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+import anyio
+
 from conveyor.messages import LoraAdapter
 from conveyor.plugins.transport import openai_api as api
 from conveyor.plugins.transport.reasoning import OPEN as THINK
@@ -22,12 +24,14 @@ OnChunk = Callable[[int, Chunk, list[Part]], Awaitable[None]]
 
 
 class Call:
-    """One completions or chat completions call, with its n choices."""
+    """One completions or chat completions call, with its n choices of each prompt."""
 
-    def __init__(self, frontend: Frontend, body: Any, prompt_ids: list[int], params: Any, chat: bool, created: int,
+    def __init__(self, frontend: Frontend, body: Any, prompts: list[list[int]], params: Any, chat: bool, created: int,
                  tools: Tools | None = None, lora: LoraAdapter | None = None, id_prefix: str | None = None):
         """
         Args:
+            prompts: the prompts' token ids: chat's one, or a completions batch (each prompt its own engine
+                requests; choice ``prompt_index * n + i`` is the i-th of prompt ``prompt_index``).
             created: when the request came (Unix seconds): the response's ``created``, and every chunk's.
             tools: a chat call's tools; where they are active, replies are read for calls as they are generated.
             lora: the LoRA adapter the call's ``model`` names (None: the base model).
@@ -39,32 +43,38 @@ class Call:
         self.model = body.model or frontend.model_name
         self.tools = tools if tools is not None and tools.active else None
         self.body = body
-        self.prompt_ids = prompt_ids
+        self.prompts = prompts
         self.params = params
         self.chat = chat
         self.created = created
         self.id = frontend.new_request_id(id_prefix or ("chatcmpl" if chat else "cmpl"))
         self.object = "chat.completion" if chat else "text_completion"
-        self.texts = [""] * body.n
-        self.token_ids: list[list[int]] = [[] for _ in range(body.n)]
-        self.logprobs: list[list[Any]] = [[] for _ in range(body.n)]
-        self.finish_reasons: list[str | None] = [None] * body.n
+        self.num_choices = num = len(prompts) * body.n
+        self.texts = [""] * num
+        self.token_ids: list[list[int]] = [[] for _ in range(num)]
+        self.logprobs: list[list[Any]] = [[] for _ in range(num)]
+        self.finish_reasons: list[str | None] = [None] * num
         # the stop string that ended each choice, if one did
-        self.stop_strings: list[str | None] = [None] * body.n
+        self.stop_strings: list[str | None] = [None] * num
         # structured output: whether each choice's answer was closed to fit max_tokens (Chunk.grammar_closed)
-        self.grammar_closed = [False] * body.n
+        self.grammar_closed = [False] * num
         # each choice's reply read for its thinking (with a reasoning parser) and tool calls (all text where no
         # tools are active)
         self.reasoning = chat and frontend.reasoning_parser == "think" and params.structured is None
-        self.readers = [self._reader() for _ in range(body.n)]
+        self.readers = [self._reader() for _ in range(num)]
         # generated tokens that were thinking, by choice
-        self.reasoning_tokens = [0] * body.n
-        self.num_cached_tokens = 0
+        self.reasoning_tokens = [0] * num
+        # prompt tokens found in the prefix cache, by prompt
+        self.cached_tokens = [0] * len(prompts)
+
+    @property
+    def num_cached_tokens(self) -> int:
+        return sum(self.cached_tokens)
 
     def _reader(self) -> ReplyReader:
         thinking = None
         if self.reasoning:
-            tail = self.frontend.tokenizer.decode(self.prompt_ids[-8:], skip_special_tokens=False)
+            tail = self.frontend.tokenizer.decode(self.prompts[0][-8:], skip_special_tokens=False)  # (chat: one)
             thinking = ThinkSplitter(prompt_opens_thinking=tail.rstrip().endswith(THINK))
         if self.tools is not None:
             return self.tools.reader(thinking)
@@ -76,7 +86,8 @@ class Call:
             if reader.thinking is not None and reader.thinking.thinking:
                 self.reasoning_tokens[index] += len(chunk.token_ids)
             parts = reader.feed(chunk.text, final=chunk.finish_reason is not None)
-            self.num_cached_tokens = max(self.num_cached_tokens, chunk.num_cached_tokens)
+            prompt = index // self.body.n
+            self.cached_tokens[prompt] = max(self.cached_tokens[prompt], chunk.num_cached_tokens)
             if on_chunk is not None:
                 await on_chunk(index, chunk, parts)
             self.texts[index] += chunk.text
@@ -86,16 +97,30 @@ class Call:
             self.stop_strings[index] = chunk.stop_string
             self.grammar_closed[index] = chunk.grammar_closed
 
-        try:
-            await self.frontend.run_choices(self.prompt_ids, self.params, self.body.n, request_id=self.id,
-                                            priority=self.body.priority, on_chunk=collect, lora=self.lora)
-        except RequestError as e:  # the engine refused the language: name the field that carried it
-            if e.param == "structured":
-                e.param = api.structured_field(self.body) or "tools"
-            raise
+        refused: list[RequestError] = []
+
+        async def choices(prompt: int) -> None:
+            n = self.body.n
+            request_id = self.id if len(self.prompts) == 1 else f"{self.id}-{prompt}"
+            try:
+                await self.frontend.run_choices(self.prompts[prompt], self.params, n, request_id=request_id,
+                                                priority=self.body.priority, lora=self.lora,
+                                                on_chunk=lambda i, chunk: collect(prompt * n + i, chunk))
+            except RequestError as e:
+                refused.append(e)
+                group.cancel_scope.cancel()  # (the other prompts' requests are aborted)
+
+        async with anyio.create_task_group() as group:
+            for prompt in range(len(self.prompts)):
+                group.start_soon(choices, prompt)
+        if refused:
+            error = refused[0]
+            if error.param == "structured":  # the engine refused the language: name the field that carried it
+                error.param = api.structured_field(self.body) or "tools"
+            raise error
 
     def usage(self) -> dict[str, Any]:
-        return api.usage(len(self.prompt_ids), sum(map(len, self.token_ids)), self.num_cached_tokens)
+        return api.usage(sum(map(len, self.prompts)), sum(map(len, self.token_ids)), self.num_cached_tokens)
 
     def _logprobs(self, index: int, token_ids: list[int], logprobs: list[Any], text_offset: int) -> Any:
         if self.params.logprobs is None:
@@ -107,7 +132,7 @@ class Call:
 
     def result(self) -> dict[str, Any]:
         choices = []
-        for i in range(self.body.n):
+        for i in range(self.num_choices):
             choice: dict[str, Any] = {"index": i}
             finish_reason = self.finish_reasons[i]
             if self.chat:
@@ -149,7 +174,7 @@ class Call:
                 return
             opened = True
             await begin()
-            for i in range(self.body.n if self.chat else 0):
+            for i in range(self.num_choices if self.chat else 0):
                 choice = {"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                           "finish_reason": None}
                 await emit(api.envelope(self.id, chunk_object, model, self.created, [choice], **extra))

@@ -93,8 +93,10 @@ def _limits(models: list[str], max_model_len: int, vocab_size: int) -> dict[str,
     penalty = {"type": "number", "minimum": -MAX_PENALTY, "maximum": MAX_PENALTY}
     return {
         "model": {"enum": models},
-        "prompt": {"anyOf": [{"type": "string", "minLength": 1}, token_ids,
-                             {"type": "array", "items": {"type": "string"}, "minItems": 1, "maxItems": 1}]},
+        "prompt": {"anyOf": [{"type": "string", "minLength": 1}, token_ids,  # (one prompt, or a batch of them)
+                             {"type": "array", "items": {"type": "string", "minLength": 1}, "minItems": 1,
+                              "maxItems": api.MAX_PROMPTS},
+                             {"type": "array", "items": token_ids, "minItems": 1, "maxItems": api.MAX_PROMPTS}]},
         "messages": {"type": "array", "minItems": 1, "items": message},
         "max_tokens": tokens,
         "max_completion_tokens": tokens,
