@@ -9,7 +9,8 @@
 
 ``AsyncClient`` does the same with ``await``/``async for`` and can run many
 requests at once over one socket. Sampling fields are ``SamplingParams``
-keyword arguments (max_tokens, temperature, top_p, top_k, seed, stop, ...).
+keyword arguments (max_tokens, temperature, top_p, top_k, seed, stop, ...);
+``model`` picks a LoRA adapter the server serves.
 """
 
 from __future__ import annotations
@@ -103,7 +104,8 @@ class _Base:
         socket.connect(self.address)
 
     def _request(self, prompt: str | list[int] | None, messages: list[dict[str, Any]] | None, stream: bool,
-                 request_id: str | None, priority: int, params: dict[str, Any]) -> GenerateRequest:
+                 request_id: str | None, priority: int, model: str | None,
+                 params: dict[str, Any]) -> GenerateRequest:
         return GenerateRequest(
             request_id or f"{self._prefix}-{next(self._ids)}",
             prompt,
@@ -111,6 +113,7 @@ class _Base:
             SamplingParams(**params),
             stream,
             priority,
+            model,
         )
 
 
@@ -159,19 +162,21 @@ class Client(_Base):
         return reply
 
     def stream(self, prompt: str | list[int] | None = None, *, messages: list[dict[str, Any]] | None = None,
-               request_id: str | None = None, priority: int = 0, **params: Any) -> Iterator[StreamChunk]:
+               request_id: str | None = None, priority: int = 0, model: str | None = None,
+               **params: Any) -> Iterator[StreamChunk]:
         """Yield chunks until the final one (it carries finish_reason and usage).
 
         Raises:
             ServerError: the server refused or failed the request.
         """
-        request = self._request(prompt, messages, True, request_id, priority, params)
+        request = self._request(prompt, messages, True, request_id, priority, model, params)
         yield from self._follow(request)
 
     def generate(self, prompt: str | list[int] | None = None, *, messages: list[dict[str, Any]] | None = None,
-                 request_id: str | None = None, priority: int = 0, **params: Any) -> Completion:
+                 request_id: str | None = None, priority: int = 0, model: str | None = None,
+                 **params: Any) -> Completion:
         """The whole completion at once."""
-        request = self._request(prompt, messages, False, request_id, priority, params)
+        request = self._request(prompt, messages, False, request_id, priority, model, params)
         return _completion(request.request_id, list(self._follow(request)))
 
     def _follow(self, request: GenerateRequest) -> Iterator[StreamChunk]:
@@ -231,7 +236,10 @@ class AsyncClient(_Base):
             if isinstance(reply, HealthReply):
                 waiters, self._health = self._health, []
                 for waiter in waiters:
-                    waiter.send_nowait(reply)
+                    try:
+                        waiter.send_nowait(reply)
+                    except anyio.BrokenResourceError:  # (it gave up waiting)
+                        pass
                     waiter.close()
                 continue
             stream = self._streams.get(reply.request_id or "")
@@ -241,22 +249,28 @@ class AsyncClient(_Base):
     async def health(self) -> HealthReply:
         send, receive = anyio.create_memory_object_stream[HealthReply](1)
         self._health.append(send)
-        await self._socket.send_multipart(encode(b"health", HealthRequest()))
-        with anyio.fail_after(self.timeout):
-            async with receive:
-                return await receive.receive()
+        try:
+            await self._socket.send_multipart(encode(b"health", HealthRequest()))
+            with anyio.fail_after(self.timeout):
+                async with receive:
+                    return await receive.receive()
+        finally:
+            if send in self._health:  # (timed out: the late reply finds no one)
+                self._health.remove(send)
 
     async def stream(self, prompt: str | list[int] | None = None, *, messages: list[dict[str, Any]] | None = None,
-                     request_id: str | None = None, priority: int = 0, **params: Any) -> AsyncIterator[StreamChunk]:
+                     request_id: str | None = None, priority: int = 0, model: str | None = None,
+                     **params: Any) -> AsyncIterator[StreamChunk]:
         """Yield chunks until the final one; leaving early aborts the request."""
-        request = self._request(prompt, messages, True, request_id, priority, params)
+        request = self._request(prompt, messages, True, request_id, priority, model, params)
         async with aclosing(self._follow(request)) as chunks:
             async for chunk in chunks:
                 yield chunk
 
     async def generate(self, prompt: str | list[int] | None = None, *, messages: list[dict[str, Any]] | None = None,
-                       request_id: str | None = None, priority: int = 0, **params: Any) -> Completion:
-        request = self._request(prompt, messages, False, request_id, priority, params)
+                       request_id: str | None = None, priority: int = 0, model: str | None = None,
+                       **params: Any) -> Completion:
+        request = self._request(prompt, messages, False, request_id, priority, model, params)
         return _completion(request.request_id, [chunk async for chunk in self._follow(request)])
 
     async def _follow(self, request: GenerateRequest) -> AsyncIterator[StreamChunk]:

@@ -3,6 +3,8 @@ conveyor.zmq_client sync and async, HTTP and ZMQ served at once, and CURVE."""
 
 from __future__ import annotations
 
+import threading
+import time
 from array import array
 from contextlib import aclosing
 
@@ -215,6 +217,79 @@ def test_raw_client_abort(server, keys):
     socket.close()
 
 
+def receive(socket: zmq.Socket) -> tuple[bytes, dict]:
+    assert socket.poll(60_000), "no reply"
+    kind, body = socket.recv_multipart()
+    return kind, msgspec.msgpack.decode(body)
+
+
+def until_final(socket: zmq.Socket, request_id: str) -> list[dict]:
+    """Every chunk of the request up to its final one (those of others skipped)."""
+    chunks = []
+    while not chunks or not chunks[-1]["finish_reason"]:
+        kind, message = receive(socket)
+        assert kind == b"chunk", message
+        if message["request_id"] == request_id:
+            chunks.append(message)
+    return chunks
+
+
+def test_streamed_chunks_carry_every_token_and_every_logprob_key(server, keys, tokenizer):
+    """A stop string that never matches holds text back now and then, so some chunks carry tokens and no text
+    yet: every token still comes, in order (their text the decoded tokens), and each logprob map has all four
+    keys, with no alternatives at logprobs 0."""
+    socket = raw_socket(server, keys)
+    params = {"max_tokens": 24, "temperature": 0, "ignore_eos": True, "stop": [" la la XYZQ"], "logprobs": 0}
+    socket.send_multipart([b"generate", msgspec.msgpack.encode({"request_id": "s", "messages": QUESTION,
+                                                                "params": params})])
+    chunks = until_final(socket, "s")
+    tokens = [t for c in chunks for t in c["token_ids"]]
+    assert len(tokens) == chunks[-1]["usage"]["completion_tokens"] == 24
+    assert "".join(c["text"] for c in chunks) == tokenizer.decode(tokens)
+    logprobs = [lp for c in chunks for lp in c["logprobs"] or []]
+    assert [lp["token_id"] for lp in logprobs] == tokens
+    assert all(lp["top_ids"] == [] and lp["top_logprobs"] == [] and lp["logprob"] <= 0 for lp in logprobs)
+    socket.close()
+
+
+def test_a_duplicate_id_leaves_its_request_running_and_an_aborted_id_may_be_used_again(server, keys):
+    """A second generate with the id of a request in flight is refused with no request_id (so that a client
+    ending the request named by an error keeps the first); the first goes on. Aborted while the engine is
+    stopped (it has not yet ended the request), the id is taken again at once and that request runs."""
+    socket = raw_socket(server, keys)
+    long = {"request_id": "d", "prompt": "Tell me a story.", "params": {"max_tokens": 300, "ignore_eos": True}}
+    socket.send_multipart([b"generate", msgspec.msgpack.encode(long)])
+    assert receive(socket)[0] == b"chunk"
+    socket.send_multipart([b"generate", msgspec.msgpack.encode(long)])
+    while (reply := receive(socket))[0] == b"chunk":
+        assert reply[1]["request_id"] == "d" and not reply[1]["finish_reason"]
+    kind, error = reply
+    assert kind == b"error" and error["request_id"] is None and "'d' is already in flight" in error["message"]
+    with server.paused_engine():
+        socket.send_multipart([b"abort", msgspec.msgpack.encode({"request_id": "d"})])
+        assert until_final(socket, "d")[-1]["finish_reason"] == "abort"
+        short = {"request_id": "d", "prompt": "Hi", "params": {"max_tokens": 4, "ignore_eos": True}, "stream": False}
+        socket.send_multipart([b"generate", msgspec.msgpack.encode(short)])
+    (final,) = until_final(socket, "d")
+    assert final["finish_reason"] == "length" and len(final["token_ids"]) == 4
+    socket.close()
+
+
+def test_an_aborted_request_without_streaming_returns_what_it_made(server, keys, tokenizer):
+    socket = raw_socket(server, keys)
+    made = server.metric("conveyor_generation_tokens_total")
+    request = {"request_id": "w", "prompt": "Tell me a story.", "params": {"max_tokens": 400, "ignore_eos": True},
+               "stream": False}
+    socket.send_multipart([b"generate", msgspec.msgpack.encode(request)])
+    server.wait_for(lambda: server.metric("conveyor_generation_tokens_total") >= made + 8, what="some tokens")
+    socket.send_multipart([b"abort", msgspec.msgpack.encode({"request_id": "w"})])
+    (final,) = until_final(socket, "w")
+    assert final["finish_reason"] == "abort"
+    assert 8 <= len(final["token_ids"]) == final["usage"]["completion_tokens"] < 400
+    assert final["text"] == tokenizer.decode(final["token_ids"])
+    socket.close()
+
+
 def test_sync_client_matches_http(server, client_keys):
     import openai
 
@@ -228,7 +303,12 @@ def test_sync_client_matches_http(server, client_keys):
         with pytest.raises(ServerError) as error:
             client.generate("hello", max_tokens=10**6)
         assert error.value.status == 400 and "max_model_len" in error.value.message
-    assert "".join(c.text for c in chunks) == whole.text
+        # model: the served model by name (a LoRA adapter's name picks it); a name not served is a 404
+        named = client.generate(messages=QUESTION, max_tokens=16, temperature=0, model="smollm2-135m-instruct")
+        with pytest.raises(ServerError) as error:
+            client.generate("hello", max_tokens=2, model="no-such-adapter")
+        assert error.value.status == 404
+    assert "".join(c.text for c in chunks) == whole.text == named.text
     assert chunks[-1].finish_reason == whole.finish_reason and chunks[-1].usage == whole.usage
     http = openai.OpenAI(base_url=f"{server.http}/v1", api_key="unused")
     reply = http.chat.completions.create(model="smollm2-135m-instruct", messages=QUESTION, max_tokens=16, temperature=0)
@@ -323,3 +403,36 @@ def test_curve_rejects_a_client_with_the_wrong_key(server, keys):
     trusted.disable_monitor()
     monitor.close()
     trusted.close()
+
+
+async def test_a_health_reply_after_its_timeout_does_not_break_the_async_client():
+    """A server that answers health late: the call times out, the late reply is dropped, and the client goes on
+    (its next health call gets its answer)."""
+    context = zmq.Context.instance()
+    router = context.socket(zmq.ROUTER)
+    router.setsockopt(zmq.LINGER, 0)
+    router.bind("tcp://127.0.0.1:*")
+    address = router.getsockopt_string(zmq.LAST_ENDPOINT)
+
+    def answer(delay: float) -> None:
+        assert router.poll(60_000)
+        identity, kind, _ = router.recv_multipart()
+        assert kind == b"health"
+        time.sleep(delay)
+        router.send_multipart([identity, b"health", msgspec.msgpack.encode(
+            {"alive": True, "model": "m", "max_model_len": 8, "num_in_flight": 0})])
+
+    try:
+        async with AsyncClient(address, timeout=0.5) as client:
+            late = threading.Thread(target=answer, args=(1.5,))
+            late.start()
+            with pytest.raises(TimeoutError):
+                await client.health()
+            await anyio.to_thread.run_sync(late.join)
+            await anyio.sleep(0.2)  # (the late reply reaches the client's reader)
+            prompt = threading.Thread(target=answer, args=(0.0,))
+            prompt.start()
+            assert (await client.health()).model == "m"
+            await anyio.to_thread.run_sync(prompt.join)
+    finally:
+        router.close()

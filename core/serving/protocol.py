@@ -39,7 +39,7 @@ class HealthRequest(msgspec.Struct):
     pass
 
 
-class Logprob(msgspec.Struct, omit_defaults=True):
+class Logprob(msgspec.Struct):
     token_id: int
     logprob: float
     # the most likely alternatives, best first

@@ -8,6 +8,7 @@ the authorized directory can connect.
 
 from __future__ import annotations
 
+import itertools
 import logging
 from contextlib import aclosing
 from pathlib import Path
@@ -67,6 +68,9 @@ class ZMQTransport(Transport):
             self._keys = (public, secret)
         # (client identity, client request id) -> the cancel scope of that request
         self._running: dict[tuple[bytes, str], anyio.CancelScope] = {}
+        # numbers the requests' engine ids: a client may reuse its id once a request is over, while the engine
+        # may still be ending the old one
+        self._serial = itertools.count()
 
     async def serve(self, frontend: Frontend, *, task_status: anyio.abc.TaskStatus = anyio.TASK_STATUS_IGNORED) -> None:
         context = zmq.asyncio.Context()
@@ -122,9 +126,9 @@ class ZMQTransport(Transport):
                 scope.cancel()
         else:
             key = (identity, body.request_id)
-            if key in self._running:
-                tg.start_soon(reply.error, body.request_id, 400,
-                              f"request_id {body.request_id!r} is already in flight")
+            if key in self._running:  # (no request_id: an error would end the request in flight, for the client)
+                tg.start_soon(reply.error, None, 400, f"request_id {body.request_id!r} is already in flight; this "
+                              "generate was not taken (that request goes on)")
                 return
             scope = anyio.CancelScope()
             self._running[key] = scope
@@ -146,7 +150,7 @@ class ZMQTransport(Transport):
                         prompt_ids = await self.tokenizing.run(frontend.encode, request.prompt)
                     frontend.check(prompt_ids, request.params)
                     lora = frontend.adapter(request.model)
-                    internal_id = f"zmq-{reply.identity.hex()}-{rid}"
+                    internal_id = f"zmq-{reply.identity.hex()}-{next(self._serial)}-{rid}"
                     chunks = frontend.generate(prompt_ids, request.params, request_id=internal_id,
                                                priority=request.priority, lora=lora)
                     async with aclosing(chunks):
@@ -154,7 +158,7 @@ class ZMQTransport(Transport):
                             last = chunk
                             message = _chunk(rid, chunk)
                             if request.stream:
-                                if message.text or message.finish_reason or message.logprobs:
+                                if message.text or message.token_ids or message.finish_reason or message.logprobs:
                                     await reply.send(b"chunk", message)
                             else:
                                 text.append(message.text)
@@ -166,9 +170,10 @@ class ZMQTransport(Transport):
                         await reply.send(b"chunk", whole)
                 except RequestError as e:
                     await reply.error(rid, e.status, e.message, e.retry_after)
-            if scope.cancel_called:  # the client aborted it
+            if scope.cancel_called:  # the client aborted it (without streaming: what it made so far comes too)
                 usage = protocol.Usage(last.num_prompt_tokens, last.num_output_tokens) if last else None
-                await reply.send(b"chunk", protocol.StreamChunk(rid, finish_reason="abort", usage=usage))
+                await reply.send(b"chunk", protocol.StreamChunk(rid, "".join(text), token_ids, logprobs or None,
+                                                                finish_reason="abort", usage=usage))
         finally:
             self._running.pop((reply.identity, rid), None)
 
