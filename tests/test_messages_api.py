@@ -159,6 +159,19 @@ def test_a_streamed_tool_use_streams_its_input(client, model):
     assert len(pieces) >= 2 and json.loads("".join(pieces)) == use.input
 
 
+def test_a_tool_use_cut_off_by_max_tokens_stops_for_max_tokens(client, model):
+    """A forced tool_use that max_tokens cuts off halfway is not one to run: stop_reason "max_tokens" (not
+    "tool_use"), streamed and not, and its input as far as it came, marked partial."""
+    request = {"model": model, "max_tokens": 16, **GREEDY, "tools": [WEATHER], "tool_choice": {"type": "any"},
+               "messages": [{"role": "user", "content": "Weather in Rome?"}]}
+    reply = client.messages.create(**request)
+    (use,) = [block for block in reply.content if block.type == "tool_use"]
+    assert reply.stop_reason == "max_tokens" and set(use.input) == {"_partial_arguments"}
+    with client.messages.stream(**request) as stream:
+        final = stream.get_final_message()
+    assert final.stop_reason == "max_tokens" and [block.type for block in final.content] == ["tool_use"]
+
+
 def test_bad_requests_get_anthropics_error_shape(client, default_server, model):
     with pytest.raises(anthropic.BadRequestError) as caught:
         client.messages.create(model=model, max_tokens=10, messages=[

@@ -148,6 +148,23 @@ def test_a_streamed_function_call_streams_its_arguments(openai_client, model):
     assert [e.arguments for e in done] == [call.arguments]
 
 
+def test_a_function_call_cut_off_by_max_output_tokens_is_incomplete(openai_client, model):
+    """A forced call that max_output_tokens cuts off halfway: the response and the function_call item are both
+    "incomplete", streamed (the item's output_item.done and the final response) and not."""
+    request = {"model": model, "input": "Weather in Rome?", "tools": [WEATHER], "tool_choice": "required",
+               "temperature": 0, "max_output_tokens": 16}
+    whole = openai_client.responses.create(**request)
+    (call,) = whole.output
+    assert (whole.status, call.type, call.status) == ("incomplete", "function_call", "incomplete")
+    with pytest.raises(json.JSONDecodeError):
+        json.loads(call.arguments)
+    with openai_client.responses.stream(**request) as stream:
+        events = list(stream)
+    (done,) = [e for e in events if e.type == "response.output_item.done"]
+    assert done.item.status == "incomplete" and done.item.arguments == call.arguments
+    assert events[-1].type == "response.incomplete" and events[-1].response.output[0].status == "incomplete"
+
+
 def test_bad_requests_name_the_field(default_server):
     url = f"{default_server.http}/v1/responses"
     for body, param in (({"input": "Hi", "tools": [{"type": "web_search"}]}, "tools[0].type"),

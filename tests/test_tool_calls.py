@@ -96,6 +96,26 @@ def test_a_streamed_call_arrives_as_argument_deltas_that_make_the_returned_call(
     jsonschema.validate(json.loads("".join(deltas)), WEATHER["function"]["parameters"])
 
 
+def test_a_call_cut_off_by_max_tokens_ends_by_length(openai_client):
+    """A forced call that max_tokens cuts off halfway is no call to run: the choice ends by "length" (as OpenAI's
+    does), its arguments as far as they came, streamed and not (greedy: the same text)."""
+    client = openai_client
+    model = client.models.list().data[0].id
+    request = {"model": model, "messages": QUESTION, "tools": [WEATHER], "tool_choice": "required",
+               "temperature": 0, "max_tokens": 16}
+    choice = client.chat.completions.create(**request).choices[0]
+    [call] = choice.message.tool_calls
+    with pytest.raises(json.JSONDecodeError):
+        json.loads(call.function.arguments)
+    assert choice.finish_reason == "length"
+    arguments, finish = "", None
+    for chunk in client.chat.completions.create(**request, stream=True):
+        for c in chunk.choices:
+            arguments += "".join(d.function.arguments or "" for d in c.delta.tool_calls or [])
+            finish = c.finish_reason or finish
+    assert (arguments, finish) == (call.function.arguments, "length")
+
+
 def test_bad_tool_choices_are_400s(openai_client):
     client = openai_client
     model = client.models.list().data[0].id

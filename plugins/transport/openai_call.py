@@ -3,6 +3,7 @@ OpenAI response object, or the stream of chunk objects, assembled from what they
 
 from __future__ import annotations
 
+import json
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -148,14 +149,22 @@ class Call:
 
     def message(self, index: int) -> tuple[dict[str, Any], str | None]:
         """A chat choice's message (its text and tool calls, as read), and its finish reason ("tool_calls" when it
-        made any)."""
+        made calls whose arguments all came whole)."""
         reader = self.readers[index]
         message: dict[str, Any] = {"role": "assistant", "content": reader.content}
         if self.reasoning:
             message["reasoning_content"] = reader.thinking.reasoning or None
-        if not reader.calls:
-            return message, self.finish_reasons[index]
-        return message | {"content": reader.content or None, "tool_calls": reader.calls}, "tool_calls"
+        if reader.calls:
+            message.update(content=reader.content or None, tool_calls=reader.calls)
+        return message, self._finish_reason(index, self.finish_reasons[index])
+
+    def _finish_reason(self, index: int, reason: str | None) -> str | None:
+        """A chat choice's finish reason, given the engine's: "tool_calls" when the choice made calls and each is
+        whole; a call that max_tokens (or a stop string) cut off keeps the engine's ("length"), as OpenAI's does."""
+        calls = self.readers[index].calls
+        if reason is not None and calls and all(map(arguments_complete, calls)):
+            return "tool_calls"
+        return reason
 
     async def stream(self, emit: Emit, begin: Callable[[], Awaitable[None]]) -> None:
         """The call as server-sent chunk objects (``begin()`` sends the response's status and headers)."""
@@ -186,8 +195,7 @@ class Call:
                 return  # nothing to show yet (the engine took the request, or a character or a stop string is pending)
             finish_reason = chunk.finish_reason
             if self.chat:
-                if finish_reason is not None and self.readers[index].calls:
-                    finish_reason = "tool_calls"
+                finish_reason = self._finish_reason(index, finish_reason)
                 fields = [{"delta": _delta(part)} for part in parts] or [{"delta": {}}]
             else:
                 fields = [{"text": chunk.text}]
@@ -205,6 +213,15 @@ class Call:
         await open_stream()
         if include_usage:
             await emit(api.envelope(self.id, chunk_object, model, self.created, [], usage=self.usage()))
+
+
+def arguments_complete(call: dict[str, Any]) -> bool:
+    """Whether an OpenAI-shaped tool call's arguments are whole JSON (not cut off while they were generated)."""
+    try:
+        json.loads(call["function"]["arguments"])
+    except json.JSONDecodeError:
+        return False
+    return True
 
 
 def _delta(part: Part) -> dict[str, Any]:

@@ -24,7 +24,7 @@ from typing import Any, Literal
 import msgspec
 
 from conveyor.plugins.transport import openai_api as api
-from conveyor.plugins.transport.openai_call import Call, Emit
+from conveyor.plugins.transport.openai_call import Call, Emit, arguments_complete
 from conveyor.plugins.transport.tool_calls import FunctionDef, ToolDef
 from conveyor.plugins.transport.tool_stream import CallStart, Part, Reasoning, Text
 from conveyor.transport import Chunk, RequestError
@@ -245,7 +245,9 @@ class Reply:
         for tool_call in message.get("tool_calls", []):
             items.append({"type": "function_call", "id": _function_call_id(tool_call["id"]),
                           "call_id": tool_call["id"], "name": tool_call["function"]["name"],
-                          "arguments": tool_call["function"]["arguments"], "status": "completed"})
+                          "arguments": tool_call["function"]["arguments"],
+                          # (a call cut off by max_output_tokens is no call to run)
+                          "status": "completed" if arguments_complete(tool_call) else "incomplete"})
         return items
 
     def response(self, output: list[dict[str, Any]] | None = None, status: str | None = None) -> dict[str, Any]:
