@@ -345,6 +345,7 @@ class MessageType(bytes, enum.Enum):
     # frontend -> engine
     ADD = b"a"  # EngineRequest
     ABORT = b"x"  # list[str]: request ids
+    FINISH = b"s"  # list[str]: request ids the frontend saw end (a stop string): ended as ABORT ends them, finished
     SHUTDOWN = b"q"  # empty body: finish the current step and exit
     CONFIGURE = b"c"  # dict: scheduler options to change at run time (Scheduler.reconfigure)
     # engine -> frontend
@@ -356,6 +357,7 @@ class MessageType(bytes, enum.Enum):
 MESSAGE_BODIES: dict[MessageType, type] = {
     MessageType.ADD: EngineRequest,
     MessageType.ABORT: list[str],
+    MessageType.FINISH: list[str],
     MessageType.SHUTDOWN: type(None),
     MessageType.CONFIGURE: dict[str, Any],
     MessageType.READY: EngineReady,

@@ -298,17 +298,16 @@ class Scheduler(Gated):
         for gate in self.gates:
             gate.forget(request)
 
-    def abort(self, request_ids: Iterable[str], error: str | None = None) -> list[RequestOutput]:
-        """Drop requests wherever they are and free their memory.
+    def abort(self, request_ids: Iterable[str], error: str | None = None,
+              reason: FinishReason = FinishReason.ABORT) -> list[RequestOutput]:
+        """Drop requests wherever they are and free their memory; a final output for each one still unfinished.
 
         Args:
             request_ids: unknown or finished ids are skipped.
-            error: end them with finish reason "error" and this text instead of "abort".
-
-        Returns:
-            A final output for each request that was still unfinished.
+            error: end them with finish reason "error" and this text instead of ``reason``.
+            reason: "abort", or "stop" for requests the frontend saw end (counted as finished).
         """
-        reason = FinishReason.ABORT if error is None else FinishReason.ERROR
+        reason = reason if error is None else FinishReason.ERROR
         outputs = []
         for request_id in request_ids:
             request = self.requests.get(request_id)

@@ -177,7 +177,7 @@ class FakeReplica(EngineClient):
     def _submit(self, request: EngineRequest) -> None:
         self.submitted.append(request.request_id)
 
-    def _abort(self, request_ids: list[str]) -> None:
+    def _abort(self, request_ids: list[str], finished: bool = False) -> None:
         self.aborted += request_ids
         self._publish([RequestOutput(r, finish_reason="abort") for r in request_ids], None)
 

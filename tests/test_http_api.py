@@ -481,6 +481,25 @@ def test_client_leaving_a_stream_aborts_the_request(server, client, model):
     assert after.usage.completion_tokens == 4
 
 
+def test_a_stop_string_ends_the_request_in_the_engine_as_finished_not_aborted(server, client, model):
+    """The frontend finds the stop string and ends the request in the engine: its blocks are freed at once, and
+    the engine counts it finished, not among its aborts (which count requests cut short)."""
+    wait_until_idle(server)
+    prompt = "The capital of France is"
+    plain = client.completions.create(model=model, prompt=prompt, max_tokens=12, temperature=0,
+                                      extra_body={"ignore_eos": True})
+    words = plain.choices[0].text.split()
+    assert len(words) >= 4
+    engine_aborted, stopped = server.engine_aborts(), server.num_finished("stop")
+    cut = client.completions.create(model=model, prompt=prompt, max_tokens=12, temperature=0, stop=[words[2]],
+                                    extra_body={"ignore_eos": True})
+    assert cut.choices[0].finish_reason == "stop" and cut.usage.completion_tokens < 12
+    wait_until_idle(server)
+    client.completions.create(model=model, prompt="Hi", max_tokens=2)  # (a step: the engine's counters come)
+    assert server.num_finished("stop") == stopped + 1
+    assert server.engine_aborts() == engine_aborted
+
+
 def test_client_timing_out_aborts_the_request(server, client, model):
     wait_until_idle(server)
     aborted, engine_aborted = server.num_finished("abort"), server.engine_aborts()

@@ -71,8 +71,9 @@ class EngineClient(ABC):
         """Hand a request to the engine (raises EngineUnavailable)."""
 
     @abstractmethod
-    def _abort(self, request_ids: list[str]) -> None:
-        """Ask the engine to end these requests (their final outputs come back as usual)."""
+    def _abort(self, request_ids: list[str], finished: bool = False) -> None:
+        """Ask the engine to end these requests (their final outputs come back as usual); ``finished``: the
+        frontend saw them end (a stop string), so they count as finished, not aborted."""
 
     async def generate(self, request: EngineRequest) -> AsyncIterator[RequestOutput]:
         """Submit a request; yield its outputs until the final one.
@@ -98,10 +99,11 @@ class EngineClient(ABC):
             async for output in outputs:
                 yield output
 
-    def abort(self, request_id: str) -> None:
-        """Stop a request wherever it is; its stream ends with an ``abort`` output."""
+    def abort(self, request_id: str, finished: bool = False) -> None:
+        """Stop a request wherever it is; its stream ends with an ``abort`` output (``finished``: the frontend
+        saw it end)."""
         if self.alive and request_id in self._streams:
-            self._abort([request_id])
+            self._abort([request_id], finished)
 
     def abort_all(self) -> None:
         if self.alive and len(self._streams):

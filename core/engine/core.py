@@ -169,12 +169,13 @@ class EngineCore:
         return RequestOutput(request_id, finish_reason=FinishReason.ERROR.value, error=str(e), error_status=e.status,
                              retry_after=e.retry_after)
 
-    def abort(self, request_ids: Iterable[str]) -> list[RequestOutput]:
-        """End requests wherever they are; returns a final ``abort`` output for each unfinished one."""
-        return self.scheduler.abort(request_ids)
+    def abort(self, request_ids: Iterable[str], finished: bool = False) -> list[RequestOutput]:
+        """End requests wherever they are; returns a final ``abort`` output for each unfinished one (``stop``
+        with ``finished``: the frontend saw them end)."""
+        return self.scheduler.abort(request_ids, reason=FinishReason.STOP if finished else FinishReason.ABORT)
 
     def apply(self, messages: Iterable[tuple[MessageType, object]]) -> EngineOutputs | None:
-        """Take ADD, ABORT and CONFIGURE messages (``EngineRequest``, a list of request ids, scheduler options)
+        """Take ADD, ABORT, FINISH and CONFIGURE messages (``EngineRequest``, request ids, scheduler options)
         in the order they came.
 
         Returns:
@@ -191,8 +192,8 @@ class EngineCore:
                     outputs.append(rejection)
                 elif self.scheduler.requests[body.request_id].status is RequestStatus.WAITING:
                     outputs.append(RequestOutput(body.request_id))  # taken (one a gate holds: once it passes)
-            elif kind is MessageType.ABORT:
-                outputs += self.abort(body)
+            elif kind is MessageType.ABORT or kind is MessageType.FINISH:
+                outputs += self.abort(body, finished=kind is MessageType.FINISH)
                 aborted = True
             elif kind is MessageType.CONFIGURE:
                 try:

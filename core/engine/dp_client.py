@@ -186,10 +186,10 @@ class DPClient(EngineClient):
         """The replica serving a request in flight, or None."""
         return self._owners.get(request_id)
 
-    def abort(self, request_id: str) -> None:
+    def abort(self, request_id: str, finished: bool = False) -> None:
         index = self._owners.get(request_id)
         if index is not None:
-            self.replicas[index].abort(request_id)
+            self.replicas[index].abort(request_id, finished)
 
     def abort_all(self) -> None:
         for replica in self.replicas:
@@ -203,9 +203,9 @@ class DPClient(EngineClient):
     def _submit(self, request: EngineRequest) -> None:
         raise NotImplementedError("DPClient.generate hands each request to a replica's own generate")
 
-    def _abort(self, request_ids: list[str]) -> None:
+    def _abort(self, request_ids: list[str], finished: bool = False) -> None:
         for request_id in request_ids:
-            self.abort(request_id)
+            self.abort(request_id, finished)
 
     def _replica_step(self, index: int, stats: StepStats) -> None:
         self._stats[index] = stats
