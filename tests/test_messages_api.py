@@ -172,6 +172,31 @@ def test_a_tool_use_cut_off_by_max_tokens_stops_for_max_tokens(client, model):
     assert final.stop_reason == "max_tokens" and [block.type for block in final.content] == ["tool_use"]
 
 
+def test_disable_parallel_tool_use_leaves_one_tool_use(client, model):
+    """Shown an earlier turn that called the tool three times, the model calls it three times again; with
+    tool_choice.disable_parallel_tool_use only the first of them comes back, streamed and not."""
+    def use(i, city):
+        return {"type": "tool_use", "id": f"toolu_{i}", "name": WEATHER["name"], "input": {"city": city,
+                                                                                          "unit": "celsius"}}
+
+    weather = {"Oslo": "5 C", "Lima": "20 C", "Cairo": "30 C"}
+    messages = [{"role": "user", "content": "Weather in Oslo, Lima and Cairo?"},
+                {"role": "assistant", "content": [use(i, city) for i, city in enumerate(weather)]},
+                {"role": "user", "content": [{"type": "tool_result", "tool_use_id": f"toolu_{i}", "content": answer}
+                                             for i, answer in enumerate(weather.values())]},
+                {"role": "assistant", "content": "Oslo 5 C, Lima 20 C, Cairo 30 C."},
+                {"role": "user", "content": "Weather in Tokyo, Madrid and Quito?"}]
+    request = {"model": model, "max_tokens": 150, **GREEDY, "tools": [WEATHER], "messages": messages}
+    parallel = client.messages.create(**request, tool_choice={"type": "auto"})
+    assert [block.type for block in parallel.content] == ["tool_use"] * 3, parallel.content
+    single = client.messages.create(**request, tool_choice={"type": "auto", "disable_parallel_tool_use": True})
+    assert [block.type for block in single.content] == ["tool_use"] and single.stop_reason == "tool_use"
+    assert single.content[0].input == parallel.content[0].input
+    with client.messages.stream(**request, tool_choice={"type": "auto", "disable_parallel_tool_use": True}) as stream:
+        streamed = stream.get_final_message()
+    assert [block.input for block in streamed.content] == [single.content[0].input]
+
+
 def test_bad_requests_get_anthropics_error_shape(client, default_server, model):
     with pytest.raises(anthropic.BadRequestError) as caught:
         client.messages.create(model=model, max_tokens=10, messages=[

@@ -3,7 +3,8 @@
 A Messages request becomes a chat completions request (system text, content
 blocks as messages, ``tool_use`` blocks as the assistant's tool calls,
 ``tool_result`` blocks as tool messages, Anthropic's tools and
-``tool_choice`` as OpenAI's), runs as one, and its reply is written back as
+``tool_choice`` as OpenAI's, ``disable_parallel_tool_use`` as
+``parallel_tool_calls`` false), runs as one, and its reply is written back as
 a Message: a ``thinking`` block (with ``[model] reasoning_parser``), text
 and ``tool_use`` blocks, ``stop_reason`` ("end_turn",
 "max_tokens", "stop_sequence" with the ``stop_sequence`` that matched,
@@ -164,9 +165,11 @@ def to_chat(request: _Conversation) -> api.ChatCompletionRequest:
     # a final assistant message is the start of the reply, which the model continues (Anthropic's prefill)
     last = messages[-1] if messages else {}
     prefill = last.get("role") == "assistant" and bool(last.get("content")) and "tool_calls" not in last
+    choice = request.tool_choice
+    parallel = choice is None or not choice.disable_parallel_tool_use
     return api.ChatCompletionRequest(messages=messages, model=request.model, tools=tools or None,
-                                     tool_choice=_tool_choice(request.tool_choice), add_generation_prompt=not prefill,
-                                     continue_final_message=prefill, **fields)
+                                     tool_choice=_tool_choice(choice), parallel_tool_calls=parallel,
+                                     add_generation_prompt=not prefill, continue_final_message=prefill, **fields)
 
 
 def _stop_reason(finish_reason: str | None, stop_string: str | None) -> str:
