@@ -128,6 +128,22 @@ def test_override_errors_name_the_override():
         parse_override("dtype")
 
 
+def test_a_check_across_keys_names_the_overrides_it_read_and_a_nested_error_where_it_is(tmp_path):
+    """A table's check across its keys names the file and the keys --set changed in it; an error inside a list of
+    tables names the entry and field, and for an unknown key the keys allowed there (the nested struct's own)."""
+    with pytest.raises(ConfigError, match=r"^<defaults> with --set engine.speculative: \[engine\] speculative = "):
+        load_config(None, {"engine.speculative": "draft"})
+    from conveyor.plugins.schedulers.continuous import SloClass
+
+    path = write(tmp_path, '[scheduler]\nslo_classes = [{priority = 1, ttft_slo_ms = 9}, {priority = 2, ttft = 3}]\n')
+    with pytest.raises(ConfigError) as info:
+        load_config(path)
+    assert str(info.value).endswith(f"at [1]: Object contains unknown field `ttft`; allowed: {keys_of(SloClass)}")
+    path = write(tmp_path, '[scheduler]\nslo_classes = [{priority = 1, ttft_slo_ms = "soon"}]\n')
+    with pytest.raises(ConfigError, match=r"at \[0\]\.ttft_slo_ms: Expected `float`, got `str`$"):
+        load_config(path)
+
+
 def test_missing_model_file_names_file_and_key(tmp_path):
     path = write(tmp_path, '[model]\npath = "/nowhere/model.gguf"\n')
     config = load_config(path)
@@ -161,6 +177,18 @@ def test_cli_reports_config_errors_in_one_line(tmp_path, text, fragment):
     assert result.returncode == 2
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith(f"error: {path}") and fragment in lines[0], result.stderr
+
+
+def test_serve_names_the_file_and_key_of_a_missing_curve_key(tmp_path):
+    """A transport's own check as it is built (its key files exist) stops serve before anything starts, naming
+    the config file, the table and the key."""
+    path = write(tmp_path, '[[transport]]\nplugin = "zmq"\ncurve_secret_key_file = "no/such.key_secret"\n'
+                           f'curve_authorized_keys_dir = "{tmp_path}"\n')
+    result = subprocess.run([sys.executable, "-m", "conveyor", "serve", str(path)], capture_output=True, text=True,
+                            timeout=120)
+    assert result.returncode == 2
+    assert (f"error: {path}: [transport] curve_secret_key_file = 'no/such.key_secret': no such file or directory"
+            in result.stderr), result.stderr
 
 
 def test_int4_config_takes_its_block_and_names_the_allowed_ones(tmp_path):

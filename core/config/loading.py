@@ -3,7 +3,9 @@ errors; and the msgpack form a config travels in to other processes."""
 
 from __future__ import annotations
 
+import re
 import sys
+import types
 import typing
 from collections.abc import Mapping
 from pathlib import Path
@@ -47,7 +49,12 @@ class _Origin:
         self.overridden = overridden
 
     def of(self, table: str, key: str | None = None) -> str:
-        dotted = f"{table}.{key}" if key else table
+        """Where a key came from; for a whole table (a check across its keys), the file and any of its keys set
+        by ``--set``."""
+        if key is None:
+            keys = sorted(k for k in self.overridden if k == table or k.startswith(f"{table}."))
+            return f"{self.source} with --set {', '.join(keys)}" if keys else self.source
+        dotted = f"{table}.{key}"
         if dotted in self.overridden:
             return f"--set {dotted}"
         return self.source
@@ -286,7 +293,31 @@ def convert_table(
 
 
 def describe_type(tp: Any, error: Exception) -> str:
-    """What went wrong with a value, in words, e.g. "allowed: 'a', 'b'"."""
+    """What went wrong with a value, in words, e.g. "allowed: 'a', 'b'"; inside a value (a list of tables), where,
+    and for an unknown key the keys allowed there."""
     if typing.get_origin(tp) is Literal:
         return "allowed: " + ", ".join(repr(v) for v in typing.get_args(tp))
-    return str(error).split(" - at ")[0]
+    message, _, at = str(error).partition(" - at ")
+    path = at.strip("`").removeprefix("$")
+    if not path:
+        return message
+    inner = _type_at(tp, path)
+    if message.startswith("Object contains unknown field") and isinstance(inner, type) and issubclass(
+            inner, msgspec.Struct):
+        message += "; allowed: " + ", ".join(f.encode_name for f in msgspec.structs.fields(inner))
+    return f"at {path}: {message}"
+
+
+def _type_at(tp: Any, path: str) -> Any:
+    """The type of the part of a value of type ``tp`` at a msgspec error path (``[0].name``); None if unknown."""
+    for index, name in re.findall(r"\[(\d+)\]|\.(\w+)", path):
+        members = [t for t in typing.get_args(tp) if t is not type(None)] if typing.get_origin(tp) in (
+            typing.Union, types.UnionType) else [tp]
+        tp = members[0] if len(members) == 1 else None
+        if index and typing.get_origin(tp) in (list, tuple):
+            tp = typing.get_args(tp)[0]
+        elif name and isinstance(tp, type) and issubclass(tp, msgspec.Struct):
+            tp = next((f.type for f in msgspec.structs.fields(tp) if f.encode_name == name), None)
+        else:
+            return None
+    return tp

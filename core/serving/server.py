@@ -50,7 +50,10 @@ async def serve(config_path: str | Path | None, overrides: Mapping[str, Any] | N
     registry = PluginRegistry.of(config)
     if not config.transport:
         raise ConfigError(f"{config.source}: no [[transport]] to serve on")
-    transports = [registry.build("transport", spec) for spec in config.transport]
+    try:
+        transports = [registry.build("transport", spec) for spec in config.transport]
+    except ValueError as e:  # (what a transport checks as it is built: its key files)
+        raise ConfigError(f"{config.source}: {e}") from None
     tokenizer = load_tokenizer(config.model, source=config.source)
     model_name = config.model.served_name
     engine = _engine_client(config, log_level)

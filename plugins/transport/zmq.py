@@ -58,9 +58,9 @@ class ZMQTransport(Transport):
         if options.curve_secret_key_file:
             if not zmq.has("curve"):
                 raise ValueError("[transport] CURVE keys are set but this libzmq has no CURVE support")
-            for path in (options.curve_secret_key_file, options.curve_authorized_keys_dir):
-                if not Path(path).exists():
-                    raise ValueError(f"[transport] {path}: no such file or directory")
+            for key in ("curve_secret_key_file", "curve_authorized_keys_dir"):
+                if not Path(getattr(options, key)).exists():
+                    raise ValueError(f"[transport] {key} = {getattr(options, key)!r}: no such file or directory")
             public, secret = zmq.auth.load_certificate(options.curve_secret_key_file)
             if secret is None:
                 raise ValueError(f"[transport] curve_secret_key_file = {options.curve_secret_key_file!r} "
