@@ -5,6 +5,8 @@ conversation, a function-tool round trip, a JSON-schema format validated, and th
 from __future__ import annotations
 
 import json
+import os
+import signal
 
 import httpx
 import jsonschema
@@ -163,6 +165,42 @@ def test_a_function_call_cut_off_by_max_output_tokens_is_incomplete(openai_clien
     (done,) = [e for e in events if e.type == "response.output_item.done"]
     assert done.item.status == "incomplete" and done.item.arguments == call.arguments
     assert events[-1].type == "response.incomplete" and events[-1].response.output[0].status == "incomplete"
+
+
+def test_an_engine_failing_mid_stream_ends_it_with_an_error_then_response_failed(default_server, model):
+    """The engine killed while a response streams: an ``error`` event, then ``response.failed`` with the
+    response as far as it came, both numbered in sequence like every other event (OpenAI's ResponseErrorEvent
+    needs it); the engine restarts and serves again."""
+    from openai.types.responses import ResponseError, ResponseErrorEvent
+
+    body = {"model": model, "input": QUESTION, "max_output_tokens": 2000, "ignore_eos": True, "stream": True}
+    events = []
+    with httpx.stream("POST", f"{default_server.http}/v1/responses", json=body, timeout=120) as response:
+        data = (json.loads(line[6:]) for line in response.iter_lines() if line.startswith("data: "))
+        for event in data:
+            events.append(event)
+            if event["type"] == "response.output_text.delta":
+                break
+        killed = default_server.engine_pid
+        os.kill(killed, signal.SIGSTOP)  # (the stream cannot end on its own from here, however fast the device)
+        os.kill(killed, signal.SIGKILL)
+        events += data
+    default_server.wait_for(lambda: default_server.engine_pid != killed
+                            and httpx.get(f"{default_server.http}/health").status_code == 200,
+                            timeout=180, what="the engine to restart")
+    assert [event["sequence_number"] for event in events] == list(range(len(events)))
+    assert [event["type"] for event in events[-2:]] == ["error", "response.failed"]
+    error = ResponseErrorEvent.model_validate(events[-2])
+    failed = events[-1]["response"]
+    assert failed["id"] == events[0]["response"]["id"] and failed["status"] == "failed"
+    assert ResponseError.model_validate(failed["error"]).code == "server_error"
+    assert failed["error"]["message"] == error.message and "engine" in error.message
+    text = "".join(event["delta"] for event in events if event["type"] == "response.output_text.delta")
+    (message,) = failed["output"]
+    assert message["status"] == "incomplete" and message["content"][0]["text"] == text
+    served = httpx.post(f"{default_server.http}/v1/responses", timeout=60,
+                        json={"model": model, "input": "Hi", "max_output_tokens": 2, "ignore_eos": True})
+    assert served.status_code == 200 and served.json()["usage"]["output_tokens"] == 2
 
 
 def test_bad_requests_name_the_field(default_server):

@@ -10,9 +10,11 @@ as a Response: a reasoning item with the thinking (with ``[model]
 reasoning_parser``), a message item with ``output_text``, ``function_call`` items,
 ``status`` ("incomplete" with ``incomplete_details`` when it ran out of
 tokens) and usage; streamed, as the typed events (``response.created`` ...
-``response.completed``), each with its ``sequence_number``. With ``store``
-(the default) the response and its conversation are kept in memory, the
-oldest dropped past ``[[transport]] max_stored_responses``.
+``response.completed``), each with its ``sequence_number``; a failure
+after the stream began (the engine died) is an ``error`` event, then
+``response.failed``. With ``store`` (the default) the response and its
+conversation are kept in memory, the oldest dropped past ``[[transport]]
+max_stored_responses``.
 """
 
 from __future__ import annotations
@@ -250,8 +252,10 @@ class Reply:
                           "status": "completed" if arguments_complete(tool_call) else "incomplete"})
         return items
 
-    def response(self, output: list[dict[str, Any]] | None = None, status: str | None = None) -> dict[str, Any]:
-        """The Response object: in progress (``output`` given, status "in_progress"), or finished."""
+    def response(self, output: list[dict[str, Any]] | None = None, status: str | None = None,
+                 error: dict[str, str] | None = None) -> dict[str, Any]:
+        """The Response object: in progress or failed (``output`` given, with its status and ``error``), or
+        finished."""
         request, call = self.request, self.call
         if output is None:
             output = self.items()
@@ -259,7 +263,7 @@ class Reply:
         usage = call.usage()
         fmt = request.text.format if request.text is not None and request.text.format is not None else None
         return {
-            "id": call.id, "object": "response", "created_at": self.created_at, "status": status, "error": None,
+            "id": call.id, "object": "response", "created_at": self.created_at, "status": status, "error": error,
             "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
             "instructions": request.instructions, "max_output_tokens": request.max_output_tokens,
             "model": call.model, "output": output,
@@ -331,7 +335,12 @@ class Reply:
                     await emit(self.event("response.function_call_arguments.delta", **where(calls[part.index]),
                                           delta=part.delta))
 
-        await call.run(on_chunk)
+        try:
+            await call.run(on_chunk)
+        except RequestError as e:
+            if not opened:
+                raise  # (nothing went out yet: an HTTP error)
+            return await self._fail(emit, in_responses_terms(e), order)
         await open_stream()
         final = self.response()
         items = {item["id"]: item for item in final["output"]}
@@ -352,6 +361,18 @@ class Reply:
         status = "response.incomplete" if final["status"] == "incomplete" else "response.completed"
         await emit(self.event(status, response=final))
         return final
+
+
+    async def _fail(self, emit: Emit, error: RequestError, order: list[str]) -> dict[str, Any]:
+        """A failure after the stream's 200: the ``error`` event, then ``response.failed`` with the items as far as
+        they came (each "incomplete"); returns that response."""
+        await emit(self.event("error", **_error_fields(error.message, error.status, error.param)))
+        items = {item["id"]: item for item in self.items()}
+        output = [{**items[item_id], "status": "incomplete"} for item_id in order]
+        code = "rate_limit_exceeded" if error.status == 429 else "server_error"  # (ResponseError's codes)
+        failed = self.response(output, "failed", {"code": code, "message": error.message})
+        await emit(self.event("response.failed", response=failed))
+        return failed
 
 
 def _function_call_id(call_id: str) -> str:
@@ -392,6 +413,11 @@ def in_responses_terms(error: RequestError) -> RequestError:
 
 
 def error_event(message: str, status: int, param: str | None = None) -> dict[str, Any]:
-    """An error after the stream's 200 (the Responses API's ``error`` event)."""
-    return {"type": "error", "code": api.ERROR_TYPES.get(status, "server_error"), "message": message, "param": param}
+    """An error after the stream's 200 outside a ``Reply`` (which numbers its own ``error`` event and fails the
+    response after it)."""
+    return {"type": "error", **_error_fields(message, status, param)}
+
+
+def _error_fields(message: str, status: int, param: str | None) -> dict[str, Any]:
+    return {"code": api.ERROR_TYPES.get(status, "server_error"), "message": message, "param": param}
 
