@@ -6,7 +6,8 @@ accepted and ignored. vLLM's extra sampling fields (``top_k``, ``min_p``,
 ``repetition_penalty``, ``ignore_eos``, ``priority``, ...) are accepted too,
 and its structured-output fields beside OpenAI's ``response_format``:
 ``structured_outputs`` ({"json" | "regex" | "choice" | "grammar": ...}) and
-the older ``guided_json``, ``guided_regex``, ``guided_choice``, ``guided_grammar``.
+the older ``guided_json``, ``guided_regex``, ``guided_choice``, ``guided_grammar``;
+and its ``prompt_logprobs`` (``prompt_logprobs`` below).
 """
 
 from __future__ import annotations
@@ -91,6 +92,8 @@ class _Common(msgspec.Struct, kw_only=True):
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     priority: Int = 0
+    # each prompt token's logprob and its top N alternatives (0..20; not with stream, as vLLM has it)
+    prompt_logprobs: Int | None = None
     # structured output
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputs | None = None
@@ -192,6 +195,8 @@ def sampling_params(request: CompletionRequest | ChatCompletionRequest, default_
         raise RequestError(f"n={request.n} must be between 1 and {MAX_N}", 400, "n")
     if request.stream_options is not None and not request.stream:
         raise RequestError("Stream options can only be defined when `stream=True`.", 400, "stream_options")
+    if request.stream and (request.prompt_logprobs or 0) > 0:
+        raise RequestError("`prompt_logprobs` are not available when `stream=True`.", 400, "prompt_logprobs")
     if isinstance(request, ChatCompletionRequest):
         max_tokens = request.max_completion_tokens if request.max_completion_tokens is not None else request.max_tokens
         logprobs = (request.top_logprobs or 0) if request.logprobs else None
@@ -224,6 +229,7 @@ def sampling_params(request: CompletionRequest | ChatCompletionRequest, default_
             ignore_eos=request.ignore_eos,
             min_tokens=request.min_tokens,
             logprobs=logprobs,
+            prompt_logprobs=request.prompt_logprobs,
             skip_special_tokens=request.skip_special_tokens,
             structured=structured_output(request),
         )
@@ -234,6 +240,8 @@ def sampling_params(request: CompletionRequest | ChatCompletionRequest, default_
         if param == "logprobs" and isinstance(request, ChatCompletionRequest):
             param = "top_logprobs"
         raise RequestError(message, 400, param) from None
+    if request.stream:
+        params.prompt_logprobs = None  # (0, which vLLM takes with stream: a stream returns none)
     if params.max_tokens is not None and params.min_tokens > params.max_tokens:
         name = "max_completion_tokens" if getattr(request, "max_completion_tokens", None) is not None else "max_tokens"
         raise RequestError(f"min_tokens={params.min_tokens} must be at most {name}={params.max_tokens}", 400,
@@ -324,6 +332,27 @@ def completion_logprobs(
         offsets.append(text_offset)
         text_offset += len(text)
     return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top, "text_offset": offsets}
+
+
+def prompt_logprobs(tokenizer: Tokenizer, prompt_ids: list[int],
+                    entries: list[TokenLogprob | None]) -> list[dict[str, dict[str, Any]] | None]:
+    """vLLM's ``prompt_logprobs``: for each prompt token, None (the first, which nothing predicts) or token id ->
+    ``{logprob, rank, decoded_token}`` for the prompt's token, then its top alternatives (ranks 1, 2, ...). The
+    prompt token's rank is its place among those alternatives, None when it is not one of them (the engine does
+    not count the tokens above it); a logprob of -inf is -9999.0, as vLLM sends it."""
+
+    def logprob(token_id: int, value: float, rank: int | None) -> dict[str, Any]:
+        return {"logprob": max(value, -9999.0), "rank": rank, "decoded_token": tokenizer.token_text(token_id)}
+
+    result: list[dict[str, dict[str, Any]] | None] = []
+    for token_id, entry in zip(prompt_ids, entries):
+        if entry is None:
+            result.append(None)
+            continue
+        rank = entry.top_ids.index(token_id) + 1 if token_id in entry.top_ids else None
+        top = {str(t): logprob(t, v, i) for i, (t, v) in enumerate(zip(entry.top_ids, entry.top_logprobs), start=1)}
+        result.append({str(token_id): logprob(token_id, entry.logprob, rank), **top})
+    return result
 
 
 def usage(num_prompt_tokens: int, num_completion_tokens: int, num_cached_tokens: int = 0) -> dict[str, Any]:

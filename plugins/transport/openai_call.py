@@ -9,7 +9,7 @@ from typing import Any
 
 import anyio
 
-from conveyor.messages import LoraAdapter
+from conveyor.messages import LoraAdapter, TokenLogprob
 from conveyor.plugins.transport import openai_api as api
 from conveyor.plugins.transport.reasoning import OPEN as THINK
 from conveyor.plugins.transport.reasoning import ThinkSplitter
@@ -67,6 +67,10 @@ class Call:
         self.reasoning_tokens = [0] * num
         # prompt tokens found in the prefix cache, by prompt
         self.cached_tokens = [0] * len(prompts)
+        # with params.prompt_logprobs: each choice's entry for each position of its prompt (None: the first)
+        wanted = params.prompt_logprobs is not None
+        self.prompt_logprobs: list[list[TokenLogprob | None]] = [[None] * len(prompts[i // body.n]) if wanted else []
+                                                                 for i in range(num)]
 
     @property
     def num_cached_tokens(self) -> int:
@@ -94,6 +98,8 @@ class Call:
             self.texts[index] += chunk.text
             self.token_ids[index] += chunk.token_ids
             self.logprobs[index] += chunk.logprobs or []
+            for position, entry in enumerate(chunk.prompt_logprobs or [], start=chunk.prompt_logprobs_start):
+                self.prompt_logprobs[index][position] = entry
             self.finish_reasons[index] = chunk.finish_reason
             self.stop_strings[index] = chunk.stop_string
             self.grammar_closed[index] = chunk.grammar_closed
@@ -144,8 +150,17 @@ class Call:
             choice["finish_reason"] = finish_reason
             if self.grammar_closed[i]:
                 choice["grammar_closed"] = True
+            if self.params.prompt_logprobs is not None and not self.chat:  # (vLLM's: each choice its prompt's)
+                choice["prompt_logprobs"] = self._prompt_logprobs(i)
             choices.append(choice)
-        return api.envelope(self.id, self.object, self.model, self.created, choices, usage=self.usage())
+        extra = {}
+        if self.params.prompt_logprobs is not None and self.chat:  # (vLLM's: the response's, of its one prompt)
+            extra["prompt_logprobs"] = self._prompt_logprobs(0)
+        return api.envelope(self.id, self.object, self.model, self.created, choices, usage=self.usage(), **extra)
+
+    def _prompt_logprobs(self, index: int) -> list[Any]:
+        prompt = self.prompts[index // self.body.n]
+        return api.prompt_logprobs(self.frontend.tokenizer, prompt, self.prompt_logprobs[index])
 
     def message(self, index: int) -> tuple[dict[str, Any], str | None]:
         """A chat choice's message (its text and tool calls, as read), and its finish reason ("tool_calls" when it
