@@ -124,8 +124,9 @@ class Frontend(Protocol):
     def new_request_id(self, prefix: str = "req") -> str:
         """A request id unique in this server."""
 
-    def encode(self, prompt: str | list[int], field: str = "prompt") -> list[int]:
-        """Token ids of a text, or token ids checked against the vocabulary.
+    def encode(self, prompt: str | list[int], field: str = "prompt", *, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of a text (``add_special_tokens``: with the BOS the model asks for), or token ids checked
+        against the vocabulary. A long text takes seconds: call it in a worker thread, which it leaves the GIL to.
 
         Raises:
             RequestError: 400, naming ``field``.

@@ -215,3 +215,29 @@ def test_token_bytes_rebuild_characters_that_tokens_split(tokenizer):
     ids = ours.encode(text)
     assert ours.decode(ids) == text and any(spm.id_to_token(i).startswith("<0x") for i in ids)
     assert b"".join(ours.token_bytes(i) for i in ids) == b" " + text.encode()  # (Metaspace's leading space)
+
+
+
+def test_tokenizing_leaves_the_gil_to_other_threads(tokenizer):
+    """An event loop calls encode() in a worker thread and goes on meanwhile: tokenizing must leave the GIL. With
+    the switch interval at 100 s no thread gives the GIL up but by blocking, so this thread gets it back from the
+    worker only if tokenizing leaves it: it then runs its own code and sees the worker not yet done (encode()
+    holding the GIL throughout: the worker ends first). The ids are the usual ones, BOS rules and all."""
+    import sys
+    import threading
+
+    text = "The sky is blue. " * 10_000
+    result: list[list[int]] = []
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(100)
+    try:
+        worker = threading.Thread(target=lambda: result.append(tokenizer.encode(text)))
+        worker.start()  # (this thread waits for it to start: the GIL goes to the worker)
+        done_meanwhile = bool(result)
+        worker.join()
+    finally:
+        sys.setswitchinterval(interval)
+    assert not done_meanwhile
+    expected = tokenizer.hf.encode(text, add_special_tokens=False).ids
+    assert result[0] == ([tokenizer.bos_token_id] if tokenizer.add_bos else []) + expected
+    assert tokenizer.encode(text, add_special_tokens=False) == expected
