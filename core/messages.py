@@ -60,6 +60,8 @@ class TokenLogprob(msgspec.Struct, array_like=True, gc=False):
     # most likely alternatives, best first
     top_ids: list[int]
     top_logprobs: list[float]
+    # the token's place among the whole vocabulary by logprob: 1 + the tokens more likely (0: not counted)
+    rank: int = 0
 
 
 class RequestOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):

@@ -30,17 +30,24 @@ def model(openai_client):
 
 def check(served, offline, prompt_ids, tokenizer, num_top):
     """``served`` (vLLM's prompt_logprobs) holds the offline engine's entries: None for the first token, then for
-    each token its logprob and those of its ``num_top`` most likely alternatives, with their ranks and texts."""
-    [completion] = offline.generate([prompt_ids], SamplingParams(max_tokens=1, temperature=0,
-                                                                 prompt_logprobs=num_top))
+    each token its logprob and those of its ``num_top`` most likely alternatives, with their ranks and texts; the
+    prompt token's rank is its place in the whole vocabulary (counted here from the 20 most likely: 1 + those
+    more likely, or past 20)."""
+    [completion, wide] = offline.generate([prompt_ids] * 2, [
+        SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=n) for n in (num_top, 20)])
     expected = completion.prompt_logprobs
+    ranks = [1 + sum(v > entry.logprob for v in entry.top_logprobs) if token in entry.top_ids else None
+             for token, entry in zip(prompt_ids[1:], wide.prompt_logprobs)]
+    assert any(rank is None or rank > num_top for rank in ranks)  # (some rank came from past the top num_top)
     assert served[0] is None and len(served) == len(prompt_ids) == len(expected) + 1
-    for token, entry, position in zip(prompt_ids[1:], expected, served[1:]):
+    for token, entry, position, rank in zip(prompt_ids[1:], expected, served[1:], ranks):
         assert len(entry.top_ids) == num_top
         assert set(position) == {str(token), *map(str, entry.top_ids)}
         assert position[str(token)]["logprob"] == entry.logprob
-        in_top = token in entry.top_ids
-        assert position[str(token)]["rank"] == (entry.top_ids.index(token) + 1 if in_top else None)
+        if rank is None:
+            assert position[str(token)]["rank"] > 20
+        else:
+            assert position[str(token)]["rank"] == rank
         for rank, (top_id, logprob) in enumerate(zip(entry.top_ids, entry.top_logprobs), start=1):
             assert position[str(top_id)] == {"logprob": logprob, "rank": rank,
                                              "decoded_token": tokenizer.decode([top_id], skip_special_tokens=False)}

@@ -256,15 +256,17 @@ def filtered_probs(logits: torch.Tensor, params: SamplingTensors) -> torch.Tenso
 
 def token_logprobs(logprobs: torch.Tensor, token_ids: list[int], num_top: int) -> list[TokenLogprob]:
     """Each row's entry: the logprob of its token and the ``num_top`` most likely tokens (``logprobs [N, vocab]``)."""
-    chosen = logprobs.gather(1, torch.tensor(token_ids, device=logprobs.device).unsqueeze(1))[:, 0].tolist()
+    chosen = logprobs.gather(1, torch.tensor(token_ids, device=logprobs.device).unsqueeze(1))
+    ranks = ((logprobs > chosen).sum(dim=1) + 1).tolist()
+    chosen = chosen[:, 0].tolist()
     if not num_top:
-        return [TokenLogprob(value, [], []) for value in chosen]
+        return [TokenLogprob(value, [], [], rank) for value, rank in zip(chosen, ranks)]
     top = logprobs.topk(num_top, dim=-1)
     entries = []
-    for value, ids, values in zip(chosen, top.indices.tolist(), top.values.tolist()):
+    for value, rank, ids, values in zip(chosen, ranks, top.indices.tolist(), top.values.tolist()):
         # tied values in token id order, as greedy sampling takes the first of tied maxima
         pairs = sorted(zip(values, ids), key=lambda pair: (-pair[0], pair[1]))
-        entries.append(TokenLogprob(value, [i for _, i in pairs], [v for v, _ in pairs]))
+        entries.append(TokenLogprob(value, [i for _, i in pairs], [v for v, _ in pairs], rank))
     return entries
 
 

@@ -337,9 +337,8 @@ def completion_logprobs(
 def prompt_logprobs(tokenizer: Tokenizer, prompt_ids: list[int],
                     entries: list[TokenLogprob | None]) -> list[dict[str, dict[str, Any]] | None]:
     """vLLM's ``prompt_logprobs``: for each prompt token, None (the first, which nothing predicts) or token id ->
-    ``{logprob, rank, decoded_token}`` for the prompt's token, then its top alternatives (ranks 1, 2, ...). The
-    prompt token's rank is its place among those alternatives, None when it is not one of them (the engine does
-    not count the tokens above it); a logprob of -inf is -9999.0, as vLLM sends it."""
+    ``{logprob, rank, decoded_token}`` for the prompt's token (its rank: 1 + the tokens of the vocabulary more
+    likely), then its top alternatives (ranks 1, 2, ...); a logprob of -inf is -9999.0, as vLLM sends it."""
 
     def logprob(token_id: int, value: float, rank: int | None) -> dict[str, Any]:
         return {"logprob": max(value, -9999.0), "rank": rank, "decoded_token": tokenizer.token_text(token_id)}
@@ -349,9 +348,8 @@ def prompt_logprobs(tokenizer: Tokenizer, prompt_ids: list[int],
         if entry is None:
             result.append(None)
             continue
-        rank = entry.top_ids.index(token_id) + 1 if token_id in entry.top_ids else None
         top = {str(t): logprob(t, v, i) for i, (t, v) in enumerate(zip(entry.top_ids, entry.top_logprobs), start=1)}
-        result.append({str(token_id): logprob(token_id, entry.logprob, rank), **top})
+        result.append({str(token_id): logprob(token_id, entry.logprob, entry.rank or None), **top})
     return result
 
 
