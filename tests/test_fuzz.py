@@ -91,3 +91,27 @@ def test_no_route_fails_on_any_input(server):
     assert httpx.get(f"{server.http}/health").status_code == 200
     assert httpx.post(f"{server.http}/v1/completions", headers=AUTH,
                       json={"prompt": "Hi", "max_tokens": 4}).status_code == 200
+
+
+@pytest.mark.parametrize("route, body", [
+    ("completions", {"prompt": "Hi", "prompt_logprobs": 21}),
+    ("completions", {"prompt": "Hi", "prompt_logprobs": 1, "stream": True}),
+    ("chat/completions", {"messages": [{"role": "user", "content": "Hi"}], "prompt_logprobs": 2, "stream": True}),
+    ("chat/completions", {"messages": [{"role": "user", "content": "Hi"}],
+                          "response_format": {"type": "json_schema"}}),
+])
+def test_the_document_refuses_what_the_server_refuses(server, route, body):
+    """Bodies the server refuses for what its fields need of each other are invalid by /openapi.json too, so that
+    a client (or this file's fuzzing) generating from the document does not send them; the same bodies made valid
+    are valid by both."""
+    import jsonschema
+
+    document = httpx.get(f"{server.http}/openapi.json").json()
+    name = "ChatCompletionRequest" if route.startswith("chat") else "CompletionRequest"
+    validator = jsonschema.Draft202012Validator({"$ref": f"#/components/schemas/{name}", **document})
+    assert not validator.is_valid(body)
+    assert httpx.post(f"{server.http}/v1/{route}", headers=AUTH, json=body).status_code == 400
+    fixed = {**body, "prompt_logprobs": 1, "stream": False} if "prompt_logprobs" in body else {
+        **body, "response_format": {"type": "json_schema", "json_schema": {"schema": {"type": "object"}}}}
+    assert validator.is_valid(fixed), list(validator.iter_errors(fixed))
+    assert httpx.post(f"{server.http}/v1/{route}", headers=AUTH, json={**fixed, "max_tokens": 2}).status_code == 200

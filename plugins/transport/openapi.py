@@ -103,6 +103,7 @@ def _limits(models: list[str], max_model_len: int, vocab_size: int) -> dict[str,
         "n": {"type": "integer", "minimum": 1, "maximum": api.MAX_N},
         "logprobs": logprobs,
         "top_logprobs": logprobs,
+        "prompt_logprobs": logprobs,
         "stop": {"anyOf": [stop, {"type": "array", "items": stop, "maxItems": MAX_STOP_STRINGS}]},
         "stop_token_ids": {"type": "array", "items": {"type": "integer", "minimum": 0},
                            "maxItems": MAX_STOP_TOKEN_IDS},
@@ -162,9 +163,17 @@ def openapi_document(api_key: bool, models: list[str], max_model_len: int, vocab
                          ("ChatCompletionRequest", set(limits) - completion_only)):  # (chat's logprobs: a bool)
         _narrow(components[name]["properties"], {field: limits[field] for field in fields})
     _chat_dependencies(components["ChatCompletionRequest"])
+    # a json_schema response format carries its schema
+    components["ResponseFormat"]["if"] = {"properties": {"type": {"const": "json_schema"}}}
+    components["ResponseFormat"]["then"] = {"required": ["json_schema"], "properties": {
+        "json_schema": {"$ref": "#/components/schemas/JSONSchemaFormat"}}}
+    streamed = {"required": ["stream"], "properties": {"stream": {"const": True}}}
     for name in ("CompletionRequest", "ChatCompletionRequest"):
-        components[name].setdefault("dependentSchemas", {})["stream_options"] = {
-            "required": ["stream"], "properties": {"stream": {"const": True}}}
+        dependencies = components[name].setdefault("dependentSchemas", {})
+        dependencies["stream_options"] = streamed
+        # (prompt logprobs are not streamed: above 0, not with stream true)
+        dependencies["prompt_logprobs"] = {"anyOf": [{"properties": {"prompt_logprobs": {"enum": [0, None]}}},
+                                                     {"not": streamed}]}
     sampling = {field: limits[field] for field in ("model", "temperature", "top_p")}
     _narrow(components["ResponsesRequest"]["properties"], sampling | {"max_output_tokens": limits["max_tokens"]})
     _narrow(components["MessagesRequest"]["properties"], sampling | {
