@@ -45,6 +45,21 @@ def test_text_with_instructions_is_the_chat_completion(openai_client, model):
     assert response.usage.output_tokens == 16 == response.usage.total_tokens - response.usage.input_tokens
 
 
+def test_a_response_is_what_openais_response_model_requires(openai_client, model):
+    """The whole reply validates as the openai package's Response (every field it requires present, usage's
+    input_tokens_details included); the input tokens split into those the prefix cache served and those written to
+    it, and a second ask of the same input is served from it."""
+    from openai.types.responses import Response
+
+    url = f"{openai_client.base_url}responses".replace("/v1/v1", "/v1")
+    body = {"model": model, "input": QUESTION * 3, "temperature": 0, "max_output_tokens": 4}
+    first, again = (Response.model_validate(httpx.post(url, json=body, timeout=60).json()) for _ in range(2))
+    for response in (first, again):
+        details = response.usage.input_tokens_details
+        assert details.cached_tokens + details.cache_write_tokens == response.usage.input_tokens
+    assert again.usage.input_tokens_details.cached_tokens > first.usage.input_tokens_details.cached_tokens
+
+
 def test_a_follow_up_continues_the_stored_conversation(openai_client, model):
     first = openai_client.responses.create(model=model, input=[{"role": "user", "content": "Name a city in Italy."}],
                                            temperature=0, max_output_tokens=10)

@@ -273,9 +273,12 @@ class Reply:
             "text": {"format": msgspec.to_builtins(fmt) if fmt is not None else {"type": "text"}},
             "tool_choice": request.tool_choice or ("auto" if request.tools else "none"),
             "tools": [msgspec.to_builtins(t) for t in request.tools or []], "truncation": "disabled",
+            # (the prompt tokens computed are those written to the prefix cache)
             "usage": {"input_tokens": usage["prompt_tokens"],
-                      "input_tokens_details": {"cached_tokens": call.num_cached_tokens},
-                      "output_tokens": usage["completion_tokens"], "output_tokens_details": {"reasoning_tokens": call.reasoning_tokens[0]},
+                      "input_tokens_details": {"cached_tokens": call.num_cached_tokens,
+                                               "cache_write_tokens": usage["prompt_tokens"] - call.num_cached_tokens},
+                      "output_tokens": usage["completion_tokens"],
+                      "output_tokens_details": {"reasoning_tokens": call.reasoning_tokens[0]},
                       "total_tokens": usage["total_tokens"]},
             "user": request.user, "metadata": request.metadata or {},
         }
