@@ -332,6 +332,32 @@ def test_sigterm_aborts_what_outlasts_drain_timeout(tmp_path):
         server.stop()
 
 
+def test_a_second_signal_aborts_the_requests_at_once_and_the_server_still_exits_cleanly(tmp_path):
+    """Ctrl-C twice: the first starts a drain of up to 60 s, the second aborts the request still running at once;
+    its stream ends cleanly (finish_reason abort, usage, [DONE]), a third is only noted, and the server exits 0
+    without a traceback (the second was a KeyboardInterrupt: exit 130, a broken stream)."""
+    server = Server(http_config(drain_timeout=60.0), tmp_path).start()
+    try:
+        body = {"messages": MESSAGES, "max_tokens": 400, "ignore_eos": True, "stream": True,
+                "stream_options": {"include_usage": True}}
+        with httpx.stream("POST", f"{server.http}/v1/chat/completions", json=body, timeout=120) as response:
+            received = events(response)
+            next(e for e in received if e["choices"] and e["choices"][0]["delta"].get("content"))
+            with server.paused_engine():  # (the request cannot end by itself meanwhile)
+                for expected in ("draining 1 requests", "again: aborting the 1 requests", "stopping already"):
+                    server.process.send_signal(signal.SIGINT)
+                    server.wait_for(lambda: any(expected in line for line in server.lines), timeout=30,
+                                    what=expected)
+            rest = list(received)
+        assert rest[-1] == "[DONE]" and not any("error" in e for e in rest[:-1])
+        assert [c["finish_reason"] for e in rest[:-1] for c in e["choices"] if c["finish_reason"]] == ["abort"]
+        assert 0 < rest[-2]["usage"]["completion_tokens"] < 400
+        assert server.process.wait(60) == 0
+        assert not any("Traceback" in line for line in server.lines), server.output
+    finally:
+        server.stop()
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="Triton runs on this machine")
 def test_an_attention_backend_the_machine_cannot_run_stops_the_server_at_start():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}

@@ -85,11 +85,15 @@ async def serve(config_path: str | Path | None, overrides: Mapping[str, Any] | N
                 tg.start_soon(_report_status, frontend, config.server.status_interval)
             with anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
                 async for signum in signals:
-                    logger.info("%s: draining %d requests (up to %.0f s)", signal.Signals(signum).name,
-                                frontend.num_in_flight, config.server.drain_timeout)
+                    logger.info("%s: draining %d requests (up to %.0f s; again: abort them now)",
+                                signal.Signals(signum).name, frontend.num_in_flight, config.server.drain_timeout)
                     break
-            await _drain(frontend, config.server.drain_timeout)
-            await engine.shutdown()
+                hurry = anyio.Event()
+                async with anyio.create_task_group() as stopping:  # (a second signal ends the drain at once)
+                    stopping.start_soon(_hurry, signals, hurry, frontend)
+                    await _drain(frontend, config.server.drain_timeout, hurry)
+                    await engine.shutdown()
+                    stopping.cancel_scope.cancel()
             tg.cancel_scope.cancel()
     except BaseExceptionGroup as group:
         failed = group.subgroup((EngineFailed, OSError))
@@ -140,13 +144,28 @@ def _metrics(engine: EngineClient, model_name: str) -> ServerMetrics:
     return metrics
 
 
-async def _drain(frontend: EngineFrontend, timeout: float) -> None:
+async def _hurry(signals: Any, hurry: anyio.Event, frontend: EngineFrontend) -> None:
+    """Signals that come while the server stops: the first ends the drain (the requests still running are
+    aborted), the others are noted; none interrupts the stop."""
+    async for signum in signals:
+        name = signal.Signals(signum).name
+        if hurry.is_set():
+            logger.info("%s: stopping already", name)
+            continue
+        logger.warning("%s again: aborting the %d requests still running", name, frontend.num_in_flight)
+        hurry.set()
+
+
+async def _drain(frontend: EngineFrontend, timeout: float, hurry: anyio.Event) -> None:
+    """Refuse new work and wait up to ``timeout`` (or until ``hurry`` is set) for the requests in flight; abort
+    those still running then."""
     frontend.draining = True
     with anyio.move_on_after(timeout):
-        while frontend.num_in_flight:
+        while frontend.num_in_flight and not hurry.is_set():
             await anyio.sleep(0.05)
     if frontend.num_in_flight:
-        logger.warning("aborting %d requests still running after %.0f s", frontend.num_in_flight, timeout)
+        if not hurry.is_set():
+            logger.warning("aborting %d requests still running after %.0f s", frontend.num_in_flight, timeout)
         frontend.engine.abort_all()
         with anyio.move_on_after(5):
             while frontend.num_in_flight:
