@@ -26,6 +26,8 @@ from conveyor.sampling import SamplingParams
         ("stop", ["x" * 257], "stop strings may have at most 256 characters each"),
         ("stop_token_ids", list(range(65)), "stop_token_ids has 65 ids; at most 64 are allowed"),
         ("min_tokens", -1, "min_tokens=-1 must be >= 0"),
+        ("seed", 2**64, f"seed={2**64} must fit in 64 bits, signed"),
+        ("seed", -(2**63) - 1, f"seed={-(2**63) - 1} must fit in 64 bits, signed"),
     ],
 )
 def test_out_of_range_values_are_refused(field, value, message):
@@ -51,3 +53,8 @@ def test_a_single_stop_string_becomes_a_list_and_survives_msgpack():
     params = SamplingParams(stop="END", seed=3, logprobs=2)
     assert params.stop == ["END"]
     assert msgspec.msgpack.decode(msgspec.msgpack.encode(params), type=SamplingParams) == params
+
+
+def test_the_widest_seeds_are_taken():
+    """The 64-bit bounds themselves are seeds (the sampler's generator takes them)."""
+    assert SamplingParams(seed=2**63 - 1).seed == 2**63 - 1 and SamplingParams(seed=-(2**63)).seed == -(2**63)
