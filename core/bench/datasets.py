@@ -109,15 +109,27 @@ def random_prompts(
 
 
 def sharegpt(path: str, num_requests: int, seed: int) -> list[tuple[str, str]]:
-    """(first human turn, first model reply) pairs from a ShareGPT JSON file, shuffled by ``seed``."""
+    """(first human turn, first model reply) pairs from a ShareGPT JSON file, shuffled by ``seed``; entries that
+    are not such a conversation are skipped.
+
+    Raises:
+        ValueError: the file is not a JSON list, or holds no conversation (naming the file and the format).
+    """
+    expected = 'expected a ShareGPT list: [{"conversations": [{"value": QUESTION}, {"value": ANSWER}, ...]}, ...]'
     with open(path, encoding="utf-8") as f:
-        data = json.load(f)
+        try:
+            data = json.load(f)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}: not JSON ({e}); {expected}") from None
+    if not isinstance(data, list):
+        raise ValueError(f"{path}: the top level is not a list; {expected}")
     pairs = []
     for item in data:
-        turns = item.get("conversations") or item.get("conversation") or []
-        if len(turns) >= 2 and isinstance(turns[0].get("value"), str) and isinstance(turns[1].get("value"), str):
+        turns = (item.get("conversations") or item.get("conversation")) if isinstance(item, dict) else None
+        if isinstance(turns, list) and len(turns) >= 2 and all(isinstance(t, dict) for t in turns[:2]) \
+                and isinstance(turns[0].get("value"), str) and isinstance(turns[1].get("value"), str):
             pairs.append((turns[0]["value"], turns[1]["value"]))
     if not pairs:
-        raise ValueError(f"{path}: no conversations with a question and an answer (ShareGPT format)")
+        raise ValueError(f"{path}: no conversations with a question and an answer; {expected}")
     random.Random(seed).shuffle(pairs)
     return pairs[:num_requests]

@@ -11,6 +11,8 @@ from typing import Any
 from conveyor.bench.parallel import parallel_table
 
 LATENCIES = (("ttft_ms", "TTFT"), ("tpot_ms", "TPOT"), ("itl_ms", "ITL"), ("e2e_ms", "E2E latency"))
+# what the comparison table and the plot read from each run's summary
+SUMMARY_KEYS = ("completed", "failed", "request_throughput", "output_throughput", "ttft_ms", "itl_ms", "e2e_ms")
 
 
 def rate_label(rate: float) -> str:
@@ -72,13 +74,45 @@ def runs_of(result: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def load_result(path: str | Path) -> dict[str, Any]:
-    """A result file written by ``conveyor bench --json`` (JSON has no infinity: a null rate is ``inf``)."""
-    result = json.loads(Path(path).read_text())
+    """A result file written by ``conveyor bench --json`` or ``conveyor simulate --json`` (JSON has no infinity: a
+    null rate is ``inf``).
+
+    Raises:
+        ValueError: the file is not such a result, naming it and what was expected.
+    """
+    expected = "expected the JSON of conveyor bench --json: a run (an object with config and summary) or runs: [...]"
+    try:
+        result = json.loads(Path(path).read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path}: not JSON ({e}); {expected}") from None
+    problem = _result_problem(result)
+    if problem is not None:
+        raise ValueError(f"{path}: {problem}; {expected}")
     result.setdefault("label", Path(path).stem)
     for run in runs_of(result):
         if run["config"].get("rate") is None:
             run["config"]["rate"] = math.inf
     return result
+
+
+def _result_problem(result: Any) -> str | None:
+    """What a result file lacks that the tables and the plot read (None when nothing)."""
+    if not isinstance(result, dict):
+        return "the top level is not an object"
+    runs = runs_of(result)
+    if not isinstance(runs, list) or not runs:
+        return "runs is not a list of runs"
+    for i, run in enumerate(runs):
+        where = f"runs[{i}]" if "runs" in result else "the run"
+        if not isinstance(run, dict):
+            return f"{where} is not an object"
+        for key in ("config", "summary"):
+            if not isinstance(run.get(key), dict):
+                return f"{where} has no {key!r} object"
+        missing = [key for key in SUMMARY_KEYS if key not in run["summary"]]
+        if missing:
+            return f"{where}'s summary lacks {', '.join(map(repr, missing))}"
+    return None
 
 
 def compare_table(results: Sequence[dict[str, Any]]) -> str:

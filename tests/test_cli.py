@@ -1,0 +1,68 @@
+"""The ``conveyor`` command's handling of what a user gives it: a file or a flag it cannot use is refused in one
+line, ``error: ...`` naming the file or the flag and what was expected, with exit status 2."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from conveyor.bench.stats import RequestRecord, summarize
+from conveyor.cli import main
+
+
+def refusal(capsys, argv: list[str]) -> str:
+    """The one line ``conveyor argv`` refuses with (exit status 2 and nothing on stdout)."""
+    try:
+        status = main(argv)
+    except SystemExit as e:  # (argparse's own refusals exit)
+        status = e.code
+    out, err = capsys.readouterr()
+    lines = err.strip().splitlines()
+    assert status == 2 and not out and len(lines) == 1 and lines[0].startswith("error: "), (status, out, err)
+    return lines[0]
+
+
+def a_run(rate: float | None) -> dict:
+    """A run as ``conveyor bench --json`` writes it (a null rate is inf)."""
+    records = [RequestRecord(0, 10, output_tokens=3, start=0.0, ttft=0.1, e2e=0.5, itl=[0.2, 0.2])]
+    return {"label": "a", "config": {"rate": rate}, "summary": summarize(records, 1.0)}
+
+
+@pytest.mark.parametrize("content, problem", [
+    ({}, "the run has no 'config' object"),
+    ([], "the top level is not an object"),
+    ({"config": {"rate": 1.0}, "summary": []}, "the run has no 'summary' object"),
+    ({"runs": [a_run(1.0), {"config": {}, "summary": {k: v for k, v in a_run(1.0)["summary"].items()
+                                                      if k != "failed"}}]}, "runs[1]'s summary lacks 'failed'"),
+    ({"runs": {}}, "runs is not a list of runs"),
+])
+def test_compare_names_the_file_that_is_not_a_result(tmp_path, capsys, content, problem):
+    good, bad = tmp_path / "run1.json", tmp_path / "bad.json"
+    good.write_text(json.dumps(a_run(None)))
+    bad.write_text(json.dumps(content))
+    line = refusal(capsys, ["bench", "compare", str(bad), str(good)])
+    assert line.startswith(f"error: {bad}: {problem}; expected the JSON of conveyor bench --json"), line
+    # the good file, and a sweep of two, compare as they are
+    (tmp_path / "sweep.json").write_text(json.dumps({"runs": [a_run(1.0), a_run(None)]}))
+    assert main(["bench", "compare", str(good), str(tmp_path / "sweep.json")]) == 0
+    assert capsys.readouterr().out.count("\n   inf ") == 2
+
+
+def test_compare_names_a_file_that_is_not_json(tmp_path, capsys):
+    bad = tmp_path / "bad.json"
+    bad.write_text("{")
+    assert refusal(capsys, ["bench", "compare", str(bad)]).startswith(f"error: {bad}: not JSON (")
+
+
+@pytest.mark.parametrize("content, problem", [
+    ('{"not": "a list"}', "the top level is not a list"),
+    ('["text", {"conversations": "no"}, {"conversations": ["a", "b"]}]', "no conversations with a question"),
+    ("[", "not JSON ("),
+])
+def test_a_sharegpt_file_of_another_shape_is_named(tmp_path, capsys, content, problem):
+    path = tmp_path / "f.json"
+    path.write_text(content)
+    line = refusal(capsys, ["bench", "--url", "http://127.0.0.1:9", "--dataset", f"sharegpt:{path}",
+                            "--num-requests", "2", "--warmup", "0"])
+    assert line.startswith(f"error: {path}: {problem}") and "expected a ShareGPT list" in line, line
