@@ -7,10 +7,13 @@ loop runs while ``generate`` does.
 
 from __future__ import annotations
 
+import asyncio
+import functools
 import itertools
 import sys
 import time
 from collections.abc import Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import aclosing
 from pathlib import Path
 from typing import Any, Self
@@ -107,10 +110,13 @@ class LLM:
             self.engine.shutdown()
             raise ConfigError(f"{self.config.source}: {e}") from None
         self._ids = itertools.count()
+        self.closed = False
 
     def close(self) -> None:
-        """Stop the engine's workers (worker processes under tensor or pipeline parallelism)."""
-        self.engine.shutdown()
+        """Stop the engine's workers (worker processes under tensor or pipeline parallelism); once is enough."""
+        if not self.closed:
+            self.closed = True
+            self.engine.shutdown()
 
     def __enter__(self) -> Self:
         return self
@@ -160,8 +166,10 @@ class LLM:
 
         Raises:
             ValueError: a prompt the engine refuses (too long, empty, ...); no prompt runs then.
-            RuntimeError: the engine failed a request.
+            RuntimeError: the engine failed a request, or this LLM is closed.
         """
+        if self.closed:
+            raise RuntimeError("this LLM is closed (close() or its with block ended); make a new one")
         if isinstance(prompts, str) or (prompts and not isinstance(prompts[0], (str, list))):
             prompts = [prompts]  # one string, one conversation, or one list of token ids
         if params is None:
@@ -181,8 +189,12 @@ class LLM:
             adapters = [self.frontend.adapter(name) for name in lora]
         except RequestError as e:
             raise ValueError(e.message) from None
+        run = functools.partial(anyio.run, self._generate, prompt_ids, list(params), adapters)
         try:
-            return anyio.run(self._generate, prompt_ids, list(params), adapters)
+            if not _in_event_loop():
+                return run()
+            with ThreadPoolExecutor(1) as thread:  # (a notebook's, or asyncio.run's, loop runs in this thread)
+                return thread.submit(run).result()
         except BaseExceptionGroup as group:
             errors = group.subgroup(RequestError)
             if errors is None:
@@ -250,3 +262,12 @@ class LLM:
             finally:
                 engine.cancel_scope.cancel()
         return results
+
+
+def _in_event_loop() -> bool:
+    """Whether an asyncio event loop runs in this thread (where ``anyio.run`` refuses to start another)."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return False
+    return True

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import inspect
 import os
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -159,3 +160,14 @@ def test_each_operating_tool_has_a_heading_of_its_own():
     headings = re.findall(r"^## (.+)$", (REPO / "docs" / "observability.md").read_text(), re.M)
     for tool in ("The doctor", "The live dashboard", "Simulate", "Plan", "Grafana"):
         assert tool in headings, headings
+
+
+def test_the_offline_pages_first_command_prints_what_the_page_says():
+    """docs/offline.md opens with a command and the answer it prints (the default config's greedy reply)."""
+    block = (REPO / "docs" / "offline.md").read_text().split("```sh\n", 1)[1].split("```", 1)[0].splitlines()
+    command, answer = block[0], block[1]
+    assert command.startswith(".venv/bin/conveyor generate ") and answer.startswith("# ")
+    argv = [sys.executable, "-m", "conveyor", *shlex.split(command)[1:]]
+    result = subprocess.run(argv, capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == answer.removeprefix("# ")

@@ -250,3 +250,25 @@ def test_a_rejected_prompt_leaves_nothing_queued(llm_fp32):
     with pytest.raises(ValueError, match="max_model_len=2048 leaves no room"):
         llm_fp32.generate(["A fine prompt", too_long], SamplingParams(max_tokens=2))
     assert not llm_fp32.engine.has_unfinished()
+
+
+def test_generate_works_inside_a_running_event_loop_and_refuses_once_closed():
+    """As in a notebook (an asyncio loop runs in the calling thread), generate gives what it gives outside one;
+    a closed LLM says so instead of failing in its engine."""
+    import asyncio
+
+    from conveyor import LLM
+
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    llm = LLM()
+    outside = llm.generate(["The capital of France is"], params)
+
+    async def notebook_cell():
+        return llm.generate(["The capital of France is"], params)
+
+    inside = asyncio.run(notebook_cell())
+    assert inside[0].token_ids == outside[0].token_ids
+    llm.close()
+    llm.close()
+    with pytest.raises(RuntimeError, match="this LLM is closed"):
+        llm.generate(["Hi"], params)
