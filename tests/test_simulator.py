@@ -210,6 +210,23 @@ def test_the_command_prints_bench_reports_and_writes_json(tmp_path):
     assert all(r["summary"]["completed"] == 16 for r in runs)
 
 
+def test_a_split_the_model_does_not_allow_is_refused_as_the_real_engine_refuses_it():
+    """SmolLM2-135M's 9 attention heads do not split 2 ways: the command refuses tensor_parallel_size = 2 in one
+    line, the real engine's refusal of the real model word for word (naming the sizes that work); 3 runs."""
+    from conveyor import LLM
+    from conveyor.config import ConfigError
+
+    with pytest.raises(ConfigError) as real:
+        LLM(None, {"parallel.tensor_parallel_size": 2})
+    done = subprocess.run([sys.executable, "-m", "conveyor", "--log-level", "WARNING", "simulate", "--model",
+                           "smollm2-135m", "--hardware", "H100", "--num-requests", "4", "--set",
+                           "parallel.tensor_parallel_size=2"], capture_output=True, text=True, timeout=120)
+    assert (done.returncode, done.stdout, done.stderr.splitlines()) == (2, "", [f"error: {real.value}"]), done
+    requests = [SimRequest(p, 8) for p in prompts(4, 64)]
+    records, _, _ = run(MODELS["smollm2-135m"], requests, [0.0] * 4, **{"parallel.tensor_parallel_size": 3})
+    assert all(r.ok and r.output_tokens for r in records)
+
+
 def test_kv_tiers_serve_the_histories_a_small_pool_evicts_and_their_copies_take_time():
     """Six conversations, three turns each (``--dataset multiturn:3``), on a pool of 40 blocks: with the host tier
     the later turns load their histories (the tier's hits) and their first tokens come sooner; at a host

@@ -50,7 +50,14 @@ else:
 
 from conveyor.bench.costs import DEFAULT_INTERCONNECT
 from conveyor.bench.sim_fleet import simulate_fleet
-from conveyor.bench.simulator import SimRequest, comm_share, hardware_costs, kv_link_bytes_per_s, simulate
+from conveyor.bench.simulator import (
+    SimRequest,
+    comm_share,
+    hardware_costs,
+    kv_link_bytes_per_s,
+    simulate,
+    split_problem,
+)
 from conveyor.bench.stats import summarize
 from conveyor.config import Config, ConfigError, load_config
 
@@ -212,8 +219,7 @@ class Planner:
         """
         values = {**GRID, **(grid or {})}
         base = self.config({})
-        tps = [t for t in values["tp"] if t <= self.gpus and self.gpus % t == 0 and self.spec.num_heads % t == 0
-               and self.spec.num_kv_heads % t == 0]
+        tps = [t for t in values["tp"] if t <= self.gpus and self.gpus % t == 0 and split_problem(self.spec, t) is None]
         peaks, _ = self._hardware(base) if self.hardware != "cpu" else (None, None)
         quants = [q for q in values["quant"] if (q != "fp8" or (peaks is not None and peaks.flops_for("fp8")))
                   and (q != "auto" or self.hardware == "cpu")]

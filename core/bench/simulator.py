@@ -38,7 +38,7 @@ from conveyor.bench.costs import (
 )
 from conveyor.bench.sim_fleet import simulate_fleet
 from conveyor.bench.sim_workload import SIMULATED_TOKEN, SimRequest, add_workload_arguments, workload
-from conveyor.config import Config
+from conveyor.config import Config, ConfigError
 from conveyor.connector import KVConnector
 from conveyor.engine.core import EngineCore
 from conveyor.executor import Executor, ModelInfo
@@ -49,6 +49,7 @@ from conveyor.perf.peaks import DevicePeaks
 from conveyor.perf.roofline import ModelCosts, step_work
 from conveyor.registry import PluginRegistry
 from conveyor.sampling import SamplingParams
+from conveyor.worker.parallel import Placement, check_divisible
 
 # the models the simulator knows by name (their config.json's shapes)
 MODELS: dict[str, ModelSpec] = {
@@ -104,8 +105,11 @@ class SimulatedExecutor(Executor):
 
     def load_model(self) -> ModelInfo:
         spec, config = self.spec, self.config
-        max_model_len = config.model.max_model_len or spec.max_position_embeddings
         tp = config.parallel.tensor_parallel_size
+        problem = split_problem(spec, tp, self.stages)  # (the workers' check: a real engine refuses it too)
+        if problem is not None:
+            raise ConfigError(f"{config.source}: [parallel] {problem}")
+        max_model_len = config.model.max_model_len or spec.max_position_embeddings
         # (one device's share: its KV heads, and its stage's layers)
         kv_spec = KVCacheSpec(-(-spec.num_layers // self.stages), max(1, spec.num_kv_heads // tp), spec.head_dim,
                               config.model.dtype, max_model_len)
@@ -156,6 +160,14 @@ class SimulatedExecutor(Executor):
         moved = {tier: n - self._moved.get(tier, 0) for tier, n in now.items()}
         self._moved = now
         return moved
+
+
+def split_problem(spec: ModelSpec, tp: int, pp: int = 1) -> str | None:
+    """Why ``spec`` cannot be split ``tp`` x ``pp`` ways, with the tensor-parallel sizes that can (None when it
+    can): the check the workers make (``conveyor.worker.parallel.check_divisible``)."""
+    experts = tuple(w for w in (spec.moe_intermediate_size, spec.shared_expert_intermediate_size) if w)
+    return check_divisible(Placement(0, tp, pp), spec.num_heads, spec.num_kv_heads, spec.intermediate_size,
+                           spec.num_layers, experts)
 
 
 def simulate(config: Config, spec: ModelSpec, requests: Sequence[SimRequest], arrivals: Sequence[float],
