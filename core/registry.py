@@ -175,8 +175,7 @@ class PluginRegistry:
                 if formats := sorted(getattr(cls, "packed_formats", ())):  # (a quant method's stored formats)
                     lines.append(f"      keeps checkpoints' {', '.join(formats)} weights as stored")
                 for field in msgspec.structs.fields(cls.Options):
-                    default = field.default if field.default is not msgspec.NODEFAULT else "(required)"
-                    lines.append(f"      {field.encode_name} = {default!r}  ({_type_name(field.type)})")
+                    lines.append(f"      {field.encode_name} = {_default(field)}  ({_type_name(field.type)})")
         return "\n".join(lines)
 
 
@@ -197,6 +196,15 @@ def _import_listed(module_name: str, source: str) -> Any:
         where = f"on sys.path and beside the config in {folder}" if folder is not None else "on sys.path"
         raise PluginError(f"{source}: plugins = [{module_name!r}] cannot be imported: {e} (looked for {where}; "
                           "install the package, or set PYTHONPATH)") from None
+
+
+def _default(field: msgspec.structs.FieldInfo) -> str:
+    """An option's default as Python writes it (a ``default_factory``'s value, e.g. ``[]``), or ``(required)``."""
+    if field.default is not msgspec.NODEFAULT:
+        return repr(field.default)
+    if field.default_factory is not msgspec.NODEFAULT:
+        return repr(field.default_factory())
+    return "(required)"
 
 
 def _type_name(tp: Any) -> str:

@@ -9,6 +9,7 @@ import sys
 import textwrap
 from pathlib import Path
 
+import msgspec
 import pytest
 
 from conveyor import hookspecs
@@ -44,6 +45,7 @@ LOCAL_PLUGIN = """
 
     class Opts(msgspec.Struct, forbid_unknown_fields=True):
         scale: float = 1.0
+        levels: list[int] = msgspec.field(default_factory=lambda: [2, 4])
 
     class Scaled(NoQuant):
         '''A local test quant method.'''
@@ -114,6 +116,24 @@ def test_describe_lists_options_with_defaults_and_types():
     assert "policy = 'fcfs'  ('fcfs' | 'priority')" in text
     assert "  http  [conveyor.plugins.transport.http]" in text
     assert "port = 8000  (int >= 0 and <= 65535)" in text
+
+
+def test_describe_shows_the_defaults_a_config_that_sets_nothing_gets(tmp_path, monkeypatch):
+    """Each option's default is the value of the options a config that sets nothing gets (msgspec's own
+    conversion), a default_factory's included (the continuous scheduler's slo_classes = []); a required option
+    says so, unquoted."""
+    tabled = LOCAL_PLUGIN.replace('"scaled"', '"tabled"').replace("scale: float", "table: str\n        scale: float")
+    modules = [_module(tmp_path, monkeypatch, "local_quant_plugin", LOCAL_PLUGIN),
+               _module(tmp_path, monkeypatch, "tabled_quant_plugin", tabled)]
+    registry = PluginRegistry(modules=modules, load_entry_points=False)
+    text = registry.describe()
+    assert "      levels = [2, 4]  (list[int])\n" in text and "      table = (required)  (str)\n" in text
+    for kind in KIND_HOOKS:
+        for name in [n for n in registry.names(kind) if n != "tabled"]:
+            defaults = msgspec.convert({}, registry.get(kind, name).Options)
+            for key, value in msgspec.structs.asdict(defaults).items():
+                assert f"      {key} = {value!r}  (" in text, (kind, name, key)
+    assert "      slo_classes = []  (" in text
 
 
 def test_every_hook_is_documented_and_tested():
