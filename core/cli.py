@@ -7,8 +7,10 @@ import json
 import logging
 import sys
 import time
+from typing import NoReturn
 
 from conveyor import __version__
+from conveyor.bench.flags import positive
 from conveyor.registry import PluginError
 
 logger = logging.getLogger("conveyor")
@@ -152,8 +154,16 @@ def cmd_plan(args: argparse.Namespace) -> int:
     return main(args)
 
 
+class Parser(argparse.ArgumentParser):
+    """Refuses an argument as the commands refuse their input: one line, ``error: ...``, exit status 2 (the
+    subcommands' parsers are of this class too)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"error: {message}\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="conveyor", description="Conveyor LLM inference server")
+    parser = Parser(prog="conveyor", description="Conveyor LLM inference server")
     parser.add_argument("--version", action="version", version=f"conveyor {__version__}")
     parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -194,7 +204,8 @@ def build_parser() -> argparse.ArgumentParser:
                             "pipeline bubbles, host overhead, queue, prefill, compute, bandwidth), with the evidence "
                             "and the config key to change first")
     doctor.add_argument("url", nargs="?", default="http://127.0.0.1:8000", help="the server (default: %(default)s)")
-    doctor.add_argument("--interval", type=float, default=10.0, help="seconds of /metrics to read (default: 10)")
+    doctor.add_argument("--interval", type=positive(float), default=10.0,
+                        help="seconds of /metrics to read (default: 10)")
     doctor.add_argument("--json", action="store_true", help="the diagnosis as JSON")
     doctor.set_defaults(func=cmd_doctor)
 

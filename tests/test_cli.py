@@ -66,3 +66,54 @@ def test_a_sharegpt_file_of_another_shape_is_named(tmp_path, capsys, content, pr
     line = refusal(capsys, ["bench", "--url", "http://127.0.0.1:9", "--dataset", f"sharegpt:{path}",
                             "--num-requests", "2", "--warmup", "0"])
     assert line.startswith(f"error: {path}: {problem}") and "expected a ShareGPT list" in line, line
+
+
+BENCH = ["bench", "--url", "http://127.0.0.1:9", "--ready-timeout", "0", "--warmup", "0", "--num-requests", "1",
+         "--dataset", "random", "--input-len", "4"]
+PLAN = ["plan", "--hardware", "H100", "--slo", "ttft_p99=1s"]
+
+
+@pytest.mark.parametrize("argv, flag, value, expected", [
+    (BENCH, "--output-len", "0", "an integer > 0"),
+    (BENCH, "--num-requests", "0", "an integer > 0"),
+    (BENCH, "--input-len", "-3", "an integer > 0"),
+    (BENCH, "--max-concurrency", "-1", "an integer >= 0"),
+    (BENCH, "--warmup", "-1", "an integer >= 0"),
+    (BENCH, "--request-rate", "nan", "a number > 0 or inf"),
+    (BENCH, "--request-rate", "0", "a number > 0 or inf"),
+    (BENCH, "--sweep", "1,nan", "a number > 0 or inf"),
+    (BENCH, "--burstiness", "inf", "a number > 0"),
+    (BENCH, "--ready-timeout", "-1", "a number >= 0"),
+    (BENCH, "--temperature", "nan", "a number >= 0"),
+    (["simulate", "--hardware", "H100"], "--num-requests", "0", "an integer > 0"),
+    (["simulate", "--hardware", "H100"], "--request-rate", "2,-1", "a number > 0 or inf"),
+    (["simulate", "--hardware", "H100"], "--output-len", "0", "an integer > 0"),
+    (PLAN, "--num-requests", "0", "an integer > 0"),
+    (PLAN, "--top", "0", "an integer > 0"),
+    (["doctor", "http://127.0.0.1:9"], "--interval", "-1", "a number > 0"),
+    (["doctor", "http://127.0.0.1:9"], "--interval", "nan", "a number > 0"),
+])
+def test_a_number_out_of_range_is_refused_naming_the_flag(capsys, argv, flag, value, expected):
+    """Each command's numeric flags refuse 0, negatives, NaN and inf where they mean nothing, before anything
+    runs: one line naming the flag, what it takes and what it got (not a default put in its place, NaNs in a
+    report, or a library's error without the flag)."""
+    line = refusal(capsys, [*argv, f"{flag}={value}"])
+    assert line == f"error: argument {flag}: expected {expected}, got {value.split(',')[-1]!r}", line
+
+
+def test_the_flags_take_what_they_mean():
+    """0 where it means none or no limit, inf for a rate, and the lengths as given."""
+    from conveyor.bench.command import build_workload
+    from conveyor.cli import build_parser
+
+    args = build_parser().parse_args([*BENCH, "--max-concurrency", "0", "--warmup", "0", "--request-rate", "inf",
+                                      "--sweep", "0.5,inf", "--ready-timeout", "0", "--output-len", "5"])
+    inf = float("inf")
+    assert (args.max_concurrency, args.warmup, args.request_rate, args.sweep) == (0, 0, inf, [0.5, inf])
+    assert [r.max_tokens for r in build_workload(args, 3, seed=0)] == [5, 5, 5]
+    assert build_parser().parse_args(["doctor", "--interval", "0.5"]).interval == 0.5
+
+
+def test_goodput_names_a_bound_that_is_not_a_number_of_milliseconds(capsys):
+    line = refusal(capsys, [*BENCH, "--goodput", "ttft:-5"])
+    assert line == "error: --goodput 'ttft:-5': expected a number > 0, got '-5' (milliseconds)", line

@@ -14,7 +14,7 @@ import httpx
 import msgspec
 from prometheus_client.samples import Sample
 
-from conveyor.bench import datasets, report
+from conveyor.bench import datasets, flags, report
 from conveyor.bench.load import BenchRequest, LoadOptions, metric_totals, run_load, scrape_metrics, served_model
 from conveyor.bench.parallel import parallel_view
 from conveyor.bench.stats import SLO_METRICS, RequestRecord, summarize
@@ -28,20 +28,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dataset", default="mixed", help="mixed | random | sharegpt:FILE (default: mixed)")
     parser.add_argument("--tokenizer", help="tokenizer.json, a directory holding one, or a .gguf, to size prompts "
                         "(default: the default model's)")
-    parser.add_argument("--num-requests", type=int, default=64)
-    parser.add_argument("--request-rate", type=_rate, default=math.inf, help="requests/s, or inf (default: inf)")
-    parser.add_argument("--sweep", type=lambda s: [_rate(r) for r in s.split(",")], metavar="RATES",
+    parser.add_argument("--num-requests", type=flags.positive(int), default=64)
+    parser.add_argument("--request-rate", type=flags.rate, default=math.inf, help="requests/s, or inf (default: inf)")
+    parser.add_argument("--sweep", type=flags.rates, metavar="RATES",
                         help="run once per rate, e.g. 1,2,4,8,inf, and plot the results")
-    parser.add_argument("--burstiness", type=float, default=1.0, help="gamma shape of arrival gaps; 1 = Poisson")
-    parser.add_argument("--max-concurrency", type=int, default=0, help="most requests in flight (0: no limit)")
-    parser.add_argument("--input-len", type=int, default=256, help="random: prompt tokens")
-    parser.add_argument("--output-len", type=int, default=None,
+    parser.add_argument("--burstiness", type=flags.positive(float), default=1.0,
+                        help="gamma shape of arrival gaps; 1 = Poisson")
+    parser.add_argument("--max-concurrency", type=flags.positive(int, zero=True), default=0,
+                        help="most requests in flight (0: no limit)")
+    parser.add_argument("--input-len", type=flags.positive(int), default=256, help="random: prompt tokens")
+    parser.add_argument("--output-len", type=flags.positive(int), default=None,
                         help="random: output tokens (default 128); sharegpt: override the reply length")
     parser.add_argument("--range-ratio", type=float, default=0.0, help="random: lengths vary by +-ratio")
-    parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--temperature", type=flags.positive(float, zero=True), default=0.0)
     parser.add_argument("--ignore-eos", action="store_true", help="ask for exactly max_tokens (vLLM's extra field)")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--warmup", type=int, default=1, help="requests sent (and not counted) before measuring")
+    parser.add_argument("--warmup", type=flags.positive(int, zero=True), default=1,
+                        help="requests sent (and not counted) before measuring")
     parser.add_argument("--goodput", nargs="+", metavar="METRIC:MS", default=[],
                         help="SLOs for goodput, e.g. ttft:1000 itl:150 (metrics: ttft, tpot, e2e, itl: the P99 of "
                         "each request's own gaps between tokens)")
@@ -49,16 +52,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--plot", metavar="PNG", help="where the sweep or comparison plot goes")
     parser.add_argument("--label", default="", help="name of this run in comparisons (default: the URL)")
     parser.add_argument("--api-key", default=None)
-    parser.add_argument("--ready-timeout", type=float, default=600.0, metavar="SECONDS",
+    parser.add_argument("--ready-timeout", type=flags.positive(float, zero=True), default=600.0, metavar="SECONDS",
                         help="how long to wait for a server that is still starting (503) or not up yet (default: 600)")
     parser.add_argument("--no-progress", action="store_true")
-
-
-def _rate(text: str) -> float:
-    value = float(text)
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"rate {text} must be > 0 or inf")
-    return value
 
 
 def _slos(specs: list[str]) -> dict[str, float]:
@@ -67,7 +63,10 @@ def _slos(specs: list[str]) -> dict[str, float]:
         name, _, value = spec.partition(":")
         if name not in SLO_METRICS or not value:
             raise ValueError(f"--goodput {spec!r}: expected METRIC:MS with METRIC one of {', '.join(SLO_METRICS)}")
-        slos[name] = float(value)
+        try:
+            slos[name] = flags.positive(float)(value)
+        except argparse.ArgumentTypeError as e:
+            raise ValueError(f"--goodput {spec!r}: {e} (milliseconds)") from None
     return slos
 
 
@@ -118,14 +117,17 @@ def build_workload(args: argparse.Namespace, n: int, seed: int) -> list[BenchReq
         return [BenchRequest(c.messages, None, len(tokenizer.encode_chat(c.messages)), c.max_tokens) for c in chats]
     if args.dataset == "random":
         special = frozenset(i for i in (tokenizer.bos_token_id, *tokenizer.eos_token_ids) if i is not None)
-        pairs = datasets.random_prompts(n, seed, tokenizer.vocab_size, args.input_len, args.output_len or 128,
+        pairs = datasets.random_prompts(n, seed, tokenizer.vocab_size, args.input_len,
+                                        128 if args.output_len is None else args.output_len,
                                         args.range_ratio, special)
         return [BenchRequest(None, ids, len(ids), out) for ids, out in pairs]
     if args.dataset.startswith("sharegpt:"):
         requests = []
         for question, answer in datasets.sharegpt(args.dataset.partition(":")[2], n, seed):
             messages = [{"role": "user", "content": question}]
-            output_len = args.output_len or max(1, len(tokenizer.encode(answer, add_special_tokens=False)))
+            output_len = args.output_len
+            if output_len is None:
+                output_len = max(1, len(tokenizer.encode(answer, add_special_tokens=False)))
             requests.append(BenchRequest(messages, None, len(tokenizer.encode_chat(messages)), output_len))
         return requests
     raise ValueError(f"--dataset {args.dataset!r}: allowed: mixed, random, sharegpt:FILE")

@@ -48,6 +48,7 @@ if sys.version_info >= (3, 11):
 else:
     import tomli as tomllib
 
+from conveyor.bench import flags
 from conveyor.bench.costs import DEFAULT_INTERCONNECT
 from conveyor.bench.sim_fleet import simulate_fleet
 from conveyor.bench.simulator import (
@@ -327,7 +328,7 @@ def main(args) -> int:
     from conveyor.config import parse_override
 
     slos = parse_slos(args.slo)
-    if args.gpus < 1 or (args.hardware == "cpu" and args.gpus != 1):
+    if args.hardware == "cpu" and args.gpus != 1:
         raise ValueError(f"--gpus {args.gpus}: give 1 or more GPUs of --hardware (this CPU counts as one device)")
     spec = resolve_model(args.model)
     requests = workload(args)
@@ -363,7 +364,7 @@ def add_arguments(parser) -> None:
     parser.set_defaults(num_requests=200)
     parser.add_argument("--slo", required=True, help="latency bounds, e.g. ttft_p99=500ms,itl_p99=50ms "
                         f"(metrics {', '.join(SLO_METRICS)}; statistics {', '.join(SLO_STATS)})")
-    parser.add_argument("--gpus", type=int, default=1, help="devices for one deployment: tensor "
+    parser.add_argument("--gpus", type=flags.positive(int), default=1, help="devices for one deployment: tensor "
                         "parallelism x engines, replicas or prefill and decode engines (default: 1)")
-    parser.add_argument("--top", type=int, default=3, help="configs to print (default: 3)")
+    parser.add_argument("--top", type=flags.positive(int), default=3, help="configs to print (default: 3)")
     parser.add_argument("--json", dest="json_path", metavar="OUT", help="every candidate evaluated, as JSON")

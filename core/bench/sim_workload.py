@@ -7,6 +7,7 @@ import random
 
 import msgspec
 
+from conveyor.bench import flags
 from conveyor.bench.costs import DEFAULT_INTERCONNECT, INTERCONNECTS
 
 # the token every simulated step samples
@@ -53,8 +54,8 @@ def workload(args) -> list[SimRequest]:
         turns = args.dataset.partition(":")[2]
         if not turns.isdigit() or int(turns) < 1:
             raise ValueError(f"--dataset {args.dataset!r}: multiturn:TURNS takes a number of turns, e.g. multiturn:4")
-        return multiturn(args.num_requests, int(turns), args.input_len, args.output_len or 64, args.seed,
-                         tokenizer.vocab_size)
+        return multiturn(args.num_requests, int(turns), args.input_len,
+                         64 if args.output_len is None else args.output_len, args.seed, tokenizer.vocab_size)
     return [SimRequest(tokenizer.encode_chat(r.messages) if r.messages is not None else list(r.prompt), r.max_tokens)
             for r in build_workload(args, args.num_requests, args.seed)]
 
@@ -75,9 +76,9 @@ def add_workload_arguments(parser) -> None:
     parser.add_argument("--dataset", default="mixed", help="mixed | random | sharegpt:FILE | multiturn:TURNS "
                         "(conversations resending their history; --input-len: system prompt tokens) (default: mixed)")
     parser.add_argument("--tokenizer", help="sizes the prompts (default: the default model's)")
-    parser.add_argument("--num-requests", type=int, default=64)
-    parser.add_argument("--burstiness", type=float, default=1.0)
-    parser.add_argument("--input-len", type=int, default=256)
-    parser.add_argument("--output-len", type=int, default=None)
+    parser.add_argument("--num-requests", type=flags.positive(int), default=64)
+    parser.add_argument("--burstiness", type=flags.positive(float), default=1.0)
+    parser.add_argument("--input-len", type=flags.positive(int), default=256)
+    parser.add_argument("--output-len", type=flags.positive(int), default=None)
     parser.add_argument("--range-ratio", type=float, default=0.0)
     parser.add_argument("--seed", type=int, default=0)

@@ -28,6 +28,7 @@ from collections.abc import Sequence
 from dataclasses import asdict
 from typing import Any
 
+from conveyor.bench import flags
 from conveyor.bench.costs import (
     DEFAULT_INTERCONNECT,
     INTERCONNECTS,
@@ -379,7 +380,7 @@ def comm_share(steps: Sequence[StepStats]) -> float:
 
 def add_arguments(parser) -> None:
     add_workload_arguments(parser)
-    parser.add_argument("--request-rate", type=lambda s: [float(r) for r in s.split(",")], default=[float("inf")],
+    parser.add_argument("--request-rate", type=flags.rates, default=[float("inf")],
                         metavar="RATES", help="requests/s, comma-separated for several runs (default: inf)")
     parser.add_argument("--goodput", nargs="+", metavar="METRIC:MS", default=[])
     parser.add_argument("--json", dest="json_path", metavar="OUT", help="the runs and the cost model, as JSON")
