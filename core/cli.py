@@ -7,7 +7,6 @@ import json
 import logging
 import sys
 import time
-from typing import NoReturn
 
 from conveyor import __version__
 from conveyor.bench.flags import positive
@@ -154,16 +153,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     return main(args)
 
 
-class Parser(argparse.ArgumentParser):
-    """Refuses an argument as the commands refuse their input: one line, ``error: ...``, exit status 2 (the
-    subcommands' parsers are of this class too)."""
-
-    def error(self, message: str) -> NoReturn:
-        self.exit(2, f"error: {message}\n")
-
-
 def build_parser() -> argparse.ArgumentParser:
-    parser = Parser(prog="conveyor", description="Conveyor LLM inference server")
+    parser = argparse.ArgumentParser(prog="conveyor", description="Conveyor LLM inference server")
     parser.add_argument("--version", action="version", version=f"conveyor {__version__}")
     parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     sub = parser.add_subparsers(dest="command", required=True)

@@ -1,5 +1,6 @@
-"""The ``conveyor`` command's handling of what a user gives it: a file or a flag it cannot use is refused in one
-line, ``error: ...`` naming the file or the flag and what was expected, with exit status 2."""
+"""The ``conveyor`` command's handling of what a user gives it: a file or a flag it cannot use is refused with
+exit status 2 and a line ``error: ...`` naming the file or the flag and what was expected (after argparse's usage
+lines for a flag)."""
 
 from __future__ import annotations
 
@@ -12,15 +13,21 @@ from conveyor.cli import main
 
 
 def refusal(capsys, argv: list[str]) -> str:
-    """The one line ``conveyor argv`` refuses with (exit status 2 and nothing on stdout)."""
+    """The line ``conveyor argv`` refuses with (exit status 2 and nothing on stdout): the command's one line, or
+    argparse's after its usage lines (``conveyor bench: error: ...``), as ``error: ...``."""
     try:
         status = main(argv)
     except SystemExit as e:  # (argparse's own refusals exit)
         status = e.code
     out, err = capsys.readouterr()
     lines = err.strip().splitlines()
-    assert status == 2 and not out and len(lines) == 1 and lines[0].startswith("error: "), (status, out, err)
-    return lines[0]
+    assert status == 2 and not out and lines, (status, out, err)
+    last = lines[-1]
+    if len(lines) > 1:  # (argparse: usage, then "PROG: error: ...")
+        assert lines[0].startswith("usage: ") and ": error: " in last, err
+        last = "error: " + last.split(": error: ", 1)[1]
+    assert last.startswith("error: "), err
+    return last
 
 
 def a_run(rate: float | None) -> dict:
