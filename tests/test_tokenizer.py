@@ -217,7 +217,6 @@ def test_token_bytes_rebuild_characters_that_tokens_split(tokenizer):
     assert b"".join(ours.token_bytes(i) for i in ids) == b" " + text.encode()  # (Metaspace's leading space)
 
 
-
 def test_tokenizing_leaves_the_gil_to_other_threads(tokenizer):
     """An event loop calls encode() in a worker thread and goes on meanwhile: tokenizing must leave the GIL. With
     the switch interval at 100 s no thread gives the GIL up but by blocking, so this thread gets it back from the

@@ -365,7 +365,6 @@ class Reply:
         await emit(self.event(status, response=final))
         return final
 
-
     async def _fail(self, emit: Emit, error: RequestError, order: list[str]) -> dict[str, Any]:
         """A failure after the stream's 200: the ``error`` event, then ``response.failed`` with the items as far as
         they came (each "incomplete"); returns that response."""
