@@ -78,6 +78,9 @@ registry = PluginRegistry.of(config)
 transports = [registry.build("transport", spec) for spec in config.transport]
 assert {{"static", "dynamic", "continuous"}} <= set(registry.names("scheduler"))
 assert "torch" not in sys.modules, "the server's frontend loaded torch"
+from conveyor.cli import build_parser
+build_parser()  # (conveyor serve builds every command's flags)
+assert "torch" not in sys.modules, "the command line's parser loaded torch"
 """
     subprocess.run([sys.executable, "-c", probe], check=True, timeout=120)
 

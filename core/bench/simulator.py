@@ -50,7 +50,6 @@ from conveyor.perf.peaks import DevicePeaks
 from conveyor.perf.roofline import ModelCosts, step_work
 from conveyor.registry import PluginRegistry
 from conveyor.sampling import SamplingParams
-from conveyor.worker.parallel import Placement, check_divisible
 
 # the models the simulator knows by name (their config.json's shapes)
 MODELS: dict[str, ModelSpec] = {
@@ -166,6 +165,9 @@ class SimulatedExecutor(Executor):
 def split_problem(spec: ModelSpec, tp: int, pp: int = 1) -> str | None:
     """Why ``spec`` cannot be split ``tp`` x ``pp`` ways, with the tensor-parallel sizes that can (None when it
     can): the check the workers make (``conveyor.worker.parallel.check_divisible``)."""
+    # (imported here: that module imports torch, and the CLI, the server's included, imports this one for its flags)
+    from conveyor.worker.parallel import Placement, check_divisible
+
     experts = tuple(w for w in (spec.moe_intermediate_size, spec.shared_expert_intermediate_size) if w)
     return check_divisible(Placement(0, tp, pp), spec.num_heads, spec.num_kv_heads, spec.intermediate_size,
                            spec.num_layers, experts)
