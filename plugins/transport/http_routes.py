@@ -19,6 +19,7 @@ from conveyor.plugins.transport import anthropic_api, embeddings_api, responses_
 from conveyor.plugins.transport import openai_api as api
 from conveyor.plugins.transport.openai_call import Call, Emit
 from conveyor.plugins.transport.openapi import openapi_document
+from conveyor.plugins.transport.responses_reply import Reply
 from conveyor.plugins.transport.sse import (
     ANTHROPIC,
     OPENAI,
@@ -276,7 +277,7 @@ class Routes:
             call = await self._chat_call(chat, created, "resp")
         except RequestError as e:
             return error_response(responses_api.in_responses_terms(e))
-        reply = responses_api.Reply(call, body)
+        reply = Reply(call, body)
 
         def keep(response: dict[str, Any]) -> None:
             if body.store:
