@@ -230,7 +230,7 @@ def test_bench_asks_for_the_model_with_its_api_key(server):
 @pytest.mark.parametrize("value", [None, ""], ids=["unset", "empty"])
 def test_the_server_refuses_to_start_without_the_api_key_it_names(tmp_path, monkeypatch, value):
     """api_key_env names a variable that is unset (or empty): `conveyor serve` exits with status 2 before it
-    serves anything, with one error line naming the variable."""
+    serves anything, with one error line naming the config file and the variable."""
     name = "CONVEYOR_TEST_MISSING_KEY"
     monkeypatch.delenv(name, raising=False)
     server = Server(CONFIG.replace("CONVEYOR_TEST_KEY", name), tmp_path, env={} if value is None else {name: value})
@@ -241,8 +241,8 @@ def test_the_server_refuses_to_start_without_the_api_key_it_names(tmp_path, monk
         server.stop()
     assert server.process.returncode == 2
     errors = [line for line in server.lines if line.startswith("error:")]
-    assert errors == [f"error: [transport] api_key_env = '{name}': that environment variable is not set"], \
-        server.output
+    assert errors == [f"error: {server.config_path}: [transport] api_key_env = '{name}': that environment variable "
+                      "is not set"], server.output
 
 
 def test_anthropic_clients_send_the_key_as_x_api_key(server, model, http):
