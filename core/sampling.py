@@ -105,6 +105,8 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, forbid_unknown_fields=T
             value = getattr(self, name)
             _check(-MAX_PENALTY <= value <= MAX_PENALTY, f"{name}={value} must be in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}]")
         _check(self.min_tokens >= 0, f"min_tokens={self.min_tokens} must be >= 0")
+        _check(self.max_tokens is None or self.min_tokens <= self.max_tokens,
+               f"min_tokens={self.min_tokens} must be at most max_tokens={self.max_tokens}")
         _check(self.seed is None or -(2**63) <= self.seed < 2**63, f"seed={self.seed} must fit in 64 bits, signed")
         _check(
             self.logprobs is None or 0 <= self.logprobs <= MAX_LOGPROBS,

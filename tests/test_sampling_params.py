@@ -27,6 +27,7 @@ from conveyor.sampling import SamplingParams
         ("stop_token_ids", list(range(65)), "stop_token_ids has 65 ids; at most 64 are allowed"),
         ("min_tokens", -1, "min_tokens=-1 must be >= 0"),
         ("seed", 2**64, f"seed={2**64} must fit in 64 bits, signed"),
+        ("min_tokens", 17, "min_tokens=17 must be at most max_tokens=16"),
         ("seed", -(2**63) - 1, f"seed={-(2**63) - 1} must fit in 64 bits, signed"),
     ],
 )

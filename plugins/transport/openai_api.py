@@ -239,13 +239,11 @@ def sampling_params(request: CompletionRequest | ChatCompletionRequest, default_
         param = head if head in type(request).__struct_fields__ else None
         if param == "logprobs" and isinstance(request, ChatCompletionRequest):
             param = "top_logprobs"
+        if param == "min_tokens" and getattr(request, "max_completion_tokens", None) is not None:
+            message = message.replace("max_tokens=", "max_completion_tokens=")  # (the field that set it)
         raise RequestError(message, 400, param) from None
     if request.stream:
         params.prompt_logprobs = None  # (0, which vLLM takes with stream: a stream returns none)
-    if params.max_tokens is not None and params.min_tokens > params.max_tokens:
-        name = "max_completion_tokens" if getattr(request, "max_completion_tokens", None) is not None else "max_tokens"
-        raise RequestError(f"min_tokens={params.min_tokens} must be at most {name}={params.max_tokens}", 400,
-                           "min_tokens")
     return params
 
 
