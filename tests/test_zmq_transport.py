@@ -24,7 +24,7 @@ pytestmark = pytest.mark.slow
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 
 
-def zmq_config(curve: str = "") -> str:
+def zmq_config(options: str = "") -> str:
     return f"""
 [server]
 status_interval = 0
@@ -38,7 +38,7 @@ port = 0
 [[transport]]
 plugin = "zmq"
 address = "tcp://127.0.0.1:*"
-{curve}
+{options}
 """
 
 
@@ -289,6 +289,53 @@ def test_an_aborted_request_without_streaming_returns_what_it_made(server, keys,
     assert 8 <= len(final["token_ids"]) == final["usage"]["completion_tokens"] < 400
     assert final["text"] == tokenizer.decode(final["token_ids"])
     socket.close()
+
+
+def test_a_client_that_disconnects_mid_stream_has_its_request_aborted(server, keys):
+    """The ROUTER learns of the departure at the next chunk, which the request then never makes past: it ends
+    in the engine as an abort and frees its blocks, where it used to run to its max_tokens for nobody."""
+    socket = raw_socket(server, keys)
+    engine_aborted = server.engine_aborts()
+    request = {"request_id": "left", "prompt": "Tell me a story.", "params": {"max_tokens": 1500, "ignore_eos": True}}
+    socket.send_multipart([b"generate", msgspec.msgpack.encode(request)])
+    assert receive(socket)[0] == b"chunk"
+    socket.close(linger=0)
+    server.wait_for(lambda: server.engine_aborts() == engine_aborted + 1, what="the request to be aborted")
+    server.wait_for(lambda: server.metric("conveyor_kv_cache_free_blocks") == server.metric("conveyor_kv_cache_blocks"),
+                    what="its blocks to be freed")
+
+
+def test_a_client_that_stops_reading_has_its_requests_aborted(tmp_path):
+    """A client that stays connected and reads nothing fills its queue (one message here, plus the network's
+    buffers: 16 kB and 4 kB); its requests wait, a second client is served meanwhile, and once the queue has stayed full for the
+    timeout the first client's requests are aborted (they used to run to their end, their output buffered
+    without bound)."""
+    server = Server(zmq_config("client_queue_messages = 1\nslow_client_timeout_s = 1.0\nsend_buffer_bytes = 16384"), tmp_path).start()
+    try:
+        stuck = zmq.Context.instance().socket(zmq.DEALER)
+        stuck.setsockopt(zmq.LINGER, 0)
+        stuck.setsockopt(zmq.RCVHWM, 1)
+        stuck.setsockopt(zmq.RCVBUF, 4096)
+        stuck.connect(server.url("tcp"))
+        params = {"max_tokens": 1500, "ignore_eos": True, "logprobs": 20}  # (some 400 bytes a chunk)
+        for i in range(8):
+            request = {"request_id": f"s{i}", "prompt": f"Tell me story number {i}.", "params": params}
+            stuck.send_multipart([b"generate", msgspec.msgpack.encode(request)])
+        other = zmq.Context.instance().socket(zmq.DEALER)
+        other.setsockopt(zmq.LINGER, 0)
+        other.connect(server.url("tcp"))
+        other.send_multipart([b"generate", msgspec.msgpack.encode(
+            {"request_id": "o", "prompt": "Hi", "params": {"max_tokens": 8, "ignore_eos": True}, "stream": False})])
+        (final,) = until_final(other, "o")
+        assert final["finish_reason"] == "length" and len(final["token_ids"]) == 8
+        server.wait_for(lambda: server.engine_aborts() == 8, timeout=120, what="the unread requests to be aborted")
+        server.wait_for(lambda: server.metric("conveyor_kv_cache_free_blocks") == server.metric("conveyor_kv_cache_blocks"),
+                        what="their blocks to be freed")
+        assert "read nothing for 1 s with its queue full; request 's0' aborted" in server.output
+        stuck.close()
+        other.close()
+    finally:
+        assert server.stop() == 0
 
 
 def test_sync_client_matches_http(server, client_keys):

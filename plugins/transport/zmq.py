@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import time
 from contextlib import aclosing
 from pathlib import Path
 from typing import Annotated, Any, ClassVar
@@ -38,6 +39,14 @@ class ZMQOptions(msgspec.Struct, forbid_unknown_fields=True):
     curve_authorized_keys_dir: str = ""
     # largest message a client may send, in bytes; a client that sends a larger one is disconnected
     max_message_bytes: Annotated[int, msgspec.Meta(ge=1024)] = 4 * 1024 * 1024
+    # messages queued for one client that is not reading (beyond what the network holds); while its queue is
+    # full, its requests wait (the other clients' do not) ...
+    client_queue_messages: Annotated[int, msgspec.Meta(ge=1)] = 1000
+    # ... and a client whose queue stays full this long has its requests aborted
+    slow_client_timeout_s: Annotated[float, msgspec.Meta(gt=0)] = 30.0
+    # the kernel's send buffer of each client connection (SO_SNDBUF), which holds what the queue has passed on;
+    # 0: the system's, which grows to several MB for a client that does not read
+    send_buffer_bytes: Annotated[int, msgspec.Meta(ge=0)] = 0
 
     def __post_init__(self) -> None:
         if bool(self.curve_secret_key_file) != bool(self.curve_authorized_keys_dir):
@@ -83,7 +92,12 @@ class ZMQTransport(Transport):
                 authenticator.configure_curve(domain="*", location=self.options.curve_authorized_keys_dir)
                 socket.curve_server = True
                 socket.curve_publickey, socket.curve_secretkey = self._keys
-            socket.setsockopt(zmq.SNDHWM, 0)  # never drop a chunk for a slow client
+            # a bounded queue per client, and a send to a full queue or to a client that has left fails (where
+            # a ROUTER would drop the message), so that the request can be aborted
+            socket.setsockopt(zmq.SNDHWM, self.options.client_queue_messages)
+            socket.setsockopt(zmq.ROUTER_MANDATORY, 1)
+            if self.options.send_buffer_bytes:
+                socket.setsockopt(zmq.SNDBUF, self.options.send_buffer_bytes)
             socket.setsockopt(zmq.MAXMSGSIZE, self.options.max_message_bytes)
             socket.bind(self.options.address)
             task_status.started(socket.getsockopt_string(zmq.LAST_ENDPOINT))
@@ -100,26 +114,26 @@ class ZMQTransport(Transport):
     def _dispatch(self, socket: zmq.asyncio.Socket, frontend: Frontend, tg: anyio.abc.TaskGroup,
                   frames: list[bytes]) -> None:
         identity = frames[0]
-        reply = _Replier(socket, identity)
+        reply = _Replier(socket, identity, self.options.slow_client_timeout_s)
         kinds = ", ".join(k.decode() for k in protocol.CLIENT_MESSAGES)
         if len(frames) != 3:
-            tg.start_soon(reply.error, None, 400, f"expected two frames, a message type ({kinds}) and a msgpack map;"
+            tg.start_soon(reply.error_or_drop, None, 400, f"expected two frames, a message type ({kinds}) and a msgpack map;"
                                                   f" got {len(frames) - 1}")
             return
         kind = frames[1]
         if kind not in protocol.CLIENT_DECODERS:
-            tg.start_soon(reply.error, _request_id(frames[2]), 400,
+            tg.start_soon(reply.error_or_drop, _request_id(frames[2]), 400,
                           f"unknown message type {kind.decode(errors='replace')!r}; expected one of: {kinds}")
             return
         try:
             body = protocol.CLIENT_DECODERS[kind].decode(frames[2])
         except (msgspec.DecodeError, ValueError) as e:
-            tg.start_soon(reply.error, _request_id(frames[2]), 400, f"bad {kind.decode()} message: {e}")
+            tg.start_soon(reply.error_or_drop, _request_id(frames[2]), 400, f"bad {kind.decode()} message: {e}")
             return
         if kind == b"health":
             health = protocol.HealthReply(frontend.healthy, frontend.model_name, frontend.max_model_len,
                                           frontend.num_in_flight)
-            tg.start_soon(reply.send, b"health", health)
+            tg.start_soon(reply.send_or_drop, b"health", health)
         elif kind == b"abort":
             scope = self._running.get((identity, body.request_id))
             if scope is not None:
@@ -127,7 +141,7 @@ class ZMQTransport(Transport):
         else:
             key = (identity, body.request_id)
             if key in self._running:  # (no request_id: an error would end the request in flight, for the client)
-                tg.start_soon(reply.error, None, 400, f"request_id {body.request_id!r} is already in flight; this "
+                tg.start_soon(reply.error_or_drop, None, 400, f"request_id {body.request_id!r} is already in flight; this "
                               "generate was not taken (that request goes on)")
                 return
             scope = anyio.CancelScope()
@@ -174,6 +188,8 @@ class ZMQTransport(Transport):
                 usage = protocol.Usage(last.num_prompt_tokens, last.num_output_tokens) if last else None
                 await reply.send(b"chunk", protocol.StreamChunk(rid, "".join(text), token_ids, logprobs or None,
                                                                 finish_reason="abort", usage=usage))
+        except _ClientGone as e:  # leaving the stream above aborted the request in the engine
+            logger.warning("zmq client %s: %s; request %r aborted", reply.identity.hex(), e, rid)
         finally:
             self._running.pop((reply.identity, rid), None)
 
@@ -188,16 +204,48 @@ def _request_id(body: bytes) -> str | None:
     return request_id if isinstance(request_id, str) else None
 
 
+class _ClientGone(Exception):
+    """The client has disconnected, or has not read its messages for the slow-client timeout."""
+
+
 class _Replier:
-    def __init__(self, socket: zmq.asyncio.Socket, identity: bytes):
+    def __init__(self, socket: zmq.asyncio.Socket, identity: bytes, timeout: float):
         self.socket = socket
         self.identity = identity
+        self.timeout = timeout
 
     async def send(self, kind: bytes, body: msgspec.Struct) -> None:
-        await self.socket.send_multipart([self.identity, *protocol.encode(kind, body)])
+        """Queue a message for the client; while its queue is full, wait for room (a blocking send would hold up
+        every client's messages behind this one's). Raises _ClientGone."""
+        frames = [self.identity, *protocol.encode(kind, body)]
+        deadline = time.monotonic() + self.timeout
+        delay = 0.001
+        while True:
+            try:
+                await self.socket.send_multipart(frames, flags=zmq.DONTWAIT)
+                return
+            except zmq.Again:
+                if time.monotonic() > deadline:
+                    raise _ClientGone(f"read nothing for {self.timeout:g} s with its queue full") from None
+            except zmq.ZMQError as e:
+                if e.errno != zmq.EHOSTUNREACH:
+                    raise
+                raise _ClientGone("disconnected") from None
+            await anyio.sleep(delay)
+            delay = min(2 * delay, 0.05)
+
+    async def send_or_drop(self, kind: bytes, body: msgspec.Struct) -> None:
+        """``send``, for a message with no request behind it: a client that has gone misses it."""
+        try:
+            await self.send(kind, body)
+        except _ClientGone as e:
+            logger.info("zmq client %s: %s; a %s message was dropped", self.identity.hex(), e, kind.decode())
 
     async def error(self, request_id: str | None, status: int, message: str, retry_after: float = 0.0) -> None:
         await self.send(b"error", protocol.ErrorReply(request_id, status, message, retry_after))
+
+    async def error_or_drop(self, request_id: str | None, status: int, message: str) -> None:
+        await self.send_or_drop(b"error", protocol.ErrorReply(request_id, status, message))
 
 
 def _chunk(request_id: str, chunk: Any) -> protocol.StreamChunk:
