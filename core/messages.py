@@ -172,9 +172,11 @@ class StepStats(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     timestamp: float
     scheduler: SchedulerStats
     kv: KVCacheStats
+    # tokens computed: of prompts (or of outputs recomputed after a preemption), and of decodes (each decode's
+    # new token and any draft tokens it checks)
     num_prefill_tokens: int = 0
     num_decode_tokens: int = 0
-    # requests in the step with prompt tokens (a whole prompt or a chunk), and with one decode token
+    # requests in the step with prompt tokens (a whole prompt or a chunk), and decoding
     num_prefill_seqs: int = 0
     num_decode_seqs: int = 0
     # seconds: choosing the batch; building inputs + the forward pass; sampling; recording the results

@@ -3,12 +3,18 @@
 from __future__ import annotations
 
 import math
+from contextlib import aclosing
 
+import anyio
+import msgspec
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from conveyor.messages import EngineReady, KVCacheStats, SchedulerStats, StepStats
+from conveyor.engine.client import EngineUnavailable
+from conveyor.messages import EngineReady, KVCacheStats, RequestOutput, SchedulerStats, StepStats
+from conveyor.sampling import SamplingParams
 from conveyor.serving.metrics import ServerMetrics
+from conveyor.transport import RequestError
 
 MODEL = "tiny"
 
@@ -103,6 +109,10 @@ def test_every_metric_moves_with_its_traffic():
                                      pipeline_parallel_size=3))
     assert value("conveyor_engine_restarts_total") == 1
     assert value("conveyor_tensor_parallel_size") == 2 and value("conveyor_pipeline_parallel_size") == 3
+    # nothing runs on the new engine yet (the old one's last gauges are gone, from the status line too)
+    assert value("conveyor_num_requests_running") == 0 and value("conveyor_num_requests_waiting") == 0
+    assert value("conveyor_kv_cache_usage_ratio") == 0
+    assert metrics.status_line().startswith("running 0, waiting 0, KV 0.0%")
     metrics.engine_step(stats(1, tokens=8, preemptions=1, hits=16, drafted=4, accepted=1))
     assert value("conveyor_preemptions_total") == 4 and value("conveyor_prefix_cache_hit_tokens_total") == 48
     assert value("conveyor_spec_draft_tokens_total") == 14 and value("conveyor_spec_accepted_tokens_total") == 8
@@ -154,6 +164,67 @@ def test_the_status_line_reports_rates_since_the_last_line():
     assert rate > 0
     # nothing new since: the rates fall to zero
     assert "prompt 0.0 tok/s, generation 0.0 tok/s" in metrics.status_line()
+
+
+class ScriptedEngine:
+    """An engine client that answers every request with the outputs given (or raises ``refusal``)."""
+
+    alive = True
+    max_model_len = 256
+
+    def __init__(self, outputs: list[RequestOutput], refusal: Exception | None = None):
+        self.outputs = outputs
+        self.refusal = refusal
+
+    async def generate(self, request):
+        if self.refusal is not None:
+            raise self.refusal
+        for output in self.outputs:
+            yield msgspec.structs.replace(output, request_id=request.request_id)
+
+    def abort(self, request_id: str, finished: bool = False) -> None:
+        pass
+
+
+def served(engine: ScriptedEngine, tokenizer) -> tuple[ServerMetrics, list, Exception | None]:
+    """One request through the frontend: the metrics, its chunks, and the error it ended with."""
+    from conveyor.serving.frontend import EngineFrontend
+
+    metrics = ServerMetrics(MODEL)
+    frontend = EngineFrontend(engine, tokenizer, MODEL, metrics)
+
+    async def run():
+        chunks = []
+        try:
+            async with aclosing(frontend.generate([1, 2, 3], SamplingParams(max_tokens=6), request_id="r")) as it:
+                async for chunk in it:
+                    chunks.append(chunk)
+        except RequestError as e:
+            return chunks, e
+        return chunks, None
+
+    return metrics, *anyio.run(run)
+
+
+def test_outputs_of_several_tokens_count_every_token(tokenizer):
+    """Speculative decoding: a step's output carries the accepted drafts and the sampled token. Every token is
+    a generated one; each output after the first is one inter-token latency sample."""
+    engine = ScriptedEngine([RequestOutput("", [5]), RequestOutput("", [6, 7, 8]),
+                             RequestOutput("", [9, 10], finish_reason="length")])
+    metrics, chunks, error = served(engine, tokenizer)
+    value = Exposition(metrics)
+    assert error is None and chunks[-1].num_output_tokens == 6
+    assert value("conveyor_generation_tokens_total") == 6 and value("conveyor_prompt_tokens_total") == 3
+    assert value("conveyor_inter_token_latency_seconds_count") == 2
+    assert value("conveyor_requests_total", finish_reason="length") == 1
+
+
+def test_a_request_the_engine_never_took_is_no_finished_request(tokenizer):
+    """Refused at submission (the engine restarting: 503): not counted as an aborted request."""
+    metrics, chunks, error = served(ScriptedEngine([], EngineUnavailable("the engine is not running")), tokenizer)
+    assert chunks == [] and error.status == 503
+    with pytest.raises(KeyError):
+        Exposition(metrics)("conveyor_requests_total", finish_reason="abort")
 
 
 # ---------------------------------------------------------------- several workers (tensor/pipeline parallelism)

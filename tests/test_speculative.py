@@ -97,6 +97,27 @@ def test_greedy_tokens_are_the_same_with_and_without_drafts(llm_spec, llm_fp32):
     assert kv.num_free_blocks == kv.num_blocks
 
 
+def test_step_stats_count_a_decode_checking_drafts_as_a_decode(llm_spec, tokenizer):
+    """A decode that checks drafts computes its new token and the drafts: the steps count those as decode
+    tokens of one decoding request, and their prompt tokens are the prompt's alone (which starts with a token no
+    other prompt starts with: no prefix cache hit)."""
+    from conveyor.messages import EngineRequest
+    from tests.test_engine import run_engine
+
+    counters = llm_spec.engine.scheduler.counters
+    drafted, accepted = counters.num_draft_tokens, counters.num_accepted_tokens
+    prompt = [tokenizer.encode("zebra")[0], *tokenizer.encode_chat(REPEAT)]
+    params = SamplingParams(max_tokens=32, temperature=0, ignore_eos=True)
+    tokens, steps = run_engine(llm_spec.engine, [EngineRequest("drafts", prompt, params)])
+    checked, accepted = counters.num_draft_tokens - drafted, counters.num_accepted_tokens - accepted
+    assert len(tokens["drafts"]) == 32 and accepted > 10
+    assert sum(s.num_prefill_tokens for s in steps) == len(prompt)
+    # after the prompt's token, each decode step makes one token and those of the drafts it accepts
+    decode_steps = 31 - accepted
+    assert sum(s.num_decode_seqs for s in steps) == decode_steps
+    assert sum(s.num_decode_tokens for s in steps) == decode_steps + checked
+
+
 class DraftCounts:
     """The speculative engine's draft counters, read around one request."""
 

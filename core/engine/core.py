@@ -57,8 +57,10 @@ class InFlight:
 
     batch: ScheduledBatch
     step: StepInput
-    # tokens that are decodes proper (one new token after earlier ones)
-    num_decode: int
+    # entries that are decodes proper (one new token after earlier ones, with any drafts it checks), and their
+    # tokens
+    num_decode_seqs: int
+    num_decode_tokens: int
     # seconds spent choosing and building it
     schedule_time: float
 
@@ -269,13 +271,13 @@ class EngineCore:
         batch = self.scheduler.schedule()
         if not batch.requests:
             return False
-        # decodes proper: one new token after earlier ones (not the last token of a prompt chunk)
-        num_decode = sum(
-            1 for r in batch.requests[: batch.num_decodes] if r.num_output_tokens and r.num_uncomputed_tokens == 1
-        )
+        # decodes proper: one new token after earlier ones (not the last token of a prompt chunk), and the drafts
+        # it checks
+        decodes = [n for r, n in zip(batch.requests, batch.num_tokens)
+                   if r.num_output_tokens and r.num_uncomputed_tokens == 1]
         step = self.steps.build(batch)
         count_in_flight(batch, 1)
-        self._in_flight.append(InFlight(batch, step, num_decode, self.timer() - start))
+        self._in_flight.append(InFlight(batch, step, len(decodes), sum(decodes), self.timer() - start))
         self.executor.submit(step)
         return True
 
@@ -322,10 +324,10 @@ class EngineCore:
             # the running batch is the one this step ran (with any admitted since): read after its finished
             # requests left and before the next step admits, the queue alone is one short for each that ended
             stats.scheduler.num_running = max(stats.scheduler.num_running, len(batch.requests))
-        stats.num_prefill_tokens = batch.total_tokens - flight.num_decode
-        stats.num_decode_tokens = flight.num_decode
-        stats.num_decode_seqs = flight.num_decode
-        stats.num_prefill_seqs = len(batch.requests) - flight.num_decode
+        stats.num_prefill_tokens = batch.total_tokens - flight.num_decode_tokens
+        stats.num_decode_tokens = flight.num_decode_tokens
+        stats.num_decode_seqs = flight.num_decode_seqs
+        stats.num_prefill_seqs = len(batch.requests) - flight.num_decode_seqs
         stats.schedule_time = flight.schedule_time
         stats.forward_time = result.forward_time
         stats.sample_time = result.sample_time

@@ -136,6 +136,10 @@ class DashboardFeed:
         second.mfu_work += stats.mfu * stats.forward_time
         second.mbu_work += stats.mbu * stats.forward_time
 
+    def engine_ready(self, replica: int = 0) -> None:
+        """Replica ``replica``'s engine (re)started: nothing runs on it yet."""
+        self.latest[replica] = self._owners[replica] = None
+
     def pending(self, request_id: str, prompt_tokens: int) -> None:
         """A request was sent to the engine."""
         self._pending[request_id] = (self._clock(), prompt_tokens)

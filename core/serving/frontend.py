@@ -247,11 +247,12 @@ class EngineFrontend:
                     if output.new_token_ids:
                         if last_token is None:
                             ttft = now - start
-                            self.metrics.first_token(ttft, output.queue_time, len(prompt_ids))
+                            self.metrics.first_token(ttft, output.queue_time, len(prompt_ids),
+                                                     len(output.new_token_ids))
                             self.metrics.dashboard.answered(request_id)
                         else:
                             gaps.append(now - last_token)
-                            self.metrics.next_token(gaps[-1])
+                            self.metrics.next_token(gaps[-1], len(output.new_token_ids))
                         last_token = now
                         num_output += len(output.new_token_ids)
                     reason = output.finish_reason
@@ -277,8 +278,10 @@ class EngineFrontend:
                     if reason is not None:
                         return
         except EngineUnavailable as e:
+            reason = "rejected"  # (raised before the engine took it: not a run)
             raise RequestError(str(e), 503) from None
         except RequestRejected as e:
+            reason = "rejected"
             raise RequestError(str(e), e.status, retry_after=e.retry_after) from None
         finally:
             self.metrics.dashboard.answered(request_id)

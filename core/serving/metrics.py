@@ -249,6 +249,9 @@ class ServerMetrics:
             self.engine_restarts[replica].inc()
         self._engine_counts[replica] = (0,) * 7  # a new engine counts from zero
         self.tiers.engine_ready(replica)
+        self.dashboard.engine_ready(replica)
+        for gauge in (self.running, self.waiting, self.kv_usage):  # (an engine that died left its last values)
+            gauge[replica].set(0)
         self._bubble_state[replica] = None
         self.kv_blocks[replica].set(ready.num_kv_blocks)
         self.kv_free_blocks[replica].set(ready.num_kv_blocks)
@@ -327,20 +330,22 @@ class ServerMetrics:
         self._bubble_state[replica] = (stats.timestamp, smoothed)
         self.bubble_smoothed.labels(*engine).set(smoothed)
 
-    def first_token(self, ttft: float, queue_time: float, num_prompt_tokens: int) -> None:
+    def first_token(self, ttft: float, queue_time: float, num_prompt_tokens: int, num_tokens: int = 1) -> None:
+        """A request's first output: ``num_tokens`` tokens (more than one where drafts were accepted)."""
         self.ttft.observe(ttft)
         self.dashboard.first_token(ttft)
         self.queue_time.observe(queue_time)
         self.prompt_tokens.inc(num_prompt_tokens)
-        self.generation_tokens.inc()
+        self.generation_tokens.inc(num_tokens)
         self._num_prompt_tokens += num_prompt_tokens
-        self._num_generation_tokens += 1
+        self._num_generation_tokens += num_tokens
 
-    def next_token(self, itl: float) -> None:
+    def next_token(self, itl: float, num_tokens: int = 1) -> None:
+        """A later output, ``itl`` seconds after the one before: one latency sample, ``num_tokens`` tokens."""
         self.itl.observe(itl)
         self.dashboard.next_token(itl)
-        self.generation_tokens.inc()
-        self._num_generation_tokens += 1
+        self.generation_tokens.inc(num_tokens)
+        self._num_generation_tokens += num_tokens
 
     def request_done(self, finish_reason: str, e2e: float, num_output_tokens: int) -> None:
         self.requests.labels(self._model_name, finish_reason).inc()
@@ -379,8 +384,7 @@ class ServerMetrics:
         return (prompt, generation) != (self._num_prompt_tokens, self._num_generation_tokens)
 
     def status_line(self) -> str:
-        """One line: running, waiting, KV usage (summed, and averaged, over replicas), and token rates since
-        the last call."""
+        """One line: running, waiting, KV usage (summed and averaged over replicas), token rates since the last."""
         now = time.monotonic()
         prompt, generation = self._num_prompt_tokens, self._num_generation_tokens
         then, last_prompt, last_generation = self._last_report
