@@ -130,3 +130,18 @@ def test_some_failures_are_counted_not_dropped(failing_url, tmp_path):
     assert len(run["requests"]) == 6
     assert (run["summary"]["completed"], run["summary"]["failed"]) == (2, 4)
     assert run["summary"]["output_tokens"] == 2
+
+
+def test_a_sweep_with_latencies_without_samples_is_saved_tabled_and_plotted(failing_url, tmp_path):
+    """At each of the two rates, three requests in turn: a 500, a stream cut short, and one that streams a single
+    chunk: a TTFT but no gap between tokens, so no ITL sample at all (as with --output-len 1)."""
+    out = tmp_path / "sweep.json"
+    result = bench("--url", failing_url(True), "--dataset", "random", "--input-len", "8", "--num-requests", "3",
+                   "--warmup", "0", "--max-concurrency", "1", "--sweep", "50,inf", "--json", str(out))
+    assert result.returncode == 0, result.stderr
+    runs = json.loads(out.read_text())["runs"]
+    assert [(run["summary"]["completed"], run["summary"]["failed"]) for run in runs] == [(1, 2), (1, 2)]
+    assert all(run["summary"]["itl_ms"]["p50"] is None and run["summary"]["ttft_ms"]["p50"] > 0 for run in runs)
+    rows = [line.split() for line in result.stdout.splitlines() if line.split()[:1] in (["50"], ["inf"])]
+    assert [row[7:9] for row in rows] == [["-", "-"], ["-", "-"]]  # ITL P50, P99
+    assert out.with_suffix(".png").read_bytes().startswith(b"\x89PNG")

@@ -1,12 +1,17 @@
-"""The benchmark's statistics and arrival process against hand-computed values and the gamma distribution."""
+"""The benchmark's statistics and arrival process against hand-computed values and the gamma distribution; its
+tables and plot for latencies with no samples."""
 
 from __future__ import annotations
 
+import argparse
+import json
 import math
 
+import msgspec
 import numpy as np
 import pytest
 
+from conveyor.bench import command, report
 from conveyor.bench.arrivals import arrival_gaps, arrival_times
 from conveyor.bench.command import _server_view
 from conveyor.bench.parallel import parallel_view
@@ -199,3 +204,71 @@ def test_the_report_has_a_parallel_section_only_with_its_numbers():
     assert "1.50 / 8.50  (comm 15.0%)" in section
     assert "0: 11.0  1: 12.0" in section
     assert "30.0%" in section
+
+
+def sweep_with_empty_latencies() -> dict:
+    """A sweep as `conveyor bench --sweep 2,inf` keeps it: at 2 req/s each request got one token (a TTFT, no gaps
+    between tokens: no ITL at all), at inf every request failed (no latency has a sample)."""
+    one_token = [RequestRecord(0, 10, output_tokens=1, ttft=0.1, e2e=0.1), RequestRecord(1, 10, output_tokens=1,
+                                                                                        ttft=0.3, e2e=0.3)]
+    failed = [RequestRecord(0, 10, error="HTTP 500: boom"), RequestRecord(1, 10, error="HTTP 500: boom")]
+    runs = [{"label": "x", "config": {"rate": rate}, "summary": summarize(records, 1.0), "server": {}}
+            for rate, records in ((2.0, one_token), (math.inf, failed))]
+    return {"label": "x", "config": {}, "runs": runs}
+
+
+def test_the_plot_leaves_out_latencies_with_no_samples(tmp_path):
+    path = report.plot([sweep_with_empty_latencies()], tmp_path / "sweep.png")
+    assert path.read_bytes().startswith(b"\x89PNG")
+    _, ttft, itl = report.figure([sweep_with_empty_latencies()]).axes
+    # TTFT: only the run at 2 req/s (x = 0) has samples; P50 200 ms, P99 298 ms, on a log axis
+    assert [(list(line.get_xdata()), list(line.get_ydata())) for line in ttft.lines] == [
+        ([0], [pytest.approx(200.0)]), ([0], [pytest.approx(298.0)])]
+    assert ttft.get_yscale() == "log"
+    assert len(itl.lines) == 0 and [t.get_text() for t in itl.texts] == ["no samples"]
+    assert itl.get_yscale() == "linear"
+
+
+def test_compare_marks_latencies_with_no_samples(tmp_path, capsys):
+    """As saved by --json, a latency with no samples is null; compare prints "-" for it, and plots the rest."""
+    path = tmp_path / "sweep.json"
+    path.write_bytes(msgspec.json.encode(sweep_with_empty_latencies()))
+    assert json.loads(path.read_text())["runs"][1]["summary"]["ttft_ms"]["p50"] is None
+    assert command.compare([str(path)], str(tmp_path / "compare.png")) == 0
+    table = capsys.readouterr().out.splitlines()
+    assert table[1].split() == ["rate", "ok", "failed", "req/s", "out", "tok/s", "TTFT", "P50", "TTFT", "P99",
+                                "ITL", "P50", "ITL", "P99", "E2E", "P50"]
+    assert table[2].split() == ["2", "2", "0", "2.00", "2.0", "200", "298", "-", "-", "200"]
+    assert table[3].split() == ["inf", "0", "2", "0.00", "0.0", "-", "-", "-", "-", "-"]
+    # (the header's columns line up with the cells)
+    assert len(table[2]) == len(table[1]) == len(table[3])
+    assert (tmp_path / "compare.png").read_bytes().startswith(b"\x89PNG")
+
+
+def test_run_table_marks_latencies_with_no_samples():
+    run = sweep_with_empty_latencies()["runs"][0]
+    rows = {line[:12].strip(): line[12:].split() for line in run_table(run).splitlines()}
+    assert rows["ITL"] == rows["TPOT"] == ["-"] * 5
+    assert rows["TTFT"] == ["200.0", "200.0", "280.0", "290.0", "298.0"]
+
+
+def test_the_results_are_saved_before_the_plot(tmp_path, monkeypatch):
+    """`conveyor bench --sweep ... --json OUT` whose plot fails: the runs measured are in OUT all the same."""
+    async def measured(*args):
+        return sweep_with_empty_latencies()
+
+    def broken_plot(*args, **kwargs):
+        raise RuntimeError("the plot failed")
+
+    monkeypatch.setattr(command, "build_workload", lambda *args: [])
+    monkeypatch.setattr(command, "_run_all", measured)
+    monkeypatch.setattr(report, "plot", broken_plot)
+    parser = argparse.ArgumentParser()
+    command.add_arguments(parser)
+    out = tmp_path / "sweep.json"
+    args = parser.parse_args(["--url", "http://127.0.0.1:1", "--sweep", "2,inf", "--warmup", "0", "--json", str(out)])
+    with pytest.raises(RuntimeError, match="the plot failed"):
+        command.main(args)
+    saved = json.loads(out.read_text())
+    assert [run["summary"]["completed"] for run in saved["runs"]] == [2, 0]
+

@@ -86,16 +86,18 @@ def main(args: argparse.Namespace) -> int:
     warmup = build_workload(args, args.warmup, args.seed - 1) if args.warmup else []
     result = anyio.run(_run_all, args, workloads, warmup, rates, slos)
     runs = result["runs"]
-    if len(runs) > 1:
-        print("\n" + report.sweep_table(runs, result["label"]))
-        plot_path = args.plot or (str(Path(args.json_path).with_suffix(".png")) if args.json_path else "bench-sweep.png")
-        print(f"plot: {report.plot([result], plot_path, result['label'])}")
-    elif args.plot:
-        print(f"plot: {report.plot([result], args.plot, result['label'])}")
+    # (saved first: a table or a plot that fails must not take the measurements with it)
     if args.json_path:
         Path(args.json_path).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json_path).write_bytes(msgspec.json.encode(result if len(runs) > 1 else runs[0]))
         print(f"every request's timings: {args.json_path}")
+    plot_path = args.plot
+    if len(runs) > 1:
+        print("\n" + report.sweep_table(runs, result["label"]))
+        if not plot_path:
+            plot_path = str(Path(args.json_path).with_suffix(".png")) if args.json_path else "bench-sweep.png"
+    if plot_path:
+        print(f"plot: {report.plot([result], plot_path, result['label'])}")
     if all(run["summary"]["completed"] == 0 for run in runs):
         print("error: every request failed", file=sys.stderr)
         return 1

@@ -6,9 +6,12 @@ import json
 import math
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from conveyor.bench.parallel import parallel_table
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
 
 LATENCIES = (("ttft_ms", "TTFT"), ("tpot_ms", "TPOT"), ("itl_ms", "ITL"), ("e2e_ms", "E2E latency"))
 # what the comparison table and the plot read from each run's summary
@@ -17,6 +20,16 @@ SUMMARY_KEYS = ("completed", "failed", "request_throughput", "output_throughput"
 
 def rate_label(rate: float) -> str:
     return "inf" if math.isinf(rate) else f"{rate:g}"
+
+
+def has_samples(value: float | None) -> bool:
+    """False for a latency statistic with no samples behind it: NaN in a run, null in its saved JSON."""
+    return value is not None and not math.isnan(value)
+
+
+def _cell(value: float | None, width: int, decimals: int) -> str:
+    """``value`` right-aligned in ``width``, or "-" where it has no samples."""
+    return f"{value:>{width}.{decimals}f}" if has_samples(value) else f"{'-':>{width}}"
 
 
 def run_table(run: dict[str, Any]) -> str:
@@ -42,7 +55,7 @@ def run_table(run: dict[str, Any]) -> str:
     lines += ["", f"{'(ms)':<12}{'mean':>10}{'P50':>10}{'P90':>10}{'P95':>10}{'P99':>10}"]
     for key, title in LATENCIES:
         stats = s[key]
-        lines.append(f"{title:<12}" + "".join(f"{stats[k]:>10.1f}" for k in ("mean", "p50", "p90", "p95", "p99")))
+        lines.append(f"{title:<12}" + "".join(_cell(stats[k], 10, 1) for k in ("mean", "p50", "p90", "p95", "p99")))
     parallel = run.get("server", {}).get("parallel")
     if parallel is not None:
         lines += ["", parallel_table(parallel)]
@@ -61,9 +74,9 @@ def sweep_table(runs: Sequence[dict[str, Any]], label: str = "") -> str:
         s = run["summary"]
         lines.append(
             f"{rate_label(run['config']['rate']):>6} {s['completed']:>5} {s['failed']:>6} "
-            f"{s['request_throughput']:>7.2f} {s['output_throughput']:>10.1f} {s['ttft_ms']['p50']:>9.0f} "
-            f"{s['ttft_ms']['p99']:>9.0f} {s['itl_ms']['p50']:>8.0f} {s['itl_ms']['p99']:>8.0f} "
-            f"{s['e2e_ms']['p50']:>9.0f}"
+            f"{s['request_throughput']:>7.2f} {s['output_throughput']:>10.1f} {_cell(s['ttft_ms']['p50'], 9, 0)} "
+            f"{_cell(s['ttft_ms']['p99'], 9, 0)} {_cell(s['itl_ms']['p50'], 8, 0)} {_cell(s['itl_ms']['p99'], 8, 0)} "
+            f"{_cell(s['e2e_ms']['p50'], 9, 0)}"
         )
     return "\n".join(lines)
 
@@ -122,16 +135,27 @@ def compare_table(results: Sequence[dict[str, Any]]) -> str:
 
 def plot(results: Sequence[dict[str, Any]], path: str | Path, title: str = "") -> Path:
     """Output tokens/s, TTFT and ITL (P50 solid, P99 dashed) against the offered rate, one line per result."""
-    try:
-        import matplotlib
+    fig = figure(results, title)
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    return path
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+
+def figure(results: Sequence[dict[str, Any]], title: str = "") -> Figure:
+    """The figure ``plot`` saves. A latency point with no samples is left out; a panel left with none says so.
+
+    Raises:
+        ImportError: matplotlib is not installed, saying how to install it.
+    """
+    try:
+        from matplotlib.figure import Figure  # (not pyplot: no window, no figure kept open after saving)
     except ImportError:
         raise ImportError("plots need matplotlib: pip install 'conveyor-serve[bench]'") from None
     rates = sorted({run["config"]["rate"] for r in results for run in runs_of(r)})
     position = {rate: i for i, rate in enumerate(rates)}
-    fig, axes = plt.subplots(1, 3, figsize=(15, 4.5))
+    fig = Figure(figsize=(15, 4.5))
+    axes = fig.subplots(1, 3)
     for index, result in enumerate(results):
         runs = sorted(runs_of(result), key=lambda run: run["config"]["rate"])
         x = [position[run["config"]["rate"]] for run in runs]
@@ -139,22 +163,26 @@ def plot(results: Sequence[dict[str, Any]], path: str | Path, title: str = "") -
         label = result.get("label") or f"run {index + 1}"
         axes[0].plot(x, [run["summary"]["output_throughput"] for run in runs], "o-", color=color, label=label)
         for ax, key in ((axes[1], "ttft_ms"), (axes[2], "itl_ms")):
-            ax.plot(x, [run["summary"][key]["p50"] for run in runs], "o-", color=color, label=f"{label} P50")
-            ax.plot(x, [run["summary"][key]["p99"] for run in runs], "s--", color=color, label=f"{label} P99")
+            for point, style in (("p50", "o-"), ("p99", "s--")):
+                sampled = [(i, run["summary"][key][point]) for i, run in zip(x, runs)
+                           if has_samples(run["summary"][key][point])]
+                if sampled:
+                    ax.plot(*zip(*sampled), style, color=color, label=f"{label} {point.upper()}")
     titles = ("Output tokens/s", "Time to first token (ms)", "Inter-token latency (ms)")
     for ax, name in zip(axes, titles):
         ax.set_title(name)
         ax.set_xticks(range(len(rates)), [rate_label(r) for r in rates])
         ax.set_xlabel("offered request rate (req/s)")
         ax.grid(True, alpha=0.3)
-        ax.legend(fontsize=7)
-    axes[1].set_yscale("log")
-    axes[2].set_yscale("log")
+        if ax.lines:
+            ax.legend(fontsize=7)
+        else:
+            ax.text(0.5, 0.5, "no samples", transform=ax.transAxes, ha="center", va="center", color="gray")
+    for ax in axes[1:]:
+        # (a log axis needs a value above 0 to draw)
+        if any(y > 0 for line in ax.lines for y in line.get_ydata()):
+            ax.set_yscale("log")
     if title:
         fig.suptitle(title)
     fig.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return fig
