@@ -1,11 +1,14 @@
 """The benchmark's statistics and arrival process against hand-computed values and the gamma distribution; its
-tables and plot for latencies with no samples."""
+tables and plot for latencies with no samples; the load generator against a server that streams malformed
+events."""
 
 from __future__ import annotations
 
 import argparse
 import json
 import math
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import msgspec
 import numpy as np
@@ -14,6 +17,7 @@ import pytest
 from conveyor.bench import command, report
 from conveyor.bench.arrivals import arrival_gaps, arrival_times
 from conveyor.bench.command import _server_view
+from conveyor.bench.load import BenchRequest, LoadOptions, run_load
 from conveyor.bench.parallel import parallel_view
 from conveyor.bench.report import run_table
 from conveyor.bench.stats import RequestRecord, meets_slos, percentiles, summarize
@@ -272,3 +276,50 @@ def test_the_results_are_saved_before_the_plot(tmp_path, monkeypatch):
     saved = json.loads(out.read_text())
     assert [run["summary"]["completed"] for run in saved["runs"]] == [2, 0]
 
+
+class _Streams(BaseHTTPRequestHandler):
+    """Streams two content chunks; then, for the prompt "bad", the event ``bad`` instead of the usage; then [DONE]."""
+
+    bad = b""
+
+    def log_message(self, *args) -> None:
+        pass
+
+    def do_POST(self) -> None:
+        prompt = json.loads(self.rfile.read(int(self.headers["content-length"])))["prompt"]
+        self.send_response(200)
+        self.send_header("content-type", "text/event-stream")
+        self.end_headers()
+        chunk = b'data: {"choices": [{"index": 0, "text": "hi"}]}\n\n'
+        usage = b'data: {"choices": [], "usage": {"prompt_tokens": 7, "completion_tokens": 2}}\n\n'
+        self.wfile.write(chunk + chunk + (b"data: " + self.bad + b"\n\n" if prompt == "bad" else usage))
+        self.wfile.write(b"data: [DONE]\n\n")
+        self.close_connection = True
+
+
+@pytest.mark.parametrize(("event", "reason"), [
+    (b"[1, 2]", "Expected `object`, got `array`"),
+    (b'"done"', "Expected `object`, got `str`"),
+    (b"7", "Expected `object`, got `int`"),
+    (b'{"usage": {"prompt_tokens": 7, "completion_tokens": null}}',
+     "Expected `int`, got `null` - at `$.usage.completion_tokens`"),
+    (b'{"choices": [null]}', "Expected `object`, got `null` - at `$.choices[0]`"),
+    (b'{"choices": [{"delta": "hi"}]}', "Expected `object | null`, got `str` - at `$.choices[0].delta`"),
+    (b"{not json", "JSON is malformed"),
+])
+async def test_a_malformed_stream_event_fails_its_request_only(event, reason):
+    handler = type("Handler", (_Streams,), {"bad": event})
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    try:
+        requests = [BenchRequest(None, prompt, 3, 2) for prompt in ("good", "bad", "good")]
+        records, _ = await run_load(f"http://127.0.0.1:{httpd.server_address[1]}", "m", requests,
+                                    LoadOptions(max_concurrency=1))
+    finally:
+        httpd.shutdown()
+    good_first, bad, good_last = records
+    assert bad.error is not None and reason in bad.error, bad.error
+    assert event.decode() in bad.error  # (the event itself, to see what the server sent)
+    assert bad.output_tokens == 0 and bad.e2e is None
+    for record in (good_first, good_last):
+        assert record.error is None and (record.output_tokens, record.prompt_tokens) == (2, 7)

@@ -33,6 +33,35 @@ class BenchRequest(msgspec.Struct):
     max_tokens: int
 
 
+class _Usage(msgspec.Struct):
+    # the server's counts; a count it leaves out is the load generator's own (content chunks, the workload)
+    completion_tokens: int | msgspec.UnsetType = msgspec.UNSET
+    prompt_tokens: int | msgspec.UnsetType = msgspec.UNSET
+
+
+class _Delta(msgspec.Struct):
+    content: str | None = None
+
+
+class _Choice(msgspec.Struct):
+    # chat completions stream a delta, completions a text
+    delta: _Delta | None = None
+    text: str | None = None
+
+
+class _StreamEvent(msgspec.Struct):
+    """What the load generator reads of one streamed event; any other field is ignored."""
+
+    choices: list[_Choice] | None = None
+    usage: _Usage | None = None
+    error: Any = None
+
+
+# NOTE: a typed decoder, so that an event of another shape (not an object, a null token count) fails its one
+# request with the path of the bad field rather than raising inside the run and aborting every request.
+_decode_event = msgspec.json.Decoder(_StreamEvent).decode
+
+
 class LoadOptions(msgspec.Struct):
     # requests per second; inf: all at once
     rate: float = math.inf
@@ -182,7 +211,7 @@ async def _send(
     sent = time.perf_counter()
     record.start = sent - run_start
     chunk_times: list[float] = []
-    usage: dict[str, Any] | None = None
+    usage: _Usage | None = None
     done = False
     try:
         async with client.stream("POST", base_url(url) + path, json=payload, headers=headers) as response:
@@ -197,17 +226,20 @@ async def _send(
                 if data == "[DONE]":
                     done = True
                     break
-                event = json.loads(data)
-                if "error" in event:
+                try:
+                    event = _decode_event(data)
+                except msgspec.DecodeError as e:
+                    record.error = f"bad stream event ({e}): {data[:200]}"
+                    break
+                if event.error is not None:
                     record.error = f"stream error: {_error_message(data)}"
                     break
-                for choice in event.get("choices") or ():
-                    text = (choice.get("delta") or {}).get("content") or choice.get("text")
-                    if text:
+                for choice in event.choices or ():
+                    if (choice.delta and choice.delta.content) or choice.text:
                         chunk_times.append(time.perf_counter())
-                if event.get("usage"):
-                    usage = event["usage"]
-    except (httpx.HTTPError, OSError, json.JSONDecodeError) as e:
+                if event.usage is not None:
+                    usage = event.usage
+    except (httpx.HTTPError, OSError) as e:
         record.error = f"{type(e).__name__}: {e}"
     end = time.perf_counter()
     if record.error is None and not done:
@@ -217,11 +249,13 @@ async def _send(
     record.e2e = end - sent
     record.ttft = (chunk_times[0] if chunk_times else end) - sent
     record.itl = [b - a for a, b in itertools.pairwise(chunk_times)]
+    # without the server's usage, one token per content chunk is the best guess
+    record.output_tokens = len(chunk_times)
     if usage is not None:
-        record.output_tokens = int(usage.get("completion_tokens", 0))
-        record.prompt_tokens = int(usage.get("prompt_tokens", record.prompt_tokens))
-    else:  # the server reported no usage: one token per content chunk is the best guess
-        record.output_tokens = len(chunk_times)
+        if usage.completion_tokens is not msgspec.UNSET:
+            record.output_tokens = usage.completion_tokens
+        if usage.prompt_tokens is not msgspec.UNSET:
+            record.prompt_tokens = usage.prompt_tokens
     return record
 
 
