@@ -125,18 +125,16 @@ def cmd_profile(args: argparse.Namespace) -> int:
 def cmd_doctor(args: argparse.Namespace) -> int:
     import httpx
 
-    from conveyor.bench.doctor import format_diagnosis, sample, to_json
-    from conveyor.perf.checklist import diagnose
+    from conveyor.bench.doctor import examine, format_diagnosis, to_json
 
     logging.getLogger("httpx").setLevel(logging.WARNING)
     if not args.json:
         print(f"reading {args.url}/metrics for {args.interval:g} s ...", file=sys.stderr)
     try:
-        readings = sample(args.url, args.interval)
+        diagnosis = examine(args.url, args.interval)
     except httpx.HTTPError as e:
         print(f"error: cannot read {args.url}/metrics: {e}", file=sys.stderr)
         return 2
-    diagnosis = diagnose(readings, args.interval)
     print(to_json(diagnosis) if args.json else format_diagnosis(diagnosis))
     return 0
 

@@ -5,15 +5,19 @@ from __future__ import annotations
 
 import json
 import sys
+import threading
 from dataclasses import asdict
 from functools import partial
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import anyio
 import httpx
 import pytest
 import torch
 
-from conveyor.bench.doctor import sample
+import conveyor.bench.doctor
+from conveyor.bench.doctor import examine
+from conveyor.cli import main
 from conveyor.perf.checklist import checklist, diagnose
 from conveyor.perf.readings import quantile, read_metrics
 from tests.helpers import save_tiny_model_with_smollm2_vocab
@@ -52,7 +56,7 @@ async def diagnose_under(server: Server, ready, seconds: float, *loads, cli: boo
                                             "--interval", str(seconds), "--json"])
             diagnosis = json.loads(done.stdout)
         else:
-            diagnosis = asdict(diagnose(await anyio.to_thread.run_sync(sample, server.http, seconds), seconds))
+            diagnosis = asdict(await anyio.to_thread.run_sync(examine, server.http, seconds))
         tg.cancel_scope.cancel()
     server.wait_for(lambda: server.metric("conveyor_num_requests_in_flight") == 0, what="the loads to end")
     return diagnosis
@@ -209,6 +213,57 @@ def test_a_model_with_no_compute_is_host_bound(no_compute_model, tmp_path):
         assert host["findings"][0]["change"] == "scheduler.max_num_seqs"
     finally:
         assert server.stop() == 0, server.output
+
+
+class _Clock:
+    """time.monotonic and time.sleep for the doctor: a sleep moves the clock on by its seconds, a /metrics request
+    by 0.05 s (the request's own time)."""
+
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def monotonic(self) -> float:
+        return self.now
+
+    def sleep(self, seconds: float) -> None:
+        self.now += seconds
+
+
+def test_the_doctor_takes_rates_over_the_time_its_readings_span(monkeypatch, capsys):
+    """Each reading of /metrics finds 10 more steps and 40 more tokens. With --interval 1.2 the readings arrive at
+    0.05, 0.6, 1.15 and 1.7 s: rates are over the 1.65 s between the first and the last, not over 1.2."""
+    clock = _Clock()
+    served = []
+
+    class Metrics(BaseHTTPRequestHandler):
+        def log_message(self, *args) -> None:
+            pass
+
+        def do_GET(self) -> None:
+            clock.now += 0.05
+            served.append(clock.now)
+            n = len(served)
+            body = (f"conveyor_engine_step_seconds_count {10 * n}\nconveyor_engine_step_seconds_sum {0.01 * n}\n"
+                    f"conveyor_forward_seconds_total {0.5 * n}\nconveyor_generation_tokens_total {40 * n}\n").encode()
+            self.send_response(200)
+            self.send_header("content-type", "text/plain")
+            self.send_header("content-length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+    monkeypatch.setattr(conveyor.bench.doctor, "time", clock)
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), Metrics)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    try:
+        assert main(["doctor", f"http://127.0.0.1:{httpd.server_address[1]}", "--interval", "1.2", "--json"]) == 0
+    finally:
+        httpd.shutdown()
+    assert served == pytest.approx([100.05, 100.6, 101.15, 101.7])
+    window = json.loads(capsys.readouterr().out)["window"]
+    assert window["seconds"] == pytest.approx(1.65)
+    assert (window["steps"], window["generated_tokens"]) == (30, 120)
+    assert window["steps_per_second"] == pytest.approx(30 / 1.65)
+    assert window["busy_fraction"] == pytest.approx(1.5 / 1.65)
 
 
 def test_histogram_quantiles_interpolate_within_buckets():

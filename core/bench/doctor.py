@@ -1,8 +1,9 @@
 """``conveyor doctor URL``: what limits a running server now, with the evidence, and the config key to change first.
 
 It reads the server's ``/metrics`` every half second for an interval and compares the first and the last
-reading (counters and histograms) and every reading of the gauges (``conveyor.perf.readings``); the
-checklist that names the verdict is ``conveyor.perf.checklist``, which the server's dashboard runs too.
+reading (counters and histograms, their rates over the time between the two) and every reading of the gauges
+(``conveyor.perf.readings``); the checklist that names the verdict is ``conveyor.perf.checklist``, which the
+server's dashboard runs too.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from dataclasses import asdict
 
 import httpx
 
-from conveyor.perf.checklist import Diagnosis
+from conveyor.perf.checklist import Diagnosis, diagnose
 from conveyor.perf.readings import Reading, read_metrics
 
 # seconds between readings of /metrics
@@ -22,15 +23,29 @@ SAMPLE_EVERY_S = 0.5
 
 
 def sample(url: str, seconds: float, progress: Callable[[str], None] | None = None) -> list[Reading]:
-    """Readings of ``url``'s /metrics every half second for ``seconds`` (at least two)."""
-    readings = []
-    deadline = time.monotonic() + seconds
+    """Readings of ``url``'s /metrics every half second until they span ``seconds`` (at least two)."""
+    return [reading for _, reading in timed_readings(url, seconds, progress)]
+
+
+def examine(url: str, seconds: float, progress: Callable[[str], None] | None = None) -> Diagnosis:
+    """The diagnosis of ``url`` from readings that span ``seconds``, its rates over the time between the first and
+    the last reading (as the dashboard's are), not over ``seconds``: the requests' own time and the half-second
+    steps make that longer."""
+    readings = timed_readings(url, seconds, progress)
+    return diagnose([reading for _, reading in readings], readings[-1][0] - readings[0][0])
+
+
+def timed_readings(url: str, seconds: float,
+                   progress: Callable[[str], None] | None = None) -> list[tuple[float, Reading]]:
+    """(time.monotonic() when it arrived, reading) of ``url``'s /metrics every half second until the readings span
+    ``seconds`` (at least two readings)."""
+    readings: list[tuple[float, Reading]] = []
     with httpx.Client(timeout=10) as client:
         while True:
             response = client.get(f"{url.rstrip('/')}/metrics")
             response.raise_for_status()
-            readings.append(read_metrics(response.text))
-            if len(readings) >= 2 and time.monotonic() >= deadline:
+            readings.append((time.monotonic(), read_metrics(response.text)))
+            if len(readings) >= 2 and readings[-1][0] - readings[0][0] >= seconds:
                 return readings
             if progress is not None and len(readings) % 10 == 0:
                 progress(f"{len(readings)} readings")
