@@ -33,7 +33,9 @@ def test_default_toml_is_the_builtin_default():
 
 
 def test_default_toml_documents_every_key():
-    """Each key of every table is present and has a comment line right above it."""
+    """Each key of every table is present and has a comment line right above it; so is each key of the built-in
+    plugins not chosen there, in a commented block (``# With plugin = "NAME":``, or a commented ``# [[transport]]``)
+    that shows every key of that plugin at its default."""
     text = DEFAULT_TOML.read_text()
     raw = tomllib.loads(text)
     registry = PluginRegistry()
@@ -58,12 +60,53 @@ def test_default_toml_documents_every_key():
             )
             assert lines[index - 1].startswith("#"), f"[{table}] {key} has no comment"
 
+    blocks = _commented_plugin_blocks(lines)
+    for kind in ("scheduler", "kvcache", "quant", "connector", "transport"):
+        chosen = raw[kind]["plugin"]
+        for name in registry.names(kind):
+            cls = registry.get(kind, name)
+            if not cls.__module__.startswith("conveyor.plugins.") or name == chosen:
+                continue
+            defaults = _defaults(cls.Options)
+            if (kind, name) not in blocks:
+                # (a plugin with the chosen one's keys and defaults, e.g. quant "gguf" beside "auto", needs no block)
+                assert defaults == _defaults(expected[kind]), f"[{kind}] plugin = {name!r} has no commented block"
+                continue
+            block = blocks[kind, name]
+            assert tomllib.loads("\n".join(block)) == defaults, f"[{kind}] plugin = {name!r}"
+            for i, line in enumerate(block):
+                if re.match(r"\w+\s*=", line) and not line.startswith("plugin"):
+                    assert i > 0 and block[i - 1].startswith("#"), f"[{kind}] plugin = {name!r}: {line} has no comment"
+
 
 def _table_of(lines: list[str], index: int) -> str:
     for line in reversed(lines[:index]):
         if line.startswith("["):
             return line.strip("[] ")
     return ""
+
+
+def _defaults(struct: type[msgspec.Struct]) -> dict:
+    return msgspec.to_builtins(struct())
+
+
+def _commented_plugin_blocks(lines: list[str]) -> dict[tuple[str, str], list[str]]:
+    """``(kind, plugin) -> lines`` of each commented block, uncommented, its ``plugin = ...`` line left out."""
+    blocks = {}
+    for i, line in enumerate(lines):
+        if not (match := re.match(r'# With plugin = "(\w+)":$', line) or re.match(r"# \[\[(\w+)\]\]$", line)):
+            continue
+        block = []
+        for following in lines[i + 1:]:
+            if not following.startswith("# ") or re.match(r'# With plugin = "', following):
+                break
+            block.append(following.removeprefix("# "))
+        if line.startswith("# [["):
+            kind, name = match.group(1), tomllib.loads("\n".join(block)).pop("plugin")
+        else:
+            kind, name = _table_of(lines, i), match.group(1)
+        blocks[kind, name] = [b for b in block if not b.startswith("plugin")]
+    return blocks
 
 
 def test_overrides_are_parsed_as_toml_values(tmp_path):
@@ -126,6 +169,17 @@ def test_override_errors_name_the_override():
         load_config(DEFAULT_TOML, {"model.dtype": "fp64"})
     with pytest.raises(ConfigError, match="expected section.key=value"):
         parse_override("dtype")
+
+
+def test_an_override_of_a_transport_names_its_index():
+    """[[transport]] is a list of tables: --set transport.0.port=8001 sets the first one's port (the default config's
+    HTTP); transport.port is refused with the form that works, and an index past the list's end with its length."""
+    config = load_config(DEFAULT_TOML, dict(map(parse_override, ["transport.0.port=8001", "transport.0.host=0.0.0.0"])))
+    assert (config.transport[0].options.port, config.transport[0].options.host) == (8001, "0.0.0.0")
+    with pytest.raises(ConfigError, match=r"^--set transport.port: name an entry of the list, e.g. transport.0.port$"):
+        load_config(DEFAULT_TOML, {"transport.port": "8001"})
+    with pytest.raises(ConfigError, match=r"^--set transport.1.port: transport has 1 entries$"):
+        load_config(DEFAULT_TOML, {"transport.1.port": "8001"})
 
 
 def test_a_check_across_keys_names_the_overrides_it_read_and_a_nested_error_where_it_is(tmp_path):

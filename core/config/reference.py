@@ -24,8 +24,10 @@ _INTRO = """\
 plugins' Options: edit the comments in the source, not this page -->
 
 A config is a TOML file (`conveyor serve FILE`; `configs/default.toml` holds every default). Any key can be set on
-the command line with `--set table.key=value`, or from Python with `LLM(overrides={"table.key": value})`. A wrong
-key or value stops at start-up with one line naming the file, the table, the key and what is allowed.
+the command line with `--set table.key=value`, or from Python with `LLM(overrides={"table.key": value})`; a
+`[[transport]]` table is named by its index in the list, from 0 (`--set transport.0.port=8001`: `transport.port` is
+refused). A wrong key or value stops at start-up with one line naming the file, the table, the key and what is
+allowed.
 
 Top level: `plugins = ["module", ...]`, extra plugin modules to import (each registers plugins from a pluggy hook;
 installed packages are found through the `conveyor` entry-point group without it)."""
