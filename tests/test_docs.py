@@ -115,6 +115,31 @@ def test_the_grafana_dashboard_reads_only_metrics_the_server_exports():
     assert len(wanted) >= 12 and wanted <= exported, wanted - exported
 
 
+def test_the_metrics_table_lists_every_family_the_server_exports():
+    """docs/observability.md's "Every metric" table: each family a server can register (several replicas, prefill
+    and decode roles, a GPU under NVML) is a row of it with its type, and each row is such a family."""
+    import re
+    from types import SimpleNamespace
+
+    from conveyor.serving.metrics import ServerMetrics
+    from conveyor.serving.nvml import GpuGauges
+    from conveyor.serving.role_metrics import RoleMetrics
+
+    metrics = ServerMetrics("m", 2, replica_alive=lambda replica: True, replica_in_flight=lambda replica: 0)
+    RoleMetrics(metrics.registry, "m", ["prefill", "decode"])
+    GpuGauges(SimpleNamespace(nvmlDeviceGetCount=lambda: 1, nvmlDeviceGetHandleByIndex=lambda i: i),
+              metrics.registry, "m")
+    # (a counter is scraped as NAME_total)
+    exported = {family.name + ("_total" if family.type == "counter" else ""): family.type
+                for family in metrics.registry.collect()}
+    section = (REPO / "docs" / "observability.md").read_text().split("\n## Every metric\n", 1)[1].split("\n## ")[0]
+    documented = dict(re.findall(r"^\| `(conveyor_\w+)` \| (\w+) \|", section, re.M))
+    assert len(exported) >= 60
+    assert sorted(set(exported) - set(documented)) == [], "exported, not in the table"
+    assert sorted(set(documented) - set(exported)) == [], "in the table, not exported"
+    assert {name: kind for name, kind in documented.items() if exported[name] != kind} == {}
+
+
 def _code_blocks(page: str, language: str) -> list[str]:
     import re
 
