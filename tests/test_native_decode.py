@@ -191,6 +191,23 @@ def test_smollm2_served_in_one_call_gives_the_tokens_and_logprobs_of_layer_by_la
     assert 1 in rows_seen and max(rows_seen) == min(limit, len(PROMPTS))
 
 
+def test_at_float32_too_one_call_gives_the_tokens_and_logprobs_of_layer_by_layer():
+    """The default packed weights with float32 activations. The kernels' work is compiled once for a team's threads
+    and ATen's alike: when inlined into each, attention's sums differed in their last bits between the two, and
+    the int8 rounding of the next layer's activations made that tokens apart within a few steps."""
+    from conveyor import LLM, SamplingParams
+
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, logprobs=3)
+    outputs = []
+    for mode in ("auto", "off"):
+        with LLM(overrides={"model.dtype": "float32", "engine.native_decode": mode}) as llm:
+            assert (llm.engine.executor.worker.runner.native_decode is not None) == (mode == "auto")
+            outputs.append(llm.generate(PROMPTS[:4], params))
+    for got, want in zip(*outputs, strict=True):
+        assert got.token_ids == want.token_ids
+        assert got.logprobs == want.logprobs
+
+
 def test_models_the_call_does_not_run_go_layer_by_layer(llms):
     from conveyor.model.native_decode import NativeDecode
 

@@ -164,6 +164,15 @@ inline thread_local TeamMember* t_member = nullptr;
 // a call, and ATen's per-thread count can differ between the threads of a team), else ATen's.
 inline int num_threads() { return t_member != nullptr ? t_member->team->threads() : at::get_num_threads(); }
 
+// Calls visit(args...): one compiled copy of an item's work for run_work_queue's every path. Inlined into each
+// of them (a team's members, ATen's threads), the item's work was vectorized differently in each under
+// -ffast-math: float32 paged attention in decode_layers' team differed from the same op alone in the last bits of
+// a sum, which the int8 rounding of the next layer's activations then made 0.3 of a hidden state.
+template <typename Visit, typename... Args>
+__attribute__((noipa)) void visit_item(Visit& visit, Args... args) {
+  visit(args...);
+}
+
 // Runs visit(item, scratch) for items 0 .. num_items - 1 on ATen's threads, each thread pulling the next
 // item from a shared counter (items of uneven cost balance themselves; order them costliest first), or on the
 // calling thread alone where the work reads fewer than kSoloBytes (`bytes`: what all items read; -1: unknown).
@@ -190,14 +199,14 @@ void run_work_queue(int64_t num_items, int64_t scratch_floats, Visit&& visit, in
       for (;;) {
         int64_t next;
         const bool more = take(&next);
-        visit(item - offset, more ? next - offset : -1, scratch);
+        visit_item(visit, item - offset, more ? next - offset : int64_t(-1), scratch);
         done();
         if (!more) break;
         item = next;
       }
     } else {
       do {
-        visit(item - offset, scratch);
+        visit_item(visit, item - offset, scratch);
         done();
       } while (take(&item));
     }
