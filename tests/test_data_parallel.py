@@ -17,12 +17,11 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from conveyor.bench.doctor import sample
+from conveyor.bench.doctor import examine
 from conveyor.engine.client import EngineClient, EngineUnavailable
 from conveyor.engine.dp_client import DPClient
 from conveyor.engine.router import ReplicaLoad, Router
 from conveyor.messages import EngineReady, EngineRequest, KVCacheStats, RequestOutput, SchedulerStats, StepStats
-from conveyor.perf.checklist import diagnose
 from conveyor.request import RequestRejected
 from conveyor.sampling import SamplingParams
 from conveyor.serving.metrics import ServerMetrics
@@ -449,7 +448,7 @@ def test_two_replicas_serve_every_stream_like_one_engine(tmp_path):
                                 == NUM_REQUESTS, timeout=120, what="every request routed")
                 # the doctor, meanwhile: replica 0 holds requests and runs no step (replica 1 runs its own, or
                 # has finished them), so the replicas are called imbalanced, replica 0 the one behind
-                doctor = diagnose(sample(server.http, 2.0), 2.0)
+                doctor = examine(server.http, 2.0)
             finally:
                 os.kill(replica0, signal.SIGCONT)
             results = running.result()

@@ -22,11 +22,6 @@ from conveyor.perf.readings import Reading, read_metrics
 SAMPLE_EVERY_S = 0.5
 
 
-def sample(url: str, seconds: float, progress: Callable[[str], None] | None = None) -> list[Reading]:
-    """Readings of ``url``'s /metrics every half second until they span ``seconds`` (at least two)."""
-    return [reading for _, reading in timed_readings(url, seconds, progress)]
-
-
 def examine(url: str, seconds: float, progress: Callable[[str], None] | None = None) -> Diagnosis:
     """The diagnosis of ``url`` from readings that span ``seconds``, its rates over the time between the first and
     the last reading (as the dashboard's are), not over ``seconds``: the requests' own time and the half-second
