@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from conveyor.plugins.kvcache.contiguous import ContiguousKVCache, ContiguousOptions
 from conveyor.plugins.schedulers.continuous import ContinuousOptions, ContinuousScheduler
 from conveyor.request import Request
@@ -85,6 +87,16 @@ def test_contiguous_reserves_whole_slabs_and_reports_the_unused_part():
     per_request = ContiguousKVCache(ContiguousOptions(num_tokens=160, reserve="request"), spec)
     assert all(per_request.allocate(r, 10) for r in requests)  # 15 tokens -> one granule each
     assert per_request.stats().reserved_tokens == 48
+
+
+def test_a_contiguous_cache_smaller_than_one_max_model_len_slab_is_refused_at_start():
+    """Reserving max_model_len a request, a cache that holds less could run nothing: said at start-up, naming
+    what would fix it, rather than refusing every request after (as "needs 18 tokens, holds 112")."""
+    spec = create_spec(max_model_len=64)
+    with pytest.raises(ValueError, match=r"holds 48 tokens, less than one slab of max_model_len \(64 tokens"):
+        ContiguousKVCache(ContiguousOptions(num_tokens=48), spec)
+    assert ContiguousKVCache(ContiguousOptions(num_tokens=48, reserve="request"), spec).num_blocks == 3
+    assert ContiguousKVCache(ContiguousOptions(num_tokens=64), spec).num_blocks == 4
 
 
 def test_a_sliding_window_bounds_the_blocks_a_request_holds():

@@ -44,6 +44,13 @@ class ContiguousKVCache(KVCacheManager):
         else:
             num_blocks = blocks_in_budget(options, self.spec, GRANULE, free_memory)
         self.num_blocks = num_blocks
+        slab = self._slab_blocks_for(self.spec.max_model_len)
+        if options.reserve == "max_model_len" and num_blocks < slab:
+            raise ValueError(
+                f"[kvcache] the cache holds {num_blocks * GRANULE} tokens, less than one slab of max_model_len "
+                f"({slab * GRANULE} tokens, reserve = \"max_model_len\"): no request could run; make it larger "
+                "(num_tokens, memory_gb or memory_fraction), reserve = \"request\", or [model] max_model_len smaller"
+            )
         # free runs as sorted (start block, length)
         self.holes: list[tuple[int, int]] = [(0, num_blocks)]
         # request id -> (first block, number of blocks)
