@@ -1,6 +1,7 @@
-"""Every HTTP route fuzzed from the server's own OpenAPI document (schemathesis, a fixed seed, a bounded number
-of examples, valid and invalid bodies): no server error, every refusal its API's JSON error (OpenAI's, or
-Anthropic's on /v1/messages), the server healthy after. The model is a tiny random one with SmolLM2's vocabulary, so that thousands of requests take seconds."""
+"""Every HTTP route of the server's own OpenAPI document fuzzed (schemathesis, a fixed seed, a bounded number of
+examples, valid and invalid bodies; the document leaves out /v1/admin/scheduler and the dashboard's static files):
+no server error, every refusal its API's JSON error (OpenAI's, or Anthropic's on /v1/messages), the server healthy
+after. The model is a tiny random one with SmolLM2's vocabulary, so that thousands of requests take seconds."""
 
 from __future__ import annotations
 
