@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import signal
 import threading
 
@@ -241,8 +242,25 @@ def test_the_server_refuses_to_start_without_the_api_key_it_names(tmp_path, monk
         server.stop()
     assert server.process.returncode == 2
     errors = [line for line in server.lines if line.startswith("error:")]
+    state = "is not set" if value is None else "is empty"
     assert errors == [f"error: {server.config_path}: [transport] api_key_env = '{name}': that environment variable "
-                      "is not set"], server.output
+                      f"{state}"], server.output
+
+
+def test_the_banners_example_request_sends_the_key(server, monkeypatch):
+    """The start-up banner's curl command, read as a shell reads it (the key's variable set, as the server's is):
+    it gets an answer, where one without the key gets 401."""
+    lines = server.lines[server.lines.index("Try:") + 1:]
+    command = " ".join(line.removesuffix("\\").strip() for line in lines[:next(
+        i for i, line in enumerate(lines) if not line.endswith("\\")) + 1])
+    monkeypatch.setenv("CONVEYOR_TEST_KEY", KEY)
+    words = shlex.split(os.path.expandvars(command))
+    assert words[0] == "curl" and "Authorization: Bearer test-key-1234" in words, command
+    headers = dict(words[i + 1].split(": ", 1) for i, word in enumerate(words) if word == "-H")
+    body = words[words.index("-d") + 1]
+    response = httpx.post(words[1], headers=headers, content=body, timeout=60)
+    assert response.status_code == 200, response.text
+    assert response.json()["choices"][0]["message"]["content"]
 
 
 def test_anthropic_clients_send_the_key_as_x_api_key(server, model, http):

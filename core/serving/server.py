@@ -70,7 +70,9 @@ async def serve(config_path: str | Path | None, overrides: Mapping[str, Any] | N
             urls = [await tg.start(transport.serve, frontend) for transport in transports]
             logger.info("starting the engine process; up at once (503 until it is ready): %s", ", ".join(urls))
             ready = await tg.start(engine.run)
-            _print_banner(model_name, config.kvcache.plugin, ready, urls)
+            key_env = next((getattr(t.options, "api_key_env", "") for t, url in zip(transports, urls)
+                            if url.startswith("http")), "")
+            _print_banner(model_name, config.kvcache.plugin, ready, urls, key_env)
             if isinstance(engine, PDClient):
                 pids = [str(r.pid) if r is not None else "?" for r in engine.readies]
                 prefill, decode = ", ".join(pids[: engine.num_prefill]), ", ".join(pids[engine.num_prefill :])
@@ -193,7 +195,9 @@ def _weight_formats(ready: EngineReady) -> str:
     return f" (quant {ready.quant}: {', '.join(parts)})" if parts else f" (quant {ready.quant})"
 
 
-def _print_banner(model_name: str, kv_layout: str, ready: EngineReady, urls: list[str]) -> None:
+def _print_banner(model_name: str, kv_layout: str, ready: EngineReady, urls: list[str], key_env: str = "") -> None:
+    """The start-up lines: what is served, where, and a request to try (sending the API key from ``key_env``, the
+    variable that holds it, where the HTTP transport needs one)."""
     lines = [
         (
             f"Conveyor is serving {model_name} (max_model_len {ready.max_model_len}; engine pid {ready.pid}, "
@@ -212,9 +216,10 @@ def _print_banner(model_name: str, kv_layout: str, ready: EngineReady, urls: lis
         lines += [
             "Try:",
             f"  curl {http}/v1/chat/completions -H 'Content-Type: application/json' \\",
+            *([f'    -H "Authorization: Bearer ${key_env}" \\'] if key_env else []),
             (
                 f"    -d '{{\"model\": \"{model_name}\", \"messages\": [{{\"role\": \"user\", "
-                "\"content\": \"What is the capital of France?\"}]}'"
+                "\"content\": \"Name the capital of France.\"}], \"temperature\": 0}'"
             ),
         ]
     else:

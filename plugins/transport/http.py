@@ -79,9 +79,8 @@ class HTTPTransport(Transport):
         if options.api_key_env:
             self.api_key = os.environ.get(options.api_key_env) or None
             if self.api_key is None:
-                raise ValueError(
-                    f"[transport] api_key_env = {options.api_key_env!r}: that environment variable is not set"
-                )
+                state = "is empty" if options.api_key_env in os.environ else "is not set"
+                raise ValueError(f"[transport] api_key_env = {options.api_key_env!r}: that environment variable {state}")
 
     def url(self, port: int) -> str:
         return f"http://{self.options.host}:{port}"
