@@ -96,6 +96,14 @@ def test_infinite_rate_sends_everything_at_once():
     assert not arrival_times(100, math.inf).any()
     times = arrival_times(100, 3.0, seed=1)
     assert (np.diff(times) >= 0).all()
+    assert arrival_times(0, 3.0).size == 0
+
+
+def test_the_first_request_goes_at_once_and_the_gaps_follow():
+    """As vLLM's benchmark sends them: the first request at the start, then one gap before each next one."""
+    times = arrival_times(100, 3.0, seed=1)
+    assert times.size == 100 and times[0] == 0.0
+    assert np.diff(times) == pytest.approx(arrival_gaps(99, 3.0, seed=1))
     with pytest.raises(ValueError, match="rate"):
         arrival_gaps(3, 0.0)
 

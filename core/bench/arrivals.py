@@ -8,7 +8,7 @@ import numpy as np
 
 
 def arrival_gaps(num_requests: int, rate: float, burstiness: float = 1.0, seed: int = 0) -> np.ndarray:
-    """Seconds between consecutive arrivals (the first request waits for its gap too).
+    """``num_requests`` seconds between consecutive arrivals.
 
     The gaps are gamma-distributed with shape ``burstiness`` and mean
     ``1 / rate``: burstiness 1 gives exponential gaps (Poisson arrivals);
@@ -29,5 +29,7 @@ def arrival_gaps(num_requests: int, rate: float, burstiness: float = 1.0, seed: 
 
 
 def arrival_times(num_requests: int, rate: float, burstiness: float = 1.0, seed: int = 0) -> np.ndarray:
-    """Seconds from the start at which each request is sent."""
-    return np.cumsum(arrival_gaps(num_requests, rate, burstiness, seed))
+    """Seconds from the start at which each request is sent: the first at once, as vLLM's benchmark sends it (a
+    first request held back for a gap would leave the run's start idle and lower its measured throughput)."""
+    gaps = arrival_gaps(max(num_requests - 1, 0), rate, burstiness, seed)
+    return np.concatenate([[0.0], np.cumsum(gaps)])[:num_requests]
