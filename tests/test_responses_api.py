@@ -54,6 +54,7 @@ def test_a_response_is_what_openais_response_model_requires(openai_client, model
     url = f"{openai_client.base_url}responses".replace("/v1/v1", "/v1")
     body = {"model": model, "input": QUESTION * 3, "temperature": 0, "max_output_tokens": 4}
     first, again = (Response.model_validate(httpx.post(url, json=body, timeout=60).json()) for _ in range(2))
+    assert first.tool_choice == "auto"  # (OpenAI's default echo, with no tools given)
     for response in (first, again):
         details = response.usage.input_tokens_details
         assert details.cached_tokens + details.cache_write_tokens == response.usage.input_tokens

@@ -62,7 +62,7 @@ class Reply:
             "previous_response_id": request.previous_response_id, "reasoning": None, "store": request.store,
             "temperature": request.temperature, "top_p": request.top_p,
             "text": {"format": msgspec.to_builtins(fmt) if fmt is not None else {"type": "text"}},
-            "tool_choice": request.tool_choice or ("auto" if request.tools else "none"),
+            "tool_choice": request.tool_choice or "auto",  # (OpenAI's default, with tools or without)
             "tools": [msgspec.to_builtins(t) for t in request.tools or []], "truncation": "disabled",
             # (the prompt tokens computed are those written to the prefix cache)
             "usage": {"input_tokens": usage["prompt_tokens"],
