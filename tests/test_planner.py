@@ -26,7 +26,7 @@ GRID = {"seqs": (32, 128), "tokens": (512, 4096)}
 
 def test_slos_parse_with_units_and_refuse_unknown_names():
     assert parse_slos("ttft_p99=0.5s, itl_p50=40") == [Slo("ttft", "p99", 500.0), Slo("itl", "p50", 40.0)]
-    for bad in ("ttft=500ms", "ttfb_p99=5ms", "itl_p99=fast", ""):
+    for bad in ("ttft=500ms", "ttfb_p99=5ms", "itl_p99=fast", "", "ttft_p99=0", "itl_p50=0.0ms", "ttft_p99=."):
         with pytest.raises(ValueError, match="--slo"):
             parse_slos(bad)
 

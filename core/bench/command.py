@@ -39,7 +39,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--input-len", type=flags.positive(int), default=256, help="random: prompt tokens")
     parser.add_argument("--output-len", type=flags.positive(int), default=None,
                         help="random: output tokens (default 128); sharegpt: override the reply length")
-    parser.add_argument("--range-ratio", type=float, default=0.0, help="random: lengths vary by +-ratio")
+    parser.add_argument("--range-ratio", type=flags.fraction, default=0.0, help="random: lengths vary by +-ratio")
     parser.add_argument("--temperature", type=flags.positive(float, zero=True), default=0.0)
     parser.add_argument("--ignore-eos", action="store_true", help="ask for exactly max_tokens (vLLM's extra field)")
     parser.add_argument("--seed", type=int, default=0)

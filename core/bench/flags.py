@@ -41,3 +41,14 @@ rate = positive(float, inf=True)
 def rates(text: str) -> list[float]:
     """An argparse ``type``: request rates separated by commas, e.g. ``1,2,4,inf``."""
     return [rate(r) for r in text.split(",")]
+
+
+def fraction(text: str) -> float:
+    """An argparse ``type``: a number in [0, 1) (a share that must leave something, e.g. ``--range-ratio``)."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not 0 <= value < 1:
+        raise argparse.ArgumentTypeError(f"expected a number in [0, 1), got {text!r}")
+    return value

@@ -96,11 +96,13 @@ def parse_slos(text: str) -> list[Slo]:
     for part in filter(None, (p.strip() for p in text.split(","))):
         name, _, value = part.partition("=")
         metric, _, stat = name.strip().partition("_")
-        match = re.fullmatch(r"([0-9.]+)\s*(ms|s)?", value.strip())
+        match = re.fullmatch(r"([0-9]+(?:\.[0-9]*)?|\.[0-9]+)\s*(ms|s)?", value.strip())
         if metric not in SLO_METRICS or stat not in SLO_STATS or match is None:
             raise ValueError(f"--slo {part!r}: expected METRIC_STAT=VALUE[ms|s], METRIC one of "
                              f"{', '.join(SLO_METRICS)}, STAT one of {', '.join(SLO_STATS)} (e.g. ttft_p99=500ms)")
         number, unit = float(match.group(1)), match.group(2) or "ms"
+        if not number > 0:  # (no latency is 0: a bound of 0 would be met by no config at all)
+            raise ValueError(f"--slo {part!r}: a bound must be above 0")
         slos.append(Slo(metric, stat, number * (1000.0 if unit == "s" else 1.0)))
     if not slos:
         raise ValueError("--slo: give at least one, e.g. ttft_p99=500ms,itl_p99=50ms")

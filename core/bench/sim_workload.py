@@ -80,5 +80,5 @@ def add_workload_arguments(parser) -> None:
     parser.add_argument("--burstiness", type=flags.positive(float), default=1.0)
     parser.add_argument("--input-len", type=flags.positive(int), default=256)
     parser.add_argument("--output-len", type=flags.positive(int), default=None)
-    parser.add_argument("--range-ratio", type=float, default=0.0)
+    parser.add_argument("--range-ratio", type=flags.fraction, default=0.0)
     parser.add_argument("--seed", type=int, default=0)
