@@ -19,6 +19,7 @@ from conveyor.plugins.transport import anthropic_api, embeddings_api, responses_
 from conveyor.plugins.transport import openai_api as api
 from conveyor.plugins.transport.openai_call import Call, Emit
 from conveyor.plugins.transport.openapi import openapi_document
+from conveyor.plugins.transport.request_body import decode_body
 from conveyor.plugins.transport.responses_reply import Reply
 from conveyor.plugins.transport.sse import (
     ANTHROPIC,
@@ -123,7 +124,7 @@ class Routes:
         """The body of an adapter call, which needs the API key (a server without one refuses them: they name
         files on the server's machine)."""
         self._admin_key(request, "loading and unloading LoRA adapters")
-        return api.decode_body(await self._read_body(request), kind)
+        return decode_body(await self._read_body(request), kind)
 
     def _admin_key(self, request: Request, what: str) -> None:
         """Refuse an administrative call: 403 on a server without an API key, 401 without the right key."""
@@ -180,7 +181,7 @@ class Routes:
         return b"".join(chunks)
 
     async def _parse(self, request: Request, kind: type[msgspec.Struct]) -> Any:
-        return api.decode_body(await self._read_body(request), kind)
+        return decode_body(await self._read_body(request), kind)
 
     async def completions(self, request: Request) -> Response | EventStream:
         return await self._handle(request, chat=False)
