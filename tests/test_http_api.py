@@ -316,6 +316,49 @@ def test_completion_logprobs(client, model):
         assert top[token] == pytest.approx(logprob, abs=1e-6)
 
 
+def logprob_token_bytes(token: str) -> bytes:
+    """A logprobs token's bytes: its text's UTF-8, or the bytes a name "bytes:\\xf0\\x9f" spells."""
+    if token.startswith("bytes:"):
+        return bytes(int(byte, 16) for byte in token.removeprefix("bytes:").split("\\x")[1:])
+    return token.encode()
+
+
+def test_tokens_that_split_a_character_keep_apart_in_logprobs(client, model):
+    """Emojis are several byte-level tokens, none of them UTF-8 alone: completions name each by its bytes, as
+    OpenAI's names them ("bytes:\\xf0\\x9f"), so the top 5 are five tokens and the chosen one's logprob is its own;
+    the tokens' bytes make the text, and each token's text_offset is the character its first byte is part of
+    (the characters whole before it, by Python's decoder), streamed or not. Chat names them so too, with each
+    token's exact bytes."""
+    kwargs = {"model": model, "prompt": "Emoji: \U0001F600\U0001F600\U0001F600\U0001F600", "max_tokens": 8,
+              "temperature": 0, "logprobs": 5, "extra_body": {"ignore_eos": True}}
+    choice = client.completions.create(**kwargs).choices[0]
+    logprobs = choice.logprobs
+    assert any(token.startswith("bytes:") for token in logprobs.tokens), logprobs.tokens
+    pieces = [logprob_token_bytes(token) for token in logprobs.tokens]
+    assert b"".join(pieces).decode(errors="replace") == choice.text
+    for token, logprob, top in zip(logprobs.tokens, logprobs.token_logprobs, logprobs.top_logprobs):
+        assert len(top) == 5, top
+        assert top[token] == pytest.approx(logprob, abs=1e-6) == max(top.values())
+    whole_before = [len(b"".join(pieces[:i]).decode(errors="ignore")) for i in range(len(pieces))]
+    assert logprobs.text_offset == whole_before
+    tokens, offsets = [], []
+    for chunk in client.completions.create(**kwargs, stream=True):
+        if chunk.choices and chunk.choices[0].logprobs:
+            tokens += chunk.choices[0].logprobs.tokens
+            offsets += chunk.choices[0].logprobs.text_offset
+    assert (tokens, offsets) == (logprobs.tokens, logprobs.text_offset)
+
+    chat = client.chat.completions.create(model=model, messages=user("Reply with three \U0001F600 emojis."),
+                                          max_tokens=6, temperature=0, logprobs=True, top_logprobs=3,
+                                          extra_body={"ignore_eos": True}).choices[0]
+    content = chat.logprobs.content
+    entries = [e for entry in content for e in (entry, *entry.top_logprobs)]
+    assert any(e.token.startswith("bytes:") for e in entries)
+    for e in entries:
+        assert logprob_token_bytes(e.token) == bytes(e.bytes), e
+    assert b"".join(bytes(e.bytes) for e in content).decode(errors="replace") == chat.message.content
+
+
 def test_seed_reproduces_sampling(client, model):
     kwargs = {"model": model, "messages": user("Write a haiku about the sea."), "max_tokens": 12,
               "temperature": 1.0, "extra_body": {"ignore_eos": True}}

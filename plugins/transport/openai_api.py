@@ -258,11 +258,11 @@ def _structured(kind: str, value: Any, field: str) -> StructuredOutput:
 
 
 def chat_logprobs(tokenizer: Tokenizer, token_ids: list[int], logprobs: list[TokenLogprob]) -> dict[str, Any]:
-    """Chat completions' ``logprobs`` object."""
+    """Chat completions' ``logprobs`` object: each token named as ``logprob_token`` names it, with its exact bytes."""
 
     def entry(token_id: int, logprob: float) -> dict[str, Any]:
-        text = tokenizer.token_text(token_id)
-        return {"token": text, "logprob": logprob, "bytes": list(tokenizer.token_bytes(token_id))}
+        name, data = logprob_token(tokenizer, token_id)
+        return {"token": name, "logprob": logprob, "bytes": list(data)}
 
     content = []
     for token_id, lp in zip(token_ids, logprobs):
@@ -275,16 +275,46 @@ def chat_logprobs(tokenizer: Tokenizer, token_ids: list[int], logprobs: list[Tok
 def completion_logprobs(
     tokenizer: Tokenizer, token_ids: list[int], logprobs: list[TokenLogprob], text_offset: int
 ) -> dict[str, Any]:
-    """Completions' ``logprobs`` object; ``text_offset`` is where these tokens start in the choice's text."""
-    tokens, token_logprobs, top, offsets = [], [], [], []
+    """Completions' ``logprobs`` object; ``text_offset`` is where these tokens start in the choice's text (its
+    length before them, in characters)."""
+    tokens, token_logprobs, top, pieces = [], [], [], []
     for token_id, lp in zip(token_ids, logprobs):
-        text = tokenizer.token_text(token_id)
-        tokens.append(text)
+        name, data = logprob_token(tokenizer, token_id)
+        tokens.append(name)
+        pieces.append(data)
         token_logprobs.append(lp.logprob)
-        top.append({tokenizer.token_text(t): v for t, v in zip(lp.top_ids, lp.top_logprobs)})
-        offsets.append(text_offset)
-        text_offset += len(text)
-    return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top, "text_offset": offsets}
+        # (keyed by name: tokens that are each part of a character stay apart by their bytes)
+        top.append({logprob_token(tokenizer, t)[0]: v for t, v in zip(lp.top_ids, lp.top_logprobs)})
+    return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top,
+            "text_offset": text_offsets(pieces, text_offset)}
+
+
+def logprob_token(tokenizer: Tokenizer, token_id: int) -> tuple[str, bytes]:
+    """A token's name in logprobs, as OpenAI writes it, and its bytes: its text; or, where its bytes are no UTF-8
+    by themselves (part of a character that tokens split), "bytes:" and each byte as ``\\xNN``, so that such
+    tokens stay apart (each one's text alone is U+FFFD)."""
+    data = tokenizer.token_bytes(token_id)
+    try:
+        data.decode()
+    except UnicodeDecodeError:
+        return "bytes:" + "".join(f"\\x{b:02x}" for b in data), data
+    return tokenizer.token_text(token_id), data
+
+
+def text_offsets(pieces: list[bytes], start: int) -> list[int]:
+    """Where each token begins in the text, in characters: at the character its first byte is part of, so that
+    the tokens of a character that tokens split all begin at it (UTF-8: a character is a lead byte and the
+    continuation bytes 0x80-0xBF after it). ``start``: the text's characters before the first token; a first
+    token that continues a character (begun in an earlier chunk of a stream) begins at that character, ``start``.
+    """
+    joined = b"".join(pieces)
+    # the character the bytes so far end in (before the first: the one they continue, else none yet)
+    character = start if joined[:1] and 0x80 <= joined[0] < 0xC0 else start - 1
+    offsets = []
+    for piece in pieces:
+        offsets.append(character if piece[:1] and 0x80 <= piece[0] < 0xC0 else character + 1)
+        character += sum(1 for b in piece if not 0x80 <= b < 0xC0)
+    return offsets
 
 
 def prompt_logprobs(tokenizer: Tokenizer, prompt_ids: list[int],
