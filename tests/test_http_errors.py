@@ -129,6 +129,11 @@ BAD_REQUESTS = {
         ["min_tokens=17", "max_tokens=16"]),
     "min_tokens over max_completion_tokens": ("chat/completions", chat(max_completion_tokens=2, min_tokens=3), 400,
                                               "min_tokens", ["min_tokens=3", "max_completion_tokens=2"]),
+    "zero max_completion_tokens": ("chat/completions", chat(max_completion_tokens=0), 400, "max_completion_tokens",
+                                   ["max_completion_tokens=0"]),
+    "prompt + max_completion_tokens over max_model_len": (
+        "chat/completions", chat(max_completion_tokens=MAX_MODEL_LEN), 400, "max_completion_tokens",
+        ["max_completion_tokens (256)", "max_model_len=256"]),
     "stream_options without stream": ("chat/completions", chat(stream_options={"include_usage": True}), 400,
                                       "stream_options", ["stream=True"]),
     "stream_options with stream false": (

@@ -263,7 +263,10 @@ class Routes:
                 raise RequestError("tool_choice forces a call, which response_format cannot constrain too", 400,
                                    "tool_choice")
             params.structured = StructuredOutput(json=schema)
-        self.frontend.check(prompt_ids, params)
+        try:
+            self.frontend.check(prompt_ids, params)
+        except RequestError as e:
+            raise api.in_request_terms(e, body) from None
         return Call(self.frontend, body, [prompt_ids], params, True, created, tools, self.frontend.adapter(body.model),
                     id_prefix)
 

@@ -13,6 +13,7 @@ and its ``prompt_logprobs`` (``prompt_logprobs`` below).
 from __future__ import annotations
 
 import json
+import re
 from typing import Annotated, Any, Literal
 
 import msgspec
@@ -194,12 +195,20 @@ def sampling_params(request: CompletionRequest | ChatCompletionRequest, default_
         param = head if head in type(request).__struct_fields__ else None
         if param == "logprobs" and isinstance(request, ChatCompletionRequest):
             param = "top_logprobs"
-        if param == "min_tokens" and getattr(request, "max_completion_tokens", None) is not None:
-            message = message.replace("max_tokens=", "max_completion_tokens=")  # (the field that set it)
-        raise RequestError(message, 400, param) from None
+        raise in_request_terms(RequestError(message, 400, param), request) from None
     if request.stream:
         params.prompt_logprobs = None  # (0, which vLLM takes with stream: a stream returns none)
     return params
+
+
+def in_request_terms(error: RequestError, request: CompletionRequest | ChatCompletionRequest) -> RequestError:
+    """A refusal that names max_tokens (the engine's name for the limit), naming max_completion_tokens instead
+    where a chat request set the limit with that field."""
+    if getattr(request, "max_completion_tokens", None) is None:
+        return error
+    message = re.sub(r"\bmax_tokens\b", "max_completion_tokens", error.message)
+    param = "max_completion_tokens" if error.param == "max_tokens" else error.param
+    return RequestError(message, error.status, param, error.retry_after)
 
 
 # vLLM's structured-output fields -> the language each names
