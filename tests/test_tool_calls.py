@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import re
 
 import jsonschema
 import openai
@@ -114,6 +115,27 @@ def test_a_call_cut_off_by_max_tokens_ends_by_length(openai_client):
             arguments += "".join(d.function.arguments or "" for d in c.delta.tool_calls or [])
             finish = c.finish_reason or finish
     assert (arguments, finish) == (call.function.arguments, "length")
+
+
+def test_max_tokens_after_a_whole_call_ends_by_length(openai_client, tokenizer):
+    """Two calls forced by a regex, the budget ending inside the second's block: the first call comes whole, and
+    the choice still ends by "length" (as OpenAI's does), not "tool_calls", which would say the turn's calls are
+    all there."""
+    client = openai_client
+    model = client.models.list().data[0].id
+    first = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}\n</tool_call>'
+    second = '\n<tool_call>\n{"name": "get_time", "arguments": {"zone": "Europe/Paris"}}\n</tool_call>'
+    request = {"model": model, "messages": QUESTION, "tools": [WEATHER, TIME], "temperature": 0,
+               "max_tokens": len(tokenizer.encode(first)) + 4,
+               "extra_body": {"structured_outputs": {"regex": re.escape(first + second)}}}
+    choice = client.chat.completions.create(**request).choices[0]
+    [call] = choice.message.tool_calls
+    assert call.function.name == "get_weather" and json.loads(call.function.arguments)["city"] == "Paris"
+    assert choice.finish_reason == "length"
+    finish = None
+    for chunk in client.chat.completions.create(**request, stream=True):
+        finish = next((c.finish_reason for c in chunk.choices if c.finish_reason), finish)
+    assert finish == "length"
 
 
 def test_bad_tool_choices_are_400s(openai_client):

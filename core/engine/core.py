@@ -291,9 +291,12 @@ class EngineCore:
             self._end_grammars(batch, result.sampled, outputs)
         if self.grammars.closed:
             for output in outputs:
-                # (closed: forced to complete its grammar; a budget too small for that ends it by length)
-                output.grammar_closed = (output.finish_reason == FinishReason.STOP.value
-                                         and output.request_id in self.grammars.closed)
+                # closed: forced to complete its grammar as max_tokens neared. The budget ended it, so it ends by
+                # length (a client's check for a cut-off answer sees one) and says that its text was closed; a
+                # budget too small for the closing ends it by length without saying so
+                if output.finish_reason == FinishReason.STOP.value and output.request_id in self.grammars.closed:
+                    output.finish_reason = FinishReason.LENGTH.value
+                    output.grammar_closed = True
             self.grammars.closed &= self.grammars.matchers.keys()
         if self.proposer is not None:
             self.proposer.propose(batch.requests, result)

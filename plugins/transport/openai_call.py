@@ -175,9 +175,10 @@ class Call:
 
     def _finish_reason(self, index: int, reason: str | None) -> str | None:
         """A chat choice's finish reason, given the engine's: "tool_calls" when the choice made calls and each is
-        whole; a call that max_tokens (or a stop string) cut off keeps the engine's ("length"), as OpenAI's does."""
+        whole; max_tokens ending it is "length" whatever calls came whole before (a next call may have been cut
+        before it could be read as one), as OpenAI's is, and so is a call a stop string cut off."""
         calls = self.readers[index].calls
-        if reason is not None and calls and all(map(arguments_complete, calls)):
+        if reason not in (None, "length") and calls and all(map(arguments_complete, calls)):
             return "tool_calls"
         return reason
 
