@@ -10,7 +10,7 @@ the same config with latency targets (``ttft_slo_ms``, ``itl_slo_ms``; budget at
 (1,200-1,800 tokens in, 16-48 out), arriving as a Poisson process at each rate of ``--rates`` (a seeded draw
 of the mix per rate, the same for every setup: no rate finds the last one's prompts in the prefix cache),
 greedy, ignore_eos. Printed per setup and rate: ITL p99 and TTFT p99 over the run, output tokens/s, requests refused
-(429), and goodput: requests per second that got their first token within the TTFT target and whose own ITL
+(429, or 400 for a prompt too long for the TTFT target alone), and goodput: requests per second that got their first token within the TTFT target and whose own ITL
 P99 stayed within the ITL target (a refused request counts as missed). Then goodput against the request rate
 for every setup, as a table and a plot (--out/goodput.png), and the run's records as JSON.
 
@@ -82,7 +82,9 @@ def run_setup(label: str, overrides: list[str], workloads: list[list[BenchReques
 
                 records, duration = asyncio.run(run())
                 summary = summarize(records, duration, slos_ms)
-                refused = sum(1 for r in records if r.error is not None and r.error.startswith("HTTP 429"))
+                # (429: the queue would make it late; 400 naming the target: its prompt alone would be)
+                refused = sum(1 for r in records if r.error is not None and (
+                    r.error.startswith("HTTP 429") or r.error.startswith("HTTP 400") and "TTFT target" in r.error))
                 runs.append({"label": label, "rate": rate, "summary": summary, "refused": refused,
                              "records": msgspec.to_builtins(records)})
                 print(f"   {label} @ {rate}/s: ITL p99 {summary['itl_ms']['p99']:.0f} ms, "

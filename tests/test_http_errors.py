@@ -336,12 +336,13 @@ def test_full_queue_gets_429(server, client, model, http):
     assert_still_serving(http)
 
 
-def test_latency_targets_change_while_serving_and_one_that_cannot_be_met_gets_429_with_retry_after(server, http):
+def test_latency_targets_change_while_serving_and_one_that_cannot_be_met_is_refused(server, http):
     """POST /v1/admin/scheduler changes the scheduler's targets in the running engine (the API key required; only
     the keys the scheduler allows, checked), and a restarted engine keeps them. A TTFT target of 1 ms, which no
-    step here meets: once the engine has timed a few steps, a new request is refused with 429, a Retry-After and
-    its JSON error, streamed or not (over ZeroMQ: an error with status 429 and its retry_after), and the requests
-    served under it count as missing their TTFT target on /metrics; the targets off again, the server serves."""
+    step here meets: once the engine has timed a few steps, a new request is refused with 400 (its prompt alone
+    would miss it: no Retry-After, since no wait helps) and its JSON error, streamed or not (over ZeroMQ: an error
+    with status 400), and the requests served under it count as missing their TTFT target on /metrics; the targets
+    off again, the server serves. (The queue's 429 with a Retry-After: tests/test_slo.py.)"""
     def missed(target: str) -> float:
         try:
             return server.metric("conveyor_requests_missed_slo_total", target=target)
@@ -370,18 +371,17 @@ def test_latency_targets_change_while_serving_and_one_that_cannot_be_met_gets_42
             if response.status_code != 200:
                 break
             served += 1
-        error = error_of(response, 429)
+        error = error_of(response, 400)
         assert served >= 2 and missed("ttft") == before + served and missed("itl") == 0
-        assert "TTFT target (1 ms)" in error["message"], error["message"]
-        assert int(response.headers["retry-after"]) >= 1
-        # streamed: the same 429 and Retry-After, not a 200 whose stream then ends with an error event
+        assert "its prompt alone would take" in error["message"], error["message"]
+        assert "TTFT target (1 ms)" in error["message"] and "retry-after" not in response.headers
+        # streamed: the same 400, not a 200 whose stream then ends with an error event
         streamed = http.post("/v1/chat/completions", json={"messages": MESSAGES, "max_tokens": 2, "stream": True})
-        assert "TTFT target (1 ms)" in error_of(streamed, 429)["message"]
-        assert int(streamed.headers["retry-after"]) >= 1
+        assert "TTFT target (1 ms)" in error_of(streamed, 400)["message"]
         with Client(server.url("tcp"), timeout=60) as zmq_client, pytest.raises(ServerError) as refused:
             zmq_client.generate(messages=MESSAGES, max_tokens=2)
-        assert refused.value.status == 429 and "TTFT target (1 ms)" in refused.value.message
-        assert refused.value.retry_after > 0
+        assert refused.value.status == 400 and "TTFT target (1 ms)" in refused.value.message
+        assert refused.value.retry_after == 0
     finally:
         assert http.post("/v1/admin/scheduler", json={"ttft_slo_ms": 0, "itl_slo_ms": 0}).status_code == 200
     assert_still_serving(http)

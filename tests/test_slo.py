@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import random
+import re
 
 import pytest
 
@@ -166,6 +167,27 @@ def test_waiting_prompts_go_by_ttft_deadline_and_targets_set_at_run_time_reorder
             batch, _ = engine.step()
             started += [r.request_id for r in batch.requests if r.request_id not in started and r.request_id != "first"]
         assert started == expected
+
+
+def test_a_prompt_that_misses_the_ttft_target_even_alone_is_a_400():
+    """On an idle server, a prompt whose own computing takes longer than the TTFT target could never meet it:
+    refused with 400 (no Retry-After: a client that retries a 429 would only wait), not counted as waiting; a
+    prompt that fits is taken."""
+    scheduler = create_scheduler(max_num_batched_tokens=512, ttft_slo_ms=500, itl_slo_ms=100)
+    engine = VirtualEngine(scheduler, Cost())
+    for _ in range(2):
+        scheduler.add(create_request(40, max_tokens=MIN_STEPS + 2, max_model_len=4096))
+    while scheduler.has_unfinished():
+        engine.step()
+    assert scheduler.step_model.ready
+    with pytest.raises(RequestRejected) as refused:  # (4 steps of 512 prompt tokens at 0.4 ms each: about 0.9 s)
+        scheduler.add(create_request(2000, max_tokens=4, max_model_len=4096))
+    assert refused.value.status == 400 and refused.value.retry_after == 0
+    seconds = float(re.search(r"its prompt alone would take about ([\d.]+) s", str(refused.value)).group(1))
+    assert 0.5 < seconds < 1.2 and "TTFT target (500 ms)" in str(refused.value)
+    assert scheduler.num_waiting == 0
+    scheduler.add(create_request(300, max_tokens=4, max_model_len=4096))  # (one step: 0.13 s)
+    assert scheduler.num_waiting == 1
 
 
 def test_a_request_that_cannot_meet_its_ttft_target_gets_429_with_retry_after():

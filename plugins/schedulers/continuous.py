@@ -137,6 +137,12 @@ class ContinuousScheduler(Scheduler):
         ttft, _ = self.targets(request)
         if not ttft or self.options.slo_admission != "reject" or not self.step_model.ready:
             return
+        alone = ttft_wait(self.step_model, request.num_tokens, self.chunk_limit(self.options.max_num_batched_tokens),
+                          StepFeatures())
+        if alone > ttft:  # (a 429 would have clients retry what no wait can help)
+            raise RequestRejected(
+                f"its prompt alone would take about {alone:.1f} s to a first token, past this server's TTFT target "
+                f"({ttft * 1000:.0f} ms), however idle the server: send a shorter prompt", 400)
         wait = self.predicted_ttft(request)
         if wait > ttft:
             raise RequestRejected(
