@@ -6,7 +6,9 @@ The connector's worker side runs in-process over that pool, as a worker runs it.
 from __future__ import annotations
 
 import logging
+import os
 import struct
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -234,6 +236,30 @@ def test_with_several_workers_a_block_is_on_disk_only_when_every_ranks_file_is(t
     stats = again.connector.stats()
     assert stats.hit_tokens["disk"] > 0 and stats.num_errors <= 1
     assert_no_leak(again.kvcache)
+
+
+def test_start_up_removes_old_files_of_blocks_a_rank_lacks_and_left_temporary_files(tmp_path):
+    """What no index holds would never be trimmed: a block's files some rank lacks (on rank 0 only, or on rank 1
+    only) and temporary files a stopped writer left go at start-up once an hour old; newer ones stay (another
+    engine on the directory may be writing them); whole blocks stay indexed."""
+    first = Engine(num_blocks=16, host_blocks=256, disk_dir=str(tmp_path), ranks=2)
+    conversations(first, turns=2)
+    for worker in first.workers:
+        worker.close()
+    rank0, rank1 = (block_dir(str(tmp_path), "f" * 24, rank) for rank in (0, 1))
+    names = sorted(p.name for p in rank0.glob("*.kv"))
+    only0, only1, recent = names[0], names[1], names[2]
+    for rank, name in ((rank1, only0), (rank0, only1), (rank1, recent)):
+        (rank / name).unlink()
+    left = rank1 / "abc.tmp"
+    left.write_bytes(b"half a block")
+    hour_ago = time.time() - 2 * 3600
+    for path in (rank0 / only0, rank1 / only1, left):
+        os.utime(path, (hour_ago, hour_ago))
+    again = Engine(num_blocks=16, host_blocks=256, disk_dir=str(tmp_path), ranks=2)
+    assert not (rank0 / only0).exists() and not (rank1 / only1).exists() and not left.exists()
+    assert (rank0 / recent).exists()  # (written just now: perhaps a write under way)
+    assert again.connector.stats().blocks["disk"] == len(names) - 3
 
 
 def test_another_fingerprint_finds_nothing_and_the_disk_budget_drops_the_oldest_files(tmp_path):

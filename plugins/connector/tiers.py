@@ -44,6 +44,9 @@ from conveyor.request import Request, RequestStatus
 
 logger = logging.getLogger("conveyor")
 
+# files of a block some rank lacks, or temporary ones, older than this at start-up are a stopped writer's leftovers
+ORPHAN_AGE_S = 3600.0
+
 
 class TiersOptions(msgspec.Struct, forbid_unknown_fields=True):
     # host memory for the host tier, GiB per worker (pinned on CUDA)
@@ -77,6 +80,7 @@ class TieredConnector(KVConnector):
             self.num_disk_blocks = max(1, int(options.disk_gb * 2**30 // self.block_bytes))
             # (each worker's files in a directory of its rank's: a block is stored when every rank's file is)
             self.directory = block_dir(options.disk_dir, fingerprint, 0).parent
+            _remove_orphans(self.directory, time.time() - ORPHAN_AGE_S)
             self.disk = OrderedDict.fromkeys(_stored_digests(self.directory))
             self.rank_dirs: list[Path] = []
         # what the workers do before the next step, in order
@@ -322,6 +326,28 @@ class _Transfer:
 def _rank_dirs(directory: Path) -> list[Path]:
     """The directories of a fingerprint's workers, one a rank (``block_dir``)."""
     return sorted(directory.glob("rank*")) if directory.is_dir() else []
+
+
+def _remove_orphans(directory: Path, before: float) -> int:
+    """Remove what no index holds and so no budget would ever trim, last modified before ``before`` (newer ones
+    may be another engine's writes under way): a block's files that some rank lacks (a worker stopped between
+    its own write and another's), and temporary files a stopped writer left. Returns how many."""
+    ranks = _rank_dirs(directory)
+    names = [{p.name for p in d.glob("*.kv")} for d in ranks]
+    whole = set.intersection(*names) if names else set()
+    removed = 0
+    for d, held in zip(ranks, names):
+        for path in [*(d / name for name in held - whole), *d.glob("*.tmp")]:
+            try:
+                if path.stat().st_mtime < before:
+                    path.unlink()
+                    removed += 1
+            except OSError:
+                continue  # (removed meanwhile)
+    if removed:
+        logger.info("KV disk tier: removed %d files of blocks some worker lacks, or left unfinished, in %s", removed,
+                    directory)
+    return removed
 
 
 def _stored_digests(directory: Path) -> list[bytes]:
