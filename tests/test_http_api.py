@@ -17,6 +17,7 @@ import time
 
 import httpx
 import openai
+import psutil
 import pytest
 
 from tests.conftest import REPO
@@ -97,6 +98,17 @@ def test_models_lists_the_served_model(server, client):
     ids = [m.id for m in models.data]
     assert len(ids) == 1
     assert re.search(rf"Conveyor is serving {re.escape(ids[0])} ", server.output)
+
+
+def test_a_model_is_retrieved_by_its_id_and_was_created_when_the_server_started(server, client):
+    """GET /v1/models/{id} (the openai client's models.retrieve) answers the object /v1/models lists, whose
+    ``created`` is when the server started (its process's start, not 0); an unknown id is a 404 naming model."""
+    listed = client.models.list().data[0]
+    assert psutil.Process(server.process.pid).create_time() - 1 <= listed.created <= time.time()
+    assert client.models.retrieve(listed.id) == listed
+    with pytest.raises(openai.NotFoundError) as refused:
+        client.models.retrieve("gpt-17")
+    assert refused.value.param == "model" and "gpt-17" in refused.value.message
 
 
 def test_chat_usage_and_stream_match(client, model, tokenizer):

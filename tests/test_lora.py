@@ -350,10 +350,14 @@ def test_a_pickled_adapter_is_refused_and_never_unpickled(tiny, server, tmp_path
 
 
 def test_models_lists_each_adapter_with_its_base_as_parent(server):
-    """/v1/models: the base model first, with no parent; then each adapter, its ``parent`` the base's name."""
+    """/v1/models: the base model first, with no parent; then each adapter, its ``parent`` the base's name; each
+    also by its id."""
     with httpx.Client(base_url=server.http, headers=AUTH, timeout=60) as http:
         models = http.get("/v1/models").json()["data"]
     assert [(m["id"], m.get("parent")) for m in models] == [("tiny", None), ("a1", "tiny")]
+    # each one by its id (GET /v1/models/{id}), in the same shape
+    with openai.OpenAI(base_url=f"{server.http}/v1", api_key=KEY, max_retries=0, timeout=60) as client:
+        assert [client.models.retrieve(m["id"]).model_dump(exclude_none=True) for m in models] == models
 
 
 def test_the_zmq_model_key_selects_an_adapter(tiny, server, tokenizer):

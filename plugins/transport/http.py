@@ -4,7 +4,7 @@ Routes: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``POST
 /v1/responses`` with ``GET`` and ``DELETE /v1/responses/{id}`` (OpenAI's
 Responses API), ``POST /v1/messages`` and ``/v1/messages/count_tokens``
 (Anthropic's Messages API), ``GET /v1/models`` (the base model and its LoRA
-adapters), ``POST /v1/load_lora_adapter`` and ``/v1/unload_lora_adapter``
+adapters) and ``GET /v1/models/{id}`` (one of them), ``POST /v1/load_lora_adapter`` and ``/v1/unload_lora_adapter``
 (only with an API key), ``GET`` and ``POST /v1/admin/scheduler`` (the
 scheduler's options, and its latency targets changed while serving; only
 with an API key, and left out of /openapi.json: an operator's route, not a
@@ -134,6 +134,7 @@ class HTTPTransport(Transport):
                 Route("/tokenize", routes.tokenize, methods=["POST"]),
                 Route("/detokenize", routes.detokenize, methods=["POST"]),
                 Route("/v1/models", routes.models, methods=["GET"]),
+                Route("/v1/models/{model_id:path}", routes.model, methods=["GET"]),
                 Route("/v1/load_lora_adapter", routes.load_lora_adapter, methods=["POST"]),
                 Route("/v1/unload_lora_adapter", routes.unload_lora_adapter, methods=["POST"]),
                 Route("/v1/admin/scheduler", routes.admin_scheduler, methods=["GET", "POST"]),

@@ -230,6 +230,11 @@ def openapi_document(api_key: bool, models: list[str], max_model_len: int, vocab
                             "the text"), *no_engine),
         "/v1/models": get("listModels", _json({"type": "object"}, "the base model and its LoRA adapters"),
                           "503", *(("401",) if api_key else ())),
+        "/v1/models/{model_id}": {
+            "parameters": [{"name": "model_id", "in": "path", "required": True, "schema": {"type": "string"}}],
+            **get("retrieveModel", _json({"type": "object"}, "the model (or adapter) of that id, as listed"),
+                  "404", "503", *(("401",) if api_key else ())),
+        },
         "/health": get("health", _json({"type": "object"}, "the engine is up"), "503", open_route=True),
         "/metrics": get("metrics", {"description": "Prometheus text",
                                     "content": {"text/plain": {"schema": {"type": "string"}}}}, open_route=True),

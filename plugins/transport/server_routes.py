@@ -7,6 +7,7 @@ from __future__ import annotations
 import hmac
 import importlib.resources
 import logging
+import time
 from typing import Any
 
 import msgspec
@@ -39,6 +40,8 @@ class ServerRoutes:
         self.store = store
         # prompts are tokenized in these threads, not on the event loop
         self.tokenizing = Tokenizing()
+        # when the server started (Unix seconds): the served models' ``created``
+        self.started = int(time.time())
 
     async def not_found(self, request: Request, exc: Exception) -> Response:
         return error_response(RequestError(f"no route {request.method} {request.url.path}", 404))
@@ -83,12 +86,29 @@ class ServerRoutes:
             return denied
         if not self.frontend.max_model_len:  # (vLLM lists nothing before its engine is up: scripts wait on this)
             return error_response(RequestError("the engine is starting", 503))
+        return json_response({"object": "list", "data": self._served_models()})
+
+    async def model(self, request: Request) -> Response:
+        """One of the models ``/v1/models`` lists, by its id (the base model's name or an adapter's)."""
+        if (denied := self._check_key(request)) is not None:
+            return denied
+        if not self.frontend.max_model_len:
+            return error_response(RequestError("the engine is starting", 503))
+        model_id = request.path_params["model_id"]
+        served = self._served_models()
+        found = next((model for model in served if model["id"] == model_id), None)
+        if found is None:
+            names = ", ".join(repr(model["id"]) for model in served)
+            return error_response(RequestError(f"the model {model_id!r} does not exist; this server has {names}", 404,
+                                               "model"))
+        return json_response(found)
+
+    def _served_models(self) -> list[dict[str, Any]]:
+        """The base model, then each LoRA adapter (its ``parent`` the base), as OpenAI's model objects."""
         base = self.frontend.model_name
-        models = [{"id": base, "object": "model", "created": 0, "owned_by": "conveyor",
-                   "max_model_len": self.frontend.max_model_len}]
-        models += [{"id": name, "object": "model", "created": 0, "owned_by": "conveyor", "parent": base,
-                    "max_model_len": self.frontend.max_model_len} for name in self.frontend.adapters]
-        return json_response({"object": "list", "data": models})
+        common = {"object": "model", "created": self.started, "owned_by": "conveyor",
+                  "max_model_len": self.frontend.max_model_len}
+        return [{"id": base, **common}] + [{"id": name, **common, "parent": base} for name in self.frontend.adapters]
 
     async def load_lora_adapter(self, request: Request) -> Response:
         """``{"lora_name", "lora_path"}``: serve a PEFT adapter directory of the server's machine under a name."""
