@@ -13,6 +13,7 @@ from starlette.responses import Response
 
 from conveyor.plugins.transport import anthropic_api, embeddings_api, responses_api
 from conveyor.plugins.transport import openai_api as api
+from conveyor.plugins.transport.legacy_functions import LegacyFunctions
 from conveyor.plugins.transport.openai_call import Call, Emit
 from conveyor.plugins.transport.responses_reply import Reply
 from conveyor.plugins.transport.server_routes import ServerRoutes
@@ -44,18 +45,20 @@ class Routes(ServerRoutes):
         created = int(time.time())
         if (denied := self._check_key(request)) is not None:
             return denied
+        legacy = LegacyFunctions()  # (chat's functions and function_call: answered in their shape)
         try:
             if chat:
-                call = await self._chat_call(await self._parse(request, api.ChatCompletionRequest), created)
+                legacy = LegacyFunctions(await self._parse(request, api.ChatCompletionRequest))
+                call = await self._chat_call(legacy.request, created)
             else:
                 call = await self._completion_call(await self._parse(request, api.CompletionRequest), created)
         except RequestError as e:
-            return error_response(e)
+            return error_response(legacy.rename(e))
         if call.body.stream:
-            return EventStream(call.stream)
-        if (refused := await self._run(request, call, OPENAI)) is not None:
+            return EventStream(legacy.stream(call.stream))
+        if (refused := await self._run(request, call, OPENAI, legacy.rename)) is not None:
             return refused
-        return json_response(call.result())
+        return json_response(legacy.reply(call.result()))
 
     async def _run(self, request: Request, call: Call, dialect: Dialect,
                    rename: Callable[[RequestError], RequestError] = lambda e: e) -> Response | None:

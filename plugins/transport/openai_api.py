@@ -20,7 +20,7 @@ import msgspec
 
 from conveyor.messages import TokenLogprob
 from conveyor.model.tokenizer import Tokenizer
-from conveyor.plugins.transport.tool_calls import ToolDef
+from conveyor.plugins.transport.tool_calls import FunctionDef, ToolDef
 from conveyor.sampling import SamplingParams, StructuredOutput
 from conveyor.transport import RequestError
 
@@ -120,6 +120,9 @@ class ChatCompletionRequest(_Common, kw_only=True):
     # "none" | "auto" | "required" | {"type": "function", "function": {"name": ...}}
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
+    # the deprecated forms of tools and tool_choice ("none" | "auto" | {"name": ...}): legacy_functions
+    functions: list[FunctionDef] | None = None
+    function_call: str | dict[str, Any] | None = None
     # vLLM's extras: the template's generation prompt; or the last (assistant) message continued instead
     add_generation_prompt: bool = True
     continue_final_message: bool = False

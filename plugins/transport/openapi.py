@@ -128,7 +128,8 @@ def _limits(models: list[str], max_model_len: int, vocab_size: int) -> dict[str,
 
 def _chat_dependencies(chat: dict[str, Any]) -> None:
     """What a chat field needs of the others: top_logprobs needs logprobs=true; a tool_choice that forces a call
-    needs tools. Tools and tool_choice take the forms the server reads (a function with a name)."""
+    needs tools; the legacy functions and function_call are not given beside tools and tool_choice. Tools and
+    tool_choice (and the legacy fields) take the forms the server reads (a function with a name)."""
     name = {"type": "string", "minLength": 1}
     function = {"type": "object", "required": ["type", "function"], "properties": {
         "type": {"const": "function"},
@@ -140,6 +141,18 @@ def _chat_dependencies(chat: dict[str, Any]) -> None:
     chat["if"] = {"required": ["tool_choice"], "properties": {"tool_choice": {"anyOf": [{"const": "required"},
                                                                                         function]}}}
     chat["then"] = {"required": ["tools"], "properties": {"tools": {"type": "array", "minItems": 1}}}
+    # the legacy functions and function_call: not beside the fields that replaced them; one that may call needs
+    # functions
+    legacy_function = function["properties"]["function"]
+    chat["properties"]["functions"] = {"anyOf": [{"type": "array", "items": legacy_function}, {"type": "null"}]}
+    chat["properties"]["function_call"] = {"anyOf": [{"enum": ["none", "auto"]}, legacy_function, {"type": "null"}]}
+    given = {"not": {"type": "null"}}
+    replaced = (("functions", "tools"), ("function_call", "tool_choice"), ("function_call", "tools"))
+    chat["allOf"] = [{"not": {"required": [old, new], "properties": {old: given, new: given}}} for old, new in replaced]
+    chat["allOf"].append({
+        "if": {"required": ["function_call"], "properties": {"function_call": {"anyOf": [{"const": "auto"},
+                                                                                          {"type": "object"}]}}},
+        "then": {"required": ["functions"], "properties": {"functions": {"type": "array", "minItems": 1}}}})
 
 
 def openapi_document(api_key: bool, models: list[str], max_model_len: int, vocab_size: int) -> dict[str, Any]:
