@@ -49,7 +49,7 @@ def answer_against_transformers(content: list[dict], prompt_ids: list[int], hf_m
         with torch.inference_mode():
             logprobs = torch.log_softmax(hf_model(torch.tensor([ids])).logits[0, -1].double(), dim=-1)
         top5 = logprobs.topk(5).indices.tolist()
-        matches = [t for t in top5 if tokenizer.token_text(t) == chosen["token"]]
+        matches = [t for t in top5 if tokenizer.token_bytes(t) == bytes(chosen["bytes"])]
         assert matches, f"token {i} {chosen['token']!r} is not in transformers' top 5: " + ", ".join(
             repr(tokenizer.token_text(t)) for t in top5)
         token = matches[0]
