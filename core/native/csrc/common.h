@@ -168,8 +168,13 @@ inline int num_threads() { return t_member != nullptr ? t_member->team->threads(
 // of them (a team's members, ATen's threads), the item's work was vectorized differently in each under
 // -ffast-math: float32 paged attention in decode_layers' team differed from the same op alone in the last bits of
 // a sum, which the int8 rounding of the next layer's activations then made 0.3 of a hidden state.
+#if defined(__clang__)
+#define CONVEYOR_ONE_COPY __attribute__((noinline))  // (clang neither clones nor knows noipa)
+#else
+#define CONVEYOR_ONE_COPY __attribute__((noipa))  // (GCC: neither inlined nor cloned for constant arguments)
+#endif
 template <typename Visit, typename... Args>
-__attribute__((noipa)) void visit_item(Visit& visit, Args... args) {
+CONVEYOR_ONE_COPY void visit_item(Visit& visit, Args... args) {
   visit(args...);
 }
 
