@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import time
 from contextlib import aclosing
 
 import anyio
@@ -13,6 +14,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from conveyor.engine.client import EngineUnavailable
 from conveyor.messages import EngineReady, KVCacheStats, RequestOutput, SchedulerStats, StepStats
 from conveyor.sampling import SamplingParams
+from conveyor.serving.dashboard import DashboardFeed
 from conveyor.serving.metrics import ServerMetrics
 from conveyor.transport import RequestError
 
@@ -186,11 +188,13 @@ class ScriptedEngine:
         pass
 
 
-def served(engine: ScriptedEngine, tokenizer) -> tuple[ServerMetrics, list, Exception | None]:
-    """One request through the frontend: the metrics, its chunks, and the error it ended with."""
+def served(engine: ScriptedEngine, tokenizer, clock=time.time) -> tuple[ServerMetrics, list, Exception | None]:
+    """One request through the frontend (its dashboard on ``clock``): the metrics, its chunks, and the error it
+    ended with."""
     from conveyor.serving.frontend import EngineFrontend
 
     metrics = ServerMetrics(MODEL)
+    metrics.dashboard = DashboardFeed(clock=clock)
     frontend = EngineFrontend(engine, tokenizer, MODEL, metrics)
 
     async def run():
@@ -211,12 +215,16 @@ def test_outputs_of_several_tokens_count_every_token(tokenizer):
     a generated one; each output after the first is one inter-token latency sample."""
     engine = ScriptedEngine([RequestOutput("", [5]), RequestOutput("", [6, 7, 8]),
                              RequestOutput("", [9, 10], finish_reason="length")])
-    metrics, chunks, error = served(engine, tokenizer)
+    clock = [1000.5]
+    metrics, chunks, error = served(engine, tokenizer, lambda: clock[0])
     value = Exposition(metrics)
     assert error is None and chunks[-1].num_output_tokens == 6
     assert value("conveyor_generation_tokens_total") == 6 and value("conveyor_prompt_tokens_total") == 3
     assert value("conveyor_inter_token_latency_seconds_count") == 2
     assert value("conveyor_requests_total", finish_reason="length") == 1
+    # the dashboard's output tok/s too, once the second they came in has passed
+    clock[0] += 1
+    assert metrics.dashboard.snapshot()["series"]["output_tokens_per_s"] == [6]
 
 
 def test_a_request_the_engine_never_took_is_no_finished_request(tokenizer):

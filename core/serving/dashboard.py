@@ -68,6 +68,7 @@ class _Second:
         self.start = start
         self.ttft: list[float] = []
         self.itl: list[float] = []
+        self.tokens = 0  # output tokens (an output of accepted drafts brings several)
         self.work = 0.0  # forward seconds
         self.within_slo = 0  # requests that ended within the latency targets
         self.mfu_work = 0.0  # MFU x forward seconds
@@ -80,7 +81,7 @@ class _Second:
         mfu = self.mfu_work / self.work if self.work else None
         mbu = self.mbu_work / self.work if self.work else None
         return [self.start, running, waiting, round(kv_usage, 4), ms(self.ttft, 0.5), ms(self.ttft, 0.99),
-                ms(self.itl, 0.5), ms(self.itl, 0.99), len(self.ttft) + len(self.itl), mfu, mbu, self.within_slo]
+                ms(self.itl, 0.5), ms(self.itl, 0.99), self.tokens, mfu, mbu, self.within_slo]
 
 
 SERIES = ("t", "running", "waiting", "kv_usage", "ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms",
@@ -148,11 +149,15 @@ class DashboardFeed:
         """A request got its first token, or ended."""
         self._pending.pop(request_id, None)
 
-    def first_token(self, ttft: float) -> None:
-        self._now_second().ttft.append(ttft)
+    def first_token(self, ttft: float, num_tokens: int = 1) -> None:
+        second = self._now_second()
+        second.ttft.append(ttft)
+        second.tokens += num_tokens
 
-    def next_token(self, itl: float) -> None:
-        self._now_second().itl.append(itl)
+    def next_token(self, itl: float, num_tokens: int = 1) -> None:
+        second = self._now_second()
+        second.itl.append(itl)
+        second.tokens += num_tokens
 
     def within_slo(self) -> None:
         """A request ended within the latency targets."""

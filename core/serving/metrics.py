@@ -333,7 +333,7 @@ class ServerMetrics:
     def first_token(self, ttft: float, queue_time: float, num_prompt_tokens: int, num_tokens: int = 1) -> None:
         """A request's first output: ``num_tokens`` tokens (more than one where drafts were accepted)."""
         self.ttft.observe(ttft)
-        self.dashboard.first_token(ttft)
+        self.dashboard.first_token(ttft, num_tokens)
         self.queue_time.observe(queue_time)
         self.prompt_tokens.inc(num_prompt_tokens)
         self.generation_tokens.inc(num_tokens)
@@ -343,7 +343,7 @@ class ServerMetrics:
     def next_token(self, itl: float, num_tokens: int = 1) -> None:
         """A later output, ``itl`` seconds after the one before: one latency sample, ``num_tokens`` tokens."""
         self.itl.observe(itl)
-        self.dashboard.next_token(itl)
+        self.dashboard.next_token(itl, num_tokens)
         self.generation_tokens.inc(num_tokens)
         self._num_generation_tokens += num_tokens
 
