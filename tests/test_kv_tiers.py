@@ -262,6 +262,31 @@ def test_start_up_removes_old_files_of_blocks_a_rank_lacks_and_left_temporary_fi
     assert again.connector.stats().blocks["disk"] == len(names) - 3
 
 
+def test_a_rank_directory_that_cannot_be_listed_removes_nothing(tmp_path, monkeypatch):
+    """Unlisted, a rank's directory would make every block look incomplete: nothing is removed then."""
+    from conveyor.plugins.connector import tiers
+
+    first = Engine(num_blocks=16, host_blocks=256, disk_dir=str(tmp_path), ranks=2)
+    conversations(first, turns=1)
+    for worker in first.workers:
+        worker.close()
+    rank0, rank1 = (block_dir(str(tmp_path), "f" * 24, rank) for rank in (0, 1))
+    kept = sorted(rank0.glob("*.kv"))
+    hour_ago = time.time() - 2 * 3600
+    for path in kept:
+        os.utime(path, (hour_ago, hour_ago))
+    scandir = os.scandir
+
+    def refused(path):
+        if str(path) == str(rank1):
+            raise PermissionError(13, "Permission denied", str(path))
+        return scandir(path)
+
+    monkeypatch.setattr(tiers.os, "scandir", refused)
+    assert tiers._remove_orphans(rank0.parent, time.time()) == 0
+    assert sorted(rank0.glob("*.kv")) == kept and kept
+
+
 def test_another_fingerprint_finds_nothing_and_the_disk_budget_drops_the_oldest_files(tmp_path):
     first = Engine(num_blocks=16, host_blocks=256, disk_dir=str(tmp_path), disk_blocks=10)
     conversations(first, turns=2)

@@ -29,6 +29,7 @@ and a disk read waits for the workers to be idle (as LoRA loads do).
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections import OrderedDict
 from pathlib import Path
@@ -333,11 +334,16 @@ def _remove_orphans(directory: Path, before: float) -> int:
     may be another engine's writes under way): a block's files that some rank lacks (a worker stopped between
     its own write and another's), and temporary files a stopped writer left. Returns how many."""
     ranks = _rank_dirs(directory)
-    names = [{p.name for p in d.glob("*.kv")} for d in ranks]
+    try:  # (a rank's directory that cannot be listed would make every block look incomplete: then nothing goes)
+        listed = [[entry.name for entry in os.scandir(d)] for d in ranks]
+    except OSError as e:
+        logger.warning("KV disk tier: cannot list %s (%s); leftover files are kept", directory, e)
+        return 0
+    names = [{name for name in found if name.endswith(".kv")} for found in listed]
     whole = set.intersection(*names) if names else set()
     removed = 0
-    for d, held in zip(ranks, names):
-        for path in [*(d / name for name in held - whole), *d.glob("*.tmp")]:
+    for d, held, found in zip(ranks, names, listed):
+        for path in [*(d / name for name in held - whole), *(d / name for name in found if name.endswith(".tmp"))]:
             try:
                 if path.stat().st_mtime < before:
                     path.unlink()
