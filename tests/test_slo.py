@@ -172,7 +172,7 @@ def test_waiting_prompts_go_by_ttft_deadline_and_targets_set_at_run_time_reorder
 def test_a_prompt_that_misses_the_ttft_target_even_alone_is_a_400():
     """On an idle server, a prompt whose own computing takes longer than the TTFT target could never meet it:
     refused with 400 (no Retry-After: a client that retries a 429 would only wait), not counted as waiting; a
-    prompt that fits is taken."""
+    prompt that fits is taken, and so is a long one whose prefix the cache holds."""
     scheduler = create_scheduler(max_num_batched_tokens=512, ttft_slo_ms=500, itl_slo_ms=100)
     engine = VirtualEngine(scheduler, Cost())
     for _ in range(2):
@@ -188,6 +188,13 @@ def test_a_prompt_that_misses_the_ttft_target_even_alone_is_a_400():
     assert scheduler.num_waiting == 0
     scheduler.add(create_request(300, max_tokens=4, max_model_len=4096))  # (one step: 0.13 s)
     assert scheduler.num_waiting == 1
+    # what the prefix cache holds is not computed again: a conversation growing 400 tokens a turn (its earlier
+    # turns cached) is taken up to 2000 tokens and beyond
+    for length in (700, 1100, 1500, 1900, 2300):
+        scheduler.add(create_request(length, max_tokens=4, max_model_len=4096))
+        while scheduler.has_unfinished():
+            engine.step()
+    assert scheduler.stats().num_rejected == 1
 
 
 def test_a_request_that_cannot_meet_its_ttft_target_gets_429_with_retry_after():

@@ -137,8 +137,8 @@ class ContinuousScheduler(Scheduler):
         ttft, _ = self.targets(request)
         if not ttft or self.options.slo_admission != "reject" or not self.step_model.ready:
             return
-        alone = ttft_wait(self.step_model, request.num_tokens, self.chunk_limit(self.options.max_num_batched_tokens),
-                          StepFeatures())
+        alone = ttft_wait(self.step_model, self._uncached_tokens(request),
+                          self.chunk_limit(self.options.max_num_batched_tokens), StepFeatures())
         if alone > ttft:  # (a 429 would have clients retry what no wait can help)
             raise RequestRejected(
                 f"its prompt alone would take about {alone:.1f} s to a first token, past this server's TTFT target "
@@ -152,11 +152,13 @@ class ContinuousScheduler(Scheduler):
 
     def predicted_ttft(self, request: Request) -> float:
         """Seconds until ``request``'s first token if it joined the waiting queue now: the prompt tokens ahead of
-        it (its own, the waiting requests' due before it, the running prompts' rest) at the prompt budget the
-        ITL target leaves; and, where the decode batch is full, until the first running request can end."""
+        it (its own the prefix cache lacks, the waiting requests' due before it, the running prompts' rest) at the
+        prompt budget the ITL target leaves; and, where the decode batch is full, until the first running request
+        can end."""
         model = self.step_model
         key = self.waiting_key(request)
-        ahead = request.num_tokens + sum(r.num_uncomputed_tokens for r in self.running if r.num_uncomputed_tokens > 1)
+        ahead = self._uncached_tokens(request)
+        ahead += sum(r.num_uncomputed_tokens for r in self.running if r.num_uncomputed_tokens > 1)
         ahead += sum(r.num_uncomputed_tokens for r in self.waiting if self.waiting_key(r) <= key)
         step = self._decodes(self.running)
         itl = self._itl_target([*self.running, request])
@@ -168,6 +170,15 @@ class ContinuousScheduler(Scheduler):
             left = min(r.max_total_tokens - r.num_tokens for r in self.running)
             wait += left * model.predict(step)
         return wait
+
+    def _uncached_tokens(self, request: Request) -> int:
+        """The request's tokens less the prefix the device pool holds (a chat's earlier turns): what it computes."""
+        cached = 0
+        for digest in self.kvcache.prefix_digests(request):
+            if not self.kvcache.is_cached(digest):
+                break
+            cached += 1
+        return request.num_tokens - cached * self.kvcache.block_size
 
     def _itl_target(self, requests) -> float:
         """The tightest ITL target among ``requests`` (seconds; 0: none)."""
