@@ -97,6 +97,8 @@ def test_infinite_rate_sends_everything_at_once():
     times = arrival_times(100, 3.0, seed=1)
     assert (np.diff(times) >= 0).all()
     assert arrival_times(0, 3.0).size == 0
+    with pytest.raises(ValueError, match="rate"):
+        arrival_gaps(3, 0.0)
 
 
 def test_the_first_request_goes_at_once_and_the_gaps_follow():
@@ -104,8 +106,6 @@ def test_the_first_request_goes_at_once_and_the_gaps_follow():
     times = arrival_times(100, 3.0, seed=1)
     assert times.size == 100 and times[0] == 0.0
     assert np.diff(times) == pytest.approx(arrival_gaps(99, 3.0, seed=1))
-    with pytest.raises(ValueError, match="rate"):
-        arrival_gaps(3, 0.0)
 
 
 # ---------------------------------------------------------------- the server's parallel metrics over a run

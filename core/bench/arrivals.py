@@ -7,8 +7,8 @@ import math
 import numpy as np
 
 
-def arrival_gaps(num_requests: int, rate: float, burstiness: float = 1.0, seed: int = 0) -> np.ndarray:
-    """``num_requests`` seconds between consecutive arrivals.
+def arrival_gaps(count: int, rate: float, burstiness: float = 1.0, seed: int = 0) -> np.ndarray:
+    """``count`` gaps, in seconds, between consecutive arrivals.
 
     The gaps are gamma-distributed with shape ``burstiness`` and mean
     ``1 / rate``: burstiness 1 gives exponential gaps (Poisson arrivals);
@@ -23,9 +23,9 @@ def arrival_gaps(num_requests: int, rate: float, burstiness: float = 1.0, seed: 
     if burstiness <= 0:
         raise ValueError(f"burstiness {burstiness} must be > 0")
     if math.isinf(rate):
-        return np.zeros(num_requests)
+        return np.zeros(count)
     rng = np.random.default_rng(seed)
-    return rng.gamma(shape=burstiness, scale=1.0 / (rate * burstiness), size=num_requests)
+    return rng.gamma(shape=burstiness, scale=1.0 / (rate * burstiness), size=count)
 
 
 def arrival_times(num_requests: int, rate: float, burstiness: float = 1.0, seed: int = 0) -> np.ndarray:

@@ -163,8 +163,7 @@ class Call:
         return api.prompt_logprobs(self.frontend.tokenizer, prompt, self.prompt_logprobs[index])
 
     def message(self, index: int) -> tuple[dict[str, Any], str | None]:
-        """A chat choice's message (its text and tool calls, as read), and its finish reason ("tool_calls" when it
-        made calls whose arguments all came whole)."""
+        """A chat choice's message (its text and tool calls, as read), and its finish reason (``_finish_reason``)."""
         reader = self.readers[index]
         message: dict[str, Any] = {"role": "assistant", "content": reader.content}
         if self.reasoning:
@@ -175,8 +174,8 @@ class Call:
 
     def _finish_reason(self, index: int, reason: str | None) -> str | None:
         """A chat choice's finish reason, given the engine's: "tool_calls" when the choice made calls and each is
-        whole; max_tokens ending it is "length" whatever calls came whole before (a next call may have been cut
-        before it could be read as one), as OpenAI's is, and so is a call a stop string cut off."""
+        whole, unless max_tokens ended it: that is "length" whatever calls came whole before (a next call may have
+        been cut before it could be read as one), as OpenAI's is. A call a stop string cut off keeps "stop"."""
         calls = self.readers[index].calls
         if reason not in (None, "length") and calls and all(map(arguments_complete, calls)):
             return "tool_calls"

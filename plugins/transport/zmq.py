@@ -117,8 +117,8 @@ class ZMQTransport(Transport):
         reply = _Replier(socket, identity, self.options.slow_client_timeout_s)
         kinds = ", ".join(k.decode() for k in protocol.CLIENT_MESSAGES)
         if len(frames) != 3:
-            tg.start_soon(reply.error_or_drop, None, 400, f"expected two frames, a message type ({kinds}) and a msgpack map;"
-                                                  f" got {len(frames) - 1}")
+            tg.start_soon(reply.error_or_drop, None, 400,
+                          f"expected two frames, a message type ({kinds}) and a msgpack map; got {len(frames) - 1}")
             return
         kind = frames[1]
         if kind not in protocol.CLIENT_DECODERS:
@@ -141,8 +141,8 @@ class ZMQTransport(Transport):
         else:
             key = (identity, body.request_id)
             if key in self._running:  # (no request_id: an error would end the request in flight, for the client)
-                tg.start_soon(reply.error_or_drop, None, 400, f"request_id {body.request_id!r} is already in flight; this "
-                              "generate was not taken (that request goes on)")
+                tg.start_soon(reply.error_or_drop, None, 400, f"request_id {body.request_id!r} is already in flight; "
+                              "this generate was not taken (that request goes on)")
                 return
             scope = anyio.CancelScope()
             self._running[key] = scope
@@ -188,8 +188,8 @@ class ZMQTransport(Transport):
                 usage = protocol.Usage(last.num_prompt_tokens, last.num_output_tokens) if last else None
                 await reply.send(b"chunk", protocol.StreamChunk(rid, "".join(text), token_ids, logprobs or None,
                                                                 finish_reason="abort", usage=usage))
-        except _ClientGone as e:  # leaving the stream above aborted the request in the engine
-            logger.warning("zmq client %s: %s; request %r aborted", reply.identity.hex(), e, rid)
+        except _ClientGone as e:  # (leaving the stream above aborted the request in the engine, if still running)
+            logger.warning("zmq client %s: %s; request %r ends without its reply", reply.identity.hex(), e, rid)
         finally:
             self._running.pop((reply.identity, rid), None)
 
