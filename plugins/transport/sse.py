@@ -79,7 +79,10 @@ class EventStream:
         async def emit(event: dict[str, Any]) -> None:
             await begin()
             name = b"event: " + event["type"].encode() + b"\n" if dialect.named_events else b""
-            body = name + b"data: " + msgspec.json.encode(event) + b"\n\n"
+            # (U+2028 and U+2029 escaped: valid raw in JSON, but line readers that split as str.splitlines does,
+            # httpx's iter_lines among them, would cut the event in two)
+            data = msgspec.json.encode(event).replace(b"\xe2\x80\xa8", b"\\u2028").replace(b"\xe2\x80\xa9", b"\\u2029")
+            body = name + b"data: " + data + b"\n\n"
             await send({"type": "http.response.body", "body": body, "more_body": True})
 
         try:
