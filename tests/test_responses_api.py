@@ -230,3 +230,13 @@ def test_bad_requests_name_the_field(default_server):
         response = httpx.post(url, json=body, timeout=60)
         assert response.status_code == 400, response.text
         assert response.json()["error"]["param"] == param, response.text
+
+
+def test_a_refused_max_output_tokens_is_named_so_in_the_message(default_server):
+    """The message of a refusal names the Responses field, not the chat field it ran as."""
+    for value in (0, 10**6):
+        response = httpx.post(f"{default_server.http}/v1/responses", json={"input": "Hi", "max_output_tokens": value},
+                              timeout=60)
+        assert response.status_code == 400, response.text
+        message = response.json()["error"]["message"]
+        assert "max_output_tokens" in message and "max_tokens" not in message.replace("max_output_tokens", "")

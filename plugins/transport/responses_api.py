@@ -240,7 +240,9 @@ def in_responses_terms(error: RequestError) -> RequestError:
     """A refusal of the chat request a Responses request ran as, naming the Responses field."""
     if error.param in CHAT_FIELDS:
         name = CHAT_FIELDS[error.param]
-        message = error.message.replace(f"{error.param}:", f"{name}:", 1).replace(f"{error.param} (", f"{name} (", 1)
+        message = error.message
+        for after in (":", " (", "="):  # ("max_tokens: ...", "max_tokens (...)", "max_tokens=0 must be >= 1")
+            message = message.replace(f"{error.param}{after}", f"{name}{after}", 1)
         return RequestError(message, error.status, name)
     return error
 
