@@ -216,3 +216,17 @@ def test_bad_requests_get_anthropics_error_shape(client, default_server, model):
         response = httpx.post(url, json=body, timeout=60)
         assert response.status_code == 400, response.text
         assert response.json()["type"] == "error" and response.json()["error"]["message"], response.text
+
+
+def test_sampling_fields_outside_anthropics_ranges_are_refused(default_server, model):
+    """Anthropic's API refuses a temperature outside [0, 1] and a negative top_k: a client written for it gets the
+    same 400 here, not a reply sampled as vLLM reads the value (hotter than 1, or top_k -1 as no limit)."""
+    url = f"{default_server.http}/v1/messages"
+    request = {"model": model, "max_tokens": 1, "messages": [{"role": "user", "content": "Hi"}]}
+    for field, value in (("temperature", 1.5), ("temperature", -0.5), ("top_k", -1)):
+        response = httpx.post(url, json={**request, field: value}, timeout=60)
+        assert response.status_code == 400, (field, value, response.text)
+        error = response.json()["error"]
+        assert error["type"] == "invalid_request_error" and field in error["message"], error
+    for field, value in (("temperature", 1.0), ("top_k", 0)):
+        assert httpx.post(url, json={**request, field: value}, timeout=60).status_code == 200, (field, value)

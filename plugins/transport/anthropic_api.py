@@ -90,9 +90,10 @@ class CountTokensRequest(_Conversation, kw_only=True):
 class MessagesRequest(_Conversation, kw_only=True):
     max_tokens: Annotated[int, msgspec.Meta(ge=1, le=2**31 - 1)]
     stop_sequences: list[str] | None = None
-    temperature: float | None = None
+    # Anthropic's ranges, which its API holds a request to (vLLM's temperature above 1 and top_k -1 are refused)
+    temperature: Annotated[float, msgspec.Meta(ge=0, le=1)] | None = None
     top_p: float | None = None
-    top_k: Int | None = None
+    top_k: Annotated[int, msgspec.Meta(ge=0, le=2**63 - 1)] | None = None
     stream: bool = False
     # vLLM's extras
     seed: Int | None = None
