@@ -240,3 +240,21 @@ def test_a_refused_max_output_tokens_is_named_so_in_the_message(default_server):
         assert response.status_code == 400, response.text
         message = response.json()["error"]["message"]
         assert "max_output_tokens" in message and "max_tokens" not in message.replace("max_output_tokens", "")
+
+
+def test_a_response_echoes_its_request_and_its_progress_as_openai_does(default_server, model):
+    """``text.format`` echoed as OpenAI does (a JSON object's type alone, no schema fields set to null); usage null
+    while the response is in progress; ``completed_at`` only once completed."""
+    url = f"{default_server.http}/v1/responses"
+    body = {"model": model, "input": "What is 2+2? Answer with a number.", "temperature": 0, "max_output_tokens": 100}
+    with httpx.stream("POST", url, json={**body, "stream": True}, timeout=60) as response:
+        events = [json.loads(line[6:]) for line in response.iter_lines() if line.startswith("data: ")]
+    assert [event["response"]["usage"] for event in events[:2]] == [None, None]
+    assert [event["response"]["completed_at"] for event in events[:2]] == [None, None]
+    final = events[-1]["response"]
+    assert final["status"] == "completed" and final["usage"]["output_tokens"] > 0
+    assert final["completed_at"] >= final["created_at"]
+    cut = httpx.post(url, json={**body, "max_output_tokens": 2, "text": {"format": {"type": "json_object"}}},
+                     timeout=60).json()
+    assert cut["status"] == "incomplete" and cut["completed_at"] is None
+    assert cut["text"] == {"format": {"type": "json_object"}}

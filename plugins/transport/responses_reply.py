@@ -4,13 +4,14 @@ numbered; a failure after the stream began is an ``error`` event, then ``respons
 
 from __future__ import annotations
 
+import time
 import uuid
 from typing import Any
 
 import msgspec
 
 from conveyor.plugins.transport.openai_call import Call, Emit, arguments_complete
-from conveyor.plugins.transport.responses_api import ResponsesRequest, error_fields, in_responses_terms
+from conveyor.plugins.transport.responses_api import ResponsesRequest, TextFormat, error_fields, in_responses_terms
 from conveyor.plugins.transport.tool_stream import CallStart, Part, Reasoning, Text
 from conveyor.transport import Chunk, RequestError
 
@@ -61,17 +62,19 @@ class Reply:
             "parallel_tool_calls": request.parallel_tool_calls is not False,
             "previous_response_id": request.previous_response_id, "reasoning": None, "store": request.store,
             "temperature": request.temperature, "top_p": request.top_p,
-            "text": {"format": msgspec.to_builtins(fmt) if fmt is not None else {"type": "text"}},
+            "text": {"format": _format_echo(fmt)},
             "tool_choice": request.tool_choice or "auto",  # (OpenAI's default, with tools or without)
             "tools": [msgspec.to_builtins(t) for t in request.tools or []], "truncation": "disabled",
-            # (the prompt tokens computed are those written to the prefix cache)
-            "usage": {"input_tokens": usage["prompt_tokens"],
-                      "input_tokens_details": {"cached_tokens": call.num_cached_tokens,
-                                               "cache_write_tokens": usage["prompt_tokens"] - call.num_cached_tokens},
-                      "output_tokens": usage["completion_tokens"],
-                      "output_tokens_details": {"reasoning_tokens": call.reasoning_tokens[0]},
-                      "total_tokens": usage["total_tokens"]},
+            # (the prompt tokens computed are those written to the prefix cache; none counted yet in progress)
+            "usage": None if status == "in_progress" else {
+                "input_tokens": usage["prompt_tokens"],
+                "input_tokens_details": {"cached_tokens": call.num_cached_tokens,
+                                         "cache_write_tokens": usage["prompt_tokens"] - call.num_cached_tokens},
+                "output_tokens": usage["completion_tokens"],
+                "output_tokens_details": {"reasoning_tokens": call.reasoning_tokens[0]},
+                "total_tokens": usage["total_tokens"]},
             "user": request.user, "metadata": request.metadata or {},
+            "completed_at": int(time.time()) if status == "completed" else None,
         }
 
     def event(self, kind: str, **fields: Any) -> dict[str, Any]:
@@ -166,6 +169,14 @@ class Reply:
         failed = self.response(output, "failed", {"code": code, "message": error.message})
         await emit(self.event("response.failed", response=failed))
         return failed
+
+
+def _format_echo(fmt: TextFormat | None) -> dict[str, Any]:
+    """``text.format`` as OpenAI echoes it: a JSON schema's fields, the type alone for text and a JSON object."""
+    if fmt is None or fmt.type != "json_schema":
+        return {"type": fmt.type if fmt is not None else "text"}
+    return {"type": "json_schema", "name": fmt.name, "schema": fmt.schema, "strict": fmt.strict,
+            "description": fmt.description}
 
 
 def _function_call_id(call_id: str) -> str:
