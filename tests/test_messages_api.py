@@ -5,6 +5,7 @@ length against transformers' rendering of the chat template."""
 from __future__ import annotations
 
 import json
+import re
 
 import anthropic
 import httpx
@@ -139,6 +140,8 @@ def test_a_stream_is_anthropics_event_sequence_and_the_same_reply(client, model)
     assert set(raw[2:-3]) == {"content_block_delta"} and len(raw) - 5 >= 2
     assert final.content[0].text == whole.content[0].text
     assert final.stop_reason == whole.stop_reason and final.usage.output_tokens == whole.usage.output_tokens
+    # Anthropic's message ids: "msg_" and a part of letters, digits, "_" and "-", each reply its own
+    assert re.fullmatch(r"msg_[\w-]+", whole.id) and re.fullmatch(r"msg_[\w-]+", final.id) and whole.id != final.id
 
 
 def test_a_streamed_tool_use_streams_its_input(client, model):

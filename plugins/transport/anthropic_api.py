@@ -214,9 +214,10 @@ def _usage(call: Call) -> dict[str, int]:
 
 
 def _message(call: Call, content: list[dict[str, Any]], stop_reason: str | None) -> dict[str, Any]:
-    return {"id": call.id, "type": "message", "role": "assistant", "model": call.model, "content": content,
-            "stop_reason": stop_reason, "stop_sequence": call.stop_strings[0] if stop_reason == "stop_sequence" else None,
-            "usage": _usage(call)}
+    # (Anthropic's ids begin "msg_", as its tool_use ids begin "toolu_")
+    return {"id": "msg_" + call.id.removeprefix("msg-"), "type": "message", "role": "assistant", "model": call.model,
+            "content": content, "stop_reason": stop_reason,
+            "stop_sequence": call.stop_strings[0] if stop_reason == "stop_sequence" else None, "usage": _usage(call)}
 
 
 def message(call: Call) -> dict[str, Any]:
