@@ -13,6 +13,8 @@ import jsonschema
 import openai
 import pytest
 
+from tests.server import Server, http_config
+
 WEATHER = {
     "type": "function",
     "name": "get_weather",
@@ -258,3 +260,48 @@ def test_a_response_echoes_its_request_and_its_progress_as_openai_does(default_s
                      timeout=60).json()
     assert cut["status"] == "incomplete" and cut["completed_at"] is None
     assert cut["text"] == {"format": {"type": "json_object"}}
+
+
+@pytest.fixture(scope="module")
+def thinking_server(tmp_path_factory):
+    """A server on test_reasoning's tiny Qwen3 whose template opens the thinking ([model] reasoning_parser)."""
+    from tests.test_reasoning import save_thinking_qwen3
+
+    path = tmp_path_factory.mktemp("thinking_qwen3")
+    save_thinking_qwen3(path)
+    config = (f'[model]\npath = "{path}"\ndtype = "float32"\nmax_model_len = 256\nreasoning_parser = "think"\n\n'
+              + http_config())
+    server = Server(config, tmp_path_factory.mktemp("thinking")).start()
+    yield server
+    assert server.stop() == 0, server.output
+
+
+def test_a_streamed_reasoning_item_opens_and_closes_its_reasoning_text_part(thinking_server):
+    """As a message's output_text: the reasoning item is added in progress, its reasoning_text part added empty
+    (content_part.added), its deltas, then reasoning_text.done, content_part.done with the whole text and the item
+    done; each event one of the openai package's typed events."""
+    from openai.types.responses import ResponseStreamEvent
+    from pydantic import TypeAdapter
+    from tests.test_reasoning import QUESTION as THINKING_QUESTION
+
+    url = f"{thinking_server.http}/v1/responses"
+    for seed in range(20):
+        body = {"input": THINKING_QUESTION, "max_output_tokens": 24, "seed": seed, "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", url, json=body, timeout=60) as response:
+            events = [json.loads(line[6:]) for line in response.iter_lines() if line.startswith("data: ")]
+        reasoning = [event for event in events if event.get("output_index") == 0]
+        if reasoning[0]["item"]["type"] == "reasoning" and any(e.get("item", {}).get("type") == "message"
+                                                               for e in events):
+            break
+    else:
+        raise AssertionError("no seed in 20 gave thinking and then an answer")
+    for event in events:
+        TypeAdapter(ResponseStreamEvent).validate_python(event)
+    kinds = [event["type"] for event in reasoning]
+    assert kinds[:2] == ["response.output_item.added", "response.content_part.added"]
+    assert set(kinds[2:-3]) == {"response.reasoning_text.delta"}
+    assert kinds[-3:] == ["response.reasoning_text.done", "response.content_part.done", "response.output_item.done"]
+    assert reasoning[0]["item"]["status"] == "in_progress" and reasoning[1]["part"] == {"type": "reasoning_text",
+                                                                                          "text": ""}
+    text = "".join(event["delta"] for event in reasoning[2:-3])
+    assert reasoning[-2]["part"] == {"type": "reasoning_text", "text": text} == reasoning[-1]["item"]["content"][0]

@@ -108,8 +108,10 @@ class Reply:
                 if isinstance(part, Reasoning):
                     if self.reasoning_id not in order:
                         order.append(self.reasoning_id)
-                        await emit(self.event("response.output_item.added", output_index=len(order) - 1,
-                                              item={**_reasoning_item(self.reasoning_id, ""), "content": []}))
+                        await emit(self.event("response.output_item.added", output_index=len(order) - 1, item={
+                            **_reasoning_item(self.reasoning_id, ""), "status": "in_progress", "content": []}))
+                        await emit(self.event("response.content_part.added", **where(self.reasoning_id),
+                                              content_index=0, part={"type": "reasoning_text", "text": ""}))
                     await emit(self.event("response.reasoning_text.delta", **where(self.reasoning_id),
                                           content_index=0, delta=part.text))
                 elif isinstance(part, Text):
@@ -145,8 +147,9 @@ class Reply:
         for item in final["output"]:
             at = where(item["id"])
             if item["type"] == "reasoning":
-                await emit(self.event("response.reasoning_text.done", **at, content_index=0,
-                                      text=item["content"][0]["text"]))
+                part = item["content"][0]
+                await emit(self.event("response.reasoning_text.done", **at, content_index=0, text=part["text"]))
+                await emit(self.event("response.content_part.done", **at, content_index=0, part=part))
             elif item["type"] == "message":
                 text = item["content"][0]["text"]
                 await emit(self.event("response.output_text.done", **at, content_index=0, text=text, logprobs=[]))
