@@ -70,8 +70,8 @@ def test_a_stop_sequence_ends_the_reply_and_is_named(client, openai_client, mode
 
 def test_cached_prompt_tokens_are_not_counted_twice(client, model):
     """Anthropic's usage: input_tokens + cache_read_input_tokens is the prompt. A prompt sent again is read from
-    the prefix cache, and the streamed reply ends with the same usage as the one unstreamed (message_start goes
-    out before the cache is looked up: message_delta carries the whole usage)."""
+    the prefix cache, and the streamed reply starts (message_start, which clients read the input usage from) and
+    ends (message_delta) with the same usage as the one unstreamed."""
     request = {"model": model, "max_tokens": 4, **GREEDY,
                "messages": [{"role": "user", "content": QUESTION + " Answer in French, please."}]}
     first, again = client.messages.create(**request), client.messages.create(**request)
@@ -79,9 +79,12 @@ def test_cached_prompt_tokens_are_not_counted_twice(client, model):
     assert again.usage.cache_read_input_tokens > 0
     assert again.usage.input_tokens == total - again.usage.cache_read_input_tokens
     with client.messages.stream(**request) as stream:
+        start = next(event for event in stream if event.type == "message_start").message.usage
         streamed = stream.get_final_message()
     assert streamed.usage.input_tokens + streamed.usage.cache_read_input_tokens == total
     assert streamed.usage.cache_read_input_tokens == again.usage.cache_read_input_tokens
+    assert (start.input_tokens, start.cache_read_input_tokens) == (again.usage.input_tokens,
+                                                                   again.usage.cache_read_input_tokens)
 
 
 def test_a_final_assistant_message_is_continued(client, openai_client, model, hf_tokenizer):

@@ -229,7 +229,8 @@ def message(call: Call) -> dict[str, Any]:
 async def stream(call: Call, emit: Emit, begin: Any) -> None:
     """The call as Anthropic's events: message_start, each content block's start, deltas and stop, message_delta
     (the stop reason and the output tokens), message_stop. Text and a tool's input (``input_json_delta``) stream
-    as they are generated. The stream opens once the engine took the request (one it refuses is an HTTP error)."""
+    as they are generated. The stream opens once the engine took the request (one it refuses is an HTTP error).
+    message_start and message_delta carry the same input usage, its cached tokens apart."""
     opened = False
     block = -1  # the open content block's index
     block_type = ""
@@ -250,6 +251,11 @@ async def stream(call: Call, emit: Emit, begin: Any) -> None:
         await emit({"type": "content_block_start", "index": block, "content_block": content_block})
 
     async def on_chunk(index: int, chunk: Chunk, parts: list[Part]) -> None:
+        if not chunk.token_ids and chunk.finish_reason is None:
+            # the engine took the request, before it looked the prompt up in the prefix cache: the stream opens,
+            # and message_start waits for the first tokens, to split its usage as the final one does
+            await begin()
+            return
         await open_stream()
         for part in parts:
             if isinstance(part, Reasoning):
@@ -273,7 +279,6 @@ async def stream(call: Call, emit: Emit, begin: Any) -> None:
     if block >= 0:
         await emit({"type": "content_block_stop", "index": block})
     final = message(call)
-    # (the whole usage: message_start went out before the prompt's cached tokens were known)
     await emit({"type": "message_delta", "delta": {"stop_reason": final["stop_reason"],
                                                    "stop_sequence": final["stop_sequence"]},
                 "usage": final["usage"]})
