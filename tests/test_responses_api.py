@@ -305,3 +305,19 @@ def test_a_streamed_reasoning_item_opens_and_closes_its_reasoning_text_part(thin
                                                                                           "text": ""}
     text = "".join(event["delta"] for event in reasoning[2:-3])
     assert reasoning[-2]["part"] == {"type": "reasoning_text", "text": text} == reasoning[-1]["item"]["content"][0]
+
+
+def test_thinking_cut_off_by_max_output_tokens_is_an_incomplete_reasoning_item(thinking_server):
+    """max_output_tokens ending the reply inside its thinking: the reasoning item, the last one, is "incomplete"
+    with the response, streamed (its output_item.done and the final response) and not."""
+    from tests.test_reasoning import QUESTION as THINKING_QUESTION
+
+    url = f"{thinking_server.http}/v1/responses"
+    body = {"input": THINKING_QUESTION, "max_output_tokens": 2, "ignore_eos": True, "temperature": 0}
+    whole = httpx.post(url, json=body, timeout=60).json()
+    with httpx.stream("POST", url, json={**body, "stream": True}, timeout=60) as response:
+        events = [json.loads(line[6:]) for line in response.iter_lines() if line.startswith("data: ")]
+    (done,) = [event for event in events if event["type"] == "response.output_item.done"]
+    for response, item in ((whole, whole["output"][-1]), (events[-1]["response"], done["item"])):
+        assert response["status"] == "incomplete" and [i["type"] for i in response["output"]] == ["reasoning"]
+        assert item["type"] == "reasoning" and item["status"] == "incomplete"

@@ -34,14 +34,16 @@ class Reply:
         if message.get("reasoning_content"):
             items.append(_reasoning_item(self.reasoning_id, message["reasoning_content"]))
         if message["content"]:
-            items.append({"type": "message", "id": self.message_id, "status": "incomplete" if incomplete else "completed",
-                          "role": "assistant", "content": [_text_part(message["content"])]})
+            items.append({"type": "message", "id": self.message_id, "status": "completed", "role": "assistant",
+                          "content": [_text_part(message["content"])]})
         for tool_call in message.get("tool_calls", []):
             items.append({"type": "function_call", "id": _function_call_id(tool_call["id"]),
                           "call_id": tool_call["id"], "name": tool_call["function"]["name"],
                           "arguments": tool_call["function"]["arguments"],
                           # (a call cut off by max_output_tokens is no call to run)
                           "status": "completed" if arguments_complete(tool_call) else "incomplete"})
+        if incomplete and items and items[-1]["type"] != "function_call":
+            items[-1]["status"] = "incomplete"  # (the thinking or the text max_output_tokens cut off)
         return items
 
     def response(self, output: list[dict[str, Any]] | None = None, status: str | None = None,
