@@ -209,7 +209,7 @@ def test_bad_requests_get_anthropics_error_shape(client, default_server, model):
             {"role": "user", "content": [{"type": "image", "source": {"type": "base64", "data": ""}}]}])
     assert caught.value.body["type"] == "error"
     assert caught.value.body["error"]["type"] == "invalid_request_error"
-    assert "messages[0].content[0].type" in caught.value.body["error"]["message"]
+    assert "messages[0].content[0]: image blocks are not supported" in caught.value.body["error"]["message"]
     with pytest.raises(anthropic.NotFoundError) as caught:
         client.messages.create(model="no-such-model", max_tokens=10, messages=[{"role": "user", "content": "Hi"}])
     assert caught.value.body["error"]["type"] == "not_found_error"
@@ -236,3 +236,24 @@ def test_sampling_fields_outside_anthropics_ranges_are_refused(default_server, m
         assert error["type"] == "invalid_request_error" and field in error["message"], error
     for field, value in (("temperature", 1.0), ("top_k", 0)):
         assert httpx.post(url, json={**request, field: value}, timeout=60).status_code == 200, (field, value)
+
+
+def test_images_and_documents_are_refused_by_name(client, model):
+    """An image or a document block, in a message or in a tool's result, and counted or sent, is a 400 that says
+    the block is not supported where it is, not a complaint about its type's value."""
+    image = {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "iVBORw0KGgo="}}
+    document = {"type": "document", "source": {"type": "text", "media_type": "text/plain", "data": "Some text."}}
+    asked = {"type": "tool_use", "id": "toolu_1", "name": WEATHER["name"], "input": {"city": "Oslo", "unit": "celsius"}}
+    cases = [([{"role": "user", "content": [{"type": "text", "text": "What is this?"}, image]}],
+              "messages[0].content[1]: image blocks are not supported"),
+             ([{"role": "user", "content": [document]}], "messages[0].content[0]: document blocks are not supported"),
+             ([{"role": "user", "content": "Weather?"}, {"role": "assistant", "content": [asked]},
+               {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1", "content": [image]}]}],
+              "messages[2].content[0].content[0]: image blocks are not supported")]
+    for messages, expected in cases:
+        for send in (lambda: client.messages.create(model=model, max_tokens=1, messages=messages, tools=[WEATHER]),
+                     lambda: client.messages.count_tokens(model=model, messages=messages, tools=[WEATHER])):
+            with pytest.raises(anthropic.BadRequestError) as caught:
+                send()
+            assert caught.value.body["error"]["type"] == "invalid_request_error"
+            assert expected in caught.value.body["error"]["message"], caught.value.body

@@ -10,7 +10,8 @@ and ``tool_use`` blocks, ``stop_reason`` ("end_turn",
 "max_tokens", "stop_sequence" with the ``stop_sequence`` that matched,
 "tool_use"), usage; streamed, as Anthropic's named events. Errors take
 Anthropic's shape, ``{"type": "error", "error": {"type", "message"}}``.
-Fields Conveyor does not use (``metadata``, ``cache_control``, ...) are
+Image and document blocks are refused (400, naming the block). Fields
+Conveyor does not use (``metadata``, ``cache_control``, ...) are
 accepted and ignored; ``thinking`` blocks of earlier turns are left out of
 the prompt, as Anthropic's own models see them.
 """
@@ -41,9 +42,18 @@ class ToolUseBlock(msgspec.Struct, tag="tool_use", tag_field="type"):
     input: dict[str, Any]
 
 
+class ImageBlock(msgspec.Struct, tag="image", tag_field="type"):
+    # (taken only to be refused by name: the model reads text)
+    source: dict[str, Any] | None = None
+
+
+class DocumentBlock(msgspec.Struct, tag="document", tag_field="type"):
+    source: dict[str, Any] | None = None
+
+
 class ToolResultBlock(msgspec.Struct, tag="tool_result", tag_field="type"):
     tool_use_id: str
-    content: str | list[TextBlock] = ""
+    content: str | list[TextBlock | ImageBlock | DocumentBlock] = ""
     is_error: bool = False
 
 
@@ -52,7 +62,7 @@ class ThinkingBlock(msgspec.Struct, tag="thinking", tag_field="type"):
     signature: str = ""
 
 
-Block = TextBlock | ToolUseBlock | ToolResultBlock | ThinkingBlock
+Block = TextBlock | ToolUseBlock | ToolResultBlock | ThinkingBlock | ImageBlock | DocumentBlock
 
 
 class Message(msgspec.Struct):
@@ -100,8 +110,20 @@ class MessagesRequest(_Conversation, kw_only=True):
     ignore_eos: bool = False
 
 
-def _text(content: str | list[TextBlock]) -> str:
-    return content if isinstance(content, str) else "".join(block.text for block in content)
+def _refuse_media(block: Any, where: str) -> None:
+    """Raises RequestError (400) for an image or a document block, which the model cannot read."""
+    if isinstance(block, (ImageBlock, DocumentBlock)):
+        kind = "image" if isinstance(block, ImageBlock) else "document"
+        raise RequestError(f"{where}: {kind} blocks are not supported: this server's model reads text only", 400,
+                           where)
+
+
+def _text(content: str | list[Any], where: str) -> str:
+    if isinstance(content, str):
+        return content
+    for j, block in enumerate(content):
+        _refuse_media(block, f"{where}[{j}]")
+    return "".join(block.text for block in content)
 
 
 def _messages(request: _Conversation) -> list[dict[str, Any]]:
@@ -112,7 +134,7 @@ def _messages(request: _Conversation) -> list[dict[str, Any]]:
     """
     messages: list[dict[str, Any]] = []
     if request.system:
-        messages.append({"role": "system", "content": _text(request.system)})
+        messages.append({"role": "system", "content": _text(request.system, "system")})
     for i, message in enumerate(request.messages):
         if isinstance(message.content, str):
             messages.append({"role": message.role, "content": message.content})
@@ -120,6 +142,7 @@ def _messages(request: _Conversation) -> list[dict[str, Any]]:
         texts, calls = [], []
         for j, block in enumerate(message.content):
             where = f"messages[{i}].content[{j}]"
+            _refuse_media(block, where)
             if isinstance(block, TextBlock):
                 texts.append(block.text)
             elif isinstance(block, ToolUseBlock):
@@ -130,7 +153,7 @@ def _messages(request: _Conversation) -> list[dict[str, Any]]:
             elif isinstance(block, ToolResultBlock):
                 if message.role != "user":
                     raise RequestError(f"{where}: a tool_result block belongs to a user message", 400, where)
-                content = _text(block.content)
+                content = _text(block.content, f"{where}.content")
                 messages.append({"role": "tool", "tool_call_id": block.tool_use_id,
                                  "content": f"Error: {content}" if block.is_error else content})
         if calls:
