@@ -276,25 +276,30 @@ def thinking_server(tmp_path_factory):
     assert server.stop() == 0, server.output
 
 
-def test_a_streamed_reasoning_item_opens_and_closes_its_reasoning_text_part(thinking_server):
+@pytest.fixture(scope="module")
+def thought_and_answered(thinking_server):
+    """The events of a streamed response that thinks, then answers (the first seed that gives one)."""
+    from tests.test_reasoning import QUESTION as THINKING_QUESTION
+
+    for seed in range(20):
+        body = {"input": THINKING_QUESTION, "max_output_tokens": 24, "seed": seed, "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", f"{thinking_server.http}/v1/responses", json=body, timeout=60) as response:
+            events = [json.loads(line[6:]) for line in response.iter_lines() if line.startswith("data: ")]
+        added = [event["item"]["type"] for event in events if event["type"] == "response.output_item.added"]
+        if added == ["reasoning", "message"]:
+            return events
+    raise AssertionError("no seed in 20 gave thinking and then an answer")
+
+
+def test_a_streamed_reasoning_item_opens_and_closes_its_reasoning_text_part(thought_and_answered):
     """As a message's output_text: the reasoning item is added in progress, its reasoning_text part added empty
     (content_part.added), its deltas, then reasoning_text.done, content_part.done with the whole text and the item
     done; each event one of the openai package's typed events."""
     from openai.types.responses import ResponseStreamEvent
     from pydantic import TypeAdapter
-    from tests.test_reasoning import QUESTION as THINKING_QUESTION
 
-    url = f"{thinking_server.http}/v1/responses"
-    for seed in range(20):
-        body = {"input": THINKING_QUESTION, "max_output_tokens": 24, "seed": seed, "ignore_eos": True, "stream": True}
-        with httpx.stream("POST", url, json=body, timeout=60) as response:
-            events = [json.loads(line[6:]) for line in response.iter_lines() if line.startswith("data: ")]
-        reasoning = [event for event in events if event.get("output_index") == 0]
-        if reasoning[0]["item"]["type"] == "reasoning" and any(e.get("item", {}).get("type") == "message"
-                                                               for e in events):
-            break
-    else:
-        raise AssertionError("no seed in 20 gave thinking and then an answer")
+    events = thought_and_answered
+    reasoning = [event for event in events if event.get("output_index") == 0]
     for event in events:
         TypeAdapter(ResponseStreamEvent).validate_python(event)
     kinds = [event["type"] for event in reasoning]
@@ -321,3 +326,14 @@ def test_thinking_cut_off_by_max_output_tokens_is_an_incomplete_reasoning_item(t
     for response, item in ((whole, whole["output"][-1]), (events[-1]["response"], done["item"])):
         assert response["status"] == "incomplete" and [i["type"] for i in response["output"]] == ["reasoning"]
         assert item["type"] == "reasoning" and item["status"] == "incomplete"
+
+
+def test_the_thinking_is_done_before_the_answer_begins(thought_and_answered):
+    """The reasoning item's done events come before the message is added (one item open at a time, as OpenAI
+    streams them), and the final response has both items as they were done."""
+    kinds = [(event["type"], event.get("output_index")) for event in thought_and_answered]
+    done = kinds.index(("response.output_item.done", 0))
+    assert kinds[done - 2:done + 2] == [("response.reasoning_text.done", 0), ("response.content_part.done", 0),
+                                        ("response.output_item.done", 0), ("response.output_item.added", 1)]
+    items = [event["item"] for event in thought_and_answered if event["type"] == "response.output_item.done"]
+    assert thought_and_answered[-1]["response"]["output"] == items

@@ -92,6 +92,8 @@ class Reply:
         opened = False
         order: list[str] = []  # the items' ids, as they began
         calls: dict[int, str] = {}  # a call's index -> its item's id
+        thinking: list[str] = []  # the reasoning item's deltas
+        closed: set[str] = set()  # the items done before the end (the thinking, once the answer began)
 
         async def open_stream() -> None:
             nonlocal opened
@@ -104,9 +106,18 @@ class Reply:
         def where(item_id: str) -> dict[str, Any]:
             return {"item_id": item_id, "output_index": order.index(item_id)}
 
+        async def close_thinking() -> None:
+            # (thinking does not resume once the answer began: its item is done before the next is added, as
+            # OpenAI's are)
+            if self.reasoning_id in order and self.reasoning_id not in closed:
+                closed.add(self.reasoning_id)
+                await self._close(emit, _reasoning_item(self.reasoning_id, "".join(thinking)), where(self.reasoning_id))
+
         async def on_chunk(index: int, chunk: Chunk, parts: list[Part]) -> None:
             await open_stream()
             for part in parts:
+                if not isinstance(part, Reasoning):
+                    await close_thinking()
                 if isinstance(part, Reasoning):
                     if self.reasoning_id not in order:
                         order.append(self.reasoning_id)
@@ -114,6 +125,7 @@ class Reply:
                             **_reasoning_item(self.reasoning_id, ""), "status": "in_progress", "content": []}))
                         await emit(self.event("response.content_part.added", **where(self.reasoning_id),
                                               content_index=0, part={"type": "reasoning_text", "text": ""}))
+                    thinking.append(part.text)
                     await emit(self.event("response.reasoning_text.delta", **where(self.reasoning_id),
                                           content_index=0, delta=part.text))
                 elif isinstance(part, Text):
@@ -147,22 +159,26 @@ class Reply:
         items = {item["id"]: item for item in final["output"]}
         final["output"] = [items[item_id] for item_id in order]
         for item in final["output"]:
-            at = where(item["id"])
-            if item["type"] == "reasoning":
-                part = item["content"][0]
-                await emit(self.event("response.reasoning_text.done", **at, content_index=0, text=part["text"]))
-                await emit(self.event("response.content_part.done", **at, content_index=0, part=part))
-            elif item["type"] == "message":
-                text = item["content"][0]["text"]
-                await emit(self.event("response.output_text.done", **at, content_index=0, text=text, logprobs=[]))
-                await emit(self.event("response.content_part.done", **at, content_index=0, part=_text_part(text)))
-            else:
-                await emit(self.event("response.function_call_arguments.done", **at, name=item["name"],
-                                      arguments=item["arguments"]))
-            await emit(self.event("response.output_item.done", output_index=at["output_index"], item=item))
+            if item["id"] not in closed:
+                await self._close(emit, item, where(item["id"]))
         status = "response.incomplete" if final["status"] == "incomplete" else "response.completed"
         await emit(self.event(status, response=final))
         return final
+
+    async def _close(self, emit: Emit, item: dict[str, Any], at: dict[str, Any]) -> None:
+        """An item's done events: its text's or arguments' done, its part's done, the item's done."""
+        if item["type"] == "reasoning":
+            part = item["content"][0]
+            await emit(self.event("response.reasoning_text.done", **at, content_index=0, text=part["text"]))
+            await emit(self.event("response.content_part.done", **at, content_index=0, part=part))
+        elif item["type"] == "message":
+            text = item["content"][0]["text"]
+            await emit(self.event("response.output_text.done", **at, content_index=0, text=text, logprobs=[]))
+            await emit(self.event("response.content_part.done", **at, content_index=0, part=_text_part(text)))
+        else:
+            await emit(self.event("response.function_call_arguments.done", **at, name=item["name"],
+                                  arguments=item["arguments"]))
+        await emit(self.event("response.output_item.done", output_index=at["output_index"], item=item))
 
     async def _fail(self, emit: Emit, error: RequestError, order: list[str]) -> dict[str, Any]:
         """A failure after the stream's 200: the ``error`` event, then ``response.failed`` with the items as far as
