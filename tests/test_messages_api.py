@@ -257,3 +257,18 @@ def test_images_and_documents_are_refused_by_name(client, model):
                 send()
             assert caught.value.body["error"]["type"] == "invalid_request_error"
             assert expected in caught.value.body["error"]["message"], caught.value.body
+
+
+def test_a_final_assistant_message_ending_in_whitespace_is_refused(client, model):
+    """As Anthropic's API does, a prefill that ends in whitespace is a 400 naming the message, sent or counted,
+    not a continuation of a prompt cut after a space."""
+    question = {"role": "user", "content": "What is the capital of France?"}
+    for content in ("The capital of France is ", [{"type": "text", "text": "The capital of France is\n"}]):
+        messages = [question, {"role": "assistant", "content": content}]
+        for send in (lambda: client.messages.create(model=model, max_tokens=1, messages=messages),
+                     lambda: client.messages.count_tokens(model=model, messages=messages)):
+            with pytest.raises(anthropic.BadRequestError) as caught:
+                send()
+            error = caught.value.body["error"]
+            assert error["type"] == "invalid_request_error" and error["message"].startswith("messages[1]:"), error
+            assert "whitespace" in error["message"], error

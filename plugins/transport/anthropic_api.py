@@ -189,6 +189,11 @@ def to_chat(request: _Conversation) -> api.ChatCompletionRequest:
     # a final assistant message is the start of the reply, which the model continues (Anthropic's prefill)
     last = messages[-1] if messages else {}
     prefill = last.get("role") == "assistant" and bool(last.get("content")) and "tool_calls" not in last
+    if prefill and last["content"] != last["content"].rstrip():
+        # (Anthropic's API refuses it too: a prompt cut after a space is one the model hardly saw in training)
+        where = f"messages[{len(request.messages) - 1}]"
+        raise RequestError(f"{where}: a final assistant message, which the reply continues, cannot end with "
+                           "whitespace", 400, where)
     choice = request.tool_choice
     parallel = choice is None or not choice.disable_parallel_tool_use
     return api.ChatCompletionRequest(messages=messages, model=request.model, tools=tools or None,
