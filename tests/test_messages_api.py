@@ -272,3 +272,17 @@ def test_a_final_assistant_message_ending_in_whitespace_is_refused(client, model
             error = caught.value.body["error"]
             assert error["type"] == "invalid_request_error" and error["message"].startswith("messages[1]:"), error
             assert "whitespace" in error["message"], error
+
+
+def test_tools_and_tool_choice_are_checked_in_the_requests_words(client, model):
+    """Two tools of one name are a 400, as in Anthropic's API (which of them a call means could not be told); a
+    tool_choice of "any" or "tool" without tools is a 400 that names the type sent, not the chat path's "required"."""
+    question = [{"role": "user", "content": "Weather in Oslo?"}]
+    with pytest.raises(anthropic.BadRequestError) as caught:
+        client.messages.create(model=model, max_tokens=1, messages=question, tools=[WEATHER, {**WEATHER,
+                                                                                            "description": "Other."}])
+    assert "'get_weather'" in caught.value.body["error"]["message"] and "unique" in caught.value.body["error"]["message"]
+    for choice in ({"type": "any"}, {"type": "tool", "name": "get_weather"}):
+        with pytest.raises(anthropic.BadRequestError) as caught:
+            client.messages.create(model=model, max_tokens=1, messages=question, tool_choice=choice)
+        assert caught.value.body["error"]["message"] == f"tool_choice: type '{choice['type']}' needs tools"

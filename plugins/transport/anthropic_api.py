@@ -180,6 +180,13 @@ def to_chat(request: _Conversation) -> api.ChatCompletionRequest:
         RequestError: 400 naming the field.
     """
     tools = [ToolDef("function", FunctionDef(t.name, t.description, t.input_schema)) for t in request.tools or []]
+    names = [tool.function.name for tool in tools]
+    if twice := next((name for name in names if names.count(name) > 1), None):
+        raise RequestError(f"tools: {twice!r} names more than one tool; tool names must be unique", 400, "tools")
+    choice = request.tool_choice
+    if choice is not None and choice.type in ("any", "tool") and not tools:
+        # (in the request's words: the chat path would say its own "required")
+        raise RequestError(f"tool_choice: type {choice.type!r} needs tools", 400, "tool_choice")
     fields: dict[str, Any] = {}
     if isinstance(request, MessagesRequest):
         fields = {"max_tokens": request.max_tokens, "temperature": request.temperature, "top_p": request.top_p,
@@ -194,7 +201,6 @@ def to_chat(request: _Conversation) -> api.ChatCompletionRequest:
         where = f"messages[{len(request.messages) - 1}]"
         raise RequestError(f"{where}: a final assistant message, which the reply continues, cannot end with "
                            "whitespace", 400, where)
-    choice = request.tool_choice
     parallel = choice is None or not choice.disable_parallel_tool_use
     return api.ChatCompletionRequest(messages=messages, model=request.model, tools=tools or None,
                                      tool_choice=_tool_choice(choice), parallel_tool_calls=parallel,
