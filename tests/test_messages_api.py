@@ -281,7 +281,8 @@ def test_tools_and_tool_choice_are_checked_in_the_requests_words(client, model):
     with pytest.raises(anthropic.BadRequestError) as caught:
         client.messages.create(model=model, max_tokens=1, messages=question, tools=[WEATHER, {**WEATHER,
                                                                                             "description": "Other."}])
-    assert "'get_weather'" in caught.value.body["error"]["message"] and "unique" in caught.value.body["error"]["message"]
+    message = caught.value.body["error"]["message"]
+    assert "'get_weather'" in message and "unique" in message, message
     for choice in ({"type": "any"}, {"type": "tool", "name": "get_weather"}):
         with pytest.raises(anthropic.BadRequestError) as caught:
             client.messages.create(model=model, max_tokens=1, messages=question, tool_choice=choice)
