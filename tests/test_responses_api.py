@@ -337,3 +337,36 @@ def test_the_thinking_is_done_before_the_answer_begins(thought_and_answered):
                                         ("response.output_item.done", 0), ("response.output_item.added", 1)]
     items = [event["item"] for event in thought_and_answered if event["type"] == "response.output_item.done"]
     assert thought_and_answered[-1]["response"]["output"] == items
+
+
+def test_an_engine_failing_during_the_answer_keeps_the_thinking_completed(thinking_server):
+    """The engine killed while the answer streams: response.failed has the reasoning item as its output_item.done
+    gave it ("completed"), the message "incomplete"."""
+    from tests.test_reasoning import QUESTION as THINKING_QUESTION
+
+    for seed in range(20):
+        body = {"input": THINKING_QUESTION, "max_output_tokens": 200, "seed": seed, "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", f"{thinking_server.http}/v1/responses", json=body, timeout=120) as response:
+            data = (json.loads(line[6:]) for line in response.iter_lines() if line.startswith("data: "))
+            events = []
+            for event in data:
+                events.append(event)
+                if event["type"] == "response.output_text.delta":
+                    break
+            if events[-1]["type"] != "response.output_text.delta" or events[2]["item"]["type"] != "reasoning":
+                continue
+            killed = thinking_server.engine_pid
+            os.kill(killed, signal.SIGSTOP)
+            os.kill(killed, signal.SIGKILL)
+            events += data
+            break
+    else:
+        raise AssertionError("no seed in 20 gave thinking and then an answer")
+    thinking_server.wait_for(lambda: thinking_server.engine_pid != killed
+                             and httpx.get(f"{thinking_server.http}/health").status_code == 200,
+                             timeout=180, what="the engine to restart")
+    (done,) = [event["item"] for event in events if event["type"] == "response.output_item.done"]
+    failed = events[-1]["response"]
+    assert events[-1]["type"] == "response.failed" and [item["status"] for item in failed["output"]] == [
+        "completed", "incomplete"]
+    assert failed["output"][0] == done and done["type"] == "reasoning"

@@ -153,7 +153,7 @@ class Reply:
         except RequestError as e:
             if not opened:
                 raise  # (nothing went out yet: an HTTP error)
-            return await self._fail(emit, in_responses_terms(e), order)
+            return await self._fail(emit, in_responses_terms(e), order, closed)
         await open_stream()
         final = self.response()
         items = {item["id"]: item for item in final["output"]}
@@ -180,12 +180,13 @@ class Reply:
                                   arguments=item["arguments"]))
         await emit(self.event("response.output_item.done", output_index=at["output_index"], item=item))
 
-    async def _fail(self, emit: Emit, error: RequestError, order: list[str]) -> dict[str, Any]:
+    async def _fail(self, emit: Emit, error: RequestError, order: list[str], closed: set[str]) -> dict[str, Any]:
         """A failure after the stream's 200: the ``error`` event, then ``response.failed`` with the items as far as
-        they came (each "incomplete"); returns that response."""
+        they came (each "incomplete" but those already done); returns that response."""
         await emit(self.event("error", **error_fields(error.message, error.status, error.param)))
         items = {item["id"]: item for item in self.items()}
-        output = [{**items[item_id], "status": "incomplete"} for item_id in order]
+        output = [items[item_id] if item_id in closed else {**items[item_id], "status": "incomplete"}
+                  for item_id in order]
         code = "rate_limit_exceeded" if error.status == 429 else "server_error"  # (ResponseError's codes)
         failed = self.response(output, "failed", {"code": code, "message": error.message})
         await emit(self.event("response.failed", response=failed))
