@@ -131,7 +131,8 @@ def test_a_json_schema_format_gives_a_valid_answer(openai_client, model):
 
 @pytest.mark.parametrize(("max_output_tokens", "last"), [(100, "response.completed"), (3, "response.incomplete")])
 def test_a_stream_is_the_typed_event_sequence_and_the_same_response(openai_client, model, max_output_tokens, last):
-    request = {"model": model, "input": "What is 2+2? Answer with a number.", "temperature": 0, "max_output_tokens": max_output_tokens}
+    request = {"model": model, "input": "What is 2+2? Answer with a number.", "temperature": 0,
+               "max_output_tokens": max_output_tokens}
     whole = openai_client.responses.create(**request)
     with openai_client.responses.stream(**request) as stream:
         events = list(stream)

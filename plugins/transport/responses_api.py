@@ -209,9 +209,11 @@ def to_chat(request: ResponsesRequest, store: ResponseStore) -> tuple[api.ChatCo
     fmt = request.text.format if request.text is not None else None
     response_format = None
     if fmt is not None:
-        schema = api.JSONSchemaFormat(fmt.name, fmt.schema, fmt.strict, fmt.description) if fmt.type == "json_schema" else None
         if fmt.type == "json_schema" and fmt.schema is None:
             raise RequestError("text.format: type 'json_schema' needs a schema", 400, "text.format")
+        schema = None
+        if fmt.type == "json_schema":
+            schema = api.JSONSchemaFormat(fmt.name, fmt.schema, fmt.strict, fmt.description)
         response_format = api.ResponseFormat(fmt.type, schema)
     chat = api.ChatCompletionRequest(
         messages=messages, model=request.model, tools=tools or None, tool_choice=choice,
