@@ -287,3 +287,14 @@ def test_tools_and_tool_choice_are_checked_in_the_requests_words(client, model):
         with pytest.raises(anthropic.BadRequestError) as caught:
             client.messages.create(model=model, max_tokens=1, messages=question, tool_choice=choice)
         assert caught.value.body["error"]["message"] == f"tool_choice: type '{choice['type']}' needs tools"
+
+
+def test_bad_stop_sequences_are_refused_by_their_name(default_server, model):
+    """An empty stop sequence, one too long or too many of them: a 400 naming stop_sequences, the field sent, not
+    the chat path's "stop"."""
+    url = f"{default_server.http}/v1/messages"
+    request = {"model": model, "max_tokens": 1, "messages": [{"role": "user", "content": "Hi"}]}
+    for stop_sequences in ([""], ["x" * 300], [f"s{i}" for i in range(17)]):
+        response = httpx.post(url, json={**request, "stop_sequences": stop_sequences}, timeout=60)
+        assert response.status_code == 400, response.text
+        assert response.json()["error"]["message"].startswith("stop_sequences"), response.text

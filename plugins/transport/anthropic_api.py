@@ -27,9 +27,12 @@ from conveyor.plugins.transport import openai_api as api
 from conveyor.plugins.transport.openai_call import Call, Emit
 from conveyor.plugins.transport.tool_calls import FunctionDef, ToolDef
 from conveyor.plugins.transport.tool_stream import CallStart, Part, Reasoning, Text
+from conveyor.sampling import MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS
 from conveyor.transport import Chunk, RequestError
 
 Int = api.Int
+# (the engine's limits, checked here so that a refusal names this API's field, not the chat path's "stop")
+StopSequence = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_STOP_STRING_CHARS)]
 
 
 class TextBlock(msgspec.Struct, tag="text", tag_field="type"):
@@ -99,7 +102,7 @@ class CountTokensRequest(_Conversation, kw_only=True):
 
 class MessagesRequest(_Conversation, kw_only=True):
     max_tokens: Annotated[int, msgspec.Meta(ge=1, le=2**31 - 1)]
-    stop_sequences: list[str] | None = None
+    stop_sequences: Annotated[list[StopSequence], msgspec.Meta(max_length=MAX_STOP_STRINGS)] | None = None
     # Anthropic's ranges, which its API holds a request to (vLLM's temperature above 1 and top_k -1 are refused)
     temperature: Annotated[float, msgspec.Meta(ge=0, le=1)] | None = None
     top_p: float | None = None
