@@ -56,6 +56,11 @@ def test_a_text_reply_is_the_chat_completion_of_the_same_conversation(client, op
     assert prompt == len(getattr(rendered, "input_ids", rendered))
     counted = client.messages.count_tokens(model=model, system=system, messages=[{"role": "user", "content": QUESTION}])
     assert counted.input_tokens == prompt
+    asked = [{"role": "user", "content": QUESTION}]
+    for ask in (lambda: client.messages.create(model="nope", max_tokens=2, messages=asked),
+                lambda: client.messages.count_tokens(model="nope", messages=asked)):  # (a 404 for both)
+        with pytest.raises(anthropic.NotFoundError, match="the model 'nope' does not exist"):
+            ask()
 
 
 def test_a_stop_sequence_ends_the_reply_and_is_named(client, openai_client, model):
@@ -236,6 +241,13 @@ def test_sampling_fields_outside_anthropics_ranges_are_refused(default_server, m
         assert error["type"] == "invalid_request_error" and field in error["message"], error
     for field, value in (("temperature", 1.0), ("top_k", 0)):
         assert httpx.post(url, json={**request, field: value}, timeout=60).status_code == 200, (field, value)
+    # /openapi.json says the same ranges, so that a client generating from it sends none of the refused values
+    document = httpx.get(f"{default_server.http}/openapi.json", timeout=60).json()
+    validator = jsonschema.Draft202012Validator({"$ref": "#/components/schemas/MessagesRequest", **document})
+    for field, value in (("temperature", 1.5), ("temperature", -0.5), ("top_k", -1)):
+        assert not validator.is_valid({**request, field: value}), (field, value)
+    for field, value in (("temperature", 1.0), ("top_k", 0)):
+        assert validator.is_valid({**request, field: value}), (field, value)
 
 
 def test_images_and_documents_are_refused_by_name(client, model):

@@ -190,6 +190,7 @@ class Routes(ServerRoutes):
             return denied
         try:
             body = await self._parse(request, anthropic_api.CountTokensRequest)
+            self.frontend.adapter(body.model)  # (a model this server does not have is a 404, as in create)
             prompt_ids, _ = await self._chat_prompt(anthropic_api.to_chat(body))
         except RequestError as e:
             return error_response(e, ANTHROPIC)

@@ -189,8 +189,9 @@ def openapi_document(api_key: bool, models: list[str], max_model_len: int, vocab
                                                      {"not": streamed}]}
     sampling = {field: limits[field] for field in ("model", "temperature", "top_p")}
     _narrow(components["ResponsesRequest"]["properties"], sampling | {"max_output_tokens": limits["max_tokens"]})
-    _narrow(components["MessagesRequest"]["properties"], sampling | {
-        field: limits[field] for field in ("max_tokens", "top_k")} | {"stop_sequences": limits["stop"]["anyOf"][1]})
+    # (Messages holds temperature and top_k to Anthropic's ranges, which its struct states: kept as they are)
+    _narrow(components["MessagesRequest"]["properties"], {field: limits[field] for field in ("model", "top_p")} | {
+        "max_tokens": limits["max_tokens"], "stop_sequences": limits["stop"]["anyOf"][1]})
     token_ids = limits["prompt"]["anyOf"][1]
     text = {"type": "string", "minLength": 1}
     _narrow(components["EmbeddingRequest"]["properties"], {"model": limits["model"], "input": {"anyOf": [
