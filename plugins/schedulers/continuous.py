@@ -137,27 +137,28 @@ class ContinuousScheduler(Scheduler):
         ttft, _ = self.targets(request)
         if not ttft or self.options.slo_admission != "reject" or not self.step_model.ready:
             return
-        alone = ttft_wait(self.step_model, self._uncached_tokens(request),
-                          self.chunk_limit(self.options.max_num_batched_tokens), StepFeatures())
+        uncached = self._uncached_tokens(request)
+        alone = ttft_wait(self.step_model, uncached, self.chunk_limit(self.options.max_num_batched_tokens),
+                          StepFeatures())
         if alone > ttft:  # (a 429 would have clients retry what no wait can help)
             raise RequestRejected(
                 f"its prompt alone would take about {alone:.1f} s to a first token, past this server's TTFT target "
                 f"({ttft * 1000:.0f} ms), however idle the server: send a shorter prompt", 400)
-        wait = self.predicted_ttft(request)
+        wait = self.predicted_ttft(request, uncached)
         if wait > ttft:
             raise RequestRejected(
                 f"the first token would come in about {wait:.1f} s, past this server's TTFT target "
                 f"({ttft * 1000:.0f} ms): the prompts ahead need that long at the load now; retry later", 429,
                 retry_after=max(1.0, wait - ttft))
 
-    def predicted_ttft(self, request: Request) -> float:
+    def predicted_ttft(self, request: Request, uncached: int | None = None) -> float:
         """Seconds until ``request``'s first token if it joined the waiting queue now: the prompt tokens ahead of
-        it (its own the prefix cache lacks, the waiting requests' due before it, the running prompts' rest) at the
-        prompt budget the ITL target leaves; and, where the decode batch is full, until the first running request
-        can end."""
+        it (its own the prefix cache lacks, ``uncached`` where the caller counted them, the waiting requests' due
+        before it, the running prompts' rest) at the prompt budget the ITL target leaves; and, where the decode
+        batch is full, until the first running request can end."""
         model = self.step_model
         key = self.waiting_key(request)
-        ahead = self._uncached_tokens(request)
+        ahead = self._uncached_tokens(request) if uncached is None else uncached
         ahead += sum(r.num_uncomputed_tokens for r in self.running if r.num_uncomputed_tokens > 1)
         ahead += sum(r.num_uncomputed_tokens for r in self.waiting if self.waiting_key(r) <= key)
         step = self._decodes(self.running)
