@@ -147,17 +147,17 @@ def test_chat_usage_and_stream_match(client, model, tokenizer):
 
 
 def test_a_streamed_line_separator_reaches_a_line_reader_whole(server, model):
-    """Text with U+2028 and U+2029 (a regex forces it), streamed: every data line a line reader gives (httpx's
+    """Text with U+2028, U+2029 and U+0085 (a regex forces it), streamed: every data line a line reader gives (httpx's
     iter_lines splits as str.splitlines does, at those characters too) is one whole JSON event, and the deltas
     join to the text."""
     body = {"model": model, "messages": user("Hi"), "max_tokens": 16, "stream": True,
-            "structured_outputs": {"regex": "a\u2028b\u2029c"}}
+            "structured_outputs": {"regex": "a\u2028b\u2029c\x85d"}}
     deltas = []
     with httpx.stream("POST", f"{server.http}/v1/chat/completions", json=body, timeout=60) as response:
         for line in response.iter_lines():
             if line.startswith("data: ") and line != "data: [DONE]":
                 deltas += [c["delta"].get("content") or "" for c in json.loads(line[6:])["choices"]]
-    assert "".join(deltas) == "a\u2028b\u2029c"
+    assert "".join(deltas) == "a\u2028b\u2029c\x85d"
 
 
 def test_completions_usage_and_stream_match(client, model, tokenizer):

@@ -98,11 +98,17 @@ def test_function_call_none_answers_in_text_as_tool_choice_none(openai_client, m
     ({"functions": [WEATHER], "function_call": "sometimes"}, "function_call", ["allowed: 'none', 'auto'"]),
     ({"functions": [WEATHER], "function_call": {"name": "get_weather"}, "response_format": {"type": "json_object"}},
      "function_call", ["function_call forces a call"]),
+    ({"functions": [WEATHER], "tool_choice": "required"}, "tool_choice", ["with functions, give function_call"]),
+    ({"messages": [*QUESTION, {"role": "function", "name": ["get_weather"], "content": "sunny"}]}, "messages",
+     ["messages[1].name"]),
+    ({"messages": [*QUESTION, {"role": "assistant", "content": None, "function_call": {"name": ["f"]}}]},
+     "messages", ["messages[1].function_call must be an object"]),
 ], ids=["functions and tools", "function_call and tool_choice", "function_call with tools", "unknown function",
-        "auto without functions", "no such choice", "forced with response_format"])
+        "auto without functions", "no such choice", "forced with response_format", "functions and tool_choice",
+        "a result's name not a string", "a call's name not a string"])
 def test_legacy_fields_that_conflict_are_400s_naming_them(openai_client, model, fields, param, words):
     with pytest.raises(openai.BadRequestError) as refused:
-        openai_client.chat.completions.create(model=model, messages=QUESTION, max_tokens=5, **fields)
+        openai_client.chat.completions.create(**{"model": model, "messages": QUESTION, "max_tokens": 5, **fields})
     assert refused.value.param == param
     for word in words:
         assert word in refused.value.message, refused.value.message

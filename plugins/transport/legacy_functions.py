@@ -90,6 +90,8 @@ def _as_tools(body: ChatCompletionRequest) -> ChatCompletionRequest:
                            "functions")
     if body.function_call is not None and (body.tool_choice is not None or body.tools is not None):
         raise RequestError("function_call goes with functions; with tools, give tool_choice", 400, "function_call")
+    if body.functions is not None and body.tool_choice is not None:
+        raise RequestError("tool_choice goes with tools; with functions, give function_call", 400, "tool_choice")
     messages = _messages(body.messages)
     if body.functions is None and body.function_call is None:
         return body if messages is body.messages else msgspec.structs.replace(body, messages=messages)
@@ -120,14 +122,16 @@ def _messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
     for i, message in enumerate(messages):
         call = message.get("function_call")
         if call is not None and message.get("role") == "assistant":
-            if not isinstance(call, dict):
+            if not isinstance(call, dict) or not isinstance(call.get("name"), str):
                 raise RequestError(f"messages[{i}].function_call must be an object with name and arguments", 400,
                                    "messages")
             call_ids[call.get("name")] = call_id = f"call_{i}"
             message = {k: v for k, v in message.items() if k != "function_call"} | {
                 "tool_calls": [{"id": call_id, "type": "function", "function": call}]}
         elif message.get("role") == "function":
-            message = message | {"role": "tool", "tool_call_id": call_ids.get(message.get("name"), "")}
+            if not isinstance(message.get("name"), str):
+                raise RequestError(f"messages[{i}].name: a function's result names its function", 400, "messages")
+            message = message | {"role": "tool", "tool_call_id": call_ids.get(message["name"], "")}
         converted.append(message)
     return converted
 

@@ -24,6 +24,8 @@ def json_response(body: Any, status: int = 200) -> Response:
 
 
 ErrorBody = Callable[[str, int, "str | None"], dict[str, Any]]
+# the line breaks of str.splitlines that JSON may carry raw, and their escapes
+LINE_BREAKS = [(chr(c).encode(), f"\\u{c:04x}".encode()) for c in (0x85, 0x2028, 0x2029)]
 
 
 @dataclass(frozen=True)
@@ -79,9 +81,11 @@ class EventStream:
         async def emit(event: dict[str, Any]) -> None:
             await begin()
             name = b"event: " + event["type"].encode() + b"\n" if dialect.named_events else b""
-            # (U+2028 and U+2029 escaped: valid raw in JSON, but line readers that split as str.splitlines does,
-            # httpx's iter_lines among them, would cut the event in two)
-            data = msgspec.json.encode(event).replace(b"\xe2\x80\xa8", b"\\u2028").replace(b"\xe2\x80\xa9", b"\\u2029")
+            # (U+0085, U+2028 and U+2029 escaped: valid raw in JSON, but line readers that split as str.splitlines
+            # does, httpx's iter_lines among them, would cut the event in two; msgspec escapes the others)
+            data = msgspec.json.encode(event)
+            for raw, escaped in LINE_BREAKS:
+                data = data.replace(raw, escaped)
             body = name + b"data: " + data + b"\n\n"
             await send({"type": "http.response.body", "body": body, "more_body": True})
 
