@@ -358,6 +358,8 @@ def test_models_lists_each_adapter_with_its_base_as_parent(server):
     # each one by its id (GET /v1/models/{id}), in the same shape
     with openai.OpenAI(base_url=f"{server.http}/v1", api_key=KEY, max_retries=0, timeout=60) as client:
         assert [client.models.retrieve(m["id"]).model_dump(exclude_none=True) for m in models] == models
+        # and by BASE:NAME, as requests may name an adapter
+        assert client.models.retrieve("tiny:a1").model_dump(exclude_none=True) == models[1]
 
 
 def test_the_zmq_model_key_selects_an_adapter(tiny, server, tokenizer):

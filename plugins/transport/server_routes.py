@@ -89,19 +89,18 @@ class ServerRoutes:
         return json_response({"object": "list", "data": self._served_models()})
 
     async def model(self, request: Request) -> Response:
-        """One of the models ``/v1/models`` lists, by its id (the base model's name or an adapter's)."""
+        """One of the models ``/v1/models`` lists, by any name a request may give it (the base model's, an
+        adapter's, or ``BASE:NAME``)."""
         if (denied := self._check_key(request)) is not None:
             return denied
         if not self.frontend.max_model_len:
             return error_response(RequestError("the engine is starting", 503))
-        model_id = request.path_params["model_id"]
-        served = self._served_models()
-        found = next((model for model in served if model["id"] == model_id), None)
-        if found is None:
-            names = ", ".join(repr(model["id"]) for model in served)
-            return error_response(RequestError(f"the model {model_id!r} does not exist; this server has {names}", 404,
-                                               "model"))
-        return json_response(found)
+        try:
+            adapter = self.frontend.adapter(request.path_params["model_id"])
+        except RequestError as e:
+            return error_response(e)
+        name = self.frontend.model_name if adapter is None else adapter.name
+        return json_response(next(model for model in self._served_models() if model["id"] == name))
 
     def _served_models(self) -> list[dict[str, Any]]:
         """The base model, then each LoRA adapter (its ``parent`` the base), as OpenAI's model objects."""
