@@ -75,11 +75,11 @@ def kernel_paths() -> list[str]:
     return PATHS[: PATHS.index(native.ggml_linear_path()) + 1]
 
 
-def activation_bound(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """How far x's rounding to int8 per 32 values (scale max|x| / 127, so at most half a step per value) can
-    move each output: the sum over sub-blocks of half a step times the weights' absolute sum there."""
-    steps = x.double().reshape(x.shape[0], -1, 32).abs().amax(-1) / 127
-    return (steps / 2) @ weight.abs().reshape(weight.shape[0], -1, 32).sum(-1).T
+def activation_bound(x: torch.Tensor, weight: torch.Tensor, group: int = 32) -> torch.Tensor:
+    """How far x's rounding to int8 per ``group`` values (scale max|x| / 127, so at most half a step per value)
+    can move each output: the sum over groups of half a step times the weights' absolute sum there."""
+    steps = x.double().reshape(x.shape[0], -1, group).abs().amax(-1) / 127
+    return (steps / 2) @ weight.abs().reshape(weight.shape[0], -1, group).sum(-1).T
 
 
 @pytest.mark.skipif(not kernel_paths(), reason="the C++ kernels do not build here")
@@ -127,6 +127,41 @@ def test_a_row_gives_the_same_bits_alone_and_among_others(format, path):
     for rows in (3, 9, 20, 40):  # (tiles; the batched path from 8 rows, 16 with AVX2 alone, 32 with AMX)
         together = native.ggml_linear(x[:rows], packed.data, ggml.TYPE_IDS[packed.format], path=path)
         assert torch.equal(together, alone[:rows]), f"{format} {path}: {rows} rows"
+
+
+@pytest.mark.skipif(not kernel_paths(), reason="the C++ kernels do not build here")
+@pytest.mark.parametrize("path", kernel_paths())
+def test_q8_0r_rows_match_float64_and_q8_0_except_on_amx_panels(path):
+    """Q8_0R (the int8 method's Q8_0 blocks, one scale a row): on the AMX path, steps of 16 rows or more quantize
+    x per 64 values and stay within that rounding of a float64 product; every other step is Q8_0's, bit for bit."""
+    from conveyor.plugins.quant.int8 import q8_0_blocks, quantize_int8
+
+    generator = torch.Generator().manual_seed(11)
+    for rows_out, columns in ((37, 128), (300, 192), (5, 96)):
+        weight = torch.randn(rows_out, columns, generator=generator) * torch.rand(rows_out, 1, generator=generator)
+        q, scale = quantize_int8(weight, (weight.abs().amax(1) / 127).half().float())
+        blocks, reference_weight = q8_0_blocks(q, scale), q.double() * scale.double()[:, None]
+        for m in (1, 3, 16, 17, 64, 300):
+            x = torch.randn(m, columns, generator=generator) * torch.rand(1, columns, generator=generator)
+            y = native.ggml_linear(x, blocks, ggml.TYPE_IDS["Q8_0R"], path=path)
+            as_q8_0 = native.ggml_linear(x, blocks, ggml.TYPE_IDS["Q8_0"], path=path)
+            per_64 = path == "amx" and m >= 16 and columns % 64 == 0
+            if not per_64:
+                assert torch.equal(y, as_q8_0), f"{path} {rows_out}x{columns} M={m}"
+                continue
+            reference = x.double() @ reference_weight.T
+            error = (y.double() - reference).abs()
+            allowed = activation_bound(x, reference_weight, 64) + 1e-5 * (x.double().abs() @ reference_weight.abs().T)
+            assert (error <= allowed + 1e-6).all(), f"{rows_out}x{columns} M={m}: {(error / allowed).max():.3f}"
+            # per 64, not per 32: some outputs leave the per-32 path's bits
+            assert not torch.equal(y, as_q8_0)
+            out = torch.empty(m, rows_out, dtype=torch.bfloat16)
+            torch.ops.conveyor_cpu.ggml_linear(x.bfloat16(), blocks, ggml.TYPE_IDS["Q8_0R"], None, out, path)
+            x16 = x.bfloat16().double()
+            expected = x16 @ reference_weight.T
+            allowed16 = activation_bound(x16, reference_weight, 64) + expected.abs() / 256 + 1e-5 * (
+                x16.abs() @ reference_weight.abs().T)
+            assert ((out.double() - expected).abs() <= allowed16 + 1e-6).all(), f"M={m} bfloat16"
 
 
 @pytest.fixture(autouse=True)

@@ -193,9 +193,20 @@ def test_smollm2_tp3_matches_one_worker_and_transformers(smollm2_tp3, llm_fp32, 
 def test_quantized_weights_split_over_workers_compute_what_one_worker_does(tiny_llama, method):
     """Each worker keeps its rows with their scales (QKV, gate/up) or its columns with the whole row's
     scale (o_proj, down; int4: the blocks of its columns, whose scales are their own): the same numbers as one
-    worker (tiny Llama, TP=2)."""
+    worker (tiny Llama, TP=2). With AMX, int8 rounds a step's inputs per 64 values from 16 rows, where a layer's
+    columns allow (a worker's half of o_proj here: per 32), and applies its rows' scales after the sums: a value
+    at a rounding edge may then round the other way, as with the K-quants below."""
+    from conveyor import native
+
     extra = {"quant.plugin": method}
-    assert_same_logits(tiny_run(tiny_llama, 2, 1, extra), tiny_run(tiny_llama, 1, 1, extra), f"{method} TP=2")
+    split, single = tiny_run(tiny_llama, 2, 1, extra), tiny_run(tiny_llama, 1, 1, extra)
+    if method != "int8" or not native.load() or native.ggml_linear_path() != "amx":
+        assert_same_logits(split, single, f"{method} TP=2")
+        return
+    for a, b in zip(split, single):
+        assert_same_or_near_tie(a, b, "int8 TP=2")
+        for x, y in zip(a.prompt_logprobs[1:], b.prompt_logprobs[1:]):
+            assert x.top_logprobs == pytest.approx(y.top_logprobs, abs=0.02), "int8 TP=2"
 
 
 @pytest.mark.slow

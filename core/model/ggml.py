@@ -32,6 +32,9 @@ BLOCKS: dict[str, tuple[int, int]] = {
     # Q4_0 and Q4_1 as repack() lays them out for the C++ kernels: two blocks to a unit, their 32 bytes of
     # nibbles, then their float16 scales and offsets (Q4_0's offset: -8 times its scale)
     "Q4_X2": (2 * QK, 40),
+    # Q8_0 blocks whose scales are one a row (the int8 method's per-channel weights): read as Q8_0 but by the
+    # AMX path, which then quantizes x per 64 values rather than 32 (csrc/ggml_gemm.cpp, run_rows_gemm)
+    "Q8_0R": (QK, 34),
 }
 # the order the C++ kernels number the types by (csrc/ggml_blocks.h's Type)
 TYPE_IDS = {name: i for i, name in enumerate(BLOCKS)}
@@ -186,7 +189,8 @@ def repack(weight: PackedWeight) -> PackedWeight:
 
 
 _DEQUANTIZE = {"Q4_0": _q4_0, "Q4_1": _q4_1, "Q5_0": _q5_0, "Q5_1": _q5_1, "Q8_0": _q8_0,
-               "Q4_K": _q4_k, "Q5_K": _q5_k, "Q6_K": _q6_k, "Q4_X2": _q4_x2}
+               "Q4_K": _q4_k, "Q5_K": _q5_k, "Q6_K": _q6_k, "Q4_X2": _q4_x2,
+               "Q8_0R": _q8_0}
 
 
 def encode(format: str, q: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None = None) -> PackedWeight:

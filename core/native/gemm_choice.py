@@ -59,8 +59,8 @@ def choose_amx_rows(weights: Iterable[NativeWeight]) -> int | None:
     if not native.load() or native.ggml_linear_path() != "amx":
         return None
     names = {number: name for name, number in ggml.TYPE_IDS.items()}
-    # (Q6_K has no AMX path: two scales a sub-block)
-    blocks = [w for w in weights if w.scale is None and names.get(w.type_id, "Q6_K") != "Q6_K"]
+    # (Q6_K has no AMX path: two scales a sub-block; Q8_0R its own, run_rows_gemm)
+    blocks = [w for w in weights if w.scale is None and names.get(w.type_id, "Q6_K") not in ("Q6_K", "Q8_0R")]
     if not blocks:
         return None
     weight = max(blocks, key=lambda w: w.weight.numel())

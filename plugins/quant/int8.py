@@ -9,7 +9,9 @@ Each linear weight is stored as int8 with ``scale = max|w_row| / 127``. Decode r
   rounded to int8 per 32 values (at most 1/254 of a block's largest) and integer dot products, each unpacked
   block reused for every row of a step (VPDPBUSD with VNNI), so int8 keeps its speed at any batch instead of
   dequantizing past a few rows, and decode steps run every layer in one call (``conveyor.model.native_decode``).
-  1.06 bytes a weight (the scales).
+  1.06 bytes a weight (the scales). The blocks go to the kernel as Q8_0R, which says their scales are one a row:
+  with AMX (Intel since Sapphire Rapids), steps of 16 rows or more then round x per 64 values, and each 16 x 16 x
+  64 tile product needs only x's scale (``run_rows_gemm`` in csrc/ggml_gemm.cpp).
 - Other CPUs take ``torch._weight_int8pack_mm`` (int8 weights straight into the matmul): up to
   ``cpu_int8_max_rows`` rows where the model dtype has a fast dense matmul (oneDNN's bf16 path: AVX-512), past
   them a dequantized copy and that matmul; at every row count where it has none (AVX2 alone: bf16 emulated).
@@ -23,6 +25,13 @@ int8pack is the faster there; but whole decode steps, where Q8_0 blocks let ever
 from 44.4 / 138.0 / 156.0 tok/s at 1 / 16 / 64 requests (int8pack) to 76.6 / 125.6 / 130.0 (Q8_0 blocks), bf16
 weights 41-48 / 68 / 70-72 (`python benchmarks/quant.py --methods none int8 --batches 1 16 64 --no-quality`, two
 runs of the same machine): int8 beats bf16 at every batch either way, and at one request only with the blocks.
+
+NOTE: 2-core Xeon with AMX, one 3072 x 576 layer of int8, bf16 activations, us at 16 / 32 / 64 / 128 / 256 rows:
+Q8_0R on AMX per 64 values 146 / 176 / 259 / 404 / 734; per 32 in AMX tiles 165 / 237 / 360 / 644 / 1,182, in
+VNNI panels 167 / 246 / 392 / 686 / 1,297; bf16 weights (oneDNN's AMX tiles) 196 / 223 / 296 / 427 / 602. Decode
+(`python benchmarks/quant.py --methods none int8 --batches 1 16 64 --no-quality`, two runs, tok/s at 1 / 16 / 64
+requests): int8 98.3 / 786.1 / 1,399.0 and 90.1 / 790.9 / 1,450.5, bf16 52.9 / 628.0 / 1,246.2 and 52.3 / 644.3 /
+1,232.0 (1.72-1.86x, 1.23-1.25x, 1.12-1.18x); per 32 values throughout it was 0.91-0.96x at 64 requests.
 """
 
 from __future__ import annotations
@@ -117,7 +126,7 @@ class Int8WeightOnly(QuantMethod):
             return None
         from conveyor.model.ggml import TYPE_IDS
 
-        return NativeWeight(params["q8_0"], TYPE_IDS["Q8_0"])
+        return NativeWeight(params["q8_0"], TYPE_IDS["Q8_0R"])
 
     def linear(self, x: torch.Tensor, params: Params) -> torch.Tensor:
         import torch
@@ -128,7 +137,7 @@ class Int8WeightOnly(QuantMethod):
             from conveyor import native
             from conveyor.model.ggml import TYPE_IDS
 
-            return native.ggml_linear(x, params["q8_0"], TYPE_IDS["Q8_0"], bias)
+            return native.ggml_linear(x, params["q8_0"], TYPE_IDS["Q8_0R"], bias)
         q = params["qweight"]
         if x.device.type == "cuda":
             from conveyor.plugins.quant.kernels import w8a16_matmul

@@ -384,6 +384,17 @@ template <typename T>
 bool run_gemm(const uint8_t* weight, Type t, int64_t M, int64_t N, int64_t K, QuantizedRows& x, const T* bias, T* out,
               Path path);
 
+// The type number (conveyor.model.ggml.TYPE_IDS) of Q8_0R: Q8_0 blocks whose scales are one a row (the int8
+// method's per-channel weights). Every path reads them as Q8_0 but AMX's, which may then quantize x per 64 values
+// (run_rows_gemm).
+constexpr int64_t kQ8_0Rows = kNumTypes;
+
+// ggml_gemm.cpp: out = x w^T (+ bias) for Q8_0R weights on the AMX path, for steps of kAmxRowsMin rows or more with K
+// a multiple of 64 (true); else false, and the caller takes the step as Q8_0.
+template <typename T>
+bool run_rows_gemm(const T* x, const uint8_t* weight, int64_t M, int64_t N, int64_t K, const T* bias, T* out,
+                   Path path);
+
 // ggml_gemm.cpp: the fewest rows a step needs to take the AMX panels on the kAmx path (fewer: the VNNI panels or
 // the tiles). Chosen by timing both at load (conveyor.native.gemm_choice); 32 until then.
 int64_t amx_min_rows();

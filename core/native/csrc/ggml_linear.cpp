@@ -294,7 +294,8 @@ Tile pick_tile(Type t, bool vector) {
 
 template <typename T>
 void run(const T* x, const uint8_t* weight, Type t, int64_t M, int64_t N, int64_t K, const T* bias, T* out,
-         Path path) {
+         Path path, bool row_scales) {
+  if (row_scales && run_rows_gemm(x, weight, M, N, K, bias, out, path)) return;
   QuantizedRows xq;
   quantize_rows(x, M, K, xq);
   if (run_gemm(weight, t, M, N, K, xq, bias, out, path)) return;
@@ -356,8 +357,9 @@ std::string ggml_linear_path() {
 
 void ggml_linear(const at::Tensor& x, const at::Tensor& weight, int64_t type, const c10::optional<at::Tensor>& bias,
                  at::Tensor& out, const std::string& path) {
-  TORCH_CHECK(type >= 0 && type < kNumTypes, "ggml_linear: unknown type ", type);
-  const Type t = static_cast<Type>(type);
+  TORCH_CHECK(type >= 0 && type <= kQ8_0Rows, "ggml_linear: unknown type ", type);
+  const bool row_scales = type == kQ8_0Rows;
+  const Type t = row_scales ? Q8_0 : static_cast<Type>(type);
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "ggml_linear: x must be a contiguous [M, K]");
   const int64_t M = x.size(0), K = x.size(1), N = weight.size(0);
   TORCH_CHECK(K % kBlockValues[t] == 0, "ggml_linear: K = ", K, " is not a multiple of the type's ",
@@ -378,7 +380,8 @@ void ggml_linear(const at::Tensor& x, const at::Tensor& weight, int64_t type, co
   const uint8_t* w = weight.data_ptr<uint8_t>();
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "ggml_linear", [&] {
     const scalar_t* b = bias.has_value() ? bias->data_ptr<scalar_t>() : nullptr;
-    run<scalar_t>(x.data_ptr<scalar_t>(), w, t, M, N, K, b, out.data_ptr<scalar_t>(), static_cast<Path>(chosen));
+    run<scalar_t>(x.data_ptr<scalar_t>(), w, t, M, N, K, b, out.data_ptr<scalar_t>(), static_cast<Path>(chosen),
+                  row_scales);
   });
 }
 
