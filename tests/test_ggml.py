@@ -137,7 +137,7 @@ def test_q8_0r_rows_match_float64_and_q8_0_except_on_amx_panels(path):
     from conveyor.plugins.quant.int8 import q8_0_blocks, quantize_int8
 
     generator = torch.Generator().manual_seed(11)
-    for rows_out, columns in ((37, 128), (300, 192), (5, 96)):
+    for rows_out, columns in ((37, 128), (300, 192), (5, 96), (7, 64)):  # (96: per 32 throughout; 64: one group)
         weight = torch.randn(rows_out, columns, generator=generator) * torch.rand(rows_out, 1, generator=generator)
         q, scale = quantize_int8(weight, (weight.abs().amax(1) / 127).half().float())
         blocks, reference_weight = q8_0_blocks(q, scale), q.double() * scale.double()[:, None]
@@ -155,13 +155,14 @@ def test_q8_0r_rows_match_float64_and_q8_0_except_on_amx_panels(path):
             assert (error <= allowed + 1e-6).all(), f"{rows_out}x{columns} M={m}: {(error / allowed).max():.3f}"
             # per 64, not per 32: some outputs leave the per-32 path's bits
             assert not torch.equal(y, as_q8_0)
-            out = torch.empty(m, rows_out, dtype=torch.bfloat16)
-            torch.ops.conveyor_cpu.ggml_linear(x.bfloat16(), blocks, ggml.TYPE_IDS["Q8_0R"], None, out, path)
-            x16 = x.bfloat16().double()
-            expected = x16 @ reference_weight.T
-            allowed16 = activation_bound(x16, reference_weight, 64) + expected.abs() / 256 + 1e-5 * (
-                x16.abs() @ reference_weight.abs().T)
-            assert ((out.double() - expected).abs() <= allowed16 + 1e-6).all(), f"M={m} bfloat16"
+            for dtype, rounding in ((torch.bfloat16, 256), (torch.float16, 2048)):  # (half the output's last place)
+                out = torch.empty(m, rows_out, dtype=dtype)
+                torch.ops.conveyor_cpu.ggml_linear(x.to(dtype), blocks, ggml.TYPE_IDS["Q8_0R"], None, out, path)
+                x16 = x.to(dtype).double()
+                expected = x16 @ reference_weight.T
+                allowed16 = activation_bound(x16, reference_weight, 64) + expected.abs() / rounding + 1e-5 * (
+                    x16.abs() @ reference_weight.abs().T)
+                assert ((out.double() - expected).abs() <= allowed16 + 1e-6).all(), f"M={m} {dtype}"
 
 
 @pytest.fixture(autouse=True)

@@ -100,7 +100,7 @@ def copy(s: dict) -> dict:
     return {**s, "k_cache": s["k_cache"].clone(), "v_cache": s["v_cache"].clone()}
 
 
-@pytest.mark.parametrize("kind", ["Q8_0", "fp8"])
+@pytest.mark.parametrize("kind", ["Q8_0", "Q8_0R", "fp8"])  # (Q8_0R: the int8 method's; per 64 with AMX)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("rows", [1, 3, 17])
 def test_one_call_equals_the_kernels_called_layer_by_layer(rows, dtype, kind):

@@ -284,7 +284,8 @@ def ggml_linear(x: torch.Tensor, weight: torch.Tensor, type_id: int, bias: torch
                 path: str | None = None) -> torch.Tensor:
     """``x @ w.T (+ bias)`` for ``x [M, K]`` (float32, bfloat16 or float16) against ``weight``, a
     ``uint8 [N, row_bytes]`` of GGML blocks of type ``conveyor.model.ggml.TYPE_IDS[...]``; x is quantized per
-    32 values to int8 inside (as llama.cpp does). ``path`` forces a slower path (``ggml_linear_path``; None: the
+    32 values to int8 inside (as llama.cpp does; Q8_0R, one scale a row, per 64 in AMX steps of 16 rows or more
+    where K is a multiple of 64). ``path`` forces a slower path (``ggml_linear_path``; None: the
     fastest)."""
     out = x.new_empty(x.shape[0], weight.shape[0])
     _ops().ggml_linear(x.contiguous(), weight, type_id, bias, out, path or ggml_linear_path())

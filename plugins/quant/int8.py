@@ -1,5 +1,5 @@
 """``int8``: int8 weights, symmetric, one scale per output channel; bf16 activations (W8A16), or int8 ones per
-32 values inside the CPU kernel where it takes Q8_0 blocks (W8A8).
+32 values (per 64 in AMX steps of 16 rows or more) inside the CPU kernel where it takes Q8_0 blocks (W8A8).
 
 Each linear weight is stored as int8 with ``scale = max|w_row| / 127``. Decode reads half the bytes of bf16.
 
@@ -10,8 +10,9 @@ Each linear weight is stored as int8 with ``scale = max|w_row| / 127``. Decode r
   block reused for every row of a step (VPDPBUSD with VNNI), so int8 keeps its speed at any batch instead of
   dequantizing past a few rows, and decode steps run every layer in one call (``conveyor.model.native_decode``).
   1.06 bytes a weight (the scales). The blocks go to the kernel as Q8_0R, which says their scales are one a row:
-  with AMX (Intel since Sapphire Rapids), steps of 16 rows or more then round x per 64 values, and each 16 x 16 x
-  64 tile product needs only x's scale (``run_rows_gemm`` in csrc/ggml_gemm.cpp).
+  with AMX (Intel since Sapphire Rapids), steps of 16 rows or more then round x per 64 values (where K is a
+  multiple of 64), and each 16 x 16 x 64 tile product needs only x's scale (``run_rows_gemm`` in
+  csrc/ggml_gemm.cpp).
 - Other CPUs take ``torch._weight_int8pack_mm`` (int8 weights straight into the matmul): up to
   ``cpu_int8_max_rows`` rows where the model dtype has a fast dense matmul (oneDNN's bf16 path: AVX-512), past
   them a dequantized copy and that matmul; at every row count where it has none (AVX2 alone: bf16 emulated).

@@ -438,7 +438,7 @@ void quantize_rows64(const T* x, int64_t M, int64_t padded, int64_t K, Rows64& o
         _mm_storeu_si128(reinterpret_cast<__m128i*>(out.q.data() + offset + 16 * j), _mm512_cvtsepi32_epi8(q));
       }
       out.scale[i] = d;
-      out.shift[i] = 128 * _mm512_reduce_add_epi32(sum);
+      out.shift[i] = _mm512_reduce_add_epi32(_mm512_slli_epi32(sum, 7));  // (128 times; NaN in x wraps, no overflow)
     }
   });
 }
