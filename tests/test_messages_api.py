@@ -184,7 +184,8 @@ def test_a_tool_use_cut_off_by_max_tokens_stops_for_max_tokens(client, model):
 
 
 def test_disable_parallel_tool_use_leaves_one_tool_use(client, model):
-    """Shown an earlier turn that called the tool three times, the model calls it three times again; with
+    """Shown an earlier turn that called the tool three times, the model calls it more than once again (three
+    times on one CPU, twice on another: greedy tokens follow the kernels' rounding); with
     tool_choice.disable_parallel_tool_use only the first of them comes back, streamed and not."""
     def use(i, city):
         return {"type": "tool_use", "id": f"toolu_{i}", "name": WEATHER["name"], "input": {"city": city,
@@ -199,7 +200,7 @@ def test_disable_parallel_tool_use_leaves_one_tool_use(client, model):
                 {"role": "user", "content": "Weather in Tokyo, Madrid and Quito?"}]
     request = {"model": model, "max_tokens": 150, **GREEDY, "tools": [WEATHER], "messages": messages}
     parallel = client.messages.create(**request, tool_choice={"type": "auto"})
-    assert [block.type for block in parallel.content] == ["tool_use"] * 3, parallel.content
+    assert len(parallel.content) >= 2 and {block.type for block in parallel.content} == {"tool_use"}, parallel.content
     single = client.messages.create(**request, tool_choice={"type": "auto", "disable_parallel_tool_use": True})
     assert [block.type for block in single.content] == ["tool_use"] and single.stop_reason == "tool_use"
     assert single.content[0].input == parallel.content[0].input
