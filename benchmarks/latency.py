@@ -1,7 +1,7 @@
 """One stream at a time: inter-token latency through `conveyor serve`, next to two floors measured in the same run.
 
     python benchmarks/latency.py [--configs default bf16] [--requests 6] [--tokens 128] [--set KEY=VALUE ...]
-                                 [--async-scheduling off on] [--llama-server PATH] [--rounds N]
+                                 [--async-scheduling off on] [--llama-server PATH] [--rounds N] [--model MODEL]
 
 For each config of configs/ (default: the GGUF's blocks kept packed; bf16: every weight expanded to bf16;
 int8: W8A16) it starts
@@ -23,8 +23,12 @@ engine's own per-token cost (attention, norms, sampling, the engine loop,
 detokenizing, HTTP). Where the bf16 config runs too, each ITL is also given
 against its bandwidth floor (what reading the model at bf16 would cost).
 
+``--model``: a benchmark shape of benchmarks/models.py (``llama-3.2-1b:Q4_0``,
+written on first use) or a .gguf file or Hugging Face directory, in place of
+the default model, for every config.
+
 ``--llama-server PATH``: llama.cpp's server (any build of ``llama-server``)
-serves the default model's GGUF file in the same run, one slot and as many
+serves the same GGUF file (the default model's, or ``--model``'s) in the same run, one slot and as many
 threads as torch has (``-np 1 -t N``), and gets the same requests, after the
 configs in each round. ``--rounds N`` serves every config (and llama-server)
 N times in turn, so that a machine whose speed drifts during the run drifts
@@ -43,6 +47,7 @@ import time
 from pathlib import Path
 
 import torch
+from models import resolve_model
 
 from conveyor.bench.load import BenchRequest, LoadOptions, run_load, served_model
 from conveyor.bench.server import Server
@@ -86,10 +91,11 @@ def serve_itl(path: Path, args: argparse.Namespace, extra: list[str]) -> dict[st
 
 
 def llama_server_itl(binary: str, args: argparse.Namespace) -> dict[str, float]:
-    """The same requests through llama.cpp's server on the default model's GGUF file."""
+    """The same requests through llama.cpp's server on the GGUF file the configs serve."""
     import httpx
 
-    model = resolve_model_path(load_config(CONFIGS / "default.toml").model.path)
+    overrides = dict(item.split("=", 1) for item in args.set)
+    model = resolve_model_path(load_config(CONFIGS / "default.toml", overrides).model.path)
     port = free_port()
     command = [binary, "-m", str(model), "-np", "1", "-t", str(torch.get_num_threads()), "--host", "127.0.0.1",
                "--port", str(port)]
@@ -149,10 +155,14 @@ def main() -> int:
                         help="a config override for the server and the floors (repeatable)")
     parser.add_argument("--async-scheduling", nargs="+", default=["auto"], choices=["auto", "on", "off"],
                         help="serve each config once per mode (default: the config's own)")
-    parser.add_argument("--llama-server", metavar="PATH", help="also serve the default GGUF with this llama-server")
+    parser.add_argument("--llama-server", metavar="PATH", help="also serve the model's GGUF with this llama-server")
     parser.add_argument("--rounds", type=int, default=1, help="serve everything this many times, in turn")
     parser.add_argument("--verbose", action="store_true", help="echo the server's output")
+    parser.add_argument("--model", help="a shape of benchmarks/models.py (llama-3.2-1b:Q4_0), a .gguf file or a "
+                                        "Hugging Face directory (default: the configs' model)")
     args = parser.parse_args()
+    if args.model:  # (an override like any other: the floors, every server and llama-server read it)
+        args.set.append(f"model.path={resolve_model(args.model)}")
     overrides = dict(item.split("=", 1) for item in args.set)
     print(f"# {platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, torch {torch.__version__}")
     bandwidth = read_bandwidth()

@@ -2,7 +2,7 @@
 and through Hugging Face transformers' generate() in static batches, in one run.
 
     python benchmarks/offline.py [--num-requests 64] [--dtype bfloat16] [--kv-gb 1.0] [--only NAME ...]
-                                 [--busy-core]
+                                 [--busy-core] [--model MODEL]
 
 The workload: chat requests with prompts of ~30-600 tokens and outputs of
 16-256 tokens (ignore_eos, greedy), all submitted at t=0. Reported per system:
@@ -13,6 +13,12 @@ busy (a Python loop that never sleeps: a noisy neighbour, or a container
 given fewer cores than it sees), and the slowdown is printed; losing one of
 two cores costs at most 2x in proportion, more where threads wait on each
 other.
+
+``--model``: a benchmark shape of benchmarks/models.py (``llama-3.2-1b:Q4_0``,
+written on first use), a .gguf file or a Hugging Face directory in place of
+the default model, for every system; transformers reads a GGUF through its
+own loader (blocks dequantized; llama.cpp's ``rope_freqs`` ignored, which
+changes the text, not the speed).
 
 NOTE: on a 2-core CPU every system pays for prefill at the matmul ceiling
 (about 360 GFLOP/s in bf16). Decode is where the schedulers differ: a step
@@ -49,6 +55,7 @@ from conveyor import paths
 from conveyor.perf.floors import linear_flops_per_token, linear_seconds, matmul_flops
 from conveyor.perf.peaks import cpu_peaks
 from conveyor.sampling import SamplingParams
+from models import DEFAULT_MODEL, resolve_model
 
 CONFIGS = Path(__file__).resolve().parent.parent / "configs"
 
@@ -107,10 +114,10 @@ def progress(name: str, done: int, total: int, tokens: int, start: float, last: 
 
 
 def run_conveyor(name: str, prompts: list[list[int]], max_tokens: list[int], dtype: str, kv_gb: float,
-                 matmul_rate: float, bandwidth: float) -> Result:
+                 matmul_rate: float, bandwidth: float, model: dict[str, str]) -> Result:
     """The workload through ``LLM.generate``: the engine path the server takes, in this process."""
     config_file, overrides = SYSTEMS[name]
-    llm = LLM(CONFIGS / config_file, {"model.dtype": dtype, "kvcache.memory_gb": kv_gb, **overrides})
+    llm = LLM(CONFIGS / config_file, {**model, "model.dtype": dtype, "kvcache.memory_gb": kv_gb, **overrides})
     bytes_per_token = llm.engine.kvcache.spec.bytes_per_token
     # warm-up: one short request, so thread pools and allocators are ready
     llm.generate([prompts[0][:32]], SamplingParams(max_tokens=2, temperature=0))
@@ -167,14 +174,19 @@ def ceiling_seconds(model, steps: list[tuple[int, int]], matmul_rate: float) -> 
     return total
 
 
-def run_transformers(prompts: list[list[int]], max_tokens: list[int], dtype: str, batch_size: int) -> Result:
+def run_transformers(prompts: list[list[int]], max_tokens: list[int], dtype: str, batch_size: int,
+                     model_path: str) -> Result:
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
 
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
-    path = resolve_model_path("smollm2-135m-instruct")
-    model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=getattr(torch, dtype))
+    path = resolve_model_path(model_path)
+    if path.is_dir():
+        model = AutoModelForCausalLM.from_pretrained(str(path), dtype=getattr(torch, dtype))
+    else:
+        model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
+                                                     dtype=getattr(torch, dtype))
     model.eval()
     config = model.config
     bytes_per_token = 2 * config.num_hidden_layers * config.num_key_value_heads * (
@@ -236,10 +248,14 @@ def main() -> None:
     parser.add_argument("--json", type=Path, help="also write the results here")
     parser.add_argument("--busy-core", action="store_true",
                         help="run each system again beside a process that keeps one core busy")
+    parser.add_argument("--model", help="a shape of benchmarks/models.py (llama-3.2-1b:Q4_0), a .gguf file or a "
+                                        f"Hugging Face directory (default: the configs' model, {DEFAULT_MODEL})")
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
+    # (a config override, where given: every Conveyor system and the tokenizer read it)
+    model = {"model.path": resolve_model(args.model)} if args.model else {}
 
-    tokenizer = load_tokenizer(load_config(CONFIGS / "default.toml").model)
+    tokenizer = load_tokenizer(load_config(CONFIGS / "default.toml", model).model)
     workload = mixed(args.num_requests, args.seed, lambda m: len(tokenizer.encode_chat(m)))
     prompts = [tokenizer.encode_chat(r.messages) for r in workload]
     max_tokens = [r.max_tokens for r in workload]
@@ -261,9 +277,10 @@ def main() -> None:
     def run(name: str) -> Result:
         print(f"running {name if name != 'transformers' else HF} ...", flush=True)
         if name == "transformers":
-            result = run_transformers(prompts, max_tokens, args.dtype, args.hf_batch_size)
+            result = run_transformers(prompts, max_tokens, args.dtype, args.hf_batch_size,
+                                      model.get("model.path", DEFAULT_MODEL))
         else:
-            result = run_conveyor(name, prompts, max_tokens, args.dtype, args.kv_gb, matmul_rate, bandwidth)
+            result = run_conveyor(name, prompts, max_tokens, args.dtype, args.kv_gb, matmul_rate, bandwidth, model)
         gc.collect()
         return result
 

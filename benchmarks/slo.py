@@ -3,6 +3,7 @@
 
     python benchmarks/slo.py [--rates 0.5,1,1.5] [--num-requests 60] [--budgets 128 256 512 1024 2048]
                              [--ttft-ms 2000] [--itl-ms 150] [--simulate] [--out bench-results/slo]
+                             [--model MODEL]
 
 Setups: the default config with ``[scheduler] max_num_batched_tokens`` fixed at each of ``--budgets``, and
 the same config with latency targets (``ttft_slo_ms``, ``itl_slo_ms``; budget at most the largest of
@@ -17,6 +18,10 @@ for every setup, as a table and a plot (--out/goodput.png), and the run's record
 ``--simulate``: the same workload, arrivals and setups through ``conveyor simulate``'s engine on a virtual
 clock (the real scheduler, a cost model calibrated by a short real run here), its goodput printed beside the
 measured one.
+
+``--model``: a benchmark shape of benchmarks/models.py (``llama-3.2-1b:Q4_0``, written on first use), a .gguf
+file or a Hugging Face directory served by every setup (and simulated) in place of the default model; the
+workload's token counts are its tokenizer's.
 
 The targets are what a user would set, not what the benchmark tunes: pick rates near this machine's capacity
 (the first rate at which the fixed budgets start missing).
@@ -34,6 +39,7 @@ import tempfile
 from pathlib import Path
 
 import msgspec
+from models import resolve_model as resolve_benchmark_model
 
 from conveyor.bench.command import _tokenizer
 from conveyor.bench.datasets import mixed
@@ -44,9 +50,10 @@ from conveyor.bench.stats import summarize
 DEFAULT = Path(__file__).resolve().parent.parent / "configs" / "default.toml"
 
 
-def workload(num_requests: int, seed: int) -> list[BenchRequest]:
-    """Chats and documents, in a seeded order."""
-    tokenizer = _tokenizer(None)
+def workload(num_requests: int, seed: int, tokenizer_path: str | None = None) -> list[BenchRequest]:
+    """Chats and documents, in a seeded order (lengths in the tokens of ``tokenizer_path``'s tokenizer, a .gguf
+    or a directory; default: the default model's)."""
+    tokenizer = _tokenizer(tokenizer_path)
 
     def count(messages):
         return len(tokenizer.encode_chat(messages))
@@ -60,9 +67,10 @@ def workload(num_requests: int, seed: int) -> list[BenchRequest]:
 
 
 def run_setup(label: str, overrides: list[str], workloads: list[list[BenchRequest]], rates: list[float], seed: int,
-              slos_ms: dict[str, float]) -> list[dict]:
+              slos_ms: dict[str, float], tokenizer_path: str | None = None) -> list[dict]:
     runs = []
-    warm_up = workload(1, seed + 1000)  # (a prompt of its own: it leaves nothing in the prefix cache for the runs)
+    # (a prompt of its own: it leaves nothing in the prefix cache for the runs)
+    warm_up = workload(1, seed + 1000, tokenizer_path)
     with tempfile.TemporaryDirectory() as tmp:
         print(f"== {label}: starting conveyor serve ({' '.join(overrides) or 'default config'})", flush=True)
         server = Server(DEFAULT.read_text().replace("port = 8000", "port = 0"), Path(tmp),
@@ -97,20 +105,28 @@ def run_setup(label: str, overrides: list[str], workloads: list[list[BenchReques
 
 
 def simulate_setups(setups, workloads: list[list[BenchRequest]], rates: list[float], seed: int,
-                    slos_ms: dict[str, float]) -> dict[tuple[str, float], float]:
-    """Goodput of each (setup, rate) as ``conveyor simulate`` predicts it."""
+                    slos_ms: dict[str, float], model: str | None = None,
+                    tokenizer_path: str | None = None) -> dict[tuple[str, float], float]:
+    """Goodput of each (setup, rate) as ``conveyor simulate`` predicts it (``model``: a ``model.path`` in place
+    of the default model's)."""
     from conveyor.bench.arrivals import arrival_times
     from conveyor.bench.simulator import SimRequest, hardware_costs, resolve_model, simulate
     from conveyor.config import load_config, parse_override
 
-    tokenizer = _tokenizer(None)
+    tokenizer = _tokenizer(tokenizer_path)
     sim_workloads = [[SimRequest(tokenizer.encode_chat(r.messages), r.max_tokens) for r in requests]
                      for requests in workloads]
-    spec = resolve_model("smollm2-135m")
-    peaks, cost = hardware_costs("cpu", load_config(DEFAULT), spec)
+    model_overrides = {"model.path": model} if model else {}
+    if model:
+        from conveyor.model.checkpoint import open_checkpoint
+
+        spec = open_checkpoint(model).spec
+    else:
+        spec = resolve_model("smollm2-135m")
+    peaks, cost = hardware_costs("cpu", load_config(DEFAULT, model_overrides), spec)
     goodput = {}
     for label, overrides in setups:
-        config = load_config(DEFAULT, dict(parse_override(o) for o in overrides))
+        config = load_config(DEFAULT, {**model_overrides, **dict(parse_override(o) for o in overrides)})
         for rate, sim_requests in zip(rates, sim_workloads):
             arrivals = [float(t) for t in arrival_times(len(sim_requests), rate, 1.0, seed)]
             records, duration, _ = simulate(config, spec, sim_requests, arrivals, cost, peaks)
@@ -147,22 +163,29 @@ def main() -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--simulate", action="store_true", help="also predict each goodput with conveyor simulate")
     parser.add_argument("--out", default="bench-results/slo")
+    parser.add_argument("--model", help="a shape of benchmarks/models.py (llama-3.2-1b:Q4_0), a .gguf file or a "
+                                        "Hugging Face directory (default: the default model)")
     args = parser.parse_args()
+    model = resolve_benchmark_model(args.model) if args.model else None
+    # (an alias names no file: its tokenizer is the default one)
+    tokenizer_path = model if model and Path(model).exists() else None
     rates = [float(r) for r in args.rates.split(",")]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     print(f"# {platform.processor() or platform.machine()}; targets: TTFT {args.ttft_ms:.0f} ms, "
           f"ITL {args.itl_ms:.0f} ms (P99)", flush=True)
     # the same mix at every rate, a draw of its own each (a rate's prompts are not in the cache from the last)
-    workloads = [workload(args.num_requests, args.seed + i) for i in range(len(rates))]
+    workloads = [workload(args.num_requests, args.seed + i, tokenizer_path) for i in range(len(rates))]
     slos_ms = {"ttft": args.ttft_ms, "itl": args.itl_ms}
     setups = [(f"fixed {b}", [f"scheduler.max_num_batched_tokens={b}"]) for b in args.budgets]
     setups.append(("targets", [f"scheduler.max_num_batched_tokens={max(args.budgets)}",
                                f"scheduler.ttft_slo_ms={args.ttft_ms}", f"scheduler.itl_slo_ms={args.itl_ms}"]))
     runs = []
+    served = [f"model.path={model}"] if model else []
     for label, overrides in setups:
-        runs += run_setup(label, overrides, workloads, rates, args.seed, slos_ms)
-    predicted = simulate_setups(setups, workloads, rates, args.seed, slos_ms) if args.simulate else {}
+        runs += run_setup(label, [*served, *overrides], workloads, rates, args.seed, slos_ms, tokenizer_path)
+    predicted = (simulate_setups(setups, workloads, rates, args.seed, slos_ms, model, tokenizer_path)
+                 if args.simulate else {})
     print("\n| setup | req/s | ITL p99 ms | TTFT p99 ms | output tok/s | refused | goodput req/s |"
           + (" simulated goodput |" if predicted else ""))
     print("|---|---|---|---|---|---|---|" + ("---|" if predicted else ""))
