@@ -22,9 +22,10 @@ $(STAMP): pyproject.toml
 	@$(PY) -m conveyor.native || echo "the CPU kernels could not be built (see above): Conveyor will run on torch ops alone, more slowly"
 	@touch $(STAMP)
 
-# The OpenAI-compatible server on http://127.0.0.1:8000 (Ctrl-C drains and stops it).
+# The OpenAI-compatible server on http://127.0.0.1:8000 (Ctrl-C drains and stops it);
+# `make serve MODEL=./model.gguf PORT=8001` serves another model (a .gguf file or a Hugging Face directory).
 serve: setup
-	$(VENV)/bin/conveyor serve $(CONFIG)
+	$(VENV)/bin/conveyor serve $(MODEL) --config $(CONFIG) $(if $(PORT),--port $(PORT)) $(if $(HOST),--host $(HOST))
 
 test: setup
 	$(PY) -m pytest -q $(PYTEST_ARGS)

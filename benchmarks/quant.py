@@ -1,7 +1,8 @@
 """What each quantization method buys on this machine: weight bytes, KV blocks, decode speed, quality.
 
     python benchmarks/quant.py [--methods auto none int8 fp8 fp8-kv] [--batches 1 32] [--decode-tokens 48]
-    python benchmarks/quant.py --kernels [--rows 1 4 8 16 64 256 512]
+                               [--model MODEL]
+    python benchmarks/quant.py --kernels [--rows 1 4 8 16 64 256 512] [--model MODEL]
 
 Each method is the default config (bf16 activations, 1 GiB of KV cache; ``auto``: the GGUF's blocks kept
 packed) with one change: ``quant.plugin = none | int8 | fp8`` (none: every weight expanded to bf16), or
@@ -17,7 +18,15 @@ its C++ kernel among them).
 
 ``--kernels``: only the packed GGUF kernel, every path built here (``conveyor.native.ggml_linear_path``)
 against bf16 ``F.linear`` over the same layers dequantized: the default model's 30 layers of linear weights,
-one step of each row count, the mean of 5.
+multiplied as the model does (q, k and v stacked into one product, gate and up into one, bfloat16 activations),
+one step of each row count, the mean of 5; then each one's rate as a share of this CPU's peaks (``conveyor
+profile``: each packed path's of its own int8 peak, the dot products alone in registers; bf16 F.linear's of the
+bf16 matmul's).
+
+``--model``: a benchmark shape of benchmarks/models.py (``llama-3.2-1b:Q4_0``, written on first use), a .gguf
+file or a Hugging Face directory in place of the default model (``--kernels``: its linear weights). The shapes'
+weights are random: their speeds are real, their quality columns only say how far each method moves noise
+(``--no-quality`` skips them). The CPU matmul paths stay at SmolLM2's gate_up shape.
 """
 
 from __future__ import annotations
@@ -30,6 +39,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from models import resolve_model
 
 from conveyor import LLM, SamplingParams, native
 from conveyor.bench.quality import agreement, perplexity, teacher_forced
@@ -104,34 +114,66 @@ def cpu_paths() -> None:
               f" {fp8_dequant * 1e6:>12.0f} {fp8_scaled * 1e6:>14.0f} {fp8_own * 1e6:>11.0f}")
 
 
-def ggml_kernels(row_counts: list[int]) -> None:
+def ggml_kernels(row_counts: list[int], model: dict[str, str]) -> None:
     from conveyor import native
-    from conveyor.model import ggml
     from conveyor.config import ModelConfig
+    from conveyor.model import ggml
     from conveyor.model.checkpoint import open_checkpoint
 
     if not native.load():
         print("the C++ kernels do not build here")
         return
-    ckpt = open_checkpoint(ModelConfig().path)
-    names = [f"model.layers.{i}.{n}.weight" for i in range(ckpt.spec.num_layers) for n in (
-        "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
-        "mlp.up_proj", "mlp.down_proj")]
-    stored = [ckpt.packed(name) for name in names]
+    ckpt = open_checkpoint(model.get("model.path") or ModelConfig().path)
+    # the weights as the model multiplies them: q, k and v in one product, gate and up in one, where their blocks
+    # are of one format (as the gguf method stacks them), and bfloat16 activations (the default dtype)
+    groups = (("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), ("self_attn.o_proj",),
+              ("mlp.gate_proj", "mlp.up_proj"), ("mlp.down_proj",))
+    stored = []
+    for i in range(ckpt.spec.num_layers):
+        for group in groups:
+            parts = [ckpt.packed(f"model.layers.{i}.{name}.weight") for name in group]
+            if len({part.format for part in parts}) > 1:
+                stored += parts
+            else:
+                stored.append(ggml.PackedWeight(parts[0].format, torch.cat([p.data for p in parts]),
+                                                parts[0].in_features))
     packed = [ggml.repack(w) for w in stored]
     dense = [ggml.dequantize(w, torch.bfloat16) for w in stored]
     paths = ["scalar", "avx2", "avx512_vnni", "amx"]
     paths = paths[1 : paths.index(native.ggml_linear_path()) + 1]
     formats = sorted({w.format for w in stored})
-    print(f"\n{len(names)} linear weights ({', '.join(formats)}), {torch.get_num_threads()} threads: ms a step")
+    print(f"\n{len(stored)} linear products ({', '.join(formats)}), {torch.get_num_threads()} threads: ms a step")
     print(f"{'rows':>5} " + " ".join(f"{p:>12}" for p in paths) + f" {'bf16 F.linear':>14}")
+    # FLOPs of one row through every weight (a multiply-add is two)
+    row_flops = 2 * sum(w.out_features * w.in_features for w in stored)
+    rates = {}
     for m in row_counts:
-        xs = {w.in_features: torch.randn(m, w.in_features) for w in stored}
+        xs = {w.in_features: torch.randn(m, w.in_features).bfloat16() for w in stored}
         times = [time_it(lambda: [native.ggml_linear(xs[s.in_features], w.data, ggml.TYPE_IDS[w.format], path=p)
                                   for s, w in zip(stored, packed)], repeat=5) for p in paths]
-        xb = {k: v.bfloat16() for k, v in xs.items()}
-        bf16 = time_it(lambda: [F.linear(xb[w.shape[1]], w) for w in dense], repeat=5)
+        bf16 = time_it(lambda: [F.linear(xs[w.shape[1]], w) for w in dense], repeat=5)
         print(f"{m:>5} " + " ".join(f"{t * 1e3:>12.1f}" for t in times) + f" {bf16 * 1e3:>14.1f}", flush=True)
+        rates[m] = [m * row_flops / t for t in [*times, bf16]]
+    shares_of_peaks(paths, rates)
+
+
+def shares_of_peaks(paths: list[str], rates: dict[int, list[float]]) -> None:
+    """Each kernel's rate (GOP/s) and its share of this CPU's peak for its arithmetic: each packed path's of that
+    path's int8 peak, bf16 F.linear's of the bf16 matmul's (the cached profile; measured first where there is
+    none)."""
+    from conveyor import paths as conveyor_paths
+    from conveyor.perf.peaks import cpu_peaks
+
+    peaks = cpu_peaks(conveyor_paths.cache_root())
+    int8 = [peaks.int8_by_path.get(path, peaks.flops.get("int8", 0.0)) for path in paths]
+    bf16 = peaks.flops_for("bfloat16")
+    measured = ", ".join(f"{path} {rate / 1e9:,.0f}" for path, rate in zip(paths, int8))
+    print(f"\nshare of the peaks (GOP/s, %): int8 by path {measured} GOP/s (the kernels take "
+          f"{peaks.int8_path or '-'}), bf16 matmul {bf16 / 1e9:,.0f} GFLOP/s ({peaks.source})")
+    print(f"{'rows':>5} " + " ".join(f"{p:>15}" for p in [*paths, "bf16 F.linear"]))
+    for m, row in rates.items():
+        cells = [f"{rate / 1e9:>7,.0f} {rate / peak if peak else 0.0:>6.0%}" for rate, peak in zip(row, [*int8, bf16])]
+        print(f"{m:>5} " + " ".join(f"{cell:>15}" for cell in cells), flush=True)
 
 
 def main() -> None:
@@ -142,17 +184,21 @@ def main() -> None:
     parser.add_argument("--no-quality", action="store_true")
     parser.add_argument("--kernels", action="store_true", help="only the packed GGUF kernel against bf16")
     parser.add_argument("--rows", nargs="+", type=int, default=[1, 4, 8, 16, 64, 256, 512])
+    parser.add_argument("--model", help="a shape of benchmarks/models.py (llama-3.2-1b:Q4_0), a .gguf file or a "
+                                        "Hugging Face directory (default: the default model)")
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
+    # (a config override, where given, for every LLM below and the kernels' weights)
+    model = {"model.path": resolve_model(args.model)} if args.model else {}
     if args.kernels:
-        return ggml_kernels(args.rows)
+        return ggml_kernels(args.rows, model)
     cpu_paths()
 
     reference = None
     text_ids: list[int] = []
     if not args.no_quality:
         print("\nfp32 reference for quality ...", flush=True)
-        fp32 = LLM(overrides={"model.dtype": "float32", "quant.plugin": "none", **QUALITY})
+        fp32 = LLM(overrides={**model, "model.dtype": "float32", "quant.plugin": "none", **QUALITY})
         text_ids = fp32.tokenizer.encode(TEXT.read_text())[:QUALITY_TOKENS]
         reference = teacher_forced(fp32, text_ids)
         del fp32
@@ -161,7 +207,7 @@ def main() -> None:
     rows = []
     for name in args.methods:
         print(f"{name} ...", flush=True)
-        llm = LLM(overrides={**QUALITY, **METHODS[name]})
+        llm = LLM(overrides={**model, **QUALITY, **METHODS[name]})
         row = {
             "method": name,
             "weights MB": llm.engine.info.weight_bytes / 1e6,

@@ -30,10 +30,28 @@ def _add_config_args(parser: argparse.ArgumentParser, required: bool = False) ->
     )
 
 
-def _overrides(args: argparse.Namespace) -> dict[str, object]:
-    from conveyor.config import parse_override
+def _add_model_args(parser: argparse.ArgumentParser) -> None:
+    """``[MODEL_OR_CONFIG]``, ``--config``, ``--set`` and the shortcuts ``--port``, ``--host``, ... ."""
+    from conveyor.config.shortcuts import add_shortcut_args
 
-    return dict(parse_override(text) for text in args.overrides)
+    parser.add_argument("target", nargs="?", metavar="MODEL_OR_CONFIG",
+                        help="a .gguf file, a Hugging Face model directory or an installed model's name to serve "
+                        "(model.path), or a .toml config file")
+    _add_config_args(parser)
+    add_shortcut_args(parser)
+
+
+def _config_and_overrides(args: argparse.Namespace) -> tuple[str | None, dict[str, object]]:
+    """The config file and the overrides that the positional, ``--set`` and the shortcuts give, in that order
+    (a shortcut wins over a --set of the same key)."""
+    from conveyor.config import ConfigError, parse_override
+    from conveyor.config.shortcuts import shortcut_overrides, split_target
+
+    config_file, model = split_target(args.target)
+    if config_file and args.config:
+        raise ConfigError("give the config file once: as an argument or with --config")
+    overrides = dict(parse_override(text) for text in args.overrides)
+    return config_file or args.config, {**overrides, **shortcut_overrides(args, model)}
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -43,7 +61,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from conveyor.sampling import SamplingParams
 
     start = time.perf_counter()
-    llm = LLM(args.config, _overrides(args))
+    llm = LLM(*_config_and_overrides(args))
     logger.info("ready in %.1f s", time.perf_counter() - start)
     params = SamplingParams(
         max_tokens=args.max_tokens,
@@ -83,9 +101,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     from conveyor.serving.server import serve
 
-    if args.config_file and args.config:
-        raise ValueError("give the config file once: as an argument or with --config")
-    return anyio.run(serve, args.config_file or args.config, _overrides(args), args.log_level)
+    return anyio.run(serve, *_config_and_overrides(args), args.log_level)
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
@@ -105,7 +121,7 @@ def cmd_plugins(args: argparse.Namespace) -> int:
 
 def cmd_profile(args: argparse.Namespace) -> int:
     from conveyor import paths
-    from conveyor.perf.peaks import GPUS, profile_cpu
+    from conveyor.perf.peaks import GPUS, describe_cpu_peaks, profile_cpu
 
     if args.gpus:
         print("| GPU | bf16 TFLOP/s | fp8 TFLOP/s | int8 TOP/s | HBM TB/s | source |\n|---|---|---|---|---|---|")
@@ -114,11 +130,10 @@ def cmd_profile(args: argparse.Namespace) -> int:
             print(f"| {peaks.name} | {flops['bfloat16']} | {flops.get('fp8', '-')} | {flops['int8']} | "
                   f"{peaks.bytes_per_second / 1e12:g} | {peaks.source} |")
         return 0
-    print("measuring matmuls (bfloat16, float32) and the read bandwidth on all threads ...", file=sys.stderr)
+    print("measuring the packed-block kernels' int8 dot products, bfloat16 and float32 matmuls and the read "
+          "bandwidth on all threads (the best of 3 runs each) ...", file=sys.stderr)
     peaks, path = profile_cpu(paths.cache_root())
-    print(f"{peaks.name}\n  bfloat16 matmul {peaks.flops['bfloat16'] / 1e9:.0f} GFLOP/s, float32 matmul "
-          f"{peaks.flops['float32'] / 1e9:.0f} GFLOP/s, read bandwidth {peaks.bytes_per_second / 1e9:.1f} GB/s\n"
-          f"  cached in {path} (servers on this machine measure their MFU and MBU against it)")
+    print(describe_cpu_peaks(peaks, path))
     return 0
 
 
@@ -157,13 +172,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     sub = parser.add_subparsers(dest="command", required=True)
 
-    serve = sub.add_parser("serve", help="serve the model over HTTP (OpenAI API) and the other configured transports")
-    serve.add_argument("config_file", nargs="?", help="TOML config file (default: built-in defaults)")
-    _add_config_args(serve)
+    serve = sub.add_parser("serve", help="serve a model over HTTP (OpenAI's and Anthropic's APIs) and the other "
+                           "configured transports: conveyor serve ./model.gguf --port 8001")
+    _add_model_args(serve)
     serve.set_defaults(func=cmd_serve)
 
     gen = sub.add_parser("generate", help="complete prompts offline and print the text")
-    _add_config_args(gen)
+    _add_model_args(gen)
     gen.add_argument("--prompt", "-p", action="append", required=True, help="a prompt (repeatable)")
     gen.add_argument("--chat", action="store_true", help="wrap each prompt as a user message in the chat template")
     gen.add_argument("--max-tokens", type=int, default=256)
@@ -184,8 +199,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_arguments(bench)
     bench.set_defaults(func=cmd_bench)
 
-    profile = sub.add_parser("profile", help="measure this CPU's matmul rate and memory bandwidth (the peaks MFU "
-                             "and MBU are taken against), or list the GPU table")
+    profile = sub.add_parser("profile", help="measure this CPU's peaks: the packed kernels' int8 dot products, "
+                             "bf16 and fp32 matmuls, read bandwidth (what MFU and MBU are taken against), or list "
+                             "the GPU table")
     profile.add_argument("--gpus", action="store_true", help="print the GPU peaks table instead (datasheets)")
     profile.set_defaults(func=cmd_profile)
 

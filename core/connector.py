@@ -13,36 +13,97 @@ in order, and ``call`` carries one between steps. The two sides agree on
 that payload's format; the engine only carries it. (vLLM's
 ``KVConnectorBase_V1`` has the same split: a scheduler role that answers
 "how many tokens do you hold" and a worker role that moves the blocks.)
+examples/conveyor-kv-sqlite is a complete connector in one short file.
 
 The contract, in the order a request meets it:
 
 - A request is added: ``holds`` may keep it at the gate (status
   ``WAITING_FOR_KV``); ``release``, called before each step, lets it go on.
+  (Gates before this one, an adapter loading or a grammar compiling, come
+  first: ``holds`` comes once they let the request go.)
 - At admission, after the pool's own prefix match of ``n`` blocks, the KV
   cache manager passes the request and the digests of its next full blocks
   to ``lookup``; for each of the first ``lookup(...)`` of them it allocates a
-  block and calls ``load(digest, block)`` (unless memory is short: the
-  request then waits, and ``lookup`` comes again). ``lookup`` may answer
-  None instead: the scheduler then holds the request at the gate while the
-  connector fetches its blocks (from somewhere slow), and asks again once
-  ``release`` lets it go. The request's first step computes
-  after them: the worker side must have filled them before that step's forward
-  pass (the step carries ``take_payload()``).
-- When a block of a request is full and its tokens computed, the manager
-  calls ``save(digest, block)``. Its contents are final once the steps
-  already submitted have run; the block is not reused before the next step
-  the engine submits, which carries the payload; when the engine goes idle
+  block and calls ``load(digest, block)``. ``lookup`` may come several times
+  for one request: again when memory was short (the request waits, nothing
+  was loaded), when it comes back after a preemption (status ``PREEMPTED``),
+  and after each ``None``. It does not come where the pool holds every full
+  block of the request, nor for a request that computes every prompt token
+  (prompt logprobs, mean pooling). ``lookup`` may answer None: the scheduler
+  then holds the request at the gate while the connector fetches its blocks
+  (from somewhere slow), and asks again once ``release`` lets it go; it may
+  answer None again then (the request goes back to the gate: nothing stops a
+  connector that never answers a number). The request's first step computes
+  after the loaded blocks: the worker side must have filled them before that
+  step's forward pass (the step carries ``take_payload()``).
+- A loaded block is the pool's at once: other requests share it, and it is
+  never offered to ``save`` (nor is a block the pool matched itself). When a
+  block of a request is full and its tokens computed, the manager calls
+  ``save(digest, block)``, once, unless the pool holds that digest already.
+  The same digest comes to ``save`` again after the pool has evicted it and a
+  request computed it again (a store that holds it keeps its copy or takes
+  the new one). A block's contents are final once the steps already
+  submitted have run; the block is not reused before the next step the
+  engine submits, which carries the payload; when the engine goes idle
   instead, it calls ``flush``, which carries it out at once.
+- A block the worker side could not fill (a store that lost it, a read that
+  failed its checksum) is reported by ``KVConnectorWorker.apply``: it returns
+  the device blocks it could not load, and a block any worker could not load
+  is a failed one. The engine then forgets the block in the pool, calls
+  ``load_failed(digest, block)`` (drop your copy, or stop counting it in
+  ``lookup``), gives the requests of that step that hold the block no token
+  from it, and preempts them: they start over and compute from that block on
+  (the pool asks for none of it again until it has computed the block and
+  offered it to ``save``). So that no other step reads a block before its
+  load is known to have worked, nothing is submitted on top of a step that
+  loads blocks (under async scheduling or pipeline parallelism that step
+  runs alone).
+- A request ends (finished, aborted, refused by a gate, failed): ``forget``
+  comes once for every request the scheduler took, wherever it is, whether or
+  not it ever reached this gate (not for one ``add`` refused, nor for those
+  unfinished when the engine stops: ``close`` comes then).
 - A request prefilled by another engine (prefill/decode disaggregation)
   carries ``request.kv_transfer``: the other engine's connector saves its
   prompt's blocks, and this one may hold it at the gate until they have
   come (``holds``, ``release``), for at most ``kv_transfer.timeout`` seconds.
 
+Where each part runs. The scheduler side's methods run on the engine core's
+thread: ``holds`` as a request reaches the gate, ``release`` before every
+step while the gate holds a request, ``lookup``, ``load`` and ``save`` while
+the scheduler builds a step (``save`` also as requests end or are
+preempted), ``take_payload`` once per step built, after them, ``flush`` when
+no step is in flight and no request is left, and ``stats`` with every step's
+stats. There is one worker side per worker: ``tensor_parallel_size *
+pipeline_parallel_size`` of them, numbered ``rank = pp_rank *
+tensor_parallel_size + tp_rank`` (the ``rank`` they are built with), each
+over its worker's ``KVStorage``: its pipeline stage's layers and its share
+of the KV heads, so each stores its own share of every block, and a block is
+whole only when every rank has its share. Data-parallel replicas and
+prefill/decode engines are engines of their own, each with a scheduler side
+and ranks from 0. ``apply`` runs on every worker, in the worker's process
+(the engine core's with one worker, on a thread of its own where async
+scheduling may be on; a worker process or Ray actor otherwise), before the
+forward pass of each step whose payload is not empty, in step order (a step
+built while the last one runs is applied after that one's forward pass).
+``call`` runs the worker side's ``call`` on every worker at once, and only
+while no step is in flight; it returns their answers by rank (so their
+number is ``len(call(...))``).
+
+What an exception does. One raised by a scheduler side's method, or by a
+worker side's ``call``, stops the engine: a server's engine process exits, its
+requests in flight fail with 503 and it is restarted (up to its restart
+limit); in-process (``LLM``, ``conveyor generate``) the exception reaches the
+caller. One raised by ``apply`` fails its step: with the worker in the engine
+core's process (``uniproc``) the step's requests end with an error, the
+blocks it loaded count as failed, and the engine goes on; with worker
+processes (``mp``, ``ray``) the engine is restarted as above. A block that
+cannot be loaded is not an exception: return it from ``apply``.
+
 A block's digest is the prefix cache's: its tokens chained to every token
 before it and the request's cache salt (its LoRA adapter), so equal digests
 hold equal keys and values for one model. ``fingerprint`` names the model,
 quant method, KV dtype and layout a connector's blocks belong to: a store that
-outlives the engine keys its blocks by both.
+outlives the engine keys its blocks by both (and by rank).
 """
 
 from __future__ import annotations
@@ -108,7 +169,7 @@ class KVConnector(AdmissionGate, ABC):
         return False
 
     def release(self, held: list[Request], idle: bool) -> tuple[list[Request], list[tuple[Request, str]]]:
-        """Let held requests go on.
+        """Let held requests go on (called before each step while this gate holds any).
 
         Args:
             held: the requests this gate holds, in arrival order.
@@ -124,8 +185,9 @@ class KVConnector(AdmissionGate, ABC):
         """How many of a request's next blocks the connector can load now (the request is being admitted).
 
         Args:
-            request: the request.
-            digests: its next full blocks, in order, after those the pool holds.
+            request: the request (status ``WAITING``, or ``PREEMPTED`` when it comes back).
+            digests: its next full blocks, in order, after those the pool holds (up to one whose load failed and
+                that the pool has not computed since; possibly none).
 
         Returns:
             0 .. ``len(digests)``: a leading run; or None to fetch more of them first: the scheduler then holds
@@ -139,6 +201,17 @@ class KVConnector(AdmissionGate, ABC):
         Args:
             digest: one of the blocks ``lookup`` counted.
             block: the device block the layout gave it.
+        """
+
+    def load_failed(self, digest: bytes, block: int) -> None:
+        """The worker side could not fill a block ``load`` asked for (``KVConnectorWorker.apply`` said so, or the step
+        failed). The pool has forgotten it, and the requests that hold it compute it again. Drop or mark your copy
+        (the base: nothing; the pool will not ask for this digest again until it has computed the block and
+        offered it to ``save``).
+
+        Args:
+            digest: the block's digest.
+            block: the device block ``load`` was given for it.
         """
 
     @abstractmethod
@@ -178,10 +251,13 @@ class KVConnectorWorker(ABC):
     """The worker side of a connector: moves blocks between the worker's KV tensors and the store."""
 
     def __init__(self, options: msgspec.Struct, storage: KVStorage, rank: int, setup: bytes):
-        """
+        """Built in every worker once its pool exists, on the thread that runs its steps.
+
         Args:
-            storage: this worker's KV tensors (its layers, its heads).
-            rank: this worker's rank (a store keeps each rank's share apart).
+            options: the scheduler side's ``Options`` instance.
+            storage: this worker's KV tensors (its pipeline stage's layers, its share of the KV heads).
+            rank: this worker's rank, 0 .. ``tensor_parallel_size * pipeline_parallel_size`` - 1 (a store keeps
+                each rank's share of a block apart).
             setup: ``KVConnector.setup``.
         """
         self.options = options
@@ -189,11 +265,16 @@ class KVConnectorWorker(ABC):
         self.rank = rank
 
     @abstractmethod
-    def apply(self, payload: bytes) -> None:
+    def apply(self, payload: bytes) -> list[int] | None:
         """Carry out a step's payload before its forward pass.
 
         Args:
             payload: what ``KVConnector.take_payload`` returned for this step.
+
+        Returns:
+            The device blocks of the payload's loads that could not be filled (missing, unreadable, failed
+            checks); None or []: all were. The engine does not serve them: it recomputes the requests that hold
+            them (see the module's contract).
         """
 
     def call(self, payload: bytes) -> bytes:
@@ -203,7 +284,8 @@ class KVConnectorWorker(ABC):
             payload: what the scheduler side sent.
 
         Returns:
-            The answer that goes back to the scheduler side (the base: applies it and answers b"").
+            The answer that goes back to the scheduler side (the base: applies it and answers b""; the engine sends
+            loads in step payloads only, so what ``apply`` reports is not needed here).
         """
         self.apply(payload)
         return b""

@@ -29,7 +29,11 @@ The contract a layout keeps with the scheduler, in the order a request meets it:
   extends a prefix match past the pool with the blocks the connector can load
   (``PrefixMatch.external``: their digests), gives each a block in
   ``allocate`` and calls ``connector.load`` for it, and hands every block it
-  registers to ``connector.save``.
+  registers to ``connector.save``. The engine takes the blocks loaded with
+  each step it builds (``take_loads``); those the connector's worker side
+  could not fill come back through ``loads_failed`` when the step is back,
+  and the layout must not serve them again (the engine recomputes the
+  requests that hold them).
 
 A layout may read these ``Request`` fields and nothing else: ``request_id``,
 ``status`` (``WAITING`` at a first admission, ``PREEMPTED`` at a re-admission),
@@ -199,6 +203,25 @@ class KVCacheManager(ABC):
             True when the block is computed here and ``match_prefix`` would find it.
         """
         return False
+
+    def take_loads(self) -> dict[int, bytes]:
+        """The blocks handed to ``connector.load`` since the last call; the engine calls it once per step it builds,
+        the step whose forward pass first reads them.
+
+        Returns:
+            Each block's digest, by block id (none for a layout without a connector).
+        """
+        return {}
+
+    def loads_failed(self, loads: dict[int, bytes]) -> None:
+        """The connector's worker side could not fill these blocks (``KVConnectorWorker.apply`` said so, or the
+        step that carried them failed): forget them as cached, so that no prefix match finds them, and tell the
+        connector (``KVConnector.load_failed``). Their requests are recomputed by the engine (their blocks are
+        freed as they are preempted).
+
+        Args:
+            loads: some of what ``take_loads`` returned for one step.
+        """
 
     @property
     def layout(self) -> KVCacheLayout:

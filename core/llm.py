@@ -101,7 +101,7 @@ class LLM:
         else:
             self.config = _with_offline_defaults(config, overrides or {})
         self.engine = EngineCore(self.config)
-        self.tokenizer = load_tokenizer(self.config.model, source=self.config.source)
+        self.tokenizer = load_tokenizer(self.config.model, source=self.config.source_of("model"))
         self.client = InprocClient(self.engine)
         name = self.config.model.served_name
         try:

@@ -241,6 +241,11 @@ class EngineReady(msgspec.Struct, array_like=True, gc=False):
     # workers per pipeline stage, and stages
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
+    # where max_model_len came from: the config's key, the model's context length, or that length capped at what
+    # the KV cache holds for one request (with the key that raises it)
+    max_model_len_note: str = ""
+    # what the quant method does to a checkpoint quantized already ("": nothing to say)
+    quant_note: str = ""
 
 
 class ScheduledRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
@@ -327,6 +332,9 @@ class RunnerOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=False
     num_collectives: int = 0
     collective_bytes: int = 0
     ranks: list[RankTimes] = []
+    # blocks the KV connector's worker side could not fill before the forward pass (``KVConnectorWorker.apply``;
+    # every worker's, merged): the engine recomputes the requests that read them
+    kv_load_failed: list[int] = []
 
 
 class RankTimes(msgspec.Struct, array_like=True, gc=False):

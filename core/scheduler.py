@@ -4,11 +4,13 @@ Each engine step asks the scheduler which requests run and how many tokens each 
 then hands the sampled tokens back (``update``). The scheduler owns the request queues and talks to the KV cache manager
 for memory; it never touches tensors.
 
-The base class does the mechanics every scheduler shares: admission control (``add``, the one place a request id is
-checked), the admission gates a request passes before it may run (``AdmissionGate``: its LoRA adapter loading, its
-grammar compiling, its KV blocks a connector fetches), the waiting queue and the running list, moving a request in
-(``admit``), out (``preempt``) and to its end (``finish``, ``abort``: the one way a request ends, wherever it is), and
-recording tokens (``update``). Its ``schedule`` is continuous batching; a scheduler decides order and budget by
+The base class does the mechanics every scheduler shares: admission control (``add``, which refuses an id already
+in use; the transports and the engine clients check ids too), the admission gates a request passes before it may run
+(``AdmissionGate``: its LoRA adapter loading, its grammar compiling, its KV blocks a connector fetches), the waiting
+queue and the running list, moving a request in (``admit``), out (``preempt``) and to its end (``finish``, ``abort``:
+every end goes through them, though ``update`` decides only EOS, stop ids and length; the engine core also finishes
+requests for grammars and embeddings, and the frontend ends one at a stop string with an abort marked finished),
+and recording tokens (``update``). Its ``schedule`` is continuous batching; a scheduler decides order and budget by
 overriding ``waiting_key``, ``pick_victim``, ``can_admit``, ``chunk_limit`` and ``token_budget``, whom it takes by
 ``check_admission``, and learns how long its steps take from ``observe_step``; or another discipline by overriding
 ``schedule`` itself (the built-in static and dynamic schedulers do). Options named in ``runtime_options`` may change

@@ -4,8 +4,12 @@ A transport lets clients reach the model: it accepts their requests in its
 own protocol (HTTP, ZeroMQ, ...), hands them to the ``Frontend`` it is
 given, and streams the results back. Several transports can serve at once,
 all through one frontend; the frontend tokenizes, checks limits, submits to
-the engine, detokenizes and keeps the metrics, so a transport only speaks
-its protocol.
+the engine, detokenizes and keeps the metrics. What an API means beyond
+tokens stays with its transport: the built-in ``http`` one
+(``conveyor.plugins.transport``) renders chat templates through the frontend,
+but itself parses tool calls, splits reasoning from answers, and keeps the
+Responses API's stored responses, so another transport gets none of these
+from the frontend.
 """
 
 from __future__ import annotations
@@ -87,8 +91,9 @@ def unit_length(values: list[float]) -> list[float]:
 class Frontend(Protocol):
     """What a transport gets: everything it needs to serve a client's request."""
 
-    # the name clients use for the model (OpenAI's "model")
+    # the name clients use for the model (OpenAI's "model"), and other names they may use for it
     model_name: str
+    aliases: tuple[str, ...]
     tokenizer: Tokenizer
     # conveyor.serving.metrics.ServerMetrics: what /metrics shows
     metrics: Any

@@ -153,7 +153,7 @@ def test_bad_config_is_one_line_naming_file_and_key(tmp_path, text, error, expec
     allowed = {
         "model_keys": keys_of(ModelConfig),
         "paged_keys": keys_of(registry.get("kvcache", "paged").Options),
-        "tables": keys_of(Config, "source"),  # (the file it came from, not a key)
+        "tables": keys_of(Config, "source", "overridden"),  # (where it came from, not keys)
         "dtypes": ", ".join(repr(d) for d in dtypes),
         "schedulers": ", ".join(repr(name) for name in registry.names("scheduler")),
         "folder": tmp_path.resolve(),
@@ -178,7 +178,8 @@ def test_an_override_of_a_transport_names_its_index():
     assert (config.transport[0].options.port, config.transport[0].options.host) == (8001, "0.0.0.0")
     with pytest.raises(ConfigError, match=r"^--set transport.port: name an entry of the list, e.g. transport.0.port$"):
         load_config(DEFAULT_TOML, {"transport.port": "8001"})
-    with pytest.raises(ConfigError, match=r"^--set transport.1.port: transport has 1 entries$"):
+    with pytest.raises(ConfigError, match=r"^--set transport.1.port: transport has 1 entry: 0 \(http\); name one by "
+                       r"index or by plugin \(transport.http.port\)"):
         load_config(DEFAULT_TOML, {"transport.1.port": "8001"})
 
 

@@ -4,8 +4,10 @@ configuration reference generated from the code, with a doc line for every key."
 
 from __future__ import annotations
 
+import importlib
 import inspect
 import os
+import re
 import shlex
 import subprocess
 import sys
@@ -59,14 +61,54 @@ def test_the_configuration_page_is_the_generated_one():
 
 
 def test_the_site_builds_strict(tmp_path):
+    """With the ``mkdocs`` command a contributor types (the venv's console script; ``python -m mkdocs`` puts the
+    current folder on sys.path where the script puts its own, beside the ``conveyor`` script)."""
     pytest.importorskip("mkdocs")
-    result = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(tmp_path / "site")],
+    mkdocs = Path(sys.executable).parent / "mkdocs"
+    result = subprocess.run([str(mkdocs), "build", "--strict", "--site-dir", str(tmp_path / "site")],
                             check=False, cwd=REPO, capture_output=True, text=True, timeout=600,
                             env={**os.environ, "NO_MKDOCS_2_WARNING": "1"})
     assert result.returncode == 0, result.stderr[-3000:]
     assert (tmp_path / "site" / "configuration" / "index.html").exists()
     api = (tmp_path / "site" / "api" / "index.html").read_text()
     assert "match_prefix" in api and "KVCacheManager" in api  # (the docstrings made it in)
+    assert "take_payload" in api and "KVConnectorWorker" in api
+
+
+def _plugin_base_classes() -> dict[str, type]:
+    """What a plugin author subclasses, found from the hooks: each kind's base class (the registry checks every
+    registration against it), the classes of ours it inherits from (an admission gate's methods, a scheduler's
+    gates), and those it names in a ``type[...]`` class attribute (a KV connector's worker side); by dotted name.
+    """
+    from conveyor import hookspecs
+    from conveyor.registry import KIND_BASES, KIND_HOOKS
+
+    hooks = {name for name in vars(hookspecs) if name.startswith("conveyor_register_")}
+    assert hooks == set(KIND_HOOKS.values())  # (a hook without a base class would escape the checks below)
+    found: dict[str, type] = {}
+    for module_name, class_name in KIND_BASES.values():
+        module = importlib.import_module(module_name)
+        base = getattr(module, class_name)
+        named = [getattr(module, name, None) for annotation in vars(base).get("__annotations__", {}).values()
+                 for name in re.findall(r"type\[(\w+)\]", str(annotation))]
+        for cls in [*base.__mro__, *named]:
+            if isinstance(cls, type) and cls.__module__.startswith("conveyor."):
+                found[f"{cls.__module__}.{cls.__qualname__}"] = cls
+    return found
+
+
+def test_every_plugin_base_class_is_in_the_api_reference_and_the_plugin_guide():
+    """docs/api.md renders each (``::: conveyor.x.Class``), and docs/plugins.md's "The interfaces" names each
+    with the file it is in."""
+    classes = _plugin_base_classes()
+    assert {"conveyor.connector.KVConnectorWorker", "conveyor.gates.AdmissionGate", "conveyor.scheduler.Scheduler",
+            "conveyor.transport.Transport"} <= set(classes)
+    rendered = set(re.findall(r"^::: (\S+)$", (REPO / "docs" / "api.md").read_text(), re.MULTILINE))
+    assert sorted(set(classes) - rendered) == [], "not in docs/api.md"
+    guide = (REPO / "docs" / "plugins.md").read_text().split("\n## The interfaces\n", 1)[1].split("\n## ")[0]
+    unlisted = [name for name in classes
+                if f"`{name}`" not in guide or f"core/{'/'.join(name.split('.')[1:-1])}.py" not in guide]
+    assert unlisted == [], "not in docs/plugins.md's interfaces (dotted name and file)"
 
 
 def _methods(cls):
@@ -76,8 +118,9 @@ def _methods(cls):
             yield name, function, isinstance(member, property)
 
 
-@pytest.mark.parametrize("cls", [KVCacheManager, QuantMethod, Scheduler, Transport, AdmissionGate, KVConnector,
-                                 KVConnectorWorker], ids=lambda c: c.__name__)
+@pytest.mark.parametrize("cls", sorted({KVCacheManager, QuantMethod, Scheduler, Transport, AdmissionGate, KVConnector,
+                                        KVConnectorWorker, *_plugin_base_classes().values()}, key=repr),
+                         ids=lambda c: c.__name__)
 def test_every_base_class_method_has_a_docstring(cls):
     assert [name for name, function, _ in _methods(cls) if not inspect.getdoc(function)] == []
 
@@ -133,7 +176,7 @@ def test_the_metrics_table_lists_every_family_the_server_exports():
     exported = {family.name + ("_total" if family.type == "counter" else ""): family.type
                 for family in metrics.registry.collect()}
     section = (REPO / "docs" / "observability.md").read_text().split("\n## Every metric\n", 1)[1].split("\n## ")[0]
-    documented = dict(re.findall(r"^\| `(conveyor_\w+)` \| (\w+) \|", section, re.M))
+    documented = dict(re.findall(r"^\| `(conveyor_\w+)` \| (\w+) \|", section, re.MULTILINE))
     assert len(exported) >= 60
     assert sorted(set(exported) - set(documented)) == [], "exported, not in the table"
     assert sorted(set(documented) - set(exported)) == [], "in the table, not exported"
@@ -143,7 +186,7 @@ def test_the_metrics_table_lists_every_family_the_server_exports():
 def _code_blocks(page: str, language: str) -> list[str]:
     import re
 
-    return re.findall(rf"```{language}\n(.*?)```", (REPO / "docs" / page).read_text(), re.S)
+    return re.findall(rf"```{language}\n(.*?)```", (REPO / "docs" / page).read_text(), re.DOTALL)
 
 
 def test_the_zmq_pages_config_example_loads_and_builds_as_pasted(tmp_path):
@@ -182,7 +225,7 @@ def test_the_plugin_pages_quant_example_keeps_the_bias_and_imports_no_torch(tmp_
 def test_each_operating_tool_has_a_heading_of_its_own():
     import re
 
-    headings = re.findall(r"^## (.+)$", (REPO / "docs" / "observability.md").read_text(), re.M)
+    headings = re.findall(r"^## (.+)$", (REPO / "docs" / "observability.md").read_text(), re.MULTILINE)
     for tool in ("The doctor", "The live dashboard", "Simulate", "Plan", "Grafana"):
         assert tool in headings, headings
 

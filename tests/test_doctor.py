@@ -4,6 +4,7 @@ the evidence that shows it and the config key to change first. Two servers, two 
 from __future__ import annotations
 
 import json
+import subprocess
 import sys
 import threading
 from dataclasses import asdict
@@ -16,7 +17,7 @@ import pytest
 import torch
 
 import conveyor.bench.doctor
-from conveyor.bench.doctor import examine
+from conveyor.bench.doctor import examine, timed_readings
 from conveyor.cli import main
 from conveyor.perf.checklist import checklist, diagnose
 from conveyor.perf.readings import quantile, read_metrics
@@ -297,6 +298,9 @@ CALM = {
     # one replica
     "replicas": 1.0, "replica_requests_max": 0.0, "replica_requests_min": 0.0, "replica_kv_usage_max": 0.0,
     "replica_kv_usage_min": 0.0, "replica_steps_max": 0.0, "replica_steps_min": 0.0, "lagging_replica": -1.0,
+    # the rates against the peaks (5% and 20% of 1 TFLOP/s and 100 GB/s), no device named, float weights
+    "flops_per_second": 5e10, "bytes_per_second": 2e10, "peak_flops": 1e12, "peak_bytes_per_second": 1e11,
+    "flops_past_peak": 0.0, "bytes_past_peak": 0.0, "on_cpu": 0.0, "integer_weights": 0.0,
 }
 TP3 = {"tensor_parallel_size": 3.0, "parallel_steps": 100.0, "comm_ms": 20.0, "compute_ms": 30.0}
 PP2 = {"pipeline_parallel_size": 2.0, "parallel_steps": 100.0, "stage_imbalance": 1.1}
@@ -390,3 +394,106 @@ def test_the_slo_finding_names_the_binding_target():
     ttft = checklist(CALM | SLO | {"missed_itl": 1.0, "missed_ttft": 3.0})[0]
     assert "binding latency target is TTFT (2000 ms)" in ttft.summary
     assert ttft.change == "parallel.data_parallel_size"
+
+
+# what a CPU's advice must not name
+GPU_WORDS = ("GPU", "fp8 units", "memory_fraction", "NVLink", "NVSwitch", "CUDA", "tensor core", "HBM", "NCCL")
+
+
+@pytest.mark.parametrize("packed", [0.0, 1.0])
+@pytest.mark.parametrize("regime", REGIMES)
+def test_the_advice_on_a_cpu_names_no_gpu_feature(regime, packed):
+    past, _ = REGIMES[regime]
+    findings = checklist(CALM | past | {"on_cpu": 1.0, "integer_weights": packed})
+    assert [f.regime for f in findings] == [regime]
+    for finding in findings:
+        text = f"{finding.summary} {finding.change} {finding.advice}"
+        assert not [word for word in GPU_WORDS if word in text], text
+
+
+def test_compute_bound_on_a_cpu_names_the_arithmetic_and_what_changes_it():
+    """Float weights: the first change is the integer kernels (quant.plugin); packed ones: more cores."""
+    floats = checklist(CALM | {"mfu": 0.7, "on_cpu": 1.0, "integer_weights": 0.0})[0]
+    assert floats.change == "quant.plugin" and "float weights" in floats.summary
+    assert "int4" in floats.advice and "int8" in floats.advice and "conveyor profile" in floats.advice
+    packed = checklist(CALM | {"mfu": 0.7, "on_cpu": 1.0, "integer_weights": 0.9})[0]
+    assert "int8 dot products" in packed.summary and "quant.plugin" not in packed.advice
+    assert packed.change == "parallel.pipeline_parallel_size" and "cores" in packed.advice
+    gpu = checklist(CALM | {"mfu": 0.7})[0]
+    assert gpu.change == "parallel.tensor_parallel_size" and "fp8" in gpu.advice
+
+
+def _exposition(flops: float, forward: float, peak_flops: float, moved: float, peak_bandwidth: float) -> str:
+    """A CPU engine's /metrics after ``forward`` seconds of steps (the default GGUF's weights)."""
+    return (f"conveyor_engine_step_seconds_count {100 * forward}\nconveyor_forward_seconds_total {forward}\n"
+            f"conveyor_model_flops_total {flops}\nconveyor_bytes_moved_total {moved}\n"
+            f"conveyor_device_peak_flops {peak_flops}\nconveyor_device_peak_bytes_per_second {peak_bandwidth}\n"
+            'conveyor_device_info{device="cpu"} 1\n'
+            'conveyor_weight_bytes{format="Q4_1"} 66355200\nconveyor_weight_bytes{format="Q8_0"} 30081024\n')
+
+
+def test_steps_past_the_cached_peak_count_as_it_and_the_doctor_says_the_peak_is_wrong():
+    """A profile measured on a busy machine: 146 GFLOP/s cached, steps at 184 (1.26x). MFU is 100%, not 126%; the
+    compute-bound finding gives both rates and how to measure the peak again. Bandwidth within its peak stays a
+    plain share."""
+    first = read_metrics(_exposition(0, 0, 146e9, 0, 30e9))
+    last = read_metrics(_exposition(184e9 * 2, 2.0, 146e9, 30e9, 30e9))
+    diagnosis = diagnose([first, last], 2.0)
+    w = diagnosis.window
+    assert w["mfu"] == 1.0 and w["flops_past_peak"] == pytest.approx(184 / 146)
+    assert w["mbu"] == pytest.approx(0.5) and w["bytes_past_peak"] == 0.0
+    assert w["on_cpu"] == 1.0 and w["integer_weights"] == 1.0
+    finding = next(f for f in diagnosis.findings if f.regime == "compute_bound")
+    assert "184 GFLOP/s, 1.26x the peak of 146 GFLOP/s" in finding.summary
+    assert "conveyor profile" in finding.summary and finding.evidence["mfu"] == 1.0
+    text = conveyor.bench.doctor.format_diagnosis(diagnosis)
+    assert "MFU 100.0% of 146 GFLOP/s" in text and "126%" not in text
+    assert not [word for word in GPU_WORDS if word in text], text
+
+
+def test_under_bench_load_no_share_passes_its_peak(default_server):
+    """`conveyor bench` sends 32 requests at once to the shared default server while the doctor reads it: MFU and
+    MBU stay within 0..1, and on a CPU the doctor knows it and that the default GGUF's weights are packed. Then the
+    same readings with each peak at half the rate the steps reached, as a profile measured on a busy machine gives:
+    each share is 1, not 2, the window keeps the 2x, and the compute-bound finding says the peak is too low and, on
+    a CPU, names no GPU feature."""
+    server = default_server
+    command = [sys.executable, "-m", "conveyor", "bench", "--no-progress", "--url", server.http, "--dataset",
+               "random", "--input-len", "128", "--output-len", "32", "--ignore-eos", "--num-requests", "32",
+               "--request-rate", "inf", "--warmup", "0"]
+    with subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) as bench:
+        try:
+            server.wait_for(lambda: server.metric("conveyor_num_requests_running") >= 4, timeout=120,
+                            what="the bench's requests to run")
+            readings = [reading for _, reading in timed_readings(server.http, 3.0)]
+        finally:
+            _out, err = bench.communicate(timeout=600)
+    assert bench.returncode == 0, err
+    on_cpu = not torch.cuda.is_available()
+
+    loaded = diagnose(readings, 3.0)
+    w = loaded.window
+    print("under bench load:", conveyor.bench.doctor.format_diagnosis(loaded))
+    assert w["steps"] > 0 and 0 < w["mfu"] <= 1 and 0 < w["mbu"] <= 1, w
+    assert w["flops_past_peak"] == 0 or w["mfu"] == 1
+    for finding in loaded.findings:
+        assert all(finding.evidence[k] <= 1 for k in ("mfu", "mbu") if k in finding.evidence), finding
+    if on_cpu:
+        assert w["on_cpu"] == 1.0 and w["integer_weights"] == 1.0, w
+
+    # each peak lowered to half the rate the steps reached
+    scale = {"conveyor_device_peak_flops": w["flops_per_second"] / 2 / w["peak_flops"],
+             "conveyor_device_peak_bytes_per_second": w["bytes_per_second"] / 2 / w["peak_bytes_per_second"]}
+    low = [{key: value * scale.get(key[0], 1.0) for key, value in r.items()} for r in readings]
+    busy = diagnose(low, 3.0)
+    w = busy.window
+    print("peaks at half the steps' rates:", conveyor.bench.doctor.format_diagnosis(busy))
+    assert w["mfu"] == 1.0 and w["mbu"] == 1.0, w
+    assert w["flops_past_peak"] == pytest.approx(2.0) and w["bytes_past_peak"] == pytest.approx(2.0), w
+    finding = next(f for f in busy.findings if f.regime == "compute_bound")
+    assert "the peak of" in finding.summary and "too low" in finding.summary
+    text = conveyor.bench.doctor.format_diagnosis(busy)
+    assert "MFU 100.0%" in text and "MBU 100.0%" in text
+    if on_cpu:
+        assert "conveyor profile" in finding.summary
+        assert not [word for word in GPU_WORDS if word in text], text

@@ -196,7 +196,8 @@ async def test_inproc_client_streams_aborts_and_rejects(llm_fp32, tokenizer):
             tg.start_soon(run, "a", greedy)
             tg.start_soon(run, "b", greedy)
             tg.start_soon(run, "leaver", endless, 3)
-            tg.start_soon(run, "too-long", SamplingParams(max_tokens=4), None, list(range(1, 3000)))
+            tg.start_soon(run, "too-long", SamplingParams(max_tokens=4), None,
+                          list(range(1, engine.max_model_len + 1)))
             with anyio.fail_after(120):
                 while len(results) < 4 or engine.has_unfinished():
                     await anyio.sleep(0.05)
@@ -209,7 +210,7 @@ async def test_inproc_client_streams_aborts_and_rejects(llm_fp32, tokenizer):
     assert engine.scheduler.stats().num_aborted == aborted_before + 1  # ended by the abort, not by its length
     rejected = results["too-long"][1]
     assert rejected.finish_reason == "error" and rejected.error_status == 400
-    assert "max_model_len=2048" in rejected.error
+    assert f"max_model_len={engine.max_model_len}" in rejected.error
     assert engine.kvcache.num_free_blocks == free_before  # the leaver's blocks came back
     ran = [s for s in steps if s.num_prefill_tokens + s.num_decode_tokens]
     assert sum(s.num_decode_tokens for s in ran) >= 2 * 11  # a and b decoded 11 tokens each

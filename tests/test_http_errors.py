@@ -96,7 +96,7 @@ def chat(**fields) -> bytes:
 BAD_REQUESTS = {
     "malformed JSON": ("chat/completions", b'{"messages": [', 400, None, ["JSON"]),
     "not an object": ("chat/completions", b"[1, 2]", 400, None, ["object"]),
-    "missing messages": ("chat/completions", b'{"max_tokens": 4}', 400, None, ["messages"]),
+    "missing messages": ("chat/completions", b'{"max_tokens": 4}', 400, "messages", ["messages"]),
     "messages wrong type": ("chat/completions", b'{"messages": "Hi"}', 400, "messages", ["messages"]),
     "max_tokens a string": ("chat/completions", chat(max_tokens="ten"), 400, "max_tokens", ["max_tokens", "str"]),
     "temperature a string": ("completions", b'{"prompt": "Hi", "temperature": "hot"}', 400, "temperature",

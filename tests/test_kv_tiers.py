@@ -131,6 +131,29 @@ def test_histories_the_pool_evicted_come_back_from_the_host_tier_with_the_keys_a
     assert_no_leak(tiered.kvcache)
 
 
+def test_a_load_from_a_host_slot_that_lacks_the_block_is_reported_and_leaves_the_device_block_alone():
+    """A worker whose host slot does not hold the block a load asks for (its copy lost) copies nothing into the
+    pool and names the block from ``apply``; told so (``load_failed``), the scheduler side drops the block from
+    the host tier and counts an error. A load its slot does hold is copied and not named."""
+    engine = Engine(num_blocks=16, host_blocks=64)
+    prompt = list(range(500, 524))
+    engine.run([prompt])
+    first, second = engine.kvcache.prefix_digests(Request("p", prompt + [1], SamplingParams(), 512))[:2]
+    engine.worker.slot_keys[engine.connector.host[first]] = b""
+    block = engine.kvcache.num_blocks - 1
+    rows = slice(block * BLOCK, (block + 1) * BLOCK)
+    engine.storage.k[:, :, rows] = 7.0
+    engine.connector.load(first, block)
+    assert engine.worker.apply(engine.connector.take_payload()) == [block]
+    assert bool((engine.storage.k[:, :, rows] == 7.0).all())
+    engine.connector.load_failed(first, block)
+    assert first not in engine.connector.host and engine.connector.stats().num_errors == 1
+    engine.connector.load(second, block)
+    assert engine.worker.apply(engine.connector.take_payload()) == []
+    for offset in range(BLOCK):
+        assert torch.equal(engine.storage.k[:, :, block * BLOCK + offset], expected_kv(prompt, BLOCK + offset))
+
+
 def test_a_host_tier_smaller_than_the_histories_drops_the_least_recent_blocks_and_stays_exact():
     small, large = Engine(num_blocks=12, host_blocks=20), Engine(num_blocks=12, host_blocks=256)
     assert conversations(small, num=2, turns=4) == conversations(large, num=2, turns=4)

@@ -1,7 +1,7 @@
 """KV connectors with the real SmolLM2: multi-turn chats on a pool too small for their histories give the
 same greedy tokens with the tiers off, with the host tier, and after a restart from the disk tier (in a worker
-process of its own), and through the example third-party connector package; the counters say where the
-prefixes came from."""
+process of its own), through the example third-party connector package, and through a connector that fails
+to load blocks; the counters say where the prefixes came from."""
 
 from __future__ import annotations
 
@@ -10,11 +10,16 @@ import subprocess
 import sys
 import time
 
+import msgspec
 import pytest
 
+from conveyor.hookspecs import hookimpl
 from conveyor.llm import LLM
+from conveyor.plugins.connector.tier_store import LOAD, TierWorker
+from conveyor.plugins.connector.tiers import TieredConnector
 from conveyor.sampling import SamplingParams
 from tests.conftest import REPO
+from tests.factories import assert_no_leak
 
 POOL = {"kvcache.num_blocks": 24, "kvcache.block_size": 16}
 GREEDY = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
@@ -73,6 +78,52 @@ def test_a_third_party_connector_package_serves_the_same_replies_across_a_restar
             assert chat(llm) == plain_replies
             hits.append(llm.engine.connector.stats().hit_tokens["sqlite"])
     assert 0 < hits[0] < hits[1]  # (the second server finds every history's blocks, its first turns' too)
+
+
+class FlakyTierWorker(TierWorker):
+    """The host tier's worker side, failing the second, fourth, ... block of each step's loads: it fills the
+    block with noise (what a store that lost or mangled it might leave there) and says so."""
+
+    def apply(self, payload: bytes) -> list[int]:
+        failed = list(super().apply(payload) or [])
+        ops = msgspec.msgpack.decode(payload, type=list[tuple[int, int, int, bytes]])
+        for block in [block for kind, block, _, _ in ops if kind == LOAD][1::2]:
+            for tensor in self._blocks(block):
+                tensor.normal_(0.0, 100.0)
+            failed.append(block)
+        return failed
+
+
+class FlakyTiers(TieredConnector):
+    name = "flaky-tiers"
+    Worker = FlakyTierWorker
+
+
+@hookimpl
+def conveyor_register_connectors(register):
+    register(FlakyTiers)
+
+
+@pytest.mark.parametrize("setup", [{}, {"engine.async_scheduling": "on"},
+                                   {"scheduler.plugin": "static", "scheduler.max_wait_ms": 0}],
+                         ids=["continuous", "steps overlapped", "static"])
+def test_blocks_the_worker_side_cannot_load_are_computed_and_the_replies_do_not_change(setup, plain_replies,
+                                                                                        tmp_path):
+    """A connector (this module's, named in the config's plugins) whose worker side fails half the blocks it
+    loads: the engine computes them, and what follows them, instead of reading the noise left there; the
+    requests keep the blocks loaded before them. Also under async scheduling (no step goes on top of one that
+    loads) and with a scheduler that runs batches to completion (which takes the requests back too). The
+    replies are those without a connector, failures and hits were both counted, and no block is left held."""
+    config = tmp_path / "flaky.toml"
+    config.write_text('plugins = ["tests.test_kv_tiers_serving"]\n\n[connector]\nplugin = "flaky-tiers"\n'
+                      'host_gb = 0.1\n')
+    with LLM(config, overrides={**POOL, **setup}) as llm:
+        assert type(llm.engine.connector) is FlakyTiers
+        assert chat(llm) == plain_replies
+        stats = llm.engine.connector.stats()
+        assert stats.num_errors > 0 and stats.hit_tokens["host"] > stats.num_errors * POOL["kvcache.block_size"]
+        assert llm.engine.scheduler.stats().num_preemptions > 0  # (each request that read one started over)
+        assert_no_leak(llm.engine.kvcache)
 
 
 @pytest.mark.parametrize("ending", ["abort", "stop token, steps overlapped"])

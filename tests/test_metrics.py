@@ -68,13 +68,15 @@ def test_every_metric_moves_with_its_traffic():
 
     metrics.engine_ready(EngineReady(pid=1, max_model_len=256, num_kv_blocks=50, block_size=16,
                                      max_concurrency=3.125, load_time=1.0, peak_flops=2e12, peak_bytes_per_second=2.5e10,
-                                     quant="auto", weight_formats={"Q4_1": 66_355_200, "Q8_0": 30_081_024}))
+                                     quant="auto", weight_formats={"Q4_1": 66_355_200, "Q8_0": 30_081_024},
+                                     device="cpu"))
     assert value("conveyor_kv_cache_blocks") == 50 and value("conveyor_kv_cache_free_blocks") == 50
     assert value("conveyor_weight_bytes", format="Q4_1") == 66_355_200
     assert value("conveyor_weight_bytes", format="Q8_0") == 30_081_024
     with pytest.raises(KeyError):  # a format the weights are not kept in has no sample (not a zero)
         value("conveyor_weight_bytes", format="F16")
     assert value("conveyor_device_peak_flops") == 2e12 and value("conveyor_device_peak_bytes_per_second") == 2.5e10
+    assert value("conveyor_device_info", device="cpu") == 1
     assert value("conveyor_kv_cache_max_concurrency") == 3.125
     assert value("conveyor_engine_restarts_total") == 0
     assert value("conveyor_tensor_parallel_size") == 1 and value("conveyor_pipeline_parallel_size") == 1

@@ -7,7 +7,7 @@ import torch
 
 from conveyor.model.spec import ModelSpec
 from conveyor.perf.peaks import gpu_peaks
-from conveyor.perf.roofline import ModelCosts, StepWork, attended_pairs, step_work, utilization
+from conveyor.perf.roofline import ModelCosts, StepWork, attended_pairs, share_of_peak, step_work, utilization
 
 # SmolLM2-135M's shape (its config.json)
 SMOLLM2 = ModelSpec("LlamaForCausalLM", vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=30,
@@ -41,6 +41,17 @@ def test_a_known_step_matches_a_hand_calculation():
     assert mfu == pytest.approx(flops / (0.04 * 2e12), rel=1e-12)
     assert mbu == pytest.approx(moved / (0.04 * 25e9), rel=1e-12)
     assert utilization(work, 0.04, 0.0, 0.0) == (0.0, 0.0)  # (unknown peaks)
+
+
+def test_a_step_faster_than_the_peak_counts_as_the_peak():
+    """A rate past the peak means the peak was measured low (a busy CPU): the share is 1, never more; below the
+    peak it is the plain ratio, and 0 where the peak or the time is unknown."""
+    work = StepWork(flops=3e9, bytes=2e9)
+    assert utilization(work, 0.01, 2e11, 1e11) == (1.0, 1.0)  # (300 GFLOP/s against 200, 200 GB/s against 100)
+    assert utilization(work, 0.01, 6e11, 1e11) == pytest.approx((0.5, 1.0))
+    assert utilization(work, 0.01, 6e11, 4e11) == pytest.approx((0.5, 0.5))
+    assert share_of_peak(3e9, 0.01, 2e11) == 1.0 and share_of_peak(3e9, 0.01, 0.0) == 0.0
+    assert share_of_peak(3e9, 0.0, 2e11) == 0.0
 
 
 @pytest.mark.parametrize("window", [0, 1, 5, 16])
@@ -124,4 +135,4 @@ def test_every_step_of_the_engine_counts_its_work():
                                + pairs * costs.attention_flops_per_pair)
         assert stats.bytes_moved == (costs.weight_bytes + (cached + tokens) * costs.kv_bytes_per_token
                                      + tokens * costs.activation_bytes_per_token)
-        assert stats.mfu > 0 and stats.mbu > 0
+        assert 0 < stats.mfu <= 1 and 0 < stats.mbu <= 1

@@ -246,8 +246,9 @@ def test_a_failed_step_fails_its_requests_and_the_engine_keeps_serving(llm_fp32,
 
 
 def test_a_rejected_prompt_leaves_nothing_queued(llm_fp32):
-    too_long = "word " * 3000
-    with pytest.raises(ValueError, match="max_model_len=2048 leaves no room"):
+    max_model_len = llm_fp32.engine.max_model_len
+    too_long = "word " * (max_model_len + 1)
+    with pytest.raises(ValueError, match=f"max_model_len={max_model_len} leaves no room"):
         llm_fp32.generate(["A fine prompt", too_long], SamplingParams(max_tokens=2))
     assert not llm_fp32.engine.has_unfinished()
 

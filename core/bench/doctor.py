@@ -15,7 +15,7 @@ from dataclasses import asdict
 
 import httpx
 
-from conveyor.perf.checklist import Diagnosis, diagnose
+from conveyor.perf.checklist import Diagnosis, diagnose, giga
 from conveyor.perf.readings import Reading, read_metrics
 
 # seconds between readings of /metrics
@@ -50,7 +50,8 @@ def timed_readings(url: str, seconds: float,
 def format_diagnosis(diagnosis: Diagnosis) -> str:
     w = diagnosis.window
     head = (f"over {diagnosis.seconds:.0f} s: {w['steps']:.0f} steps, {w['generated_tokens']:.0f} tokens generated, "
-            f"MFU {w['mfu']:.1%}, MBU {w['mbu']:.1%}, busy {w['busy_fraction']:.0%}, "
+            f"MFU {w['mfu']:.1%}{_of(w['peak_flops'], 'GFLOP/s')}, MBU {w['mbu']:.1%}"
+            f"{_of(w['peak_bytes_per_second'], 'GB/s')}, busy {w['busy_fraction']:.0%}, "
             f"{w['running_mean']:.1f} running, {w['waiting_mean']:.1f} waiting, KV up to {w['kv_usage_max']:.0%}")
     if w["slo_ttft_s"] or w["slo_itl_s"]:
         head += f", goodput {w['goodput']:.2f} requests/s within the latency targets"
@@ -64,6 +65,11 @@ def format_diagnosis(diagnosis: Diagnosis) -> str:
         lines.append("  evidence: " + ", ".join(f"{k} = {v:g}" for k, v in finding.evidence.items()))
         lines.append(f"  change first: {finding.change}: {finding.advice}")
     return "\n".join(lines)
+
+
+def _of(peak: float, unit: str) -> str:
+    """' of 446 GFLOP/s': the peak a share is of (none where /metrics has no peak)."""
+    return f" of {giga(peak)} {unit}" if peak else ""
 
 
 def to_json(diagnosis: Diagnosis) -> str:

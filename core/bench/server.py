@@ -33,6 +33,8 @@ class Server:
         env: extra environment variables.
         echo: also print the server's output as it comes (progress of long runs).
         overrides: ``section.key=value`` strings passed as ``--set``.
+        command: the command that starts the server instead (``conveyor serve MODEL --port 0``, ``make serve``);
+            it runs in a process group of its own, which ``stop`` signals whole.
     """
 
     def __init__(
@@ -42,9 +44,11 @@ class Server:
         env: dict[str, str] | None = None,
         echo: bool = False,
         overrides: list[str] | None = None,
+        command: list[str] | None = None,
     ):
         self.echo = echo
         self.overrides = overrides or []
+        self.command = command
         self.config_path = tmp / "server.toml"
         self.config_path.write_text(config)
         self.env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
@@ -54,13 +58,14 @@ class Server:
 
     def launch(self) -> Server:
         """Starts the server process and returns at once (its output collected into ``lines`` as it comes)."""
+        command = self.command or [sys.executable, "-m", "conveyor", "serve", str(self.config_path)]
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "conveyor", "serve", str(self.config_path)]
-            + [arg for override in self.overrides for arg in ("--set", override)],
+            command + [arg for override in self.overrides for arg in ("--set", override)],
             env=self.env,
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
+            start_new_session=self.command is not None,
         )
         threading.Thread(target=self._collect, daemon=True).start()
         return self
@@ -128,7 +133,10 @@ class Server:
         """Signal the server and return its exit code."""
         assert self.process is not None
         if self.process.poll() is None:
-            self.process.send_signal(sig)
+            if self.command is not None:  # (make, and the server it started)
+                os.killpg(self.process.pid, sig)
+            else:
+                self.process.send_signal(sig)
             try:
                 self.process.wait(timeout)
             except subprocess.TimeoutExpired:

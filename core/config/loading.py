@@ -37,6 +37,9 @@ _CORE_TABLES: dict[str, type[msgspec.Struct]] = {
     "model": ModelConfig, "engine": EngineConfig, "server": ServerConfig, "parallel": ParallelConfig,
     "lora": LoraConfig,
 }
+# quantization formats of Hugging Face checkpoints, which the checkpoint names and "auto" serves (a user may
+# look for a quant plugin of that name, as other servers have a flag for each)
+HF_QUANT_FORMATS = frozenset({"awq", "gptq", "compressed-tensors", "bitsandbytes", "marlin"})
 _TOP_LEVEL_KEYS = ("model", "engine", "server", "parallel", "lora", "scheduler", "kvcache", "quant", "transport",
                    "connector", "plugins")
 
@@ -134,7 +137,11 @@ def _plugin_class(registry: PluginRegistry, kind: str, name: str, origin: str, t
     try:
         return registry.get(kind, name)
     except KeyError as e:
-        raise ConfigError(f"{origin}: [{table}] plugin = {name!r}: {e.args[0]}") from None
+        hint = ""
+        if kind == "quant" and name.lower().replace("_", "-") in HF_QUANT_FORMATS:
+            hint = ("; checkpoints quantized with AWQ, GPTQ or compressed-tensors are served by plugin = 'auto', "
+                    "which reads their quantization_config")
+        raise ConfigError(f"{origin}: [{table}] plugin = {name!r}: {e.args[0]}{hint}") from None
 
 
 def parse_override(text: str) -> tuple[str, Any]:
@@ -161,9 +168,7 @@ def _apply_override(raw: dict[str, Any], dotted: str, value: Any, source: str) -
     node: Any = raw
     for i, part in enumerate(parts[:-1]):
         if isinstance(node, list):
-            if not part.isdigit() or int(part) >= len(node):
-                raise ConfigError(f"--set {dotted}: {'.'.join(parts[:i])} has {len(node)} entries")
-            node = node[int(part)]
+            node = node[_entry_index(node, part, dotted, ".".join(parts[:i]))]
         else:
             node = node.setdefault(part, {})
         if not isinstance(node, (dict, list)):
@@ -171,6 +176,20 @@ def _apply_override(raw: dict[str, Any], dotted: str, value: Any, source: str) -
     if isinstance(node, list):
         raise ConfigError(f"--set {dotted}: name an entry of the list, e.g. transport.0.port")
     node[parts[-1]] = _parse_value(value)
+
+
+def _entry_index(entries: list[Any], part: str, dotted: str, table: str) -> int:
+    """The entry of a list of tables that ``part`` of an override names: by index, or by plugin name (the first
+    entry with that plugin: ``transport.http.port``)."""
+    if part.isdigit() and int(part) < len(entries):
+        return int(part)
+    plugins = [entry.get("plugin") if isinstance(entry, dict) else None for entry in entries]
+    if not part.isdigit() and part in plugins:
+        return plugins.index(part)
+    have = ", ".join(f"{i} ({p})" if p else str(i) for i, p in enumerate(plugins)) or "none"
+    raise ConfigError(f"--set {dotted}: {table} has {len(entries)} {'entry' if len(entries) == 1 else 'entries'}: "
+                      f"{have}; name one by index or by plugin ({table}.http.port), or add a [[{table}]] table to "
+                      "a config file")
 
 
 def _build(raw: dict[str, Any], origin: _Origin, registry: PluginRegistry | None) -> Config:
@@ -210,7 +229,8 @@ def _build(raw: dict[str, Any], origin: _Origin, registry: PluginRegistry | None
             specs[kind] = _plugin_spec(value or {}, kind, default, kind, origin, registry)
     _check_batch_invariant(tables, origin)
     _check_async_scheduling(tables, origin)
-    config = Config(**tables, **specs, plugins=list(plugins), source=origin.source)
+    config = Config(**tables, **specs, plugins=list(plugins), source=origin.source,
+                    overridden=sorted(origin.overridden))
     config._registry = registry
     return config
 
@@ -259,7 +279,8 @@ def _plugin_spec(
     options = dict(table)
     name = options.pop("plugin", default)
     if name is None:
-        raise ConfigError(f"{origin.of(where)}: [{where}] needs plugin = \"name\"")
+        raise ConfigError(f"{origin.of(where)}: [{where}] needs plugin = \"name\"; installed: "
+                          f"{', '.join(registry.names(kind))}")
     if not isinstance(name, str):
         raise ConfigError(f"{origin.of(where, 'plugin')}: [{where}] plugin must be a string")
     cls = _plugin_class(registry, kind, name, origin.of(where, "plugin"), where)

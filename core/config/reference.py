@@ -25,10 +25,15 @@ plugins' Options: edit the comments in the source, not this page -->
 
 A config is a TOML file (`conveyor serve FILE`; `configs/default.toml` holds every default). Any key can be set on
 the command line with `--set table.key=value`, or from Python with `LLM(overrides={"table.key": value})`; a
-`[[transport]]` table is named by its index in the list, from 0 (`--set transport.0.port=8001`: `transport.port` is
-refused). A wrong key or value stops at start-up with one line naming the file, the table, the key and what is
-allowed.
+`[[transport]]` table is named by its index in the list, from 0 (`--set transport.0.port=8001`), or by its plugin,
+the first table of that plugin (`--set transport.http.port=8001`); `transport.port` is refused. A wrong key or value
+stops at start-up with one line naming the file, the table, the key and what is allowed.
 
+`conveyor serve MODEL` (and `conveyor generate MODEL`) takes a `.gguf` file, a Hugging Face directory or an
+installed model's name as `model.path`; a `.toml` positional is a config file, as `--config FILE` is. The flags
+below stand for the keys beside them:
+"""
+_PLUGINS_LIST = """\
 Top level: `plugins = ["module", ...]`, extra plugin modules to import (each registers plugins from a pluggy hook;
 installed packages are found through the `conveyor` entry-point group without it)."""
 _FIELD = re.compile(r"^    (\w+)\s*:")
@@ -101,7 +106,11 @@ def _table(struct: type[msgspec.Struct], skip: tuple[str, ...] = ()) -> list[str
 def reference_markdown(registry: PluginRegistry | None = None) -> str:
     """The reference page, for the plugins ``registry`` holds (the built-in ones by default)."""
     registry = registry or PluginRegistry()
-    out = ["# Configuration reference", "", _INTRO, ""]
+    from conveyor.config.shortcuts import SHORTCUTS
+
+    flags = [f"| `--{flag.replace('_', '-')}` | `{key}` |" for flag, key in SHORTCUTS.items()]
+    flags.insert(2, "| `--served-model-name NAME [ALIAS ...]` | `model.name`, then `model.aliases` |")
+    out = ["# Configuration reference", "", _INTRO, "| flag | key |", "|---|---|", *flags, "", _PLUGINS_LIST, ""]
     for table, struct in CORE_TABLES.items():
         out += [f"## [{table}]", "", *_table(struct), ""]
     for kind, default in PLUGIN_KINDS.items():

@@ -20,12 +20,15 @@ class ModelConfig(msgspec.Struct, forbid_unknown_fields=True):
     tokenizer: str = ""
     # name clients use for this model; empty: derived from path
     name: str = ""
+    # other names clients may use for it (a request naming one is served as if it named the model)
+    aliases: list[str] = msgspec.field(default_factory=list)
     # dtype of the weights and activations
     dtype: Literal["float32", "float16", "bfloat16"] = "bfloat16"
     # auto: cuda when available, else cpu
     device: Literal["auto", "cpu", "cuda"] = "auto"
-    # longest prompt + output, in tokens; 0: the model's own context length
-    max_model_len: Annotated[int, msgspec.Meta(ge=0)] = 2048
+    # longest prompt + output, in tokens; 0: the model's own context length, capped at what the KV cache holds
+    # for one request (the banner says which)
+    max_model_len: Annotated[int, msgspec.Meta(ge=0)] = 0
     # "auto": the weights in path; "dummy": random weights of the shape in path's config.json (benchmarks and
     # checks without the weights; conveyor.model.dummy)
     load_format: Literal["auto", "dummy"] = "auto"
@@ -36,6 +39,9 @@ class ModelConfig(msgspec.Struct, forbid_unknown_fields=True):
     # /v1/embeddings: the final hidden states pooled to one vector per input, "last" (the last token's) or
     # "mean" (the mean of every token's)
     pooling: Literal["last", "mean"] = "last"
+    # the chat template of every chat-shaped API (a Jinja file, or the template itself when it holds "{%" or
+    # "{{"); "": the checkpoint's own
+    chat_template: str = ""
 
     @property
     def served_name(self) -> str:
@@ -223,3 +229,11 @@ class Config(msgspec.Struct, dict=True):
     plugins: list[str] = msgspec.field(default_factory=list)
     # where this config came from (for messages); "<defaults>" when built in code
     source: str = "<defaults>"
+    # the keys set by --set (or the command line's shortcuts), "table.key", for messages
+    overridden: list[str] = msgspec.field(default_factory=list)
+
+    def source_of(self, table: str) -> str:
+        """Where a table's keys came from, for a message about them: the file, and any of its keys set by --set
+        ("configs/default.toml with --set model.path")."""
+        keys = sorted(k for k in self.overridden if k.startswith(f"{table}."))
+        return f"{self.source} with --set {', '.join(keys)}" if keys else self.source

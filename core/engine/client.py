@@ -1,10 +1,14 @@
 """The engine client interface: how a frontend submits requests to an engine core and streams their outputs.
 
-Two implementations: ``InprocClient`` (``conveyor.engine.inproc``) steps an
+Four implementations: ``InprocClient`` (``conveyor.engine.inproc``) steps an
 engine core in this process, on the event loop; ``MPClient``
 (``conveyor.engine.mp_client``) runs it in a child process over ZeroMQ and
-restarts it when it dies. Both route each output to the stream of its
-request; neither imports torch into the frontend.
+restarts it when it dies; ``DPClient`` (``conveyor.engine.dp_client``) puts
+``data_parallel_size`` ``MPClient`` replicas behind a router; ``PDClient``
+(``conveyor.engine.pd_client``, a ``DPClient``) runs prefill engines and
+decode engines and sends each request through one of each. All route each
+output to the stream of its request; the last three keep torch out of the
+frontend's process.
 """
 
 from __future__ import annotations

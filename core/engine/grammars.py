@@ -77,7 +77,7 @@ class GrammarRequests(AdmissionGate):
         from conveyor.model.tokenizer import load_tokenizer
         from conveyor.structured import Grammars
 
-        return Grammars(load_tokenizer(self.config.model, self.config.source), self.vocab_size)
+        return Grammars(load_tokenizer(self.config.model, self.config.source_of("model")), self.vocab_size)
 
     @property
     def grammars(self) -> Grammars:

@@ -54,6 +54,8 @@ class ModelInfo(msgspec.Struct, array_like=True, frozen=True):
     spec: ModelSpec | None = None
     # bytes of the linear layers, embedding and head by the format each is kept in (LlamaModel.weight_formats)
     weight_formats: dict[str, int] = msgspec.field(default_factory=dict)
+    # what the quant method does to a checkpoint quantized already (conveyor.model.loader.requantize_note)
+    quant_note: str = ""
 
 
 class Executor(ABC):
@@ -203,12 +205,13 @@ def log_workers(pids: list[int]) -> None:
 
 def merge_outputs(outputs: list[RunnerOutput], driver_rank: int) -> RunnerOutput:
     """Every worker's output of one step, by rank -> the driver's (the only one with tokens) with each
-    worker's times in ``ranks``."""
+    worker's times in ``ranks``, and the KV blocks any worker could not load (each holds a share of a block)."""
     if len(outputs) == 1:
         return outputs[0]
     driver = outputs[driver_rank]
     driver.ranks = [RankTimes(o.forward_time + o.sample_time, o.comm_time, o.wait_time, o.num_collectives,
                               o.collective_bytes) for o in outputs]
+    driver.kv_load_failed = sorted({block for o in outputs for block in o.kv_load_failed})
     return driver
 
 
@@ -249,7 +252,7 @@ def _check_split(config: Config) -> None:
     from conveyor.worker.parallel import Placement, check_divisible
 
     try:
-        spec = open_model(config.model, config.source).spec
+        spec = open_model(config.model, config.source_of("model")).spec
     except Exception:  # noqa: BLE001 - a checkpoint this process cannot read: each worker reports why it cannot
         return
     experts = tuple(w for w in (spec.moe_intermediate_size, spec.shared_expert_intermediate_size) if w)

@@ -84,6 +84,10 @@ class Checkpoint(ABC):
         """Per-frequency RoPE divisors stored beside the weights, if any."""
         return None
 
+    def stored_formats(self) -> frozenset[str]:
+        """The quantized formats the checkpoint's weights are stored in (GGUF's block types); empty for floats."""
+        return frozenset()
+
 
 # a projection some checkpoints store fused -> (the fused projection, its index there, which fusion)
 _FUSED = {

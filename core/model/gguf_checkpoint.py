@@ -244,6 +244,9 @@ class GGUFCheckpoint(Checkpoint):
             data = unpermute_rows(data, self.spec.num_kv_heads)
         return ggml.PackedWeight(tensor.tensor_type.name, data.contiguous(), columns)
 
+    def stored_formats(self) -> frozenset[str]:
+        return frozenset(t.tensor_type.name for t in self._tensors.values() if t.tensor_type.name in ggml.BLOCKS)
+
     def rope_freq_factors(self) -> torch.Tensor | None:
         tensor = self._extra.get("rope_freqs.weight")
         return None if tensor is None else self._read(tensor)

@@ -48,6 +48,29 @@ def model_len(config: ModelConfig, ckpt: Checkpoint, source: str = "<config>") -
     return config.max_model_len or trained
 
 
+def requantize_note(ckpt: Checkpoint, quant: QuantMethod) -> str:
+    """What a quant method does to a checkpoint that is quantized already, in words for the banner ("" when it
+    serves the stored blocks as they are, or the checkpoint holds floats): a second rounding of 4-bit blocks to
+    8 bits only costs memory and bandwidth, and a user who picked the method should learn that at start-up."""
+    from conveyor.model.ggml import BLOCKS
+
+    stored = sorted(ckpt.stored_formats())
+    expanded = [f for f in stored if f not in quant.packed_formats]
+    if not stored or quant.name in ("auto", "gguf"):
+        return ""
+    if not expanded:
+        return (f"the file is quantized already ({', '.join(stored)}): its blocks are served as stored; quant "
+                f"{quant.name!r} changes only weights stored as floats")
+    bits = ", ".join(f"{f} ({BLOCKS[f][1] * 8 / BLOCKS[f][0]:.1f} bits a weight)" for f in expanded)
+    kept = [f for f in stored if f in quant.packed_formats]
+    also = f"; its {', '.join(kept)} blocks are served as stored" if kept else ""
+    if quant.name == "none":
+        return f"the file is quantized already ({bits}): quant 'none' expands its blocks to {quant.dtype}{also}"
+    return (f"the file is quantized already ({bits}): quant {quant.name!r} expands those blocks and rounds them "
+            f"again, which adds rounding error and, where its format has more bits, memory; quant.plugin = 'auto' "
+            f"serves them as stored{also}")
+
+
 def load_model(
     ckpt: Checkpoint, quant: QuantMethod, dtype: torch.dtype, device: torch.device, max_model_len: int,
     fused: bool = False,

@@ -262,7 +262,8 @@ class Tokenizer:
         if continue_final_message:
             return self._continued(messages, context)
         if self._template is None:
-            raise ChatTemplateError("this model has no chat template; send a plain prompt instead")
+            raise ChatTemplateError("this model has no chat template; send a plain prompt instead (the server's "
+                                    "[model] chat_template gives it one)")
         if not isinstance(messages, list) or not messages:
             raise ChatTemplateError("messages must be a non-empty list")
         messages = [_text_message(i, m) for i, m in enumerate(messages)]
@@ -303,11 +304,43 @@ class Tokenizer:
 
 def load_tokenizer(config: ModelConfig, source: str = "<config>") -> Tokenizer:
     """The tokenizer of ``[model]``: an explicit tokenizer.json, else the checkpoint's own (GGUF metadata or
-    tokenizer.json beside the weights), read without loading any weight.
+    tokenizer.json beside the weights), read without loading any weight; with ``[model] chat_template``'s template.
 
     Raises:
-        ConfigError: the model is not where ``[model] path`` says.
+        ConfigError: the model is not where ``[model] path`` says, or the chat template is not where its key says.
     """
+    tokenizer = _checkpoint_tokenizer(config, source)
+    if config.chat_template:
+        tokenizer.chat_template = read_chat_template(config.chat_template, source)
+    return tokenizer
+
+
+def read_chat_template(value: str, source: str = "<config>") -> str:
+    """``[model] chat_template``: the template itself where it holds Jinja's ``{%`` or ``{{``, else a file's text.
+
+    Raises:
+        ConfigError: no such file, or a template Jinja cannot parse (its line and why).
+    """
+    from jinja2 import TemplateSyntaxError
+
+    from conveyor.config import ConfigError
+
+    where = f"{source}: [model] chat_template"
+    template = value
+    if "{%" not in value and "{{" not in value:
+        try:
+            template = Path(value).expanduser().read_text()
+        except (OSError, UnicodeDecodeError) as e:
+            raise ConfigError(f"{where} = {value!r}: expected a Jinja template file or the template itself "
+                              f"(text holding '{{%' or '{{{{'): {getattr(e, 'strerror', None) or e}") from None
+    try:
+        ImmutableSandboxedEnvironment(extensions=["jinja2.ext.loopcontrols"]).parse(template)
+    except TemplateSyntaxError as e:
+        raise ConfigError(f"{where}: not a valid Jinja template: line {e.lineno}: {e.message}") from None
+    return template
+
+
+def _checkpoint_tokenizer(config: ModelConfig, source: str) -> Tokenizer:
     from conveyor.config import ConfigError
     from conveyor.model.checkpoint import ModelNotFoundError, resolve_model_path
 

@@ -2,7 +2,8 @@
 the fused element-wise layers, and linear layers over bf16 weights, over GGUF's quantized blocks and over fp8 weights.
 
 They are built with torch's extension builder for the CPU this runs on, the
-first time they are needed (about a minute on two cores; ``make setup`` does it ahead), and kept
+first time they are needed (about a minute on two idle cores, a line as each source compiles; ``make setup`` does
+it ahead), and kept
 in a cache directory under a name that carries the sources, the flags, the
 CPU's feature flags and the checkout's and environment's paths, so a change of
 any of them builds afresh and two checkouts never rebuild each other's. Where they
@@ -97,6 +98,44 @@ def clear_stale_lock(build_dir: Path) -> bool:
     return True
 
 
+# what a first build takes, for the message that announces it (measured: 42 s on an idle 2-core AMD EPYC with AVX2,
+# 2026-12-07; about 4 minutes was seen on a 2-core machine shared with other work)
+BUILD_TIME = "about a minute on two idle cores, several while they are busy"
+
+
+class BuildProgress:
+    """A line each time the build finishes compiling a source (``ggml_gemm.cpp compiled: 3 of 12, 41 s``): torch's
+    builder runs ninja silently, and a first build takes minutes."""
+
+    def __init__(self, build_dir: Path, sources: list[Path] = SOURCES, interval: float = 1.0):
+        self.build_dir = build_dir
+        self.pending = {source.stem: source.name for source in sources}
+        self.total = len(sources)
+        self.started = time.perf_counter()
+        self.interval = interval
+        self._stopped = threading.Event()
+        self._polling = threading.Lock()
+        threading.Thread(target=self._watch, daemon=True, name="kernel-build-progress").start()
+
+    def poll(self) -> list[str]:
+        """The sources whose object files have appeared since the last poll, announced in the log."""
+        with self._polling:  # (the watcher's thread and stop() both poll)
+            done = [stem for stem in self.pending if (self.build_dir / f"{stem}.o").exists()]
+            for stem in done:
+                name = self.pending.pop(stem)
+                logger.info("  %s compiled: %d of %d, %.0f s", name, self.total - len(self.pending), self.total,
+                            time.perf_counter() - self.started)
+        return done
+
+    def _watch(self) -> None:
+        while self.pending and not self._stopped.wait(self.interval):
+            self.poll()
+
+    def stop(self) -> None:
+        self._stopped.set()
+        self.poll()  # (the last sources compile just before the link ends the build)
+
+
 def load() -> bool:
     """Build (if needed) and load the kernels; False where they cannot be built."""
     global _loaded
@@ -108,8 +147,10 @@ def load() -> bool:
         name = build_name()
         build_dir = cache_dir() / name
         started = time.perf_counter()
+        progress = None
         if not (build_dir / f"{name}.so").exists():
-            logger.info("building the CPU kernels for this machine (once: about a minute) in %s", build_dir)
+            logger.info("building the CPU kernels for this machine (once: %s) in %s", BUILD_TIME, build_dir)
+            progress = BuildProgress(build_dir)
         try:
             build_dir.mkdir(parents=True, exist_ok=True)
             clear_stale_lock(build_dir)
@@ -120,11 +161,16 @@ def load() -> bool:
                 build_directory=str(build_dir), is_python_module=False, verbose=False,
             )
         except Exception as e:  # noqa: BLE001 -- no compiler, no ninja, a failed build: the torch ops still work
+            if progress is not None:
+                progress.stop()
             message = str(e).strip().splitlines()
             logger.warning("CPU kernels unavailable (%s: %s); using torch ops instead",
                            type(e).__name__, message[-1] if message else "")
             _loaded = False
             return False
+        if progress is not None:
+            progress.stop()
+            logger.info("CPU kernels built in %.0f s", time.perf_counter() - started)
         logger.debug("CPU kernels loaded in %.1f s", time.perf_counter() - started)
         _register_fakes()
         _loaded = True
@@ -269,6 +315,12 @@ def tile_linear(x: torch.Tensor, tiles: torch.Tensor, bias: torch.Tensor | None 
 
 
 _ggml_path: str | None = None
+
+
+def int8_peak_ops(path: str, iterations: int) -> int:
+    """Run the int8 dot products of ``path`` ("scalar", "avx2", "avx512_vnni", "amx") in registers on every
+    thread, ``iterations`` turns each; the operations done in all (time it for the peak: csrc/int8_peak.cpp)."""
+    return int(_ops().int8_peak_ops(path, iterations))
 
 
 def ggml_linear_path() -> str:

@@ -30,7 +30,15 @@ hold are listed):
 - **Prefill interference**: prompt chunks in the steps of running decodes
   made inter-token latency spiky (P99 over 3x the P50). Smaller chunks.
 - **Compute-bound** (MFU >= 0.5) or **bandwidth-bound** (MBU >= 0.6) steps:
-  the hardware itself; tensor parallelism, or fewer bytes per token.
+  the hardware itself; tensor parallelism, or fewer bytes per token. MFU is
+  taken against the peak of the arithmetic the weights are multiplied in (on
+  a CPU, int8 dot products for packed blocks), and neither share passes 1:
+  steps faster than a peak say that the peak was measured low, and the
+  finding says so.
+
+The advice fits the device: on a CPU (``conveyor_device_info``) it names no
+GPU feature, and it knows whether the weights are already packed blocks
+(``conveyor_weight_bytes`` by format).
 """
 
 from __future__ import annotations
@@ -138,7 +146,8 @@ def checklist(w: dict[str, float]) -> list[Finding]:
             f"evicted and recomputed), usage up to {w['kv_usage_max']:.0%}",
             _pick(w, "preemptions", "kv_usage_max", "kv_usage_mean", "running_mean", "waiting_mean"),
             "kvcache.memory_gb",
-            "give the KV cache more memory (kvcache.memory_gb, or memory_fraction on a GPU); kvcache.dtype = "
+            "give the KV cache more memory (kvcache.memory_gb" + ("" if w["on_cpu"] else ", or memory_fraction on "
+                                                                  "a GPU") + "); kvcache.dtype = "
             "\"fp8\" holds twice the tokens; a shorter model.max_model_len or fewer scheduler.max_num_seqs "
             "admit fewer at once",
         ))
@@ -194,8 +203,9 @@ def checklist(w: dict[str, float]) -> list[Finding]:
             _pick(w, "host_fraction", "schedule_fraction", "sample_fraction", "update_fraction", "tokens_per_step",
                   "running_mean", "steps_per_second"),
             "scheduler.max_num_seqs",
-            "the device waits for the host between forward passes: engine.async_scheduling = \"on\" schedules "
-            "the next step while the device runs this one; larger batches share each step's fixed host work "
+            ("" if w["on_cpu"] else "the device waits for the host between forward passes: "
+             "engine.async_scheduling = \"on\" schedules the next step while the device runs this one; ") +
+            "larger batches share each step's fixed host work "
             "among more tokens (scheduler.max_num_seqs, more concurrent requests); fewer per-token extras "
             "(logprobs, stop strings, penalties) shorten sampling and recording",
         ))
@@ -209,7 +219,8 @@ def checklist(w: dict[str, float]) -> list[Finding]:
                   "busy_fraction", "mfu", "mbu"),
             "parallel.data_parallel_size",
             "the server is at its capacity: more replicas (parallel.data_parallel_size, or more servers behind a "
-            "balancer) or a faster device; quant.plugin = \"int8\" makes each decode step read half the bytes",
+            "balancer) or a faster device" + ("" if w["integer_weights"] >= 0.5 else
+                                              "; quant.plugin = \"int8\" makes each decode step read half the bytes"),
         ))
     prompts_among_decodes = w["prompt_tokens"] > 0 and w["itl_count"] >= 20
     if prompts_among_decodes and w["itl_p50_s"] > 0 and w["itl_p99_s"] > ITL_SPREAD * w["itl_p50_s"]:
@@ -224,24 +235,75 @@ def checklist(w: dict[str, float]) -> list[Finding]:
             "one delays the running decodes less (time to first token grows a little)",
         ))
     if w["mfu"] >= COMPUTE_BOUND:
-        findings.append(Finding(
-            "compute_bound",
-            f"steps run at {w['mfu']:.0%} of the device's FLOP/s",
-            _pick(w, "mfu", "mbu", "tokens_per_step", "busy_fraction"),
-            "parallel.tensor_parallel_size",
-            "the matmuls are near the device's peak: split them over devices (parallel.tensor_parallel_size) or "
-            "use faster arithmetic (quant.plugin = \"fp8\" on GPUs with fp8 units)",
-        ))
+        findings.append(_compute_bound(w))
     elif w["mbu"] >= 0.6:
-        findings.append(Finding(
-            "bandwidth_bound",
-            f"steps read memory at {w['mbu']:.0%} of the device's bandwidth",
-            _pick(w, "mbu", "mfu", "tokens_per_step", "running_mean"),
-            "quant.plugin",
-            "each step is bound by reading the weights and the KV cache: quant.plugin = \"int8\" halves the "
-            "weights' bytes, kvcache.dtype = \"fp8\" the cache's; a larger batch shares each read among more tokens",
-        ))
+        findings.append(_bandwidth_bound(w))
     return findings
+
+
+def giga(value: float) -> str:
+    """``value`` in units of 1e9, to three figures below 100 (a peak mistaken by far is still readable)."""
+    return f"{value / 1e9:,.0f}" if value >= 1e11 else f"{value / 1e9:.3g}"
+
+
+def _past_peak(w: dict[str, float], kind: str, why: bool = True) -> str:
+    """What the summary adds where the steps ran faster than the peak /metrics gives for ``kind`` ("flops" or
+    "bytes"): the share is 1, and the peak was wrong (``why``: and how it came to be)."""
+    ratio = w[f"{kind}_past_peak"]
+    if not ratio:
+        return ""
+    rate, peak, unit = ((w["flops_per_second"], w["peak_flops"], "GFLOP/s") if kind == "flops" else
+                        (w["bytes_per_second"], w["peak_bytes_per_second"], "GB/s"))
+    text = f" (they ran at {giga(rate)} {unit}, {ratio:.2f}x the peak of {giga(peak)} {unit} the server takes"
+    if not why:
+        return text + ": counted as 100%)"
+    cause = ("measured while the CPU was busy" + (", or of other arithmetic than the kernels'" if kind == "flops"
+                                                  else "") + ": `conveyor profile` on a quiet machine measures it again"
+             if w["on_cpu"] else "the device's table entry is below what it does")
+    return text + f", so that peak is too low: {cause}; counted as 100%)"
+
+
+def _compute_bound(w: dict[str, float]) -> Finding:
+    """Steps near the peak of their arithmetic: on a GPU, more devices or fp8; on a CPU, integer weights where
+    they are float, else more cores."""
+    packed = w["on_cpu"] and w["integer_weights"] >= 0.5
+    arithmetic = ("" if not w["on_cpu"] else ", in the int8 dot products of the packed-block kernels" if packed
+                  else ", multiplying float weights")
+    summary = f"steps run at {w['mfu']:.0%} of the device's FLOP/s{arithmetic}{_past_peak(w, 'flops')}"
+    if w["bytes_past_peak"]:  # (no bandwidth-bound finding follows a compute-bound one to say it)
+        summary += f"; memory at {w['mbu']:.0%} of its bandwidth{_past_peak(w, 'bytes', why=False)}"
+    evidence = _pick(w, "mfu", "mbu", "tokens_per_step", "busy_fraction", "flops_per_second", "peak_flops")
+    if not w["on_cpu"]:
+        return Finding("compute_bound", summary, evidence, "parallel.tensor_parallel_size",
+                       "the matmuls are near the device's peak: split them over devices "
+                       "(parallel.tensor_parallel_size) or use faster arithmetic (quant.plugin = \"fp8\" on GPUs "
+                       "with fp8 units)")
+    evidence |= _pick(w, "integer_weights")
+    more_cores = ("this CPU's cores are the limit: keep other processes off them ([engine] num_threads = 0 takes "
+                  "one per core), add cores on other machines (pipeline stages over Ray: parallel.executor = "
+                  "\"ray\", parallel.pipeline_parallel_size; or servers behind a balancer), or serve a smaller model")
+    if packed:
+        return Finding("compute_bound", summary, evidence, "parallel.pipeline_parallel_size", more_cores)
+    return Finding("compute_bound", summary, evidence, "quant.plugin",
+                   "where `conveyor profile` shows this CPU's int8 peak above its float ones (AVX2, AVX-512 VNNI), "
+                   "packed integer weights multiply faster: a quantized GGUF (Q4_K_M, Q4_0, Q8_0), or quant.plugin = "
+                   "\"int8\" (Q8_0 blocks) or \"int4\" for a float checkpoint; beyond that, " + more_cores)
+
+
+def _bandwidth_bound(w: dict[str, float]) -> Finding:
+    """Steps near the memory's bandwidth: fewer bytes a token (float weights packed; an fp8 cache) or a batch
+    that shares each read among more tokens."""
+    packed = w["integer_weights"] >= 0.5
+    return Finding(
+        "bandwidth_bound",
+        f"steps read memory at {w['mbu']:.0%} of the device's bandwidth{_past_peak(w, 'bytes')}",
+        _pick(w, "mbu", "mfu", "tokens_per_step", "running_mean", "bytes_per_second", "peak_bytes_per_second"),
+        "kvcache.dtype" if packed else "quant.plugin",
+        ("each step is bound by reading the weights and the KV cache: " + (
+            "the weights are packed blocks already; " if packed else
+            "quant.plugin = \"int8\" halves the weights' bytes (\"int4\": under a third), ") +
+         "kvcache.dtype = \"fp8\" halves the cache's; a larger batch shares each read among more tokens"),
+    )
 
 
 def diagnose(readings: list[Reading], seconds: float) -> Diagnosis:

@@ -9,6 +9,8 @@ from collections.abc import Iterator
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.samples import Sample
 
+from conveyor.perf.peaks import integer_share
+
 
 def metric_samples(text: str) -> Iterator[Sample]:
     """Every sample of a Prometheus text exposition."""
@@ -83,7 +85,8 @@ def summarize(readings: list[Reading], seconds: float) -> dict[str, float]:
 
     steps = delta("conveyor_engine_step_seconds_count")
     forward = delta("conveyor_forward_seconds_total")
-    peak_flops, peak_bandwidth = _total(last, "conveyor_device_peak_flops"), _total(last, "conveyor_device_peak_bytes_per_second")
+    peak_flops = _total(last, "conveyor_device_peak_flops")
+    peak_bandwidth = _total(last, "conveyor_device_peak_bytes_per_second")
     running, waiting = gauge("conveyor_num_requests_running"), gauge("conveyor_num_requests_waiting")
     kv = fullest("conveyor_kv_cache_usage_ratio")
     prompt, generated = delta("conveyor_prompt_tokens_total"), delta("conveyor_generation_tokens_total")
@@ -96,12 +99,31 @@ def summarize(readings: list[Reading], seconds: float) -> dict[str, float]:
     def stage_share(*names: str) -> float:
         return sum(stages.get(n, 0.0) for n in names) / step_seconds if step_seconds else 0.0
 
+    flops_rate = delta("conveyor_model_flops_total") / forward if forward else 0.0
+    bytes_rate = delta("conveyor_bytes_moved_total") / forward if forward else 0.0
+    # (a rate past its peak means the peak is wrong, measured while the CPU was busy or of other arithmetic than
+    # the kernels': the share is 1, and how far past it the steps ran is kept for the checklist to say so)
+    mfu = flops_rate / peak_flops if peak_flops else 0.0
+    mbu = bytes_rate / peak_bandwidth if peak_bandwidth else 0.0
+    devices = [dict(labels).get("device", "") for (n, labels) in last if n == "conveyor_device_info"]
+    weights = _by_label(last, "conveyor_weight_bytes", "format")
     return {
         "seconds": seconds,
         "steps": steps,
         "steps_per_second": steps / seconds if seconds else 0.0,
-        "mfu": delta("conveyor_model_flops_total") / forward / peak_flops if forward and peak_flops else 0.0,
-        "mbu": delta("conveyor_bytes_moved_total") / forward / peak_bandwidth if forward and peak_bandwidth else 0.0,
+        "mfu": min(1.0, mfu),
+        "mbu": min(1.0, mbu),
+        # the steps' rates against the peaks /metrics gives, and by how much they passed them (0: they did not)
+        "flops_per_second": flops_rate,
+        "bytes_per_second": bytes_rate,
+        "peak_flops": peak_flops,
+        "peak_bytes_per_second": peak_bandwidth,
+        "flops_past_peak": mfu if mfu > 1 else 0.0,
+        "bytes_past_peak": mbu if mbu > 1 else 0.0,
+        # 1 where the engine runs on a CPU (the advice then names no GPU feature), and there the share of the
+        # weights its packed-block kernels multiply as int8
+        "on_cpu": 1.0 if devices and all(d.startswith("cpu") for d in devices) else 0.0,
+        "integer_weights": integer_share({f: int(n) for f, n in weights.items()}),
         # (the steps' own timings, published a step late, can sum to a little over the wall time)
         "busy_fraction": min(1.0, forward / seconds) if seconds else 0.0,
         "running_mean": sum(running) / len(running),

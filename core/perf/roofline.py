@@ -13,7 +13,11 @@ Counted per step (all workers together):
 
 Model FLOPs utilization (MFU) is FLOPs / (seconds x peak FLOP/s);
 memory-bandwidth utilization (MBU) bytes / (seconds x peak bytes/s). The
-seconds are the step's forward pass as the workers timed it.
+seconds are the step's forward pass as the workers timed it; the peak
+FLOP/s is that of the arithmetic the weights are multiplied in
+(``DevicePeaks.flops_for_weights``). Neither exceeds 1: a rate above a peak
+means the peak is wrong (a CPU measured while busy), so it counts as the peak
+and the doctor says so (``conveyor.perf.readings``).
 """
 
 from __future__ import annotations
@@ -142,10 +146,14 @@ def step_work(costs: ModelCosts, chunks: list[tuple[int, int]], logit_rows: int)
     return StepWork(float(flops), float(moved))
 
 
+def share_of_peak(amount: float, seconds: float, peak_per_second: float) -> float:
+    """``amount`` over what ``seconds`` at ``peak_per_second`` allow, at most 1 (a rate past the peak is the peak's,
+    which was measured low); 0 where the peak or the time is unknown."""
+    if seconds <= 0 or peak_per_second <= 0:
+        return 0.0
+    return min(1.0, amount / (seconds * peak_per_second))
+
+
 def utilization(work: StepWork, seconds: float, peak_flops: float, peak_bytes_per_second: float) -> tuple[float, float]:
-    """(MFU, MBU) of a step that took ``seconds``; 0 where a peak is unknown."""
-    if seconds <= 0:
-        return 0.0, 0.0
-    mfu = work.flops / (seconds * peak_flops) if peak_flops else 0.0
-    mbu = work.bytes / (seconds * peak_bytes_per_second) if peak_bytes_per_second else 0.0
-    return mfu, mbu
+    """(MFU, MBU) of a step that took ``seconds``, each at most 1; 0 where a peak is unknown."""
+    return share_of_peak(work.flops, seconds, peak_flops), share_of_peak(work.bytes, seconds, peak_bytes_per_second)

@@ -14,7 +14,7 @@ import itertools
 import logging
 import sys
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import aclosing
 from typing import TYPE_CHECKING, Any
 
@@ -46,7 +46,8 @@ class EngineFrontend:
 
     def __init__(self, engine: EngineClient, tokenizer: Tokenizer, model_name: str, metrics: ServerMetrics,
                  lora: LoraConfig | None = None, reasoning_parser: str = "", pooling: str = "last",
-                 scheduler: PluginSpec | None = None, scheduler_class: type[Scheduler] | None = None):
+                 scheduler: PluginSpec | None = None, scheduler_class: type[Scheduler] | None = None,
+                 aliases: Sequence[str] = ()):
         """
         Args:
             lora: the ``[lora]`` table: its adapters are served from the start.
@@ -54,6 +55,7 @@ class EngineFrontend:
             pooling: ``[model] pooling``: how embeddings pool the hidden states.
             scheduler: the ``[scheduler]`` table, and its plugin's class: requests are judged against its latency
                 targets (goodput), which ``reconfigure_scheduler`` changes at run time.
+            aliases: ``[model] aliases``: other names requests may give the model.
 
         Raises:
             ValueError: an adapter of ``lora`` cannot be served (the message names it and says why).
@@ -63,6 +65,7 @@ class EngineFrontend:
         self.scheduler_class = scheduler_class
         self.tokenizer = tokenizer
         self.model_name = model_name
+        self.aliases = tuple(aliases)
         self.metrics = metrics
         self.reasoning_parser = reasoning_parser
         self.pooling = pooling
@@ -126,12 +129,12 @@ class EngineFrontend:
         Raises:
             RequestError: 404, no such model.
         """
-        if model is None or model == self.model_name:
+        if model is None or model == self.model_name or model in self.aliases:
             return None
-        name = model.removeprefix(f"{self.model_name}:")
-        adapter = self.adapters.get(name)
+        base, sep, name = model.partition(":")
+        adapter = self.adapters.get(name if sep and (base == self.model_name or base in self.aliases) else model)
         if adapter is None:
-            names = ", ".join(repr(n) for n in [self.model_name, *self.adapters])
+            names = ", ".join(repr(n) for n in [self.model_name, *self.aliases, *self.adapters])
             raise RequestError(f"the model {model!r} does not exist; this server has {names}", 404, "model")
         return adapter
 

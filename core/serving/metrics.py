@@ -48,6 +48,8 @@ PARALLEL_BUCKETS = (0.0001, 0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.0
 FRACTION_BUCKETS = (0.01, 0.02, 0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0)
 # seconds: time constant of the smoothed bubble gauge (a step's weight falls by e every this many seconds)
 BUBBLE_SMOOTHING_S = 10.0
+# distinct unknown request field names that get a label of their own on /metrics
+MAX_FIELD_LABELS = 64
 
 
 class ServerMetrics:
@@ -139,13 +141,20 @@ class ServerMetrics:
         self.bytes_moved = counter("conveyor_bytes_moved", "Bytes the steps' forward passes read and wrote.")
         self.forward_seconds = counter("conveyor_forward_seconds", "Seconds in the steps' forward passes.")
         self.peak_flops = per_engine(
-            Gauge, "conveyor_device_peak_flops", "Dense FLOP/s the engine's devices reach at most in the model dtype."
+            Gauge, "conveyor_device_peak_flops", "Dense FLOP/s the engine's devices reach at most in the arithmetic "
+            "the weights are multiplied in (on a CPU, int8 dot products for packed blocks)."
         )
         self.peak_bandwidth = per_engine(
             Gauge, "conveyor_device_peak_bytes_per_second", "Memory bandwidth of the engine's devices, bytes/s."
         )
         # (labeled replica="i" as per_engine's are, where there are several)
         self._replica_label = num_replicas > 1
+        # which device the peaks are of: the doctor's advice fits it (no GPU features on a CPU)
+        self.device_info = Gauge(
+            "conveyor_device_info", "1 for the device an engine runs on (device: cpu, cuda:0), whose peaks MFU and "
+            "MBU are taken against.", ["model_name", *(["replica"] if self._replica_label else []), "device"],
+            registry=r,
+        )
         self.weight_bytes = Gauge(
             "conveyor_weight_bytes", "Bytes of the linear layers, embedding and head by the format each is kept in "
             "(a GGUF block type, a dtype or a quant method; copies: second copies for decode steps).",
@@ -154,6 +163,13 @@ class ServerMetrics:
         self.requests = Counter(
             "conveyor_requests", "Finished requests by finish reason.", ["model_name", "finish_reason"], registry=r
         )
+        # fields clients sent that the API does not have (a typo such as max_tokns is otherwise silent); the first
+        # MAX_FIELD_LABELS names get a label each, the rest count as "(other)": clients choose the names
+        self.unknown_fields = Counter(
+            "conveyor_request_unknown_fields", "Request fields that are not part of the API, by name (ignored, or "
+            "refused with a 400 under strict_requests).", ["model_name", "field"], registry=r,
+        )
+        self._field_labels: set[str] = set()
         # latency targets ([scheduler] ttft_slo_ms, itl_slo_ms): goodput is the rate of requests_within_slo
         self.within_slo = counter(
             "conveyor_requests_within_slo", "Requests that ended (stop or length) with their first token within the "
@@ -258,6 +274,9 @@ class ServerMetrics:
         self.max_concurrency[replica].set(ready.max_concurrency)
         self.peak_flops[replica].set(ready.peak_flops)
         self.peak_bandwidth[replica].set(ready.peak_bytes_per_second)
+        if ready.device:  # (an engine that names no device leaves the advice general)
+            replica_label = {"replica": str(replica)} if self._replica_label else {}
+            self.device_info.labels(model_name=self._model_name, device=ready.device, **replica_label).set(1)
         self.tp_size[replica].set(ready.tensor_parallel_size)
         self.pp_size[replica].set(ready.pipeline_parallel_size)
         for format, n in ready.weight_formats.items():
@@ -364,6 +383,14 @@ class ServerMetrics:
         for target, met in (("ttft", met_ttft), ("itl", met_itl)):
             if not met:
                 self.missed_slo.labels(self._model_name, target).inc()
+
+    def unknown_field(self, name: str) -> bool:
+        """Count a request field the API does not have; True the first time this name is seen (to log it once)."""
+        first = name not in self._field_labels
+        if first and len(self._field_labels) < MAX_FIELD_LABELS:
+            self._field_labels.add(name)
+        self.unknown_fields.labels(self._model_name, name if name in self._field_labels else "(other)").inc()
+        return first and name in self._field_labels
 
     def render(self, engine_alive: bool, num_in_flight: int) -> bytes:
         """The Prometheus text exposition."""

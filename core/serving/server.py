@@ -54,14 +54,14 @@ async def serve(config_path: str | Path | None, overrides: Mapping[str, Any] | N
         transports = [registry.build("transport", spec) for spec in config.transport]
     except ValueError as e:  # (what a transport checks as it is built: its key files)
         raise ConfigError(f"{config.source}: {e}") from None
-    tokenizer = load_tokenizer(config.model, source=config.source)
+    tokenizer = load_tokenizer(config.model, source=config.source_of("model"))
     model_name = config.model.served_name
     engine = _engine_client(config, log_level)
     metrics = _metrics(engine, model_name)
     try:
         frontend = EngineFrontend(engine, tokenizer, model_name, metrics, config.lora, config.model.reasoning_parser,
                                   config.model.pooling, config.scheduler,
-                                  registry.get("scheduler", config.scheduler.plugin))
+                                  registry.get("scheduler", config.scheduler.plugin), config.model.aliases)
     except ValueError as e:
         raise ConfigError(f"{config.source}: {e}") from None
     try:
@@ -72,7 +72,7 @@ async def serve(config_path: str | Path | None, overrides: Mapping[str, Any] | N
             ready = await tg.start(engine.run)
             key_env = next((getattr(t.options, "api_key_env", "") for t, url in zip(transports, urls)
                             if url.startswith("http")), "")
-            _print_banner(model_name, config.kvcache.plugin, ready, urls, key_env)
+            _print_banner(model_name, config.kvcache.plugin, ready, urls, key_env, bool(tokenizer.chat_template))
             if isinstance(engine, PDClient):
                 pids = [str(r.pid) if r is not None else "?" for r in engine.readies]
                 prefill, decode = ", ".join(pids[: engine.num_prefill]), ", ".join(pids[engine.num_prefill :])
@@ -195,12 +195,15 @@ def _weight_formats(ready: EngineReady) -> str:
     return f" (quant {ready.quant}: {', '.join(parts)})" if parts else f" (quant {ready.quant})"
 
 
-def _print_banner(model_name: str, kv_layout: str, ready: EngineReady, urls: list[str], key_env: str = "") -> None:
-    """The start-up lines: what is served, where, and a request to try (sending the API key from ``key_env``, the
-    variable that holds it, where the HTTP transport needs one)."""
+def _print_banner(model_name: str, kv_layout: str, ready: EngineReady, urls: list[str], key_env: str = "",
+                  chat: bool = True) -> None:
+    """The start-up lines: what is served, where, the dashboard, and a request to try (sending the API key from
+    ``key_env``, the variable that holds it, where the HTTP transport needs one; a chat request where the model has
+    a chat template, else a completion)."""
+    note = f": {ready.max_model_len_note}" if ready.max_model_len_note else ""
     lines = [
         (
-            f"Conveyor is serving {model_name} (max_model_len {ready.max_model_len}; engine pid {ready.pid}, "
+            f"Conveyor is serving {model_name} (max_model_len {ready.max_model_len}{note}; engine pid {ready.pid}, "
             f"ready in {ready.load_time:.1f} s)"
         ),
         (
@@ -209,18 +212,19 @@ def _print_banner(model_name: str, kv_layout: str, ready: EngineReady, urls: lis
         ),
         f"Weights: {ready.weight_bytes / 1e6:.1f} MB on {ready.device}{_weight_formats(ready)}; "
         f"attention backend {ready.attention!r}",
+        *([f"Quantization: {ready.quant_note}"] if ready.quant_note else []),
     ]
     lines += [f"Listening on {url}" for url in urls]
     http = next((u for u in urls if u.startswith("http")), None)
     if http:
+        body = ('"messages": [{"role": "user", "content": "Name the capital of France."}]' if chat
+                else '"prompt": "The capital of France is", "max_tokens": 8')
         lines += [
-            "Try:",
-            f"  curl {http}/v1/chat/completions -H 'Content-Type: application/json' \\",
+            f"Dashboard: {http}/dashboard",
+            "Try:" if chat else "Try (the model has no chat template: [model] chat_template gives it one):",
+            f"  curl {http}/v1/{'chat/' if chat else ''}completions -H 'Content-Type: application/json' \\",
             *([f'    -H "Authorization: Bearer ${key_env}" \\'] if key_env else []),
-            (
-                f"    -d '{{\"model\": \"{model_name}\", \"messages\": [{{\"role\": \"user\", "
-                "\"content\": \"Name the capital of France.\"}], \"temperature\": 0}'"
-            ),
+            f"    -d '{{\"model\": \"{model_name}\", {body}, \"temperature\": 0}}'",
         ]
     else:
         lines.append("No HTTP: the config's [[transport]] tables replace the default one; add a table with "

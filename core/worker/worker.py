@@ -25,7 +25,7 @@ from conveyor.kvcache import KVCacheLayout, KVCacheSpec
 from conveyor.messages import RunnerOutput, StepInput
 from conveyor.model.invariant import INVARIANT_ROWS
 from conveyor.model.llama import LlamaModel
-from conveyor.model.loader import DTYPES, load_model, model_len, open_model, resolve_device
+from conveyor.model.loader import DTYPES, load_model, model_len, open_model, requantize_note, resolve_device
 from conveyor.model.lora import Adapters
 from conveyor.native.gemm_choice import choose_amx_rows
 from conveyor.quant import QuantMethod
@@ -109,7 +109,7 @@ class Worker:
     def load_model(self) -> ModelInfo:
         """Load the weights (quantized by the configured quant method)."""
         config = self.config
-        ckpt = open_model(config.model, config.source)
+        ckpt = open_model(config.model, config.source_of("model"))
         max_model_len = model_len(config.model, ckpt, config.source)
         spec = ckpt.spec
         experts = (spec.moe_intermediate_size, spec.shared_expert_intermediate_size)
@@ -143,7 +143,8 @@ class Worker:
             self._load_draft_model(quant, max_model_len)
             kv_spec = msgspec.structs.replace(kv_spec, extra_bytes_per_token=self.draft_kv_spec.bytes_per_token)
         return ModelInfo(max_model_len, kv_spec, str(self.device), self.backend_class.name,
-                         self.model.num_weight_bytes(), spec.vocab_size, spec, self.model.weight_formats())
+                         self.model.num_weight_bytes(), spec.vocab_size, spec, self.model.weight_formats(),
+                         requantize_note(ckpt, quant))
 
     def _load_draft_model(self, quant: QuantMethod, max_model_len: int) -> None:
         """The draft model of ``[engine] draft_model`` (its KV cache shares the target's blocks).
@@ -226,9 +227,12 @@ class Worker:
             # async scheduling: the driver sampled the tokens these entries take in; its TP peers learn them here
             self.held.take_followed(step, self.group.broadcast_tokens(self.held.followed(step)))
         self.held.apply(step)  # (each entry whole again: parameters, block table, penalty tokens, input token)
+        failed = None
         if step.kv_connector:  # (blocks moved in or out of the pool before the forward pass reads or writes them)
-            self.kv_connector.apply(step.kv_connector)
+            failed = self.kv_connector.apply(step.kv_connector)
         output = self.runner.execute(step)
+        if failed:
+            output.kv_load_failed = list(failed)
         self.held.sampled(step, output.sampled)
         return output
 

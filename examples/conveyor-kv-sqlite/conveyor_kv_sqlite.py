@@ -2,8 +2,10 @@
 
 The smallest complete connector: the scheduler side keeps the set of digests the file holds (read once at
 start) and lists, for each step, the blocks to save and to load; the worker side runs those statements
-before the step's forward pass. Blocks are keyed by the engine's fingerprint, the worker's rank and the
-block's digest, so one file serves several models, and a server that starts again finds its blocks.
+before the step's forward pass, and answers the blocks it could not load (a row gone, or of the wrong size:
+another process shares the file), which the engine then computes. Blocks are keyed by the engine's
+fingerprint, the worker's rank and the block's digest, so one file serves several models, and a server that
+starts again finds its blocks.
 """
 
 from __future__ import annotations
@@ -33,10 +35,11 @@ class SqliteWorker(KVConnectorWorker):
         self.db.execute(SCHEMA)
         self.pool = [storage.k, storage.v] + ([storage.k_scale, storage.v_scale] if storage.quantized else [])
 
-    def apply(self, payload: bytes) -> None:
+    def apply(self, payload: bytes) -> list[int]:
         import torch  # (here, not at the top: the serving process imports this module too, and needs no torch)
 
         size = self.storage.block_size
+        failed = []
         for op, digest, block in msgspec.msgpack.decode(payload, type=list[tuple[str, bytes, int]]):
             views = [t[:, :, block * size : (block + 1) * size] for t in self.pool]
             key = (self.fingerprint, self.rank, digest)
@@ -44,15 +47,19 @@ class SqliteWorker(KVConnectorWorker):
                 data = b"".join(v.contiguous().view(torch.uint8).numpy().tobytes() for v in views)
                 self.db.execute("INSERT OR REPLACE INTO blocks VALUES (?, ?, ?, ?)", (*key, data))
                 continue
-            (data,) = self.db.execute("SELECT data FROM blocks WHERE fingerprint = ? AND rank = ? AND digest = ?",
-                                      key).fetchone()
+            row = self.db.execute("SELECT data FROM blocks WHERE fingerprint = ? AND rank = ? AND digest = ?",
+                                  key).fetchone()
+            if row is None or len(row[0]) != sum(v.numel() * v.element_size() for v in views):
+                failed.append(block)  # (the engine computes it instead)
+                continue
             offset = 0
             for view in views:
                 n = view.numel() * view.element_size()
-                chunk = torch.frombuffer(bytearray(data[offset : offset + n]), dtype=torch.uint8)
+                chunk = torch.frombuffer(bytearray(row[0][offset : offset + n]), dtype=torch.uint8)
                 view.copy_(chunk.view(view.dtype).view(view.shape))
                 offset += n
         self.db.commit()
+        return failed
 
 
 class SqliteConnector(KVConnector):
@@ -84,6 +91,10 @@ class SqliteConnector(KVConnector):
     def load(self, digest: bytes, block: int) -> None:
         self.ops.append(("load", digest, block))
         self.hit_tokens += self.layout.block_size
+
+    def load_failed(self, digest: bytes, block: int) -> None:
+        self.stored.discard(digest)  # (not offered again; the next save of it writes it anew)
+        self.hit_tokens -= self.layout.block_size
 
     def save(self, digest: bytes, block: int) -> None:
         if digest not in self.stored:

@@ -28,11 +28,12 @@ if TYPE_CHECKING:  # (torch is imported in the worker only: the serving process 
 
 logger = logging.getLogger("conveyor")
 
-# the operations a payload lists, in order: (kind, device block, host slot, key)
-SAVE = 0  # device block -> host slot (slot -1: none), and -> disk file ``key`` if key
-LOAD = 1  # host slot -> device block
-FETCH = 2  # disk file ``key`` -> host slot (checked; the call answers the keys that failed)
+# the operations a payload lists, in order: (kind, device block, host slot, key); ``key`` is the block's digest
+SAVE = 0  # device block -> host slot (slot -1: none)
+LOAD = 1  # host slot -> device block, if the slot holds the block (``apply`` answers the blocks it did not)
+FETCH = 2  # disk file ``key`` -> host slot (checked; ``call`` answers the keys that failed)
 DROP = 3  # delete disk file ``key``
+WRITE = 4  # as SAVE, and -> disk file ``key``
 
 MAGIC = b"CVKV1\0"
 # magic, fingerprint (hex, padded), digest, rank, payload bytes, CRC-32 of the payload
@@ -69,6 +70,8 @@ class TierWorker(KVConnectorWorker):
         self.host = [torch.empty((self.setup.num_host_blocks, t.shape[0], t.shape[1], self.block_size, *t.shape[3:]),
                                  dtype=t.dtype, pin_memory=pin) for t in pool]
         self.payload_bytes = sum(h[0].nbytes for h in self.host)
+        # the digest of the block each host slot holds (b"": none), as this worker filled it
+        self.slot_keys = [b""] * self.setup.num_host_blocks
         self.directory = None
         # (key, block bytes) to write, or (key, None) to delete: a thread does it, in order, off the step
         self.disk_jobs: queue.Queue[tuple[bytes, bytes | None]] = queue.Queue(MAX_DISK_JOBS)
@@ -81,37 +84,52 @@ class TierWorker(KVConnectorWorker):
         rows = slice(block * self.block_size, (block + 1) * self.block_size)
         return [t[:, :, rows] for t in self.pool]
 
-    def apply(self, payload: bytes) -> None:
-        self.call(payload)
+    def apply(self, payload: bytes) -> list[int]:
+        """Carry out a step's operations in order; the device blocks a LOAD could not fill."""
+        return self._run(payload)[1]
 
     def call(self, payload: bytes) -> bytes:
         """Carry out the operations in order; the keys of the files that could not be fetched (msgpack)."""
+        return msgspec.msgpack.encode(self._run(payload)[0])
+
+    def _run(self, payload: bytes) -> tuple[list[bytes], list[int]]:
+        """The operations in order; the keys FETCH could not read, and the blocks LOAD could not fill."""
         import torch
 
-        failed = []
+        failed_keys, failed_blocks = [], []
         flushed = False
         for kind, block, slot, key in msgspec.msgpack.decode(payload, type=list[tuple[int, int, int, bytes]]):
-            if kind == SAVE:
+            if kind == SAVE or kind == WRITE:
                 copies = self._blocks(block)
                 if slot >= 0:
                     for host, device in zip(self.host, copies):
                         host[slot].copy_(device)
                     copies = [host[slot] for host in self.host]
-                if key:  # (the block may be reused before the thread writes it: its bytes now)
+                    self.slot_keys[slot] = key
+                if kind == WRITE:  # (the block may be reused before the thread writes it: its bytes now)
                     self.disk_jobs.put((key, b"".join(c.contiguous().cpu().view(torch.uint8).numpy().tobytes()
                                                       for c in copies)))
             elif kind == LOAD:
+                # (a slot that does not hold the block on this worker is not copied: whatever it holds would be
+                # served as the block; the engine computes the block instead)
+                if self.slot_keys[slot] != key:
+                    logger.warning("KV host tier: slot %d does not hold block %s on rank %d", slot, key.hex(),
+                                   self.rank)
+                    failed_blocks.append(block)
+                    continue
                 for host, device in zip(self.host, self._blocks(block)):
                     device.copy_(host[slot])
             elif kind == FETCH:
                 if not flushed:  # (every write and deletion ordered before it is on disk)
                     self.disk_jobs.join()
                     flushed = True
-                if not self._read(key, slot):
-                    failed.append(key)
+                read = self._read(key, slot)
+                self.slot_keys[slot] = key if read else b""
+                if not read:
+                    failed_keys.append(key)
             elif kind == DROP:
                 self.disk_jobs.put((key, None))
-        return msgspec.msgpack.encode(failed)
+        return failed_keys, failed_blocks
 
     def close(self) -> None:
         """Finish the queued disk writes (a server that starts again finds them)."""

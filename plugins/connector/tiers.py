@@ -9,7 +9,10 @@ so that the blocks saved meanwhile do not push them out. At admission a device m
 holds is copied back into the pool before the request's first step. A miss that only the disk tier holds
 makes the request wait at this connector's gate while every worker reads the files into host memory
 between steps, each checked against its header (the model's fingerprint, the block's digest, its length
-and checksum): a truncated, corrupt or foreign file is skipped with a warning and recomputed. Files are
+and checksum): a truncated, corrupt or foreign file on any worker is skipped with a warning (``call``
+answers its key), the block is not offered (``lookup`` stops before it) and the request computes it. Before
+copying a block back into the pool, each worker also checks that its host slot holds that block, and reports
+the block from ``apply`` where it does not: the engine then computes it (``KVConnector.load_failed``). Files are
 named by the block's digest under a directory named by the fingerprint (one for each worker's rank: a block
 is on disk when every rank's file of it is), written whole to a temporary name and renamed, so the disk tier
 outlives the server and a crash never leaves half a block under a real name.
@@ -40,7 +43,7 @@ import msgspec
 from conveyor.connector import KVConnector
 from conveyor.hookspecs import hookimpl
 from conveyor.messages import ConnectorStats
-from conveyor.plugins.connector.tier_store import DROP, FETCH, LOAD, SAVE, TierSetup, TierWorker, block_dir
+from conveyor.plugins.connector.tier_store import DROP, FETCH, LOAD, SAVE, WRITE, TierSetup, TierWorker, block_dir
 from conveyor.request import Request, RequestStatus
 
 logger = logging.getLogger("conveyor")
@@ -131,7 +134,7 @@ class TieredConnector(KVConnector):
 
     def load(self, digest: bytes, block: int) -> None:
         self.host.move_to_end(digest)
-        self.ops.append((LOAD, block, self.host[digest], b""))
+        self.ops.append((LOAD, block, self.host[digest], digest))
         tier = "disk" if digest in self.from_disk else "host"
         self.from_disk.discard(digest)
         self.counters.hit_tokens[tier] += self.layout.block_size
@@ -145,7 +148,7 @@ class TieredConnector(KVConnector):
         write = self.disk is not None and digest not in self.disk
         if slot is None and not write:
             return
-        self.ops.append((SAVE, block, -1 if slot is None else slot, digest if write else b""))
+        self.ops.append((WRITE if write else SAVE, block, -1 if slot is None else slot, digest))
         if slot is not None:
             self.host[digest] = slot
             self.counters.written_bytes["host"] += self.block_bytes
@@ -153,6 +156,15 @@ class TieredConnector(KVConnector):
             self.disk[digest] = None
             self.counters.written_bytes["disk"] += self.block_bytes
             self._trim_disk()
+
+    def load_failed(self, digest: bytes, block: int) -> None:
+        """A worker's host slot did not hold the block (or the step failed): the host tier drops it (its slot is
+        free again); a disk copy stays, checked again when it is read."""
+        slot = self.host.pop(digest, None)
+        if slot is not None:
+            self.free_slots.append(slot)
+        self.from_disk.discard(digest)
+        self.counters.num_errors += 1
 
     def _on_disk(self, digest: bytes) -> bool:
         """Whether the disk tier holds the block: indexed, or written since by another engine on the same

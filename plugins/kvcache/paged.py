@@ -4,6 +4,7 @@ and automatic prefix caching."""
 from __future__ import annotations
 
 import hashlib
+import itertools
 from array import array
 from collections import OrderedDict
 from collections.abc import Iterator, Sequence
@@ -80,6 +81,11 @@ class PagedKVCache(KVCacheManager):
         self.num_prefix_queries = 0
         self.num_prefix_hits = 0
         self.num_evictions = 0
+        # blocks handed to ``connector.load`` that no step has taken yet (``take_loads``), with their digests
+        self.loading: dict[int, bytes] = {}
+        # digests a connector failed to load: not taken from it again until this pool computes them (and saves
+        # them anew), so that a store that keeps offering a bad block cannot keep its requests restarting
+        self.unloadable: set[bytes] = set()
         log_capacity(self.name, self.num_blocks, self.block_size, self.spec)
 
     @property
@@ -131,8 +137,8 @@ class PagedKVCache(KVCacheManager):
         else:
             return PrefixMatch(len(blocks) * self.block_size, blocks)
         external: list[bytes] = []
-        if self.connector is not None:  # (the digest that missed, and the rest)
-            rest = [digest, *digests]
+        if self.connector is not None:  # (the digest that missed, and the rest, up to one that failed to load)
+            rest = list(itertools.takewhile(lambda d: d not in self.unloadable, [digest, *digests]))
             n = self.connector.lookup(request, rest)
             if n is None:
                 return PrefixMatch(fetching=True)
@@ -179,11 +185,24 @@ class PagedKVCache(KVCacheManager):
         for digest in digests:
             block = self._take_free_block()
             self.connector.load(digest, block)
+            self.loading[block] = digest
             if digest not in self.cached:
                 self.cached[digest] = block
                 self.block_digests[block] = digest
             blocks.append(block)
         return blocks
+
+    def take_loads(self) -> dict[int, bytes]:
+        loads, self.loading = self.loading, {}
+        return loads
+
+    def loads_failed(self, loads: dict[int, bytes]) -> None:
+        for block, digest in loads.items():
+            if self.block_digests[block] == digest:  # (a twin of a block cached already was never registered)
+                del self.cached[digest]
+                self.block_digests[block] = None
+            self.unloadable.add(digest)
+            self.connector.load_failed(digest, block)
 
     def _take_free_block(self) -> int:
         block, _ = self.free_blocks.popitem(last=False)
@@ -227,6 +246,7 @@ class PagedKVCache(KVCacheManager):
             if table.digest not in self.cached:
                 self.cached[table.digest] = block
                 self.block_digests[block] = table.digest
+                self.unloadable.discard(table.digest)
                 if self.connector is not None:
                     self.connector.save(table.digest, block)
         table.num_hashed = num_full

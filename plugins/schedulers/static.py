@@ -87,10 +87,12 @@ class RunToCompletionScheduler(Scheduler):
         for request in list(self.pending):
             if budget == 0:
                 break
-            # (one held at a gate, a KV connector fetching its prefix, is admitted once it is released)
-            n = self.admit(request, budget) if request.status == RequestStatus.WAITING else 0
+            # (one held at a gate, a KV connector fetching its prefix, is admitted once it is released; one the
+            # engine preempted, whose loaded blocks failed, like a new one)
+            queued = (RequestStatus.WAITING, RequestStatus.PREEMPTED)
+            n = self.admit(request, budget) if request.status in queued else 0
             if not n:
-                if request.status != RequestStatus.WAITING:
+                if request.status not in queued:
                     continue
                 raise RuntimeError(f"{self.name}: KV cache full inside a batch admitted as fitting")
             self.pending.remove(request)

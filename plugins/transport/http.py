@@ -10,7 +10,7 @@ scheduler's options, and its latency targets changed while serving; only
 with an API key, and left out of /openapi.json: an operator's route, not a
 client's), ``GET /health`` (503 while the engine is down or the
 server drains), ``GET /metrics`` (Prometheus text), ``GET /openapi.json``
-(this API as an OpenAPI document), ``GET /dashboard`` (a live page of the
+(this API as an OpenAPI document), ``GET /dashboard`` (``GET /`` redirects there: a live page of the
 engine's steps, KV blocks, queues, latencies and the doctor's verdict; its
 data, ``GET /dashboard/data``, needs the API key like the API). The key
 comes as ``Authorization: Bearer KEY`` or as ``x-api-key: KEY``
@@ -54,6 +54,9 @@ class HTTPOptions(msgspec.Struct, forbid_unknown_fields=True):
     # Responses API: responses kept in memory for previous_response_id and GET /v1/responses/{id}, the oldest
     # dropped first (0: none kept)
     max_stored_responses: Annotated[int, msgspec.Meta(ge=0)] = 1000
+    # request fields the API does not have: false logs each name once and counts them on /metrics
+    # (conveyor_request_unknown_fields_total), then ignores them; true refuses them with a 400 naming the field
+    strict_requests: bool = False
 
 
 class _Server(uvicorn.Server):
@@ -121,7 +124,7 @@ class HTTPTransport(Transport):
 
     def app(self, frontend: Frontend) -> Starlette:
         routes = Routes(frontend, self.api_key, self.options.max_body_bytes,
-                         responses_api.ResponseStore(self.options.max_stored_responses))
+                         responses_api.ResponseStore(self.options.max_stored_responses), self.options.strict_requests)
         return Starlette(
             routes=[
                 Route("/v1/completions", routes.completions, methods=["POST"]),
@@ -141,6 +144,7 @@ class HTTPTransport(Transport):
                 Route("/health", routes.health, methods=["GET"]),
                 Route("/metrics", routes.metrics, methods=["GET"]),
                 Route("/openapi.json", routes.openapi, methods=["GET"]),
+                Route("/", routes.root, methods=["GET"]),
                 Route("/dashboard", routes.dashboard, methods=["GET"]),
                 Route("/dashboard/data", routes.dashboard_data, methods=["GET"]),
                 Mount("/dashboard/static", StaticFiles(packages=[("conveyor.serving", "static")])),

@@ -13,7 +13,7 @@ from typing import Any
 import msgspec
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.requests import Request
-from starlette.responses import FileResponse, Response
+from starlette.responses import FileResponse, RedirectResponse, Response
 
 from conveyor.plugins.transport import openai_api as api
 from conveyor.plugins.transport import responses_api
@@ -33,11 +33,13 @@ class ServerRoutes:
     """The server's own routes, and the state every route shares."""
 
     def __init__(self, frontend: Frontend, api_key: str | None, max_body_bytes: int,
-                 store: responses_api.ResponseStore):
+                 store: responses_api.ResponseStore, strict_requests: bool = False):
         self.frontend = frontend
         self.api_key = api_key
         self.max_body_bytes = max_body_bytes
         self.store = store
+        # refuse request fields the API does not have (else: logged once per name, counted, ignored)
+        self.strict_requests = strict_requests
         # prompts are tokenized in these threads, not on the event loop
         self.tokenizing = Tokenizing()
         # when the server started (Unix seconds): the served models' ``created``
@@ -62,12 +64,17 @@ class ServerRoutes:
 
     async def openapi(self, request: Request) -> Response:
         frontend = self.frontend
-        return json_response(openapi_document(self.api_key is not None, [frontend.model_name, *frontend.adapters],
+        names = [frontend.model_name, *frontend.aliases, *frontend.adapters]
+        return json_response(openapi_document(self.api_key is not None, names,
                                               frontend.max_model_len, frontend.tokenizer.vocab_size))
 
     async def metrics(self, request: Request) -> Response:
         body = self.frontend.metrics.render(self.frontend.engine_alive, self.frontend.num_in_flight)
         return Response(body, media_type=CONTENT_TYPE_LATEST)
+
+    async def root(self, request: Request) -> Response:
+        """``/`` is where a person types the server's address: the dashboard is the page there is to see."""
+        return RedirectResponse("/dashboard", status_code=307)
 
     async def dashboard(self, request: Request) -> Response:
         """The page (no data in it: it asks ``/dashboard/data``, with the key where the server has one)."""
@@ -99,15 +106,19 @@ class ServerRoutes:
             adapter = self.frontend.adapter(request.path_params["model_id"])
         except RequestError as e:
             return error_response(e)
-        name = self.frontend.model_name if adapter is None else adapter.name
+        model_id = request.path_params["model_id"]
+        name = (model_id if model_id in self.frontend.aliases else self.frontend.model_name) if adapter is None \
+            else adapter.name
         return json_response(next(model for model in self._served_models() if model["id"] == name))
 
     def _served_models(self) -> list[dict[str, Any]]:
-        """The base model, then each LoRA adapter (its ``parent`` the base), as OpenAI's model objects."""
+        """The base model, its aliases, then each LoRA adapter (its ``parent`` the base), as OpenAI's model
+        objects."""
         base = self.frontend.model_name
         common = {"object": "model", "created": self.started, "owned_by": "conveyor",
                   "max_model_len": self.frontend.max_model_len}
-        return [{"id": base, **common}] + [{"id": name, **common, "parent": base} for name in self.frontend.adapters]
+        return ([{"id": name, **common} for name in (base, *self.frontend.aliases)]
+                + [{"id": name, **common, "parent": base} for name in self.frontend.adapters])
 
     async def load_lora_adapter(self, request: Request) -> Response:
         """``{"lora_name", "lora_path"}``: serve a PEFT adapter directory of the server's machine under a name."""
@@ -188,4 +199,20 @@ class ServerRoutes:
         return b"".join(chunks)
 
     async def _parse(self, request: Request, kind: type[msgspec.Struct]) -> Any:
-        return decode_body(await self._read_body(request), kind)
+        return decode_body(await self._read_body(request), kind, self._unknown_fields)
+
+    def _unknown_fields(self, names: list[str]) -> None:
+        """Fields a request sent that its API does not have: a typo (``max_tokns``) or another server's extension
+        (llama.cpp's ``n_predict``) would otherwise change nothing, unseen. vLLM logs them too.
+
+        Raises:
+            RequestError: 400 naming the first, under ``strict_requests``.
+        """
+        for name in names:
+            if self.frontend.metrics.unknown_field(name):
+                logger.warning("a request carries the field %r, which the API does not have: %s (logged once a "
+                               "field; all are counted in conveyor_request_unknown_fields_total)", name,
+                               "refused" if self.strict_requests else "ignored")
+        if self.strict_requests:
+            raise RequestError(f"{names[0]}: the API has no such field (this server refuses unknown fields: "
+                               "strict_requests)", 400, names[0])
