@@ -39,11 +39,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import gc
 import platform
 import subprocess
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -92,17 +94,26 @@ def serve_itl(path: Path, args: argparse.Namespace, extra: list[str]) -> dict[st
 
 def llama_server_itl(binary: str, args: argparse.Namespace) -> dict[str, float]:
     """The same requests through llama.cpp's server on the GGUF file the configs serve."""
-    import httpx
-
     overrides = dict(item.split("=", 1) for item in args.set)
     model = resolve_model_path(load_config(CONFIGS / "default.toml", overrides).model.path)
+    with llama_server(binary, model, slots=1, verbose=args.verbose) as url:
+        return measure_itl(url, args)
+
+
+@contextlib.contextmanager
+def llama_server(binary: str, model: Path, slots: int, context: int = 0, verbose: bool = False) -> Iterator[str]:
+    """llama.cpp's server on ``model``, ``slots`` requests at once (``-np``; ``context``: tokens of KV cache for
+    them all, ``-c``; 0: the model's context for each slot) and as many threads as torch has; yields its URL once
+    /health answers."""
+    import httpx
+
     port = free_port()
-    command = [binary, "-m", str(model), "-np", "1", "-t", str(torch.get_num_threads()), "--host", "127.0.0.1",
-               "--port", str(port)]
-    server = subprocess.Popen(command, stdout=None if args.verbose else subprocess.DEVNULL, stderr=subprocess.STDOUT)
+    command = [binary, "-m", str(model), "-np", str(slots), "-t", str(torch.get_num_threads()), "--host",
+               "127.0.0.1", "--port", str(port), *(["-c", str(context)] if context else [])]
+    server = subprocess.Popen(command, stdout=None if verbose else subprocess.DEVNULL, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 120
+        deadline = time.monotonic() + 300
         while True:
             if server.poll() is not None:
                 raise RuntimeError(f"{binary} exited with {server.returncode} before serving")
@@ -112,9 +123,9 @@ def llama_server_itl(binary: str, args: argparse.Namespace) -> dict[str, float]:
             except httpx.HTTPError:
                 pass
             if time.monotonic() > deadline:
-                raise RuntimeError(f"{binary} did not serve within 120 s")
+                raise RuntimeError(f"{binary} did not serve within 300 s")
             time.sleep(0.5)
-        return measure_itl(url, args)
+        yield url
     finally:
         server.terminate()
         server.wait(timeout=30)

@@ -114,6 +114,23 @@ def test_kernel_matches_float64_within_the_activation_rounding(format, path, ran
 
 @pytest.mark.skipif(not kernel_paths(), reason="the C++ kernels do not build here")
 @pytest.mark.parametrize("path", kernel_paths())
+@pytest.mark.parametrize("columns", [1536, 2048, 8192, 8960], ids=lambda k: f"K{k}")
+def test_kernel_matches_float64_at_the_input_widths_of_1b_models(columns, path, random_seed):
+    """The widths Llama-3.2-1B (hidden 2,048, intermediate 8,192) and Qwen2.5-1.5B (1,536 and 8,960) feed their
+    layers, in the formats their GGUFs hold, at the row counts of decodes and prompt chunks: more sub-blocks per
+    row than SmolLM2's 576 and 1,536 (panels of scales, prefetches running ahead through longer rows)."""
+    for format in ("Q4_0>X2", "Q4_1>X2", "Q8_0", "Q4_K", "Q5_K", "Q6_K"):
+        packed, weight = packed_random(format, 33, columns, seed=random_seed + columns)
+        for m in (1, 16, 64, 256):
+            x = torch.randn(m, columns, generator=torch.Generator().manual_seed(random_seed + m))
+            y = native.ggml_linear(x, packed.data, ggml.TYPE_IDS[packed.format], path=path)
+            error = (y.double() - x.double() @ weight.T).abs()
+            allowed = activation_bound(x, weight) + 1e-5 * (x.double().abs() @ weight.abs().T) + 1e-6
+            assert (error <= allowed).all(), f"{format} {path} K={columns} M={m}: worst {(error / allowed).max():.3f}"
+
+
+@pytest.mark.skipif(not kernel_paths(), reason="the C++ kernels do not build here")
+@pytest.mark.parametrize("path", kernel_paths())
 @pytest.mark.parametrize("format", [*TYPES, "Q4_1>X2"])
 def test_a_row_gives_the_same_bits_alone_and_among_others(format, path):
     """Whatever the step's other rows and however many (the tiles for a few rows, the batched path for more): a

@@ -291,3 +291,21 @@ def test_a_build_lock_left_by_a_build_that_died_is_removed_and_a_live_one_kept(t
     os.utime(lock, (old, old))
     assert native.clear_stale_lock(tmp_path) and not lock.exists()
     assert not native.clear_stale_lock(tmp_path)  # (no lock: nothing to do)
+
+
+def test_a_first_build_says_each_source_as_it_compiles(tmp_path, caplog):
+    """The lines a build prints: one a source, when its object file appears, with how many of how many."""
+    import logging
+
+    from conveyor.native.build_progress import BuildProgress
+
+    sources = [tmp_path / "a.cpp", tmp_path / "b.cpp"]
+    progress = BuildProgress(tmp_path, sources, interval=3600)  # (polled by hand here)
+    with caplog.at_level(logging.INFO, logger="conveyor"):
+        assert progress.poll() == []
+        (tmp_path / "b.o").touch()
+        assert progress.poll() == ["b"]
+        (tmp_path / "a.o").touch()
+        progress.stop()
+    lines = [r.getMessage() for r in caplog.records]
+    assert [line.split(",")[0].strip() for line in lines] == ["b.cpp compiled: 1 of 2", "a.cpp compiled: 2 of 2"]

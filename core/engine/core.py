@@ -16,17 +16,18 @@ from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
-import msgspec
-
 from conveyor import paths
 from conveyor.config import Config
 from conveyor.connector import build_connector
 from conveyor.engine.grammars import GrammarRequests
+from conveyor.engine.kv_loads import check_loads, restart
 from conveyor.engine.loras import LoraSlots
+from conveyor.engine.model_len import fit_model_len
 from conveyor.engine.prompt_logprobs import add_prompt_logprobs
+from conveyor.engine.rank_stats import add_rank_stats
 from conveyor.engine.speculative import DraftModelProposer, NgramProposer
 from conveyor.engine.step_input import StepBuilder, count_in_flight
-from conveyor.executor import Executor, ExecutorError, ModelInfo, build_executor, overlaps_steps
+from conveyor.executor import Executor, ExecutorError, build_executor, overlaps_steps
 from conveyor.kvcache import DTYPE_BYTES, KVCacheManager
 from conveyor.messages import (
     EngineOutputs,
@@ -86,7 +87,9 @@ class EngineCore:
             info = self.executor.load_model()
             free_memory = self.executor.free_memory()
             self.kvcache: KVCacheManager = registry.build("kvcache", config.kvcache, info.kv_spec, free_memory)
-            info = self._fit_model_len(info, registry, free_memory)
+            info, self.kvcache, self.max_model_len_note = fit_model_len(
+                config.model.max_model_len, info, self.kvcache,
+                lambda spec: registry.build("kvcache", config.kvcache, spec, free_memory))
             self.executor.init_kv_cache(self.kvcache.layout)
             self.scheduler: Scheduler = registry.build("scheduler", config.scheduler, self.kvcache,
                                                        info.max_model_len)
@@ -135,24 +138,6 @@ class EngineCore:
             self.max_in_flight = 2
             self.scheduler.async_steps = True
             self.executor.overlap_steps()
-
-    def _fit_model_len(self, info: ModelInfo, registry: PluginRegistry, free_memory: int | None) -> ModelInfo:
-        """``[model] max_model_len = 0``: the model's own context length, or as much of it as the KV cache holds for
-        one request (a longer one could never be scheduled); ``max_model_len_note`` says which, for the banner."""
-        trained = info.max_model_len
-        fits = self.kvcache.capacity_tokens
-        window = info.kv_spec.sliding_window
-        if self.config.model.max_model_len:
-            self.max_model_len_note = "[model] max_model_len"
-        elif fits >= trained or (window and fits > window):  # (a window's requests hold its blocks only)
-            self.max_model_len_note = "the model's context length"
-        else:
-            self.max_model_len_note = (f"the model's context length {trained} capped at the {fits} tokens the KV "
-                                       "cache holds for one request; [kvcache] memory_gb or num_blocks raises it")
-            info = msgspec.structs.replace(info, max_model_len=fits,
-                                           kv_spec=msgspec.structs.replace(info.kv_spec, max_model_len=fits))
-            self.kvcache = registry.build("kvcache", self.config.kvcache, info.kv_spec, free_memory)
-        return info
 
     def _async_scheduling(self) -> bool:
         """Whether steps overlap: where ``[engine] async_scheduling`` asks for it, one pipeline stage runs them
@@ -271,19 +256,13 @@ class EngineCore:
         except Exception as e:  # a failed step fails its requests, not the engine
             logger.exception("step failed; ending its %d requests with an error", len(flight.batch))
             count_in_flight(flight.batch, -1)
-            self._check_loads(flight, None)  # (the blocks it loaded may be filled in part)
+            check_loads(self.kvcache, flight.loads, flight.batch, None)  # (they may be filled in part)
             error = f"{type(e).__name__}: {e}"
             return released + self.scheduler.abort([r.request_id for r in flight.batch.requests], error), None
         executed = self.timer()
-        restarts = self._check_loads(flight, result)
+        restarts = check_loads(self.kvcache, flight.loads, flight.batch, result)
         outputs = self._update(flight, result)
-        for request, num_good in restarts:
-            if request.is_finished:
-                continue
-            # (the layout registers a request's full computed blocks as it frees them: none from the bad one on)
-            request.num_computed_tokens = min(request.num_computed_tokens, num_good)
-            request.num_cached_tokens = min(request.num_cached_tokens, num_good)
-            self.scheduler.preempt(request)
+        restart(self.scheduler, restarts)
         self._flush_when_idle()
         self.num_steps += 1
         stats = self._step_stats(flight, result, executed)
@@ -293,41 +272,11 @@ class EngineCore:
 
     def _may_submit(self) -> bool:
         """Whether another step may go to the workers now: the pipeline has room, no gate waits for them to be idle,
-        and no step in flight loads KV blocks. (Whether the connector filled those is known once that step is
-        back: a step on top of it would read what it could not fill, and its requests could not start over.)"""
+        and no step in flight loads KV blocks (a step on top of it would read blocks the connector may not fill)."""
         if not self._in_flight:
             return True
         return (len(self._in_flight) < self.max_in_flight and not self.scheduler.wants_idle()
                 and not any(flight.loads for flight in self._in_flight))
-
-    def _check_loads(self, flight: InFlight, result: RunnerOutput | None) -> list[tuple[Request, int]]:
-        """The blocks the connector's worker side could not fill for a step (``KVConnectorWorker.apply``; all it
-        loaded when the step failed) hold garbage: the pool forgets them (``KVCacheManager.loads_failed``), and a
-        request of the step that holds one gets no token from it (it read them).
-
-        Returns:
-            Those requests, each with how many of its tokens are still good (before its first such block): they
-            start over from there once the step is recorded.
-        """
-        failed = flight.loads.keys() & (set(result.kv_load_failed) if result is not None else flight.loads.keys())
-        if not failed:
-            return []
-        logger.warning("KV connector: %d blocks could not be loaded; the requests that hold them compute them",
-                       len(failed))
-        self.kvcache.loads_failed({block: flight.loads[block] for block in failed})
-        restarts = []
-        for i, request in enumerate(flight.batch.requests if result is not None else ()):
-            # (only this step's requests can hold them: nothing is scheduled on top of a step that loads)
-            blocks = () if request.is_finished else self.kvcache.block_ids(request)
-            first = next((j for j, block in enumerate(blocks) if block in failed), None)
-            if first is None:
-                continue
-            # (a request that loads is in its first step: no drafts, no prompt logprobs, which load nothing)
-            result.sampled[i] = result.logprobs[i] = None
-            if result.embeddings:
-                result.embeddings[i] = None
-            restarts.append((request, first * self.kvcache.block_size))
-        return restarts
 
     def _flush_when_idle(self) -> None:
         """With no step in flight and none to come, the connector carries out now what waits for the next step
@@ -411,15 +360,7 @@ class EngineCore:
                              sum(1 + len(r.draft_token_ids) for r in flight.step.requests if r.sample))
             stats.flops, stats.bytes_moved = work.flops, work.bytes
             stats.mfu, stats.mbu = utilization(work, result.forward_time, self.peak_flops, self.peak_bytes_per_second)
-        if result.ranks:
-            stats.rank_times = [r.busy for r in result.ranks]
-            stats.comm_time = sum(r.comm for r in result.ranks) / len(result.ranks)
-            busy = sum(r.busy for r in result.ranks)
-            stats.bubble_fraction = sum(r.wait for r in result.ranks) / busy if busy else 0.0
-            stats.rank_comm = [r.comm for r in result.ranks]
-            stats.rank_wait = [r.wait for r in result.ranks]
-            stats.num_collectives = sum(r.num_collectives for r in result.ranks) / len(result.ranks)
-            stats.collective_bytes = sum(r.collective_bytes for r in result.ranks) / len(result.ranks)
+        add_rank_stats(stats, result.ranks)
         return stats
 
     def _kv_owners(self) -> KVOwners | None:

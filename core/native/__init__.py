@@ -29,6 +29,7 @@ from pathlib import Path
 
 import torch
 
+from conveyor.native.build_progress import BUILD_TIME, BuildProgress
 from conveyor.paths import cache_root
 
 logger = logging.getLogger("conveyor")
@@ -98,44 +99,6 @@ def clear_stale_lock(build_dir: Path) -> bool:
     return True
 
 
-# what a first build takes, for the message that announces it (measured: 42 s on an idle 2-core AMD EPYC with AVX2,
-# 2026-12-07; about 4 minutes was seen on a 2-core machine shared with other work)
-BUILD_TIME = "about a minute on two idle cores, several while they are busy"
-
-
-class BuildProgress:
-    """A line each time the build finishes compiling a source (``ggml_gemm.cpp compiled: 3 of 12, 41 s``): torch's
-    builder runs ninja silently, and a first build takes minutes."""
-
-    def __init__(self, build_dir: Path, sources: list[Path] = SOURCES, interval: float = 1.0):
-        self.build_dir = build_dir
-        self.pending = {source.stem: source.name for source in sources}
-        self.total = len(sources)
-        self.started = time.perf_counter()
-        self.interval = interval
-        self._stopped = threading.Event()
-        self._polling = threading.Lock()
-        threading.Thread(target=self._watch, daemon=True, name="kernel-build-progress").start()
-
-    def poll(self) -> list[str]:
-        """The sources whose object files have appeared since the last poll, announced in the log."""
-        with self._polling:  # (the watcher's thread and stop() both poll)
-            done = [stem for stem in self.pending if (self.build_dir / f"{stem}.o").exists()]
-            for stem in done:
-                name = self.pending.pop(stem)
-                logger.info("  %s compiled: %d of %d, %.0f s", name, self.total - len(self.pending), self.total,
-                            time.perf_counter() - self.started)
-        return done
-
-    def _watch(self) -> None:
-        while self.pending and not self._stopped.wait(self.interval):
-            self.poll()
-
-    def stop(self) -> None:
-        self._stopped.set()
-        self.poll()  # (the last sources compile just before the link ends the build)
-
-
 def load() -> bool:
     """Build (if needed) and load the kernels; False where they cannot be built."""
     global _loaded
@@ -150,7 +113,7 @@ def load() -> bool:
         progress = None
         if not (build_dir / f"{name}.so").exists():
             logger.info("building the CPU kernels for this machine (once: %s) in %s", BUILD_TIME, build_dir)
-            progress = BuildProgress(build_dir)
+            progress = BuildProgress(build_dir, SOURCES)
         try:
             build_dir.mkdir(parents=True, exist_ok=True)
             clear_stale_lock(build_dir)

@@ -36,6 +36,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from conveyor.messages import EngineReady, StepStats
 from conveyor.serving.dashboard import DashboardFeed
 from conveyor.serving.nvml import GpuGauges
+from conveyor.serving.request_fields import UnknownFields
+from conveyor.serving.status_line import StatusLine
 from conveyor.serving.tier_metrics import TierMetrics
 
 # seconds; fine at the low end where CPU decode steps live, up to minutes for long requests
@@ -48,11 +50,9 @@ PARALLEL_BUCKETS = (0.0001, 0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.0
 FRACTION_BUCKETS = (0.01, 0.02, 0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0)
 # seconds: time constant of the smoothed bubble gauge (a step's weight falls by e every this many seconds)
 BUBBLE_SMOOTHING_S = 10.0
-# distinct unknown request field names that get a label of their own on /metrics
-MAX_FIELD_LABELS = 64
 
 
-class ServerMetrics:
+class ServerMetrics(StatusLine):
     """The metrics of one server; one registry, so several servers in one process stay apart.
 
     Args:
@@ -163,13 +163,7 @@ class ServerMetrics:
         self.requests = Counter(
             "conveyor_requests", "Finished requests by finish reason.", ["model_name", "finish_reason"], registry=r
         )
-        # fields clients sent that the API does not have (a typo such as max_tokns is otherwise silent); the first
-        # MAX_FIELD_LABELS names get a label each, the rest count as "(other)": clients choose the names
-        self.unknown_fields = Counter(
-            "conveyor_request_unknown_fields", "Request fields that are not part of the API, by name (ignored, or "
-            "refused with a 400 under strict_requests).", ["model_name", "field"], registry=r,
-        )
-        self._field_labels: set[str] = set()
+        self.unknown_fields = UnknownFields(r, model_name)
         # latency targets ([scheduler] ttft_slo_ms, itl_slo_ms): goodput is the rate of requests_within_slo
         self.within_slo = counter(
             "conveyor_requests_within_slo", "Requests that ended (stop or length) with their first token within the "
@@ -384,14 +378,6 @@ class ServerMetrics:
             if not met:
                 self.missed_slo.labels(self._model_name, target).inc()
 
-    def unknown_field(self, name: str) -> bool:
-        """Count a request field the API does not have; True the first time this name is seen (to log it once)."""
-        first = name not in self._field_labels
-        if first and len(self._field_labels) < MAX_FIELD_LABELS:
-            self._field_labels.add(name)
-        self.unknown_fields.labels(self._model_name, name if name in self._field_labels else "(other)").inc()
-        return first and name in self._field_labels
-
     def render(self, engine_alive: bool, num_in_flight: int) -> bytes:
         """The Prometheus text exposition."""
         for replica, gauge in enumerate(self.engine_alive):
@@ -403,25 +389,3 @@ class ServerMetrics:
         if self.gpus is not None:
             self.gpus.update()
         return generate_latest(self.registry)
-
-    @property
-    def active_since_status_line(self) -> bool:
-        """Whether tokens came since the last status line."""
-        _, prompt, generation = self._last_report
-        return (prompt, generation) != (self._num_prompt_tokens, self._num_generation_tokens)
-
-    def status_line(self) -> str:
-        """One line: running, waiting, KV usage (summed and averaged over replicas), token rates since the last."""
-        now = time.monotonic()
-        prompt, generation = self._num_prompt_tokens, self._num_generation_tokens
-        then, last_prompt, last_generation = self._last_report
-        self._last_report = (now, prompt, generation)
-        elapsed = max(now - then, 1e-9)
-        seen = [stats for stats in self.dashboard.latest if stats is not None]
-        running = sum(stats.scheduler.num_running for stats in seen)
-        waiting = sum(stats.scheduler.num_waiting for stats in seen)
-        usage = sum(stats.kv.usage for stats in seen) / len(seen) if seen else 0.0
-        return (
-            f"running {running}, waiting {waiting}, KV {usage:.1%}, "
-            f"prompt {(prompt - last_prompt) / elapsed:.1f} tok/s, generation {(generation - last_generation) / elapsed:.1f} tok/s"
-        )

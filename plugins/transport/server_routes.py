@@ -209,7 +209,7 @@ class ServerRoutes:
             RequestError: 400 naming the first, under ``strict_requests``.
         """
         for name in names:
-            if self.frontend.metrics.unknown_field(name):
+            if self.frontend.metrics.unknown_fields.count(name):
                 logger.warning("a request carries the field %r, which the API does not have: %s (logged once a "
                                "field; all are counted in conveyor_request_unknown_fields_total)", name,
                                "refused" if self.strict_requests else "ignored")
