@@ -130,8 +130,8 @@ def cmd_profile(args: argparse.Namespace) -> int:
             print(f"| {peaks.name} | {flops['bfloat16']} | {flops.get('fp8', '-')} | {flops['int8']} | "
                   f"{peaks.bytes_per_second / 1e12:g} | {peaks.source} |")
         return 0
-    print("measuring the packed-block kernels' int8 dot products, bfloat16 and float32 matmuls and the read "
-          "bandwidth on all threads (the best of 3 runs each) ...", file=sys.stderr)
+    print("measuring the int8 dot products (alone, and in the packed-block kernels), bfloat16 and float32 "
+          "matmuls and the read bandwidth on all threads (the best of 3 runs each) ...", file=sys.stderr)
     peaks, path = profile_cpu(paths.cache_root())
     print(describe_cpu_peaks(peaks, path))
     return 0
