@@ -31,6 +31,7 @@ from conveyor.config.schema import (
     ParallelConfig,
     PluginSpec,
     ServerConfig,
+    table_source,
 )
 
 _CORE_TABLES: dict[str, type[msgspec.Struct]] = {
@@ -55,8 +56,7 @@ class _Origin:
         """Where a key came from; for a whole table (a check across its keys), the file and any of its keys set
         by ``--set``."""
         if key is None:
-            keys = sorted(k for k in self.overridden if k == table or k.startswith(f"{table}."))
-            return f"{self.source} with --set {', '.join(keys)}" if keys else self.source
+            return table_source(self.source, self.overridden, table)
         dotted = f"{table}.{key}"
         if dotted in self.overridden:
             return f"--set {dotted}"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -233,7 +234,12 @@ class Config(msgspec.Struct, dict=True):
     overridden: list[str] = msgspec.field(default_factory=list)
 
     def source_of(self, table: str) -> str:
-        """Where a table's keys came from, for a message about them: the file, and any of its keys set by --set
-        ("configs/default.toml with --set model.path")."""
-        keys = sorted(k for k in self.overridden if k.startswith(f"{table}."))
-        return f"{self.source} with --set {', '.join(keys)}" if keys else self.source
+        """Where a table's keys came from, for a message about them (``table_source``)."""
+        return table_source(self.source, self.overridden, table)
+
+
+def table_source(source: str, overridden: Iterable[str], table: str) -> str:
+    """Where a table's keys came from: the file, and any of its keys set by --set ("configs/default.toml with --set
+    model.path")."""
+    keys = sorted(k for k in overridden if k == table or k.startswith(f"{table}."))
+    return f"{source} with --set {', '.join(keys)}" if keys else source

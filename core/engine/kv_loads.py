@@ -25,6 +25,8 @@ def check_loads(kvcache: KVCacheManager, loads: dict[int, bytes], batch: Schedul
         Those requests, each with how many of its tokens are still good (before its first such block): ``restart``
         them once the step is recorded.
     """
+    if not loads:  # (every step without a connector's loads: nothing to look at)
+        return []
     failed = loads.keys() & (set(result.kv_load_failed) if result is not None else loads.keys())
     if not failed:
         return []

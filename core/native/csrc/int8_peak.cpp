@@ -74,7 +74,11 @@ int64_t amx_loop(int64_t iterations, int32_t* sink) {
   load_tile_config(config);
   alignas(64) uint8_t bytes[16 * 64];
   std::memset(bytes, 1, sizeof(bytes));
-  for (int t = 0; t < 4; ++t) _tile_zero(t);
+  // (tile numbers are part of each instruction: written out, not looped over)
+  _tile_zero(0);
+  _tile_zero(1);
+  _tile_zero(2);
+  _tile_zero(3);
   _tile_loadd(4, bytes, 64);
   _tile_loadd(5, bytes, 64);
   _tile_loadd(6, bytes, 64);
