@@ -35,7 +35,6 @@ import argparse
 import gc
 import json
 import logging
-import subprocess
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -56,6 +55,7 @@ from conveyor.perf.floors import linear_flops_per_token, linear_seconds, matmul_
 from conveyor.perf.peaks import cpu_peaks
 from conveyor.sampling import SamplingParams
 from models import DEFAULT_MODEL, resolve_model
+from neighbour import busy_core
 
 CONFIGS = Path(__file__).resolve().parent.parent / "configs"
 
@@ -288,12 +288,9 @@ def main() -> None:
     print()
     print(table(results))
     if args.busy_core:
-        busy = subprocess.Popen([sys.executable, "-c", "while True: pass"])
-        try:
+        with busy_core():
             print("\nagain, beside a process that keeps one core busy", flush=True)
             beside = [run(name) for name in names]
-        finally:
-            busy.kill()
         print()
         print(table(beside))
         for alone, shared in zip(results, beside):

@@ -3,7 +3,7 @@
 
     python benchmarks/slo.py [--rates 0.5,1,1.5] [--num-requests 60] [--budgets 128 256 512 1024 2048]
                              [--ttft-ms 2000] [--itl-ms 150] [--simulate] [--out bench-results/slo]
-                             [--model MODEL]
+                             [--model MODEL] [--busy-core]
 
 Setups: the default config with ``[scheduler] max_num_batched_tokens`` fixed at each of ``--budgets``, and
 the same config with latency targets (``ttft_slo_ms``, ``itl_slo_ms``; budget at most the largest of
@@ -11,7 +11,8 @@ the same config with latency targets (``ttft_slo_ms``, ``itl_slo_ms``; budget at
 (1,200-1,800 tokens in, 16-48 out), arriving as a Poisson process at each rate of ``--rates`` (a seeded draw
 of the mix per rate, the same for every setup: no rate finds the last one's prompts in the prefix cache),
 greedy, ignore_eos. Printed per setup and rate: ITL p99 and TTFT p99 over the run, output tokens/s, requests refused
-(429, or 400 for a prompt too long for the TTFT target alone), and goodput: requests per second that got their first token within the TTFT target and whose own ITL
+(429, or 400 for a prompt too long for the TTFT target alone), requests served and how many of them missed a
+target, and goodput: requests per second that got their first token within the TTFT target and whose own ITL
 P99 stayed within the ITL target (a refused request counts as missed). Then goodput against the request rate
 for every setup, as a table and a plot (--out/goodput.png), and the run's records as JSON.
 
@@ -23,6 +24,10 @@ measured one.
 file or a Hugging Face directory served by every setup (and simulated) in place of the default model; the
 workload's token counts are its tokenizer's.
 
+``--busy-core``: every setup run a second time with a neighbour on the machine: a process that keeps one core
+busy (a Python loop that never sleeps), started when the measured requests start (the server was warmed up on a quiet
+machine, so its step-time model must follow the change while serving); labelled "+ busy core".
+
 The targets are what a user would set, not what the benchmark tunes: pick rates near this machine's capacity
 (the first rate at which the fixed budgets start missing).
 """
@@ -31,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import platform
 import random
@@ -40,12 +46,13 @@ from pathlib import Path
 
 import msgspec
 from models import resolve_model as resolve_benchmark_model
+from neighbour import busy_core
 
 from conveyor.bench.command import _tokenizer
 from conveyor.bench.datasets import mixed
 from conveyor.bench.load import BenchRequest, LoadOptions, run_load, served_model
 from conveyor.bench.server import Server
-from conveyor.bench.stats import summarize
+from conveyor.bench.stats import meets_slos, summarize
 
 DEFAULT = Path(__file__).resolve().parent.parent / "configs" / "default.toml"
 
@@ -67,7 +74,7 @@ def workload(num_requests: int, seed: int, tokenizer_path: str | None = None) ->
 
 
 def run_setup(label: str, overrides: list[str], workloads: list[list[BenchRequest]], rates: list[float], seed: int,
-              slos_ms: dict[str, float], tokenizer_path: str | None = None) -> list[dict]:
+              slos_ms: dict[str, float], tokenizer_path: str | None = None, busy: bool = False) -> list[dict]:
     runs = []
     # (a prompt of its own: it leaves nothing in the prefix cache for the runs)
     warm_up = workload(1, seed + 1000, tokenizer_path)
@@ -86,18 +93,21 @@ def run_setup(label: str, overrides: list[str], workloads: list[list[BenchReques
                         model = await served_model(client, server.http)
                     options = LoadOptions(rate=rate, seed=seed, ignore_eos=True)
                     await run_load(server.http, model, warm_up, LoadOptions(ignore_eos=True))
-                    return await run_load(server.http, model, requests, options)
+                    with busy_core() if busy else contextlib.nullcontext():
+                        return await run_load(server.http, model, requests, options)
 
                 records, duration = asyncio.run(run())
                 summary = summarize(records, duration, slos_ms)
                 # (429: the queue would make it late; 400 naming the target: its prompt alone would be)
                 refused = sum(1 for r in records if r.error is not None and (
                     r.error.startswith("HTTP 429") or r.error.startswith("HTTP 400") and "TTFT target" in r.error))
-                runs.append({"label": label, "rate": rate, "summary": summary, "refused": refused,
+                late = sum(1 for r in records if r.ok and not meets_slos(r, slos_ms))
+                runs.append({"label": label, "rate": rate, "summary": summary, "refused": refused, "late": late,
                              "records": msgspec.to_builtins(records)})
                 print(f"   {label} @ {rate}/s: ITL p99 {summary['itl_ms']['p99']:.0f} ms, "
                       f"TTFT p99 {summary['ttft_ms']['p99']:.0f} ms, "
-                      f"{summary['output_throughput']:.1f} tok/s, {refused} refused, goodput "
+                      f"{summary['output_throughput']:.1f} tok/s, {refused} refused, {late} of {summary['completed']} "
+                      f"served missed a target, goodput "
                       f"{summary['goodput']:.2f} req/s", flush=True)
         finally:
             server.stop()
@@ -163,6 +173,8 @@ def main() -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--simulate", action="store_true", help="also predict each goodput with conveyor simulate")
     parser.add_argument("--out", default="bench-results/slo")
+    parser.add_argument("--busy-core", action="store_true",
+                        help="run every setup again beside a process that keeps one core busy")
     parser.add_argument("--model", help="a shape of benchmarks/models.py (llama-3.2-1b:Q4_0), a .gguf file or a "
                                         "Hugging Face directory (default: the default model)")
     args = parser.parse_args()
@@ -184,16 +196,20 @@ def main() -> int:
     served = [f"model.path={model}"] if model else []
     for label, overrides in setups:
         runs += run_setup(label, [*served, *overrides], workloads, rates, args.seed, slos_ms, tokenizer_path)
+        if args.busy_core:  # (a server of its own: nothing of the quiet run's in its prefix cache)
+            runs += run_setup(f"{label} + busy core", [*served, *overrides], workloads, rates, args.seed, slos_ms,
+                              tokenizer_path, busy=True)
     predicted = (simulate_setups(setups, workloads, rates, args.seed, slos_ms, model, tokenizer_path)
                  if args.simulate else {})
-    print("\n| setup | req/s | ITL p99 ms | TTFT p99 ms | output tok/s | refused | goodput req/s |"
+    print("\n| setup | req/s | ITL p99 ms | TTFT p99 ms | output tok/s | refused | served, late | goodput req/s |"
           + (" simulated goodput |" if predicted else ""))
-    print("|---|---|---|---|---|---|---|" + ("---|" if predicted else ""))
+    print("|---|---|---|---|---|---|---|---|" + ("---|" if predicted else ""))
     for run in runs:
         s = run["summary"]
         simulated = predicted.get((run["label"], run["rate"]))
         print(f"| {run['label']} | {run['rate']} | {s['itl_ms']['p99']:.0f} | {s['ttft_ms']['p99']:.0f} | "
-              f"{s['output_throughput']:.1f} | {run['refused']} | {s['goodput']:.2f} |"
+              f"{s['output_throughput']:.1f} | {run['refused']} | {s['completed']}, {run['late']} | "
+              f"{s['goodput']:.2f} |"
               + (f" {simulated:.2f} |" if simulated is not None else ""))
     (out / "slo.json").write_text(json.dumps(runs, indent=1, default=float))
     plot(runs, out / "goodput.png")

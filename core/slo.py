@@ -24,9 +24,12 @@ sees before it runs a step: the context tokens are the keys the step reads (each
 decode's attention reads its context, a bandwidth cost), the pairs the (query, key) products (a prompt chunk
 of n tokens at position p attends about n (p + n / 2) of them, a compute cost). It is fitted online by least
 squares over the steps the engine reports (``Scheduler.observe_step``), older steps forgotten
-exponentially, coefficients kept at or above 0. Until it has seen a few steps, and a step with prompt tokens
-beside decodes, a step beside decodes takes ``PROBE_PROMPT_TOKENS`` prompt tokens at most (to learn what
-they cost without stalling the decodes), and admission takes every request.
+exponentially, coefficients kept at or above 0; every prediction is scaled by the pace, the last
+``PACE_STEPS`` steps' seconds over the fit's for them: a neighbour that takes part of the CPU (or leaves it)
+moves the budget within a few steps, where the fit alone would take its horizon of hundreds. Until it has seen
+a few steps, and a step with prompt tokens beside decodes, a step beside decodes takes
+``PROBE_PROMPT_TOKENS`` prompt tokens at most (to learn what they cost without stalling the decodes), and
+admission takes every request.
 
 The idea of choosing each step's prompt budget from a latency model, and of goodput (requests meeting both
 targets per second) as what to maximize, follows DistServe (Zhong et al., OSDI 2024) and SLOs-Serve (2025); the
@@ -52,6 +55,8 @@ MIN_STEPS = 4
 # is met only if steps that overrun their prediction are rare), at least MIN_HEADROOM
 HEADROOM_QUANTILE = 0.99
 MIN_HEADROOM = 1.05
+# the latest steps whose time over what the fit predicted for them (the pace) scales every prediction
+PACE_STEPS = 9
 # until RATIOS_NEEDED ratios are known
 DEFAULT_HEADROOM = 1 / 0.9
 RATIOS_NEEDED = 20
@@ -139,17 +144,25 @@ class StepTimeModel:
         # what a step's planned time is divided by: how far recent steps overran their predictions (the
         # HEADROOM_QUANTILE of the ratios, at least MIN_HEADROOM; DEFAULT_HEADROOM until RATIOS_NEEDED are known)
         self.headroom = DEFAULT_HEADROOM
+        # the latest steps' (seconds, the fit's prediction for them), and the pace: their seconds over the fit's,
+        # what predictions are scaled by (how much faster or slower the machine runs now than the steps the fit
+        # remembers; a sum, so that the large steps weigh most: a tiny step's ratio is mostly noise)
+        self.recent: deque[tuple[float, float]] = deque(maxlen=PACE_STEPS)
+        self.pace = 1.0
 
     @property
     def ready(self) -> bool:
         return self.count >= MIN_STEPS
 
     def observe(self, features: StepFeatures, seconds: float) -> None:
-        if self.ready and features.decodes and (predicted := self.predict(features)) > 0:
-            self.ratios.append(seconds / predicted)
-            if len(self.ratios) >= RATIOS_NEEDED:
-                ratios = sorted(self.ratios)
-                self.headroom = max(MIN_HEADROOM, ratios[math.ceil(HEADROOM_QUANTILE * len(ratios)) - 1])
+        if self.ready and (fitted := self._fitted(features)) > 0:
+            if features.decodes:  # (how far the step overran what was predicted for it)
+                self.ratios.append(seconds / (fitted * self.pace))
+                if len(self.ratios) >= RATIOS_NEEDED:
+                    ratios = sorted(self.ratios)
+                    self.headroom = max(MIN_HEADROOM, ratios[math.ceil(HEADROOM_QUANTILE * len(ratios)) - 1])
+            self.recent.append((seconds, fitted))
+            self.pace = sum(s for s, _ in self.recent) / sum(f for _, f in self.recent)
         x = np.array([1.0, *features]) / _SCALES
         self.gram = self.decay * self.gram + np.outer(x, x)
         self.moments = self.decay * self.moments + x * seconds
@@ -170,19 +183,24 @@ class StepTimeModel:
         coefficients[active] = fit
         self.coefficients = coefficients / _SCALES
 
-    def predict(self, features: StepFeatures) -> float:
+    def _fitted(self, features: StepFeatures) -> float:
         return float(self.coefficients[0] + np.dot(self.coefficients[1:], features))
 
+    def predict(self, features: StepFeatures, paced: bool = True) -> float:
+        """Seconds of a step of ``features``: the fit's, at the pace of the latest steps unless not ``paced``."""
+        return (self.pace if paced else 1.0) * self._fitted(features)
 
-def prompt_budget(model: StepTimeModel, itl_target_s: float, step: StepFeatures, start: int, most: int) -> int:
+
+def prompt_budget(model: StepTimeModel, itl_target_s: float, step: StepFeatures, start: int, most: int,
+                  floor: int = MIN_PROMPT_TOKENS, headroom: float | None = None) -> int:
     """Prompt tokens a step of ``step``'s decodes may take (a chunk from position ``start``) so that its predicted
-    time stays within the ITL target over the model's headroom: at least ``MIN_PROMPT_TOKENS``, at most
+    time stays within the ITL target over the headroom (the model's where not given): at least ``floor``, at most
     ``most``."""
     if not step.decodes or not itl_target_s:
         return most
     if not model.ready or not model.mixed_count:
         return min(PROBE_PROMPT_TOKENS, most)
-    limit = itl_target_s / model.headroom
+    limit = itl_target_s / (model.headroom if headroom is None else headroom)
     low, high = 0, most  # (the predicted time grows with the tokens: the largest that fits, by bisection)
     while low < high:
         mid = (low + high + 1) // 2
@@ -190,7 +208,7 @@ def prompt_budget(model: StepTimeModel, itl_target_s: float, step: StepFeatures,
             low = mid
         else:
             high = mid - 1
-    return max(min(MIN_PROMPT_TOKENS, most), low)
+    return max(min(floor, most), low)
 
 
 def room_for_decode(model: StepTimeModel, itl_target_s: float, step: StepFeatures) -> bool:
@@ -201,10 +219,11 @@ def room_for_decode(model: StepTimeModel, itl_target_s: float, step: StepFeature
     return model.predict(step.plus_prompt(0, MIN_PROMPT_TOKENS)) <= itl_target_s / model.headroom
 
 
-def ttft_wait(model: StepTimeModel, tokens_ahead: int, budget: int, step: StepFeatures) -> float:
+def ttft_wait(model: StepTimeModel, tokens_ahead: int, budget: int, step: StepFeatures, paced: bool = True) -> float:
     """Predicted seconds until ``tokens_ahead`` prompt tokens (a new request's own and those before it) are
-    computed, at ``budget`` prompt tokens a step beside ``step``'s decodes."""
+    computed, at ``budget`` prompt tokens a step beside ``step``'s decodes (at the latest steps' pace unless not
+    ``paced``)."""
     if tokens_ahead <= 0 or not model.ready:
         return 0.0
     chunk = min(max(budget, 1), tokens_ahead)
-    return math.ceil(tokens_ahead / chunk) * model.predict(step.plus_prompt(0, chunk))
+    return math.ceil(tokens_ahead / chunk) * model.predict(step.plus_prompt(0, chunk), paced)

@@ -90,7 +90,7 @@ def test_kernel_matches_float64_within_the_activation_rounding(format, path, ran
     # odd output counts (tails of the 4- and 2-column tiles), two input widths, rows across the 4-row tiles
     for rows_out, columns, seed in ((37, 2 * values, 0), (5, 3 * max(values, 64), 1)):
         packed, weight = packed_random(format, rows_out, columns, seed=random_seed + seed)
-        for m in (1, 3, 16, 17, 64, 300):
+        for m in (1, 2, 3, 7, 16, 17, 64, 300):  # (VNNI panels from 3 rows, AVX2 from 16)
             x = torch.randn(m, columns, generator=torch.Generator().manual_seed(random_seed + m))
             reference = x.double() @ weight.T
             bias = torch.randn(rows_out)

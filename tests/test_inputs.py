@@ -21,7 +21,7 @@ CPU = torch.device("cpu")
 class Recorder:
     """A backend stand-in that keeps the plans it is given."""
 
-    batch_invariant = False
+    prefills_as_decodes = False
     storage = None
 
     def plan_decodes(self, tables):
@@ -76,7 +76,7 @@ def assert_tables(plan_tables: torch.Tensor, tables: list[list[int]], context: l
 def test_each_step_reads_its_own_inputs_from_the_buffers(sequence, every_token):
     buffers = InputBuffers(BLOCK, CPU, tokens=4, rows=2, width=2)
     backend = Recorder()
-    backend.batch_invariant = every_token
+    backend.prefills_as_decodes = every_token
     for step in sequence:
         ids, positions, slots, tables, context = expected(step, every_token)
         inputs = buffers.prepare(step, backend)

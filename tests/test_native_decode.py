@@ -10,6 +10,7 @@ served both ways (tokens and logprobs); and a failure inside the team is an erro
 from __future__ import annotations
 
 import concurrent.futures
+import math
 
 import msgspec
 import numpy as np
@@ -187,8 +188,11 @@ def test_smollm2_served_in_one_call_gives_the_tokens_and_logprobs_of_layer_by_la
         for a, b in zip(got, want, strict=True):
             assert a.token_ids == b.token_ids
             assert a.logprobs == b.logprobs
-    limit = runner.native_decode.max_rows or len(PROMPTS)  # (fp8: past its kernel's rows, layer by layer)
-    assert 1 in rows_seen and max(rows_seen) == min(limit, len(PROMPTS))
+    # (fp8: past its kernel's rows, layer by layer; where this machine computes prompt chunks as decode rows,
+    # steps of prompt tokens come here too)
+    limit = runner.native_decode.max_rows
+    assert 1 in rows_seen and min(limit or len(PROMPTS), len(PROMPTS)) in rows_seen
+    assert max(rows_seen) <= (limit or math.inf)
 
 
 def test_at_float32_too_one_call_gives_the_tokens_and_logprobs_of_layer_by_layer():

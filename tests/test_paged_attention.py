@@ -57,6 +57,22 @@ def test_mixed_bf16_step_matches_dense_attention(backend):
     check_mixed_step(backend, "auto", torch.bfloat16, dim=64, tolerance={"rtol": 3e-2, "atol": 3e-2})
 
 
+@pytest.mark.parametrize("dtype, dim", [(torch.float32, 16), (torch.bfloat16, 64)])
+@pytest.mark.parametrize("path", ["sdpa", "rows", "kernel"])
+def test_every_cpu_prefill_path_matches_dense_attention(path, dtype, dim):
+    """Whichever path the machine's measurement keeps for prompt chunks (the prefill kernel, the decode kernel a
+    row per token, or SDPA over gathered blocks), forced here: chunks from position 0 and from inside their
+    context, beside decodes, against float64 attention."""
+    from conveyor import native
+
+    if path == "kernel" and not (dtype == torch.bfloat16 and native.load() and native.prefill_supported(
+            torch.empty(0, 1, dim, dtype=dtype), torch.empty(1, 1, dim, dtype=dtype))):
+        pytest.skip("no prefill kernel on this CPU (AVX-512 BF16, a bfloat16 cache)")
+    tolerance = {"rtol": 1e-4, "atol": 1e-5} if dtype == torch.float32 else {"rtol": 3e-2, "atol": 3e-2}
+    plan = [*PLAN, (200, 150, 50), (64, 63, 1), (70, 64, 6)]
+    check_mixed_step("cpu", "auto", dtype, dim=dim, tolerance=tolerance, plan=plan, prefill_path=path)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(
     "params",
@@ -92,13 +108,15 @@ PLAN = [(9, 8, 1), (30, 29, 1), (1, 0, 1), (17, 0, 17), (40, 25, 15), (13, 12, 1
 
 def check_mixed_step(backend: str, kv_dtype: str, dtype: torch.dtype, dim: int, tolerance: dict,
                      params: LayerAttention | None = None, batch_invariant: bool = False,
-                     plan: list[tuple[int, int, int]] | None = None) -> None:
+                     plan: list[tuple[int, int, int]] | None = None, prefill_path: str | None = None) -> None:
     heads, kv_heads = 6, 2
     spec = KVCacheSpec(1, kv_heads, dim, str(dtype).removeprefix("torch."), 512)
     cache = PagedKVCache(PagedOptions(block_size=4, num_blocks=200, dtype=kv_dtype), spec)
     device = TRITON if backend == "triton" else CPU
     attention_backend = select_backend(backend, device)(KVStorage(cache.layout, device), [params] if params else None,
                                                         batch_invariant)
+    if prefill_path:  # (the measured choice, forced; "rows" makes every token a decode, in the input buffers)
+        attention_backend.prefill_path = prefill_path
     attend = {"scale": params.scale, "window": params.window, "softcap": params.softcap} if params else {}
     # hand out blocks in random order so no block table is contiguous
     cache.free_blocks = OrderedDict.fromkeys(torch.randperm(200).tolist())
@@ -185,9 +203,10 @@ def test_triton_on_a_cpu_needs_the_interpreter(monkeypatch):
 
 
 def test_the_prefill_path_is_measured_once_per_machine_and_shape_and_kept(tmp_path, monkeypatch):
-    """The C++ prefill kernel or SDPA for prompt chunks: measured by the first backend on the machine and kept,
-    so that every later process (a server, an offline run) computes prompts the same way however busy the machine
-    is when it starts; a process that measured at the same time as another takes the choice kept first."""
+    """The C++ prefill kernel, the decode kernel a row per token, or SDPA for prompt chunks: measured by the first
+    backend on the machine and kept, so that every later process (a server, an offline run) computes prompts the
+    same way however busy the machine is when it starts; a process that measured at the same time as another
+    takes the choice kept first; a kept choice this backend cannot take is measured again."""
     from conveyor import native
     from conveyor.attention.cpu_backend import CpuAttention, prefill_choice_path
 
@@ -196,26 +215,29 @@ def test_the_prefill_path_is_measured_once_per_machine_and_shape_and_kept(tmp_pa
     monkeypatch.setenv("CONVEYOR_CACHE_DIR", str(tmp_path))
     cache = PagedKVCache(PagedOptions(block_size=16, num_blocks=8), KVCacheSpec(1, 2, 64, "bfloat16", 512))
     storage = KVStorage(cache.layout, CPU)
-    if not native.prefill_supported(torch.empty(0, 1, 64, dtype=torch.bfloat16), storage.k[0]):
-        pytest.skip("no prefill kernel on this CPU (AVX-512 BF16)")
+    kernel = native.prefill_supported(torch.empty(0, 1, 64, dtype=torch.bfloat16), storage.k[0])
+    offered = ["sdpa", "rows", "kernel"] if kernel else ["sdpa", "rows"]
     measured = []
-    measure = CpuAttention._kernel_beats_sdpa
-    monkeypatch.setattr(CpuAttention, "_kernel_beats_sdpa", lambda self, *shape: measured.append(shape) or
+    measure = CpuAttention._fastest_prefill
+    monkeypatch.setattr(CpuAttention, "_fastest_prefill", lambda self, *shape: measured.append(shape) or
                         measure(self, *shape))
     first = CpuAttention(storage)
     path = prefill_choice_path(2, 64, torch.bfloat16)
-    assert str(path).startswith(str(tmp_path)) and measured == [(2, 64)]
-    assert path.read_text().strip() == ("kernel" if first.prefill_kernel else "sdpa")
-    assert CpuAttention(storage).prefill_kernel == first.prefill_kernel and len(measured) == 1  # read, not measured
-    for choice in ("kernel", "sdpa"):  # the kept choice rules
+    assert str(path).startswith(str(tmp_path)) and measured == [(2, 64, offered)]
+    assert path.read_text().strip() == first.prefill_path and first.prefill_path in offered
+    assert CpuAttention(storage).prefill_path == first.prefill_path and len(measured) == 1  # read, not measured
+    for choice in offered:  # the kept choice rules
         path.write_text(choice + "\n")
-        assert CpuAttention(storage).prefill_kernel == (choice == "kernel")
+        assert CpuAttention(storage).prefill_path == choice
     assert len(measured) == 1
+    path.write_text("warp-drive\n")  # (a choice this backend does not know: measured again)
+    CpuAttention(storage)
+    assert len(measured) == 2
 
     def another_process_keeps_sdpa_meanwhile(self, *shape):
         path.write_text("sdpa\n")
-        return True  # (this one measured the kernel faster)
+        return "rows"  # (this one measured the rows faster)
 
     path.unlink()
-    monkeypatch.setattr(CpuAttention, "_kernel_beats_sdpa", another_process_keeps_sdpa_meanwhile)
-    assert not CpuAttention(storage).prefill_kernel and path.read_text().strip() == "sdpa"
+    monkeypatch.setattr(CpuAttention, "_fastest_prefill", another_process_keeps_sdpa_meanwhile)
+    assert CpuAttention(storage).prefill_path == "sdpa" and path.read_text().strip() == "sdpa"

@@ -37,6 +37,7 @@ class VirtualEngine:
         self.scheduler, self.cost, self.now = scheduler, cost, 0.0
         scheduler.clock = lambda: self.now
         self.step_seconds: list[tuple[float, int]] = []  # (seconds, decodes in the step)
+        self.step_spans: list[list[tuple[int, int]]] = []
 
     def step(self):
         scheduler = self.scheduler
@@ -49,6 +50,7 @@ class VirtualEngine:
         self.now += seconds
         scheduler.observe_step(spans, seconds)
         self.step_seconds.append((seconds, step_features(spans).decodes))
+        self.step_spans.append(spans)
         return batch, outputs
 
 
@@ -135,6 +137,49 @@ def test_steps_that_overrun_the_model_at_random_get_headroom_and_the_itl_target_
     assert late[math.ceil(0.99 * len(late)) - 1] <= 0.100
 
 
+def test_a_neighbour_taking_part_of_the_cpu_moves_the_budget_within_a_few_steps():
+    """After 300 steps at one speed, every step takes 1.6 times as long (another process now shares the cores):
+    only the first few steps overrun the ITL target before the budget shrinks. When the neighbour leaves, the
+    fit still remembers the slow steps over its horizon of hundreds (it would overpredict by 40%); the pace
+    (the last nine steps' times over the fit's) brings its predictions of the steps it plans back within 10%
+    in a dozen steps."""
+    rng = random.Random(2)
+    scheduler = create_scheduler(num_blocks=2048, max_num_batched_tokens=2048, itl_slo_ms=100, max_num_seqs=16)
+    cost = Cost()
+    slowdown = [1.0]
+    engine = VirtualEngine(scheduler, lambda spans: cost(spans) * slowdown[0])
+    for _ in range(8):
+        scheduler.add(create_request(40, max_tokens=2000, max_model_len=4096))
+
+    def run(steps):
+        first = len(engine.step_seconds)
+        for _ in range(steps):
+            if scheduler.num_waiting < 2:
+                document = create_request(1500, max_tokens=2, max_model_len=4096)
+                document.prompt_token_ids = [rng.randrange(1, 50_000) for _ in range(1500)]  # (nothing cached)
+                scheduler.add(document)
+            engine.step()
+        return [seconds for seconds, decodes in engine.step_seconds[first:] if decodes]
+
+    run(300)
+    quiet_budget = scheduler.token_budget()
+    slowdown[0] = 1.6
+    busy = run(100)
+    late = [i for i, seconds in enumerate(busy) if seconds > 0.100]
+    assert late and max(late) <= 5, late
+    busy_budget = scheduler.token_budget()
+    assert busy_budget < quiet_budget
+    slowdown[0] = 1.0
+    run(12)
+    # the model predicts the last steps with prompt tokens as they ran (within 10%; 40% over without the pace),
+    # and the budget grew back
+    mixed = [spans for spans in engine.step_spans[-12:] if step_features(spans).prompt_tokens][-3:]
+    assert [scheduler.step_model.predict(step_features(spans)) for spans in mixed] == pytest.approx(
+        [cost(spans) for spans in mixed], rel=0.1)
+    assert scheduler.token_budget() > busy_budget
+    assert scheduler.counters.num_preemptions == 0
+
+
 def test_without_targets_the_budget_is_the_configured_one_and_nothing_is_refused():
     scheduler = create_scheduler(max_num_batched_tokens=256)
     engine = VirtualEngine(scheduler, Cost(per_token=0.01))
@@ -143,6 +188,35 @@ def test_without_targets_the_budget_is_the_configured_one_and_nothing_is_refused
     for _ in range(30):
         assert scheduler.token_budget() == 256
         engine.step()
+
+
+def test_decode_stretch_keeps_a_long_prompt_from_stalling_the_decodes():
+    """Eight requests decode; a 6,000-token prompt arrives. Without targets, a step takes the whole budget of 2,048
+    tokens beside them (many times a decode step); with decode_stretch = 2 and no target, every step beside the
+    decodes (after the few that probe what a prompt token costs) stays within twice the decodes' own step, the
+    prompt still moves every step and gets its first token."""
+    decode_only = Cost()([(1000, 1)] * 8)
+    for stretch in (0, 2):
+        scheduler = create_scheduler(num_blocks=2048, max_num_batched_tokens=2048, max_model_len=8192,
+                                     decode_stretch=stretch)
+        engine = VirtualEngine(scheduler, Cost())
+        for _ in range(8):
+            scheduler.add(create_request(40, max_tokens=3000, max_model_len=8192))
+        for _ in range(MIN_STEPS + 2):
+            engine.step()
+        long = create_request(6000, max_tokens=2, max_model_len=8192)
+        scheduler.add(long)
+        first = len(engine.step_seconds)
+        while long.num_output_tokens == 0:
+            engine.step()
+        beside = [seconds for seconds, decodes in engine.step_seconds[first:]]
+        assert len(beside) < 6000 and all(decodes == 8 for _, decodes in engine.step_seconds[first:])
+        if not stretch:
+            assert max(beside) > 10 * decode_only
+            continue
+        probing = 3  # (the steps that take PROBE_PROMPT_TOKENS until the model has seen a mixed step)
+        assert max(beside[probing:]) <= 2 * decode_only * 1.01, (max(beside[probing:]), decode_only)
+        assert sorted(beside)[len(beside) // 2] > 1.5 * decode_only  # (the stretch is used, not wasted)
 
 
 def test_waiting_prompts_go_by_ttft_deadline_and_targets_set_at_run_time_reorder_them():
@@ -276,8 +350,8 @@ def test_infeasible_targets_refuse_new_requests_and_running_requests_keep_their_
 
 def test_targets_changed_at_run_time_are_checked():
     scheduler = create_scheduler(itl_slo_ms=100)
-    with pytest.raises(ValueError, match=r"cannot change max_num_seqs at run time \(allowed: itl_slo_ms, "
-                                         r"slo_admission, slo_classes, ttft_slo_ms\)"):
+    with pytest.raises(ValueError, match=r"cannot change max_num_seqs at run time \(allowed: decode_stretch, "
+                                         r"itl_slo_ms, slo_admission, slo_classes, ttft_slo_ms\)"):
         scheduler.reconfigure({"max_num_seqs": 4})
     with pytest.raises(ValueError, match="Expected `float` >= 0"):
         scheduler.reconfigure({"ttft_slo_ms": -1})

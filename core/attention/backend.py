@@ -59,6 +59,13 @@ class AttentionBackend(ABC):
         # (a pipeline stage with fewer layers than the first leaves the cache's last ones unused)
         self.layers = layers + [LayerAttention(spec.head_dim**-0.5)] * (spec.num_layers - len(layers))
 
+    @property
+    def prefills_as_decodes(self) -> bool:
+        """Every token of a step goes to ``decode`` as a row of its own (a prompt chunk's token at position p
+        over the p + 1 keys cached by then), to ``prefill`` none: in batch-invariant mode, or where the decode
+        kernel is the faster way to compute prompt chunks (the C++ backend measures it)."""
+        return self.batch_invariant
+
     def plan_decodes(self, tables: DecodeTables) -> Any:
         """What ``decode`` needs for this step's decodes (default: their tables, as kernels over block tables
         take them; called once a step, before the layers)."""
@@ -88,9 +95,10 @@ class AttentionBackend(ABC):
 class StepAttention:
     """The attention function of one forward pass: ``attention(layer, q, k, v) -> out``.
 
-    A batch-invariant backend gets every token as a decode (a prompt chunk's token at position p attends over
-    the p + 1 keys cached by then, its own stored first): a token's attention is then the same arithmetic
-    whether it decodes alone, in a batch, or sits anywhere in a prompt chunk of any length. The runner's
+    A backend with ``prefills_as_decodes`` gets every token as a decode (a prompt chunk's token at position p
+    attends over the p + 1 keys cached by then, its own stored first): a token's attention is then the same
+    arithmetic whether it decodes alone, in a batch, or sits anywhere in a prompt chunk of any length, and a step
+    of prompt chunks can run where steps of decodes do (on a CPU, every layer in one C++ call). The runner's
     ``InputBuffers`` (conveyor.worker.inputs) build its tensors.
     """
 

@@ -53,7 +53,7 @@ class ModelConfig(msgspec.Struct, forbid_unknown_fields=True):
 
 
 class EngineConfig(msgspec.Struct, forbid_unknown_fields=True):
-    # torch intra-op threads on CPU; 0: one per core
+    # torch intra-op threads on CPU; 0: one per core the process may use (a container's CPU quota caps it)
     num_threads: Annotated[int, msgspec.Meta(ge=0)] = 0
     # seed of the sampler for requests that bring no seed of their own
     seed: int = 0

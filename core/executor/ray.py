@@ -17,11 +17,11 @@ engine process exits and is restarted with new actors.
 from __future__ import annotations
 
 import logging
-import os
 import socket
 from typing import Any
 
 from conveyor.config import Config, ConfigError, encode_config
+from conveyor.cpus import cpu_limit
 from conveyor.executor import ExecutorError, PipelinedExecutor, log_workers, rpc
 from conveyor.registry import PluginRegistry
 
@@ -94,7 +94,7 @@ class RayExecutor(PipelinedExecutor):
         else:
             # a local instance on 127.0.0.1, with a logical CPU per worker at least; "local", because Ray
             # would otherwise join the cluster RAY_ADDRESS or the last `ray start` on this machine names
-            cpus = max(os.cpu_count() or 1, self.world_size)
+            cpus = max(cpu_limit().usable, self.world_size)
             logger.info("starting a local Ray instance (%d CPUs, dashboard off)", cpus)
             ray.init(address="local", num_cpus=cpus, include_dashboard=False, logging_level=logging.WARNING,
                      log_to_driver=True, _node_ip_address="127.0.0.1")

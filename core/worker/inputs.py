@@ -92,7 +92,8 @@ class InputBuffers:
 
     def write(self, step: StepInput, every_token: bool = False) -> tuple[int, np.ndarray, np.ndarray, np.ndarray]:
         """Write the step's token ids, positions, slots, block tables and context lengths (a table per request,
-        or per token with ``every_token``, each token then a decode over what is cached up to it).
+        or per token with ``every_token``, each token then a decode over what is cached up to it: the backend's
+        ``prefills_as_decodes``).
 
         Returns:
             The step's tokens, and each request's tokens, start and first row.
@@ -123,7 +124,7 @@ class InputBuffers:
 
     def prepare(self, step: StepInput, backend: AttentionBackend) -> StepTensors:
         """The step's inputs in the buffers, and its attention function over ``backend``."""
-        every_token = backend.batch_invariant
+        every_token = backend.prefills_as_decodes
         total, lens, starts, first_rows = self.write(step, every_token)
         slots = self.slot_mapping.view(total)
         decodes = prefills = None

@@ -9,7 +9,6 @@ pool the KV cache manager sized), then ``execute`` once per step.
 from __future__ import annotations
 
 import logging
-import os
 
 import msgspec
 import torch
@@ -19,6 +18,7 @@ from conveyor.attention import BackendUnavailable, select_backend
 from conveyor.attention.storage import KVStorage
 from conveyor.config import Config, ConfigError
 from conveyor.connector import KVConnectorWorker
+from conveyor.cpus import cpu_limit
 from conveyor.deltas import HeldRequests
 from conveyor.executor import ModelInfo
 from conveyor.kvcache import KVCacheLayout, KVCacheSpec
@@ -63,11 +63,8 @@ class Worker:
         if self.device.type == "cuda":
             self.device = torch.device("cuda", local_rank)
             torch.cuda.set_device(self.device)
-        threads = config.engine.num_threads
-        if not threads and self.placement.world_size > 1:
-            threads = max(1, (os.cpu_count() or 1) // self.placement.world_size)  # the workers share the cores
-        if self.device.type == "cpu" and threads:
-            torch.set_num_threads(threads)
+        if self.device.type == "cpu":
+            torch.set_num_threads(self._threads(config.engine.num_threads))
         self.dtype = DTYPES[config.model.dtype]
         try:
             self.backend_class = select_backend(config.engine.attention, self.device)
@@ -85,6 +82,17 @@ class Worker:
         self.storage: KVStorage | None = None
         # the KV connector's worker side (conveyor.connector), once the pool exists
         self.kv_connector: KVConnectorWorker | None = None
+
+    def _threads(self, configured: int) -> int:
+        """Torch's threads on a CPU: ``[engine] num_threads``, else torch's default (a thread per physical core
+        the process may run on) capped by the container's CPU quota, shared by the workers of this host."""
+        if configured:
+            return configured
+        limit = cpu_limit()
+        threads = max(1, min(torch.get_num_threads(), limit.usable) // self.placement.world_size)
+        if limit.usable < torch.get_num_threads():
+            logger.info("%d torch threads: %s", threads, limit.describe())
+        return threads
 
     def _compile_choice(self) -> bool:
         """Whether decode steps run compiled (``[engine] compile``)."""

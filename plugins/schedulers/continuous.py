@@ -13,6 +13,7 @@ from conveyor.hookspecs import hookimpl
 from conveyor.request import Request, RequestRejected
 from conveyor.scheduler import Scheduler, SchedulerOptions
 from conveyor.slo import (
+    MIN_PROMPT_TOKENS,
     StepFeatures,
     StepTimeModel,
     prompt_budget,
@@ -50,6 +51,10 @@ class ContinuousOptions(SchedulerOptions, forbid_unknown_fields=True):
     # a request whose TTFT target the queue ahead already makes it miss: "reject" (429 with Retry-After) or
     # "queue" (it waits all the same)
     slo_admission: Literal["reject", "queue"] = "reject"
+    # without an ITL target: a step beside decodes takes only the prompt tokens that keep its predicted time (the
+    # step-time model's) within this many times that of the decodes alone, so that a long prompt arriving does
+    # not stall the requests decoding (their ITL P99 stays near this multiple of their P50); 0: the whole budget
+    decode_stretch: Annotated[float, msgspec.Meta(ge=0)] = 0.0
     # other targets for requests of some priorities (a target a class leaves at 0 is the table's), e.g.
     # [{priority = 1, ttft_slo_ms = 30000, itl_slo_ms = 500}] for batch work
     slo_classes: list[SloClass] = []
@@ -67,7 +72,7 @@ class ContinuousScheduler(Scheduler):
 
     name = "continuous"
     Options = ContinuousOptions
-    runtime_options = frozenset({"ttft_slo_ms", "itl_slo_ms", "slo_admission", "slo_classes"})
+    runtime_options = frozenset({"ttft_slo_ms", "itl_slo_ms", "slo_admission", "slo_classes", "decode_stretch"})
 
     def __init__(self, options: ContinuousOptions, kvcache, max_model_len: int):
         super().__init__(options, kvcache, max_model_len)
@@ -119,18 +124,23 @@ class ContinuousScheduler(Scheduler):
         return min(budget, self.options.long_prefill_token_threshold or budget)
 
     def token_budget(self) -> int:
-        most = self.options.max_num_batched_tokens
-        if not self.has_targets:
+        most, stretch = self.options.max_num_batched_tokens, self.options.decode_stretch
+        if not self.has_targets and not stretch:
             return most
         decoding = [r for r in self.running if r.num_uncomputed_tokens - r.num_in_flight_tokens <= 1]
         prefilling = [r.num_computed_tokens for r in self.running if r.num_uncomputed_tokens > 1]
         step = self._decodes(decoding)
-        budget = prompt_budget(self.step_model, self._itl_target(self.running), step,
-                               prefilling[0] if prefilling else 0, max(most - step.decodes, 0))
+        if self.has_targets:
+            itl, floor, headroom = self._itl_target(self.running), MIN_PROMPT_TOKENS, None
+        else:  # (the decodes' own step time, stretched: their noise is theirs with or without prompts, so no
+            # headroom; a prompt moves by a token a step at least)
+            itl, floor, headroom = stretch * self.step_model.predict(step) or math.inf, 1, 1.0
+        budget = prompt_budget(self.step_model, itl, step, prefilling[0] if prefilling else 0,
+                               max(most - step.decodes, 0), floor, headroom)
         return min(most, step.decodes + budget)
 
     def observe_step(self, spans: list[tuple[int, int]], seconds: float) -> None:
-        if self.has_targets:
+        if self.has_targets or self.options.decode_stretch:
             self.step_model.observe(step_features(spans), seconds)
 
     def check_admission(self, request: Request) -> None:
@@ -138,13 +148,16 @@ class ContinuousScheduler(Scheduler):
         if not ttft or self.options.slo_admission != "reject" or not self.step_model.ready:
             return
         uncached = self._uncached_tokens(request)
+        # (at the fit's pace, not the latest steps': a neighbour slowing the machine for now is the load's doing, a
+        # 429; one that stays is in the fit within its horizon)
         alone = ttft_wait(self.step_model, uncached, self.chunk_limit(self.options.max_num_batched_tokens),
-                          StepFeatures())
+                          StepFeatures(), paced=False)
         if alone > ttft:  # (a 429 would have clients retry what no wait can help)
             raise RequestRejected(
                 f"its prompt alone would take about {alone:.1f} s to a first token, past this server's TTFT target "
                 f"({ttft * 1000:.0f} ms), however idle the server: send a shorter prompt", 400)
-        wait = self.predicted_ttft(request, uncached)
+        # (a P99 target: the wait as long as the steps' overruns of their predictions make it, the headroom)
+        wait = self.predicted_ttft(request, uncached) * self.step_model.headroom
         if wait > ttft:
             raise RequestRejected(
                 f"the first token would come in about {wait:.1f} s, past this server's TTFT target "

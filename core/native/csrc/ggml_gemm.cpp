@@ -26,12 +26,13 @@ namespace {
 // saturates sums of two products past 32,767: Q8_0's bytes up to 255 do, so Q8_0 keeps the tiles there.)
 constexpr int64_t kPanel = 32;     // output columns a panel holds
 // the fewest rows the batched path takes (below them the tiles, which unpack the weights again for every four
-// rows, measured faster: Zen 4, SmolLM2's layers, 8 rows 11.6 ms batched against 12.8 in tiles with VNNI; with
-// AVX2 alone 14.7 against 12.8 at 8 rows, 21.2 against 25 at 16). AMX takes over from amx_min_rows(), measured
-// at load: 32 at first (below them VPDPBUSD was the faster: Xeon with AMX, one Q4_0 layer of 3072 x 576, 24 rows
-// 187 us against 212, 32 rows 229 against 210), but both panels since fetch ahead, and which wins by how much
-// varies with the CPU and the layer.
-constexpr int64_t kGemmRows = 8, kGemmRowsAvx2 = 16;
+// rows, measured faster: with AVX2 alone 14.7 against 12.8 ms at 8 rows, 21.2 against 25 at 16, SmolLM2's
+// layers, Zen 4. With VNNI the panels win from 3 rows: a 1B model's 8192 x 2048 Q4_0 layer, Zen 4, one run, 2 rows
+// 0.47 against 0.46 ms in tiles, 3 rows 0.49 against 0.78, 5 rows 0.53 against 1.04, 7 rows 0.63 against 1.56).
+// AMX takes over from amx_min_rows(), measured at load: 32 at first (below them VPDPBUSD was the faster: Xeon
+// with AMX, one Q4_0 layer of 3072 x 576, 24 rows 187 us against 212, 32 rows 229 against 210), but both panels
+// since fetch ahead, and which wins by how much varies with the CPU and the layer.
+constexpr int64_t kGemmRows = 3, kGemmRowsAvx2 = 16;
 
 // The scratch a panel takes, in floats: its bytes, then per sub-block (half) and column a scale and an offset.
 inline int64_t panel_floats(int64_t K) { return kPanel * K / 4 + 2 * 2 * (K / kSub) * kPanel; }

@@ -153,12 +153,22 @@ void prefill(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v
       offsets[s * num_kv_heads + h + 1] = offsets[s * num_kv_heads + h] + tiles_for(first[s] + lens[s]) * kTile * D / 2;
     }
   }
-  std::vector<uint32_t> keys(offsets.back()), values(offsets.back());
+  // Kept from call to call (per calling thread), grown only: buffers made afresh for every layer of every step were
+  // page-faulted in and zeroed each time, which for a short chunk over a long context cost more than its
+  // attention. pack() writes every element of the tiles it fills.
+  static thread_local std::vector<uint32_t> kept_keys, kept_values;
+  if (kept_keys.size() < size_t(offsets.back())) {
+    kept_keys.resize(offsets.back());
+    kept_values.resize(offsets.back());
+  }
+  // (pointers, not the vectors: in the lambdas below, run on other threads, a thread_local's name is theirs)
+  uint32_t* const keys = kept_keys.data();
+  uint32_t* const values = kept_values.data();
   at::parallel_for(0, num_seqs * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
     for (int64_t item = begin; item < end; ++item) {
       const int64_t s = item / num_kv_heads, h = item % num_kv_heads;
       pack<D>(k_ptr + h * num_slots * D, v_ptr + h * num_slots * D, tables + s * width, first[s] + lens[s],
-              block_size, keys.data() + offsets[item], values.data() + offsets[item]);
+              block_size, keys + offsets[item], values + offsets[item]);
     }
   });
 
@@ -190,11 +200,11 @@ void prefill(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v
         }
         const int64_t last = first[item.seq] + i;
         if (n == kChunk) {
-          attend_position<D, kChunk>(q_heads, keys.data() + offset, values.data() + offset, last, scale, out_heads);
+          attend_position<D, kChunk>(q_heads, keys + offset, values + offset, last, scale, out_heads);
         } else if (n == 2) {
-          attend_position<D, 2>(q_heads, keys.data() + offset, values.data() + offset, last, scale, out_heads);
+          attend_position<D, 2>(q_heads, keys + offset, values + offset, last, scale, out_heads);
         } else {
-          attend_position<D, 1>(q_heads, keys.data() + offset, values.data() + offset, last, scale, out_heads);
+          attend_position<D, 1>(q_heads, keys + offset, values + offset, last, scale, out_heads);
         }
       }
     }
