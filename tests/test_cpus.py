@@ -45,7 +45,7 @@ def test_cgroup_v1_quota_and_no_quota(tmp_path):
     assert cpu_limit(tmp_path / "nothing", tmp_path / "missing").usable == CORES
 
 
-def test_the_worker_sizes_torch_threads_to_the_quota(tmp_path, monkeypatch):
+def test_the_worker_sizes_torch_threads_to_the_quota(monkeypatch):
     from conveyor.config import load_config
     from conveyor.registry import PluginRegistry
     from conveyor.worker import worker as worker_module

@@ -353,8 +353,8 @@ def test_latency_targets_change_while_serving_and_one_that_cannot_be_met_is_refu
     options = http.get("/v1/admin/scheduler").json()
     assert options["plugin"] == "continuous" and options["ttft_slo_ms"] == 0 and options["max_num_seqs"] == 1
     error = error_of(http.post("/v1/admin/scheduler", json={"max_num_seqs": 4}), 400)
-    assert "cannot change max_num_seqs at run time (allowed: itl_slo_ms, slo_admission, slo_classes, " \
-           "ttft_slo_ms)" in error["message"]
+    assert "cannot change max_num_seqs at run time (allowed: decode_stretch, itl_slo_ms, slo_admission, " \
+           "slo_classes, ttft_slo_ms)" in error["message"]
     error_of(http.post("/v1/admin/scheduler", json={"ttft_slo_ms": -1}), 400)
     error_of(http.post("/v1/admin/scheduler", content=b"[1]"), 400)
     changed = http.post("/v1/admin/scheduler", json={"ttft_slo_ms": 1, "itl_slo_ms": 60000})

@@ -129,9 +129,11 @@ class CpuAttention(TorchAttention):
         """Time each path of ``choices`` once on a scratch cache: 256 new tokens over 256 cached ones, query heads
         three to a KV head (about 10 ms each)."""
         block_size, num_blocks, new, start = 16, 32, 256, 256
-        k_cache = torch.randn(num_kv_heads, num_blocks * block_size, head_dim).to(self.storage.dtype)
-        v_cache = torch.randn_like(k_cache)
-        q = torch.randn(new, 3 * num_kv_heads, head_dim).to(self.storage.dtype)
+        generator = torch.Generator().manual_seed(0)  # (a backend made leaves torch's global generator alone)
+        k_cache = torch.randn(num_kv_heads, num_blocks * block_size, head_dim, generator=generator)
+        k_cache = k_cache.to(self.storage.dtype)
+        v_cache = torch.randn(k_cache.shape, generator=generator).to(self.storage.dtype)
+        q = torch.randn(new, 3 * num_kv_heads, head_dim, generator=generator).to(self.storage.dtype)
         out = torch.empty_like(q)
         table = list(range(num_blocks))
         plan = PrefillTables(torch.tensor([table], dtype=torch.int32), torch.tensor([0], dtype=torch.int32),
