@@ -16,6 +16,7 @@ import time
 import torch
 
 from conveyor.kvcache import KVCacheSpec
+from conveyor.messages import RunnerOutput
 from conveyor.plugins.kvcache.paged import PagedKVCache, PagedOptions
 from conveyor.plugins.schedulers.continuous import ContinuousOptions, ContinuousScheduler
 from conveyor.plugins.schedulers.static import StaticOptions, StaticScheduler
@@ -51,7 +52,8 @@ def measure(kind: str, num_running: int, num_steps: int) -> list[float]:
         sampled = [
             17 if r.num_computed_tokens + n == r.num_tokens else None for r, n in zip(batch.requests, batch.num_tokens)
         ]
-        scheduler.update(batch, sampled, [None] * len(batch))
+        scheduler.submitted(batch)
+        scheduler.update(batch, RunnerOutput(sampled, [None] * len(batch)))
         elapsed = time.perf_counter() - start
         # the first steps are prefill; measure the decode steady state
         if step >= 20:

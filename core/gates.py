@@ -52,6 +52,12 @@ class AdmissionGate:
         finish theirs before it submits more)."""
         return False
 
+    def ends(self, request: Request, token: int) -> bool:
+        """Whether the token a request took (one this gate let through, running) ends it here: the scheduler's
+        ``update`` asks each gate after the request's own rules (end of sequence, stop ids, length) let it go on.
+        Default: never (a grammar's gate ends a request whose grammar completed or refused the token)."""
+        return False
+
     def forget(self, request: Request) -> None:
         """The request ended, wherever it was (drop what the gate keeps for it)."""
 

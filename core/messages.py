@@ -357,7 +357,7 @@ class MessageType(bytes, enum.Enum):
     # frontend -> engine
     ADD = b"a"  # EngineRequest
     ABORT = b"x"  # list[str]: request ids
-    FINISH = b"s"  # list[str]: request ids the frontend saw end (a stop string): ended as ABORT ends them, finished
+    FINISH = b"s"  # list[str]: request ids the frontend found a stop string in: the scheduler ends them as stop
     SHUTDOWN = b"q"  # empty body: finish the current step and exit
     CONFIGURE = b"c"  # dict: scheduler options to change at run time (Scheduler.reconfigure)
     # engine -> frontend

@@ -72,6 +72,7 @@ class Request:
         "arrival_order",
         "arrival_time",
         "cache_salt",
+        "closing",
         "draft_token_ids",
         "eos_token_ids",
         "finish_reason",
@@ -124,6 +125,9 @@ class Request:
         self.eos_token_ids = frozenset(() if params.ignore_eos else eos_token_ids)
         # time.time() of the first step that ran this request
         self.first_scheduled_time: float | None = None
+        # structured output: its answer is being brought to a close as max_tokens nears (the grammar gate forces
+        # the closing tokens); the budget ends it, so it ends by length, saying that its text was closed
+        self.closing = False
         # the scheduler's clock when the request last entered the waiting queue
         self.queued_at = 0.0
         # the scheduler's clock when the scheduler took it (a TTFT target counts from then)

@@ -4,17 +4,15 @@ Each engine step asks the scheduler which requests run and how many tokens each 
 then hands the sampled tokens back (``update``). The scheduler owns the request queues and talks to the KV cache manager
 for memory; it never touches tensors.
 
-The base class does the mechanics every scheduler shares: admission control (``add``, which refuses an id already
-in use; the transports and the engine clients check ids too), the admission gates a request passes before it may run
-(``AdmissionGate``: its LoRA adapter loading, its grammar compiling, its KV blocks a connector fetches), the waiting
-queue and the running list, moving a request in (``admit``), out (``preempt``) and to its end (``finish``, ``abort``:
-every end goes through them, though ``update`` decides only EOS, stop ids and length; the engine core also finishes
-requests for grammars and embeddings, and the frontend ends one at a stop string with an abort marked finished),
-and recording tokens (``update``). Its ``schedule`` is continuous batching; a scheduler decides order and budget by
-overriding ``waiting_key``, ``pick_victim``, ``can_admit``, ``chunk_limit`` and ``token_budget``, whom it takes by
-``check_admission``, and learns how long its steps take from ``observe_step``; or another discipline by overriding
-``schedule`` itself (the built-in static and dynamic schedulers do). Options named in ``runtime_options`` may change
-while the engine runs (``reconfigure``).
+The base class does the mechanics every scheduler shares: admission control (``add``), the admission gates a request
+passes before it may run (``AdmissionGate``: its LoRA adapter loading, its grammar compiling, its KV blocks a
+connector fetches), the waiting queue and the running list, moving a request in (``admit``) and out (``preempt``),
+and, in ``RequestEnds`` (``conveyor.scheduling.ends``), recording each step (``update``) and every end of a request
+(``finish``, ``abort``): the one place a request ends. Its ``schedule`` is continuous batching; a scheduler decides
+order and budget by overriding ``waiting_key``, ``pick_victim``, ``can_admit``, ``chunk_limit`` and
+``token_budget``, whom it takes by ``check_admission``, and learns how long its steps take from ``observe_step``; or
+another discipline by overriding ``schedule`` itself (the built-in static and dynamic schedulers do). Options named
+in ``runtime_options`` may change while the engine runs (``reconfigure``).
 """
 
 from __future__ import annotations
@@ -28,8 +26,9 @@ import msgspec
 from conveyor.batch import ScheduledBatch, WaitingQueue
 from conveyor.gates import AdmissionGate, Gated
 from conveyor.kvcache import KVCacheManager, PrefixMatch
-from conveyor.messages import RequestOutput, SchedulerStats, TokenLogprob
-from conveyor.request import FinishReason, Request, RequestRejected, RequestStatus, length_error
+from conveyor.messages import SchedulerStats
+from conveyor.request import Request, RequestRejected, RequestStatus, length_error
+from conveyor.scheduling.ends import RequestEnds
 
 
 class SchedulerOptions(msgspec.Struct, forbid_unknown_fields=True):
@@ -41,7 +40,7 @@ class SchedulerOptions(msgspec.Struct, forbid_unknown_fields=True):
     max_waiting: Annotated[int, msgspec.Meta(ge=1)] = 1024
 
 
-class Scheduler(Gated):
+class Scheduler(RequestEnds, Gated):
     """Decides, step by step, which requests run and with how many tokens."""
 
     name: ClassVar[str]
@@ -80,8 +79,14 @@ class Scheduler(Gated):
         self.clock = time.monotonic
         # batches the engine keeps in flight (pipeline parallelism): each takes about this share of the requests
         self.pipeline_depth = 1
-        # async scheduling (the engine sets it): a request whose step is in flight may be in the next one too
+        # async scheduling: a request whose step is in flight may be in the next one too
         self.async_steps = False
+
+    def overlap(self, pipeline_depth: int, async_steps: bool) -> None:
+        """How the engine runs steps: ``pipeline_depth`` batches in flight at once (pipeline stages), or (async
+        scheduling) the next step scheduled while the last one runs."""
+        self.pipeline_depth = pipeline_depth
+        self.async_steps = async_steps
 
     @classmethod
     def max_running(cls, options: msgspec.Struct) -> int | None:
@@ -197,12 +202,11 @@ class Scheduler(Gated):
         """Admission control: the request goes to its first gate or the waiting queue, or is rejected with why.
 
         Raises:
-            RequestRejected: duplicate id, can never run here (empty, too long
-                for max_model_len or for the whole cache), or the queue
-                (waiting and held) is full (429).
+            RequestRejected: can never run here (empty, too long for
+                max_model_len or for the whole cache), or the queue (waiting
+                and held) is full (429). (Its id is not in use: the engine
+                client, which hands out the streams, refuses one that is.)
         """
-        if request.request_id in self.requests:
-            raise RequestRejected(f"request id {request.request_id!r} is already in use")
         request.added_at = self.clock()
         reason = self._never_runs(request)
         try:
@@ -276,100 +280,6 @@ class Scheduler(Gated):
         request.draft_token_ids = []
         self.counters.num_preemptions += 1
         self._enqueue(request)
-
-    def finish(self, request: Request, reason: FinishReason) -> None:
-        """End a request wherever it is: free its memory and forget it."""
-        self._remove(request, reason)
-        if reason in (FinishReason.ABORT, FinishReason.ERROR):
-            self.counters.num_aborted += 1
-        else:
-            self.counters.num_finished += 1
-
-    def _remove(self, request: Request, reason: FinishReason) -> None:
-        if request.status == RequestStatus.RUNNING:
-            self.running.remove(request)
-        elif request.status in self.held:
-            self.held[request.status].remove(request)
-        elif request.status != RequestStatus.FINISHED:
-            self.waiting.remove(request)
-        request.status = RequestStatus.FINISHED
-        request.finish_reason = reason
-        self.kvcache.free(request)
-        self.requests.pop(request.request_id, None)
-        self._finished_ids.append(request.request_id)
-        for gate in self.gates:
-            gate.forget(request)
-
-    def abort(self, request_ids: Iterable[str], error: str | None = None,
-              reason: FinishReason = FinishReason.ABORT) -> list[RequestOutput]:
-        """Drop requests wherever they are and free their memory; a final output for each one still unfinished.
-
-        Args:
-            request_ids: unknown or finished ids are skipped.
-            error: end them with finish reason "error" and this text instead of ``reason``.
-            reason: "abort", or "stop" for requests the frontend saw end (counted as finished).
-        """
-        reason = reason if error is None else FinishReason.ERROR
-        outputs = []
-        for request_id in request_ids:
-            request = self.requests.get(request_id)
-            if request is None:
-                continue
-            self.finish(request, reason)
-            outputs.append(RequestOutput(request_id, finish_reason=reason.value, error=error,
-                                         num_prompt_tokens=request.num_prompt_tokens))
-        return outputs
-
-    def update(
-        self, batch: ScheduledBatch, sampled: list[int | None], logprobs: list[TokenLogprob | None],
-        accepted: list[list[int]] | None = None, accepted_logprobs: list[list[TokenLogprob] | None] | None = None,
-    ) -> list[RequestOutput]:
-        """Record a finished step.
-
-        Args:
-            batch: what ``schedule`` returned.
-            sampled: per batch entry, the new token, or None for a prefill
-                chunk that did not reach the end of the prompt.
-            logprobs: per batch entry, logprobs of the new token (or None).
-            accepted: per batch entry (speculative decoding), the draft tokens the model accepted: they come
-                before the sampled token; the rest of the drafts are dropped (their KV is rewritten later).
-            accepted_logprobs: their logprobs, where asked.
-
-        Returns:
-            One output per request that got tokens (the last one says why it finished).
-        """
-        outputs: list[RequestOutput] = []
-        for i, (request, n, token, logprob) in enumerate(zip(batch.requests, batch.num_tokens, sampled, logprobs)):
-            drafted = request.draft_token_ids[: n - 1] if n > 1 and request.num_uncomputed_tokens == 1 else []
-            taken = accepted[i] if accepted else []
-            request.num_computed_tokens += n - (len(drafted) - len(taken))
-            request.draft_token_ids = []
-            if drafted:
-                self.counters.num_draft_tokens += len(drafted)
-                self.counters.num_accepted_tokens += len(taken)
-            if token is None or request.is_finished:
-                continue
-            tokens = [*taken, token]
-            entries = [*(accepted_logprobs[i] or [] if accepted_logprobs else []), logprob]
-            reason = None
-            for count, new in enumerate(tokens, 1):
-                reason = request.append_token(new)
-                if reason is not None:
-                    break
-            outputs.append(RequestOutput(
-                request.request_id, tokens[:count], entries[:count] if logprob is not None else None,
-                reason.value if reason else None, num_prompt_tokens=request.num_prompt_tokens,
-                num_cached_tokens=request.num_cached_tokens,
-                queue_time=request.queue_time if request.num_output_tokens == count else 0.0))
-            if reason is not None:  # (a stop among accepted drafts: those after it are not the request's)
-                request.num_computed_tokens = min(request.num_computed_tokens, request.num_tokens)
-                self.finish(request, reason)
-        return outputs
-
-    def take_finished(self) -> list[str]:
-        """The ids of the requests that ended (finished, aborted, failed) since the last call."""
-        finished, self._finished_ids = self._finished_ids, []
-        return finished
 
     def has_unfinished(self) -> bool:
         """Whether any request is waiting or running."""

@@ -7,10 +7,11 @@ from collections.abc import Callable
 
 from conveyor.gates import AdmissionGate
 from conveyor.kvcache import KVCacheSpec
+from conveyor.messages import RequestOutput, RunnerOutput
 from conveyor.plugins.kvcache.paged import PagedKVCache, PagedOptions
 from conveyor.request import Request, RequestStatus
 from conveyor.sampling import SamplingParams
-from conveyor.scheduler import Scheduler
+from conveyor.scheduler import ScheduledBatch, Scheduler
 
 _ids = itertools.count()
 
@@ -44,6 +45,13 @@ def next_token(request: Request) -> int:
     return (sum(t * (i + 1) for i, t in enumerate(tokens)) * 2654435761) % 50_000
 
 
+def ran(scheduler: Scheduler, batch: ScheduledBatch, sampled: list[int | None], **output) -> list[RequestOutput]:
+    """The engine's side of a step the workers ran at once: ``batch`` submitted, then its results (the ``sampled``
+    tokens, no logprobs, and any other ``RunnerOutput`` fields) recorded; what the requests produced."""
+    scheduler.submitted(batch)
+    return scheduler.update(batch, RunnerOutput(sampled, [None] * len(sampled), **output))
+
+
 def fake_step(scheduler: Scheduler, model=next_token):
     """One engine step with a fake runner: the gates release what they let go (the outputs start with the
     requests they refused), then each request at the end of its known tokens gets model(request)."""
@@ -53,8 +61,7 @@ def fake_step(scheduler: Scheduler, model=next_token):
         model(r) if r.num_computed_tokens + n == r.num_tokens else None
         for r, n in zip(batch.requests, batch.num_tokens)
     ]
-    outputs = scheduler.update(batch, sampled, [None] * len(batch))
-    return batch, refused + outputs
+    return batch, refused + ran(scheduler, batch, sampled)
 
 
 def run_to_completion(scheduler: Scheduler, max_steps: int = 10_000) -> list[str]:

@@ -176,7 +176,7 @@ class FakeReplica(EngineClient):
     def _submit(self, request: EngineRequest) -> None:
         self.submitted.append(request.request_id)
 
-    def _abort(self, request_ids: list[str], finished: bool = False) -> None:
+    def _abort(self, request_ids: list[str], at_stop_string: bool = False) -> None:
         self.aborted += request_ids
         self._publish([RequestOutput(r, finish_reason="abort") for r in request_ids], None)
 
@@ -191,6 +191,37 @@ class FakeReplica(EngineClient):
 
 def request(request_id: str, tokens: list[int]) -> EngineRequest:
     return EngineRequest(request_id, tokens, SamplingParams(max_tokens=4, temperature=0))
+
+
+@pytest.mark.parametrize("replicas", [1, 2])
+async def test_the_one_id_check_is_the_engine_clients(replicas):
+    """A request id already streaming is refused where the streams are handed out (one engine's client, or the
+    data-parallel client over several), before any engine sees it; the first request's stream goes on."""
+    engines = [FakeReplica(100 + i) for i in range(replicas)]
+    client = engines[0] if replicas == 1 else DPClient(engines, Router(replicas, block_size=BLOCK))
+    tokens = []
+
+    async def first():
+        async with aclosing(client.generate(request("same", [1, 2, 3]))) as outputs:
+            tokens.extend([o.new_token_ids async for o in outputs])
+
+    async with anyio.create_task_group() as tg:
+        await tg.start(client.run)
+        tg.start_soon(first)
+        with anyio.fail_after(10):
+            while not any(e.submitted for e in engines):
+                await anyio.sleep(0.01)
+        with pytest.raises(RequestRejected, match="request id 'same' is already in use"):
+            async with aclosing(client.generate(request("same", [4, 5, 6]))) as second:
+                await anext(second)
+        next(e for e in engines if e.submitted).emit("same", 7, "stop")
+        with anyio.fail_after(10):
+            while not tokens:
+                await anyio.sleep(0.01)
+        assert tokens == [[7]]
+        assert [rid for e in engines for rid in e.submitted] == ["same"]
+        await client.shutdown()
+        tg.cancel_scope.cancel()
 
 
 async def test_dp_client_routes_streams_aborts_and_survives_a_dead_replica():

@@ -33,16 +33,6 @@ def test_a_held_request_waits_its_turn_then_runs_to_the_end():
     assert_no_leak(scheduler.kvcache)
 
 
-def test_the_one_id_check_sees_held_requests():
-    scheduler = create_scheduler()
-    scheduler.add_gate(Countdown(RequestStatus.WAITING_FOR_ADAPTER, lambda r: r.request_id == "a"))
-    scheduler.add(create_request(4, request_id="a"))
-    with pytest.raises(RequestRejected, match="request id 'a' is already in use") as e:
-        scheduler.add(create_request(4, request_id="a"))
-    assert e.value.status == 400
-    assert len(scheduler.requests) == 1
-
-
 def test_the_queue_bound_counts_held_requests():
     scheduler = create_scheduler(max_waiting=3)
     scheduler.add_gate(Countdown(RequestStatus.WAITING_FOR_ADAPTER, lambda r: r.request_id in ("h1", "h2")))

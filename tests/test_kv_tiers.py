@@ -28,7 +28,7 @@ from conveyor.registry import PluginRegistry
 from conveyor.request import Request
 from conveyor.sampling import SamplingParams
 from conveyor.serving.metrics import ServerMetrics
-from tests.factories import assert_no_leak, next_token
+from tests.factories import assert_no_leak, next_token, ran
 
 BLOCK = 4
 SPEC = KVCacheSpec(num_layers=2, num_kv_heads=2, head_dim=4, dtype="float32", max_model_len=512)
@@ -89,7 +89,7 @@ class Engine:
                     self.storage.v[:, :, slot] = -expected_kv(tokens, position)
             self.computed += min(n, max(request.num_prompt_tokens - start, 0))
             sampled.append(next_token(request) if start + n == request.num_tokens else None)
-        return refused + self.scheduler.update(batch, sampled, [None] * len(batch))
+        return refused + ran(self.scheduler, batch, sampled)
 
     def run(self, prompts: list[list[int]], max_tokens: int = 3) -> list[list[int]]:
         """Serve the prompts together; each one's output tokens."""

@@ -186,7 +186,10 @@ class ScriptedEngine:
         for output in self.outputs:
             yield msgspec.structs.replace(output, request_id=request.request_id)
 
-    def abort(self, request_id: str, finished: bool = False) -> None:
+    def abort(self, request_id: str) -> None:
+        pass
+
+    def end_at_stop_string(self, request_id: str) -> None:
         pass
 
 

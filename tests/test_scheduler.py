@@ -10,6 +10,7 @@ from conveyor.plugins.kvcache.contiguous import ContiguousKVCache, ContiguousOpt
 from conveyor.plugins.kvcache.paged import block_digest
 from conveyor.plugins.schedulers.continuous import ContinuousOptions, ContinuousScheduler
 from conveyor.plugins.schedulers.dynamic import DynamicOptions, DynamicScheduler
+from conveyor.messages import RunnerOutput
 from conveyor.plugins.schedulers.static import StaticOptions, StaticScheduler
 from conveyor.request import Request, RequestRejected, RequestStatus
 from conveyor.sampling import SamplingParams
@@ -20,6 +21,7 @@ from tests.factories import (
     create_request,
     create_spec,
     fake_step,
+    ran,
     next_token,
     run_to_completion,
 )
@@ -64,12 +66,12 @@ def test_a_stop_token_among_accepted_drafts_caches_only_the_requests_own_blocks(
     scheduler = create_scheduler(block_size=4)
     request = Request("r", list(range(1, 8)), SamplingParams(max_tokens=20, temperature=0, stop_token_ids=[99]), 256)
     scheduler.add(request)
-    scheduler.update(scheduler.schedule(), [50], [None])
+    ran(scheduler, scheduler.schedule(), [50])
     drafts = [99, 51, 52, 53, 54, 55, 56]
     request.draft_token_ids = list(drafts)
     batch = scheduler.schedule()
     assert batch.num_tokens == [1 + len(drafts)]
-    (output,) = scheduler.update(batch, [57], [None], accepted=[drafts])
+    (output,) = ran(scheduler, batch, [57], accepted=[drafts])
     assert output.finish_reason == "stop" and output.new_token_ids == [99]
     tokens = [*range(1, 8), 50, 99]
     digests, parent = set(), b""
@@ -370,7 +372,7 @@ def test_pipelined_batches_share_the_requests_and_never_preempt_one_in_flight():
     """Two batches in flight (pipeline parallelism): disjoint, about half the requests each; when memory
     runs out, a request in flight is not preempted (the one asking waits); the results equal one at a time."""
     scheduler = create_scheduler(num_blocks=12, block_size=4, max_num_batched_tokens=64)
-    scheduler.pipeline_depth = 2
+    scheduler.overlap(pipeline_depth=2, async_steps=False)
     requests = [create_request(6, max_tokens=12) for _ in range(4)]
     for request in requests:
         scheduler.add(request)
@@ -385,15 +387,13 @@ def test_pipelined_batches_share_the_requests_and_never_preempt_one_in_flight():
                 break
             assert not any(r.in_flight for r in batch.requests), "a request in two batches at once"
             assert len(batch) <= 2
-            for request in batch.requests:
-                request.in_flight = True
+            scheduler.submitted(batch)
             in_flight.append(batch)
         assert all(r.status == RequestStatus.RUNNING for b in in_flight for r in b.requests), "in flight, preempted"
         batch = in_flight.pop(0)
-        for request in batch.requests:
-            request.in_flight = False
         sampled = [tokens_of(r, n) for r, n in zip(batch.requests, batch.num_tokens)]
-        finished += [o.request_id for o in scheduler.update(batch, sampled, [None] * len(batch)) if o.finish_reason]
+        output = RunnerOutput(sampled, [None] * len(batch))
+        finished += [o.request_id for o in scheduler.update(batch, output) if o.finish_reason]
     assert sorted(finished) == sorted(r.request_id for r in requests)
     assert scheduler.stats().num_preemptions > 0  # 4 x 18 tokens do not fit in 12 blocks of 4: memory ran out
     reference = create_scheduler(num_blocks=64, block_size=4)

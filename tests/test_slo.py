@@ -16,7 +16,7 @@ from conveyor.perf.peaks import gpu_peaks
 from conveyor.plugins.schedulers.continuous import ContinuousOptions, ContinuousScheduler, SloClass
 from conveyor.request import RequestRejected
 from conveyor.slo import MIN_STEPS, StepFeatures, StepTimeModel, step_features
-from tests.factories import assert_no_leak, create_kvcache, create_request, next_token
+from tests.factories import assert_no_leak, create_kvcache, create_request, next_token, ran
 
 
 class Cost:
@@ -46,7 +46,7 @@ class VirtualEngine:
         seconds = self.cost(spans)
         sampled = [next_token(r) if r.num_computed_tokens + n == r.num_tokens else None
                    for r, n in zip(batch.requests, batch.num_tokens)]
-        outputs = scheduler.update(batch, sampled, [None] * len(batch))
+        outputs = ran(scheduler, batch, sampled)
         self.now += seconds
         scheduler.observe_step(spans, seconds)
         self.step_seconds.append((seconds, step_features(spans).decodes))

@@ -75,9 +75,9 @@ class EngineClient(ABC):
         """Hand a request to the engine (raises EngineUnavailable)."""
 
     @abstractmethod
-    def _abort(self, request_ids: list[str], finished: bool = False) -> None:
-        """Ask the engine to end these requests (their final outputs come back as usual); ``finished``: the
-        frontend saw them end (a stop string), so they count as finished, not aborted."""
+    def _abort(self, request_ids: list[str], at_stop_string: bool = False) -> None:
+        """Ask the engine to end these requests (their final outputs come back as usual); ``at_stop_string``: the
+        frontend found a stop string in their text, so they end as ``stop``, not ``abort``."""
 
     async def generate(self, request: EngineRequest) -> AsyncIterator[RequestOutput]:
         """Submit a request; yield its outputs until the final one.
@@ -103,11 +103,16 @@ class EngineClient(ABC):
             async for output in outputs:
                 yield output
 
-    def abort(self, request_id: str, finished: bool = False) -> None:
-        """Stop a request wherever it is; its stream ends with an ``abort`` output (``finished``: the frontend
-        saw it end)."""
+    def abort(self, request_id: str) -> None:
+        """Stop a request wherever it is; its stream ends with an ``abort`` output."""
         if self.alive and request_id in self._streams:
-            self._abort([request_id], finished)
+            self._abort([request_id])
+
+    def end_at_stop_string(self, request_id: str) -> None:
+        """The frontend found a stop string in the request's text: the engine ends it as ``stop`` (its last
+        output says so)."""
+        if self.alive and request_id in self._streams:
+            self._abort([request_id], at_stop_string=True)
 
     def abort_all(self) -> None:
         if self.alive and len(self._streams):

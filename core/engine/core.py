@@ -26,7 +26,7 @@ from conveyor.engine.model_len import fit_model_len
 from conveyor.engine.prompt_logprobs import add_prompt_logprobs
 from conveyor.engine.rank_stats import add_rank_stats
 from conveyor.engine.speculative import DraftModelProposer, NgramProposer
-from conveyor.engine.step_input import StepBuilder, count_in_flight
+from conveyor.engine.step_input import StepBuilder
 from conveyor.executor import Executor, ExecutorError, build_executor, overlaps_steps
 from conveyor.kvcache import DTYPE_BYTES, KVCacheManager
 from conveyor.messages import (
@@ -129,14 +129,13 @@ class EngineCore:
         # under async scheduling (the next one waits on the workers while the engine updates the last)
         self._in_flight: deque[InFlight] = deque()
         self.max_in_flight = self.executor.max_in_flight if self.scheduler.pipelined else 1
-        self.scheduler.pipeline_depth = self.max_in_flight
         if self.max_in_flight < self.executor.max_in_flight:
             logger.warning("scheduler %r runs one batch at a time: %d pipeline stages will idle in turn",
                            self.scheduler.name, self.executor.max_in_flight)
         self.async_scheduling = self._async_scheduling()
+        self.scheduler.overlap(self.max_in_flight, self.async_scheduling)
         if self.async_scheduling:
             self.max_in_flight = 2
-            self.scheduler.async_steps = True
             self.executor.overlap_steps()
 
     def _async_scheduling(self) -> bool:
@@ -179,10 +178,14 @@ class EngineCore:
         return RequestOutput(request_id, finish_reason=FinishReason.ERROR.value, error=str(e), error_status=e.status,
                              retry_after=e.retry_after)
 
-    def abort(self, request_ids: Iterable[str], finished: bool = False) -> list[RequestOutput]:
-        """End requests wherever they are; returns a final ``abort`` output for each unfinished one (``stop``
-        with ``finished``: the frontend saw them end)."""
-        return self.scheduler.abort(request_ids, reason=FinishReason.STOP if finished else FinishReason.ABORT)
+    def abort(self, request_ids: Iterable[str]) -> list[RequestOutput]:
+        """End requests wherever they are (their clients left); a final ``abort`` output for each unfinished one."""
+        return self.scheduler.abort(request_ids)
+
+    def end_at_stop_string(self, request_ids: Iterable[str]) -> list[RequestOutput]:
+        """The frontend found a stop string in these requests' text (only it detokenizes): they end as ``stop``;
+        a final output for each unfinished one."""
+        return self.scheduler.abort(request_ids, reason=FinishReason.STOP)
 
     def apply(self, messages: Iterable[tuple[MessageType, object]]) -> EngineOutputs | None:
         """Take ADD, ABORT, FINISH and CONFIGURE messages (``EngineRequest``, request ids, scheduler options)
@@ -202,8 +205,11 @@ class EngineCore:
                     outputs.append(rejection)
                 elif self.scheduler.requests[body.request_id].status is RequestStatus.WAITING:
                     outputs.append(RequestOutput(body.request_id))  # taken (one a gate holds: once it passes)
-            elif kind is MessageType.ABORT or kind is MessageType.FINISH:
-                outputs += self.abort(body, finished=kind is MessageType.FINISH)
+            elif kind is MessageType.ABORT:
+                outputs += self.abort(body)
+                aborted = True
+            elif kind is MessageType.FINISH:
+                outputs += self.end_at_stop_string(body)
                 aborted = True
             elif kind is MessageType.CONFIGURE:
                 try:
@@ -255,10 +261,8 @@ class EngineCore:
             raise
         except Exception as e:  # a failed step fails its requests, not the engine
             logger.exception("step failed; ending its %d requests with an error", len(flight.batch))
-            count_in_flight(flight.batch, -1)
             check_loads(self.kvcache, flight.loads, flight.batch, None)  # (they may be filled in part)
-            error = f"{type(e).__name__}: {e}"
-            return released + self.scheduler.abort([r.request_id for r in flight.batch.requests], error), None
+            return released + self.scheduler.step_failed(flight.batch, f"{type(e).__name__}: {e}"), None
         executed = self.timer()
         restarts = check_loads(self.kvcache, flight.loads, flight.batch, result)
         outputs = self._update(flight, result)
@@ -295,48 +299,20 @@ class EngineCore:
         decodes = [n for r, n in zip(batch.requests, batch.num_tokens)
                    if r.num_output_tokens and r.num_uncomputed_tokens == 1]
         step = self.steps.build(batch)
-        count_in_flight(batch, 1)
+        self.scheduler.submitted(batch)
         self._in_flight.append(InFlight(batch, step, len(decodes), sum(decodes), self.timer() - start,
                                         self.kvcache.take_loads()))
         self.executor.submit(step)
         return True
 
     def _update(self, flight: InFlight, result: RunnerOutput) -> list[RequestOutput]:
-        """Hand a step's tokens to the scheduler, the grammars and the proposer; what the requests produced."""
-        batch = flight.batch
-        count_in_flight(batch, -1)
-        outputs = self.scheduler.update(batch, result.sampled, result.logprobs, result.accepted,
-                                        result.accepted_logprobs)
-        if self.grammars.matchers:
-            self._end_grammars(batch, result.sampled, outputs)
-        if self.grammars.closed:
-            for output in outputs:
-                # closed: forced to complete its grammar as max_tokens neared. The budget ended it, so it ends by
-                # length (a client's check for a cut-off answer sees one) and says that its text was closed; a
-                # budget too small for the closing ends it by length without saying so
-                if output.finish_reason == FinishReason.STOP.value and output.request_id in self.grammars.closed:
-                    output.finish_reason = FinishReason.LENGTH.value
-                    output.grammar_closed = True
-            self.grammars.closed &= self.grammars.matchers.keys()
+        """Hand a step's results to the scheduler (it records the tokens and ends requests) and the proposer; what
+        the requests produced."""
+        outputs = self.scheduler.update(flight.batch, result)
         if self.proposer is not None:
-            self.proposer.propose(batch.requests, result)
+            self.proposer.propose(flight.batch.requests, result)
         if result.prompt_logprobs:
-            outputs = add_prompt_logprobs(batch, flight.step, result, outputs)
-        if result.embeddings:
-            outputs += self._embedded(batch, result.embeddings)
-        return outputs
-
-    def _embedded(self, batch: ScheduledBatch, embeddings: list[bytes | None]) -> list[RequestOutput]:
-        """End the requests whose embedding the step returned, each with an output that carries it."""
-        outputs = []
-        for request, embedding in zip(batch.requests, embeddings):
-            if embedding is None or request.is_finished:
-                continue
-            self.scheduler.finish(request, FinishReason.STOP)
-            outputs.append(RequestOutput(request.request_id, finish_reason=FinishReason.STOP.value,
-                                         num_prompt_tokens=request.num_prompt_tokens,
-                                         num_cached_tokens=request.num_cached_tokens,
-                                         queue_time=request.queue_time, embedding=embedding))
+            outputs = add_prompt_logprobs(flight.batch, flight.step, result, outputs)
         return outputs
 
     def _step_stats(self, flight: InFlight, result: RunnerOutput, executed: float) -> StepStats:
@@ -371,16 +347,6 @@ class EngineCore:
             return None
         self._kv_owners_time = now
         return KVOwners([r.request_id for r in running], [list(self.kvcache.block_ids(r)) for r in running])
-
-    def _end_grammars(self, batch: ScheduledBatch, sampled: list[int | None], outputs: list[RequestOutput]) -> None:
-        """Advance the requests' matchers; a grammar that completed (or refused the token) ends its request."""
-        ended = self.grammars.advance(batch.requests, sampled)
-        by_id = {o.request_id: o for o in outputs}
-        for request in ended:
-            self.scheduler.finish(request, FinishReason.STOP)
-            output = by_id.get(request.request_id)
-            if output is not None:
-                output.finish_reason = FinishReason.STOP.value
 
     def ready(self, load_time: float) -> EngineReady:
         """What the engine tells its client once it can serve (``load_time``: seconds it took)."""

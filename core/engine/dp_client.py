@@ -186,10 +186,15 @@ class DPClient(EngineClient):
         """The replica serving a request in flight, or None."""
         return self._owners.get(request_id)
 
-    def abort(self, request_id: str, finished: bool = False) -> None:
+    def abort(self, request_id: str) -> None:
         index = self._owners.get(request_id)
         if index is not None:
-            self.replicas[index].abort(request_id, finished)
+            self.replicas[index].abort(request_id)
+
+    def end_at_stop_string(self, request_id: str) -> None:
+        index = self._owners.get(request_id)
+        if index is not None:
+            self.replicas[index].end_at_stop_string(request_id)
 
     def abort_all(self) -> None:
         for replica in self.replicas:
@@ -203,9 +208,9 @@ class DPClient(EngineClient):
     def _submit(self, request: EngineRequest) -> None:
         raise NotImplementedError("DPClient.generate hands each request to a replica's own generate")
 
-    def _abort(self, request_ids: list[str], finished: bool = False) -> None:
+    def _abort(self, request_ids: list[str], at_stop_string: bool = False) -> None:
         for request_id in request_ids:
-            self.abort(request_id, finished)
+            (self.end_at_stop_string if at_stop_string else self.abort)(request_id)
 
     def _replica_step(self, index: int, stats: StepStats) -> None:
         self._stats[index] = stats

@@ -6,7 +6,8 @@ one thread), then goes on to the waiting queue with a matcher; one whose
 language does not compile ends there with a 400 (the frontend never parses
 a language: this compile is the check).
 Before a step samples for it, its matcher fills its row of the step's token
-bitmask; after the step, the sampled token advances the matcher.
+bitmask; after the step, the scheduler's ``update`` hands it the sampled token
+(``ends``), which advances the matcher and may end the request.
 
 An answer under a grammar must also end within ``max_tokens``: a small model
 can stay inside an unbounded integer or string until the budget runs out and
@@ -70,8 +71,6 @@ class GrammarRequests(AdmissionGate):
         self.matchers: dict[str, object] = {}
         # request id -> how its answer is brought to a close within its max_tokens
         self.closings: dict[str, _Closing] = {}
-        # requests whose answer is being closed (their last output says so; the engine prunes the ended)
-        self.closed: set[str] = set()
 
     def _build(self) -> Grammars:
         from conveyor.model.tokenizer import load_tokenizer
@@ -159,26 +158,22 @@ class GrammarRequests(AdmissionGate):
         slack = left - len(tokens) - 1 - CLOSING_MARGIN  # (one token more for the stop token)
         if slack <= 0:
             closing.forced.extend(tokens)
-            self.closed.add(request.request_id)
+            request.closing = True  # (the scheduler ends it by length, saying so)
             return tokens[0]
         if slack > CLOSING_EVERY_STEP:
             closing.check_at = left - slack // 4  # (a completion grows by a few tokens a token at most)
         return None
 
-    def advance(self, requests: list[Request], sampled: list[int | None]) -> list[Request]:
-        """Feed each request its sampled token; returns the requests whose grammar is complete (ended by its
-        stop token) or that took a token the grammar refuses, which end here."""
-        ended = []
-        for request, token in zip(requests, sampled):
-            matcher = self.matchers.get(request.request_id)
-            if matcher is None or token is None or request.is_finished:
-                continue
-            forced = self.closings[request.request_id].forced
-            if forced and forced[0] == token:
-                forced.popleft()
-            if not matcher.accept_token(token) or matcher.is_terminated():
-                ended.append(request)
-        return ended
+    def ends(self, request: Request, token: int) -> bool:
+        """Feed the request its sampled token; whether its grammar is complete (ended by its stop token) or refused
+        the token: the request ends there."""
+        matcher = self.matchers.get(request.request_id)
+        if matcher is None:
+            return False
+        forced = self.closings[request.request_id].forced
+        if forced and forced[0] == token:
+            forced.popleft()
+        return not matcher.accept_token(token) or matcher.is_terminated()
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)

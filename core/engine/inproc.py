@@ -71,8 +71,8 @@ class InprocClient(EngineClient):
             raise EngineUnavailable("the engine is stopping")
         self._post(MessageType.ADD, request)
 
-    def _abort(self, request_ids: list[str], finished: bool = False) -> None:
-        self._post(MessageType.FINISH if finished else MessageType.ABORT, request_ids)
+    def _abort(self, request_ids: list[str], at_stop_string: bool = False) -> None:
+        self._post(MessageType.FINISH if at_stop_string else MessageType.ABORT, request_ids)
 
     def _configure(self, changes: dict[str, Any]) -> None:
         self._post(MessageType.CONFIGURE, changes)

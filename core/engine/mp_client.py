@@ -202,8 +202,8 @@ class MPClient(EngineClient):
             self._heard = time.monotonic()
         self._send(MessageType.ADD, request)
 
-    def _abort(self, request_ids: list[str], finished: bool = False) -> None:
-        self._send(MessageType.FINISH if finished else MessageType.ABORT, request_ids)
+    def _abort(self, request_ids: list[str], at_stop_string: bool = False) -> None:
+        self._send(MessageType.FINISH if at_stop_string else MessageType.ABORT, request_ids)
 
     def _configure(self, changes: dict[str, Any]) -> None:
         self._send(MessageType.CONFIGURE, changes)

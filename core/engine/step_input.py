@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import time
-
 from conveyor.connector import KVConnector
 from conveyor.deltas import SentRequests
 from conveyor.engine.grammars import GrammarRequests
@@ -29,13 +27,10 @@ class StepBuilder:
     def build(self, batch: ScheduledBatch) -> StepInput:
         """The step's message to the workers: each request's new tokens, what the workers lack of it, and the
         KV connector's moves."""
-        now = time.time()
         finished = self.scheduler.take_finished()
         self.sent.forget(finished)
         requests = []
         for request, n in zip(batch.requests, batch.num_tokens):
-            if request.first_scheduled_time is None:
-                request.first_scheduled_time = now
             start = request.num_computed_tokens + request.num_in_flight_tokens  # (after its steps in flight)
             params = request.params
             if start == request.num_tokens:  # async: its input is the token its step in flight samples
@@ -63,9 +58,3 @@ class StepBuilder:
             step.kv_connector = self.connector.take_payload()
         return step
 
-
-def count_in_flight(batch: ScheduledBatch, sign: int) -> None:
-    """A batch went to the workers (1) or came back (-1): its requests' steps and tokens in flight."""
-    for request, n in zip(batch.requests, batch.num_tokens):
-        request.in_flight += sign
-        request.num_in_flight_tokens += sign * n

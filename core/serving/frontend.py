@@ -262,8 +262,8 @@ class EngineFrontend:
                     delta = text.add(output.new_token_ids, final=reason is not None)
                     if text.stopped:  # (a stop string in the last token allowed ends it as a stop too)
                         reason = "stop"
-                        if output.finish_reason is None:  # (the engine ends it as finished, not aborted)
-                            self.engine.abort(request_id, finished=True)
+                        if output.finish_reason is None:  # (the engine ends it as stop, not abort)
+                            self.engine.end_at_stop_string(request_id)
                     yield Chunk(
                         delta,
                         output.new_token_ids,
