@@ -18,7 +18,6 @@ in ``runtime_options`` may change while the engine runs (``reconfigure``).
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable
 from typing import Annotated, Any, ClassVar
 
 import msgspec

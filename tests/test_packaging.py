@@ -69,7 +69,8 @@ def test_the_frontend_process_runs_with_torch_unimportable():
     (the command line, the server, every built-in plugin) and serves completions, chat (streamed, with tools),
     Responses, Messages, embeddings and tokenize over a stand-in engine, checking each answer; it fails on any
     attempt to import them, even one caught."""
-    result = subprocess.run([sys.executable, str(REPO / "tests" / "torchless_frontend.py")], capture_output=True,
+    result = subprocess.run([sys.executable, str(REPO / "tests" / "torchless_frontend.py")], check=False,
+                            capture_output=True,
                             text=True, timeout=300)
     assert result.returncode == 0, result.stdout + result.stderr[-3000:]
 

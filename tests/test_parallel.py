@@ -10,7 +10,7 @@ import pytest
 
 from conveyor import LLM, SamplingParams
 from conveyor.config import ConfigError, ParallelConfig, load_config
-from conveyor.worker.parallel import Placement, check_divisible
+from conveyor.model.parallel import Placement, check_divisible
 from tests.conftest import CHAT_PROMPTS, NUM_TOKENS, REPO
 from tests.helpers import assert_matches_reference, assert_same_or_near_tie
 from tests.test_model import tiny_hf_model
@@ -44,7 +44,7 @@ def test_collectives_are_counted_and_timed_by_cuda_events_on_cuda(monkeypatch):
     import torch
     import torch.distributed as dist
 
-    from conveyor.worker.parallel import ParallelGroup
+    from conveyor.model.parallel import ParallelGroup
 
     elapsed_ms = iter([4.0, 1.5, 2.5])  # an all-reduce, a send, a receive
 

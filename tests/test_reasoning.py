@@ -12,11 +12,13 @@ import anthropic
 import httpx
 import openai
 import pytest
+import zmq
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from conveyor.plugins.transport.reasoning import ThinkSplitter
+from conveyor.api.reasoning import ThinkSplitter
 from tests.server import Server, http_config
+from tests.test_zmq_transport import raw_generate
 
 WORDS = ["<unk>", "<|im_start|>", "<|im_end|>", "<think>", "</think>", "user", "assistant", "system",
          "sun", "rain", "snow", "wind", "cloud", "fog"]
@@ -60,7 +62,11 @@ dtype = "float32"
 max_model_len = 256
 reasoning_parser = "think"
 
-""" + http_config(status_interval=0.0)
+""" + http_config(status_interval=0.0) + '''
+[[transport]]
+plugin = "zmq"
+address = "tcp://127.0.0.1:*"
+'''
     server = Server(config, tmp_path_factory.mktemp("thinking")).start()
     yield server
     assert server.stop() == 0, server.output
@@ -133,6 +139,24 @@ def test_messages_give_a_thinking_block_before_the_text(server, reply):
                       and e.delta.type == "thinking_delta")
     assert thought == thinking and [b.type for b in final.content] == ["thinking", "text"]
     assert final.content[1].text == answer
+
+
+def test_the_zmq_protocol_gives_the_thinking_apart_as_http_does(server, reply):
+    """The raw ZMQ protocol (docs/zmq-protocol.md) with messages: the thinking in ``reasoning``, the answer in
+    ``text``, streamed and not, as chat completions split the same reply."""
+    seed, thinking, answer = reply
+    socket = zmq.Context.instance().socket(zmq.DEALER)
+    socket.setsockopt(zmq.LINGER, 0)
+    socket.connect(server.url("tcp"))
+    for stream in (True, False):
+        chunks = raw_generate(socket, {
+            "request_id": f"think-{stream}", "messages": [{"role": "user", "content": QUESTION}], "stream": stream,
+            "params": {"max_tokens": TOKENS, "seed": seed, "ignore_eos": True}})
+        assert len(chunks) > 2 if stream else len(chunks) == 1
+        assert "".join(c["reasoning"] for c in chunks) == thinking
+        assert "".join(c["text"] for c in chunks) == answer
+        assert chunks[-1]["usage"]["completion_tokens"] == TOKENS
+    socket.close()
 
 
 REPLIES = [

@@ -6,11 +6,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from conveyor.messages import RunnerOutput
 from conveyor.plugins.kvcache.contiguous import ContiguousKVCache, ContiguousOptions
 from conveyor.plugins.kvcache.paged import block_digest
 from conveyor.plugins.schedulers.continuous import ContinuousOptions, ContinuousScheduler
 from conveyor.plugins.schedulers.dynamic import DynamicOptions, DynamicScheduler
-from conveyor.messages import RunnerOutput
 from conveyor.plugins.schedulers.static import StaticOptions, StaticScheduler
 from conveyor.request import Request, RequestRejected, RequestStatus
 from conveyor.sampling import SamplingParams
@@ -21,8 +21,8 @@ from tests.factories import (
     create_request,
     create_spec,
     fake_step,
-    ran,
     next_token,
+    ran,
     run_to_completion,
 )
 

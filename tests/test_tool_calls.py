@@ -14,8 +14,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from conveyor.plugins.transport.tool_calls import ToolDef, Tools
-from conveyor.plugins.transport.tool_stream import Arguments, CallStart, ReplyReader, Text
+from conveyor.api.tool_calls import ToolDef, Tools
+from conveyor.api.tool_stream import Arguments, CallStart, ReplyReader, Text
 from conveyor.transport import RequestError
 
 WEATHER = {

@@ -159,6 +159,64 @@ def test_raw_client_from_the_protocol_document(server, keys, tokenizer):
 
 
 
+def raw_generate(socket: zmq.Socket, request: dict) -> list[dict]:
+    """Send one generate on a raw socket; its chunks, up to the one with a finish_reason."""
+    socket.send_multipart([b"generate", msgspec.msgpack.encode(request)])
+    chunks = []
+    while not chunks or not chunks[-1].get("finish_reason"):
+        assert socket.poll(120_000), "no reply"
+        kind, body = socket.recv_multipart()
+        assert kind == b"chunk", msgspec.msgpack.decode(body)
+        chunks.append(msgspec.msgpack.decode(body))
+    return chunks
+
+
+def assembled_calls(chunks: list[dict]) -> list[tuple[str, str]]:
+    """The tool calls the chunks' pieces make (name, arguments), in order, as a client assembles them."""
+    calls: dict[int, list[str]] = {}
+    for chunk in chunks:
+        for piece in chunk.get("tool_calls") or []:
+            call = calls.setdefault(piece["index"], ["", ""])
+            call[0] += piece.get("name") or ""
+            call[1] += piece.get("arguments", "")
+    return [tuple(call) for _, call in sorted(calls.items())]
+
+
+@pytest.mark.parametrize("tool_choice", ["required", "auto", "none"])
+def test_tool_calls_through_the_raw_protocol_equal_https(server, keys, tool_choice):
+    """A chat turn with tools, greedy, through the ZMQ protocol (streamed and not) and through HTTP's chat
+    completions on the same server: the same calls (name and arguments), the same text, the same finish reason."""
+    from tests.test_tool_calls import QUESTION as WEATHER_QUESTION
+    from tests.test_tool_calls import TIME, WEATHER
+
+    body = {"messages": WEATHER_QUESTION, "tools": [WEATHER, TIME], "tool_choice": tool_choice}
+    http = httpx.post(f"{server.http}/v1/chat/completions", timeout=120,
+                      json={**body, "max_tokens": 60, "temperature": 0}).json()
+    choice = http["choices"][0]
+    calls = [(c["function"]["name"], c["function"]["arguments"]) for c in choice["message"].get("tool_calls") or []]
+    if tool_choice == "required":
+        assert calls and choice["finish_reason"] == "tool_calls", choice
+    if tool_choice == "none":
+        assert not calls, choice
+    socket = raw_socket(server, keys)
+    for stream in (True, False):
+        chunks = raw_generate(socket, {"request_id": f"tools-{stream}", **body, "stream": stream,
+                                       "params": {"max_tokens": 60, "temperature": 0}})
+        assert len(chunks) > 1 if stream else len(chunks) == 1
+        assert assembled_calls(chunks) == calls
+        assert "".join(c["text"] for c in chunks) == (choice["message"]["content"] or "")
+        assert chunks[-1]["finish_reason"] == choice["finish_reason"]
+        assert not any(c.get("reasoning") for c in chunks)  # (this server splits no thinking)
+    # tools without a chat are refused, naming why; the socket goes on
+    socket.send_multipart([b"generate", msgspec.msgpack.encode({"request_id": "bad", "prompt": "hi",
+                                                                 "tools": [WEATHER]})])
+    assert socket.poll(60_000)
+    kind, reply = socket.recv_multipart()
+    error = msgspec.msgpack.decode(reply)
+    assert kind == b"error" and error["status"] == 400 and "need messages" in error["message"], error
+    socket.close()
+
+
 def next_event(monitor: zmq.Socket, *wanted: int, timeout_ms: int = 60_000) -> dict:
     """The first of the ``wanted`` events a socket's monitor reports (others, such as connection retries, are
     skipped)."""

@@ -22,26 +22,26 @@ class Blocker(importlib.abc.MetaPathFinder):
                        or "/core/" in f.filename or "/plugins/" in f.filename]
             attempts.append(f"{name} <- {callers[-1] if callers else '?'}")
             raise ImportError(f"{name} is blocked: the frontend process must not import it")
-        return None
 
 
 sys.meta_path.insert(0, Blocker())
 
-import base64  # noqa: E402 - after the blocker, so that nothing below loads torch unseen
-import json  # noqa: E402
-import struct  # noqa: E402
+# (imported after the blocker, so that nothing below loads torch unseen)
+import base64
+import json
+import struct
 
-import anyio  # noqa: E402
-import httpx  # noqa: E402
+import anyio
+import httpx
 
-from conveyor.cli import build_parser  # noqa: E402
-from conveyor.config import load_config  # noqa: E402
-from conveyor.engine.client import EngineClient  # noqa: E402
-from conveyor.messages import EngineReady, EngineRequest, RequestOutput  # noqa: E402
-from conveyor.model.tokenizer import load_tokenizer  # noqa: E402
-from conveyor.registry import PluginRegistry  # noqa: E402
-from conveyor.serving.frontend import EngineFrontend  # noqa: E402
-from conveyor.serving.server import _metrics  # noqa: E402
+from conveyor.cli import build_parser
+from conveyor.config import load_config
+from conveyor.engine.client import EngineClient
+from conveyor.messages import EngineReady, EngineRequest, RequestOutput
+from conveyor.model.tokenizer import load_tokenizer
+from conveyor.registry import PluginRegistry
+from conveyor.serving.frontend import EngineFrontend
+from conveyor.serving.server import _metrics
 
 EMBEDDING = (0.5, -1.0, 2.0, 0.25)
 

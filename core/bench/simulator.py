@@ -42,7 +42,7 @@ from conveyor.bench.sim_workload import SIMULATED_TOKEN, SimRequest, add_workloa
 from conveyor.config import Config, ConfigError
 from conveyor.connector import KVConnector
 from conveyor.engine.core import EngineCore
-from conveyor.executor import Executor, ModelInfo
+from conveyor.executor import Executor
 from conveyor.kvcache import DTYPE_BYTES, KVCacheSpec
 from conveyor.messages import EngineRequest, RankTimes, RunnerOutput, StepInput, StepStats
 from conveyor.model.spec import ModelSpec
@@ -50,6 +50,7 @@ from conveyor.perf.peaks import DevicePeaks
 from conveyor.perf.roofline import ModelCosts, step_work
 from conveyor.registry import PluginRegistry
 from conveyor.sampling import SamplingParams
+from conveyor.worker.rpc import ModelInfo
 
 # the models the simulator knows by name (their config.json's shapes)
 MODELS: dict[str, ModelSpec] = {
@@ -164,9 +165,9 @@ class SimulatedExecutor(Executor):
 
 def split_problem(spec: ModelSpec, tp: int, pp: int = 1) -> str | None:
     """Why ``spec`` cannot be split ``tp`` x ``pp`` ways, with the tensor-parallel sizes that can (None when it
-    can): the check the workers make (``conveyor.worker.parallel.check_divisible``)."""
+    can): the check the workers make (``conveyor.model.parallel.check_divisible``)."""
     # (imported here: that module imports torch, and the CLI, the server's included, imports this one for its flags)
-    from conveyor.worker.parallel import Placement, check_divisible
+    from conveyor.model.parallel import Placement, check_divisible
 
     experts = tuple(w for w in (spec.moe_intermediate_size, spec.shared_expert_intermediate_size) if w)
     return check_divisible(Placement(0, tp, pp), spec.num_heads, spec.num_kv_heads, spec.intermediate_size,

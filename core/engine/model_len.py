@@ -7,8 +7,8 @@ from collections.abc import Callable
 
 import msgspec
 
-from conveyor.executor import ModelInfo
 from conveyor.kvcache import KVCacheManager, KVCacheSpec
+from conveyor.worker.rpc import ModelInfo
 
 
 def fit_model_len(configured: int, info: ModelInfo, kvcache: KVCacheManager,

@@ -24,38 +24,17 @@ from typing import Any, ClassVar
 import msgspec
 
 from conveyor.config import Config, ConfigError
-from conveyor.kvcache import KVCacheLayout, KVCacheSpec
+from conveyor.kvcache import KVCacheLayout
 from conveyor.messages import RankTimes, RunnerOutput, StepInput
-from conveyor.model.spec import ModelSpec
 from conveyor.registry import PluginRegistry
+from conveyor.worker import rpc
+from conveyor.worker.rpc import ModelInfo
 
 logger = logging.getLogger("conveyor")
 
 
 class ExecutorError(RuntimeError):
     """The workers cannot go on (one died, failed to start or failed a step): the engine must restart."""
-
-
-class ModelInfo(msgspec.Struct, array_like=True, frozen=True):
-    """What a worker tells the engine core once its share of the model is loaded."""
-
-    max_model_len: int
-    # what one token takes in this worker's KV cache (cache_dtype "auto"; the KV cache manager decides)
-    kv_spec: KVCacheSpec
-    # e.g. "cpu", "cuda:0"
-    device: str
-    # the attention backend chosen for it
-    attention: str
-    # bytes of the weights as stored (quantized layers at their packed size); the executor reports all workers'
-    weight_bytes: int
-    # the width of the logits (the tokenizer's vocabulary, padded by some models)
-    vocab_size: int = 0
-    # the model's shape (what a step's FLOPs and bytes are counted from)
-    spec: ModelSpec | None = None
-    # bytes of the linear layers, embedding and head by the format each is kept in (LlamaModel.weight_formats)
-    weight_formats: dict[str, int] = msgspec.field(default_factory=dict)
-    # what the quant method does to a checkpoint quantized already (conveyor.model.loader.requantize_note)
-    quant_note: str = ""
 
 
 class Executor(ABC):
@@ -181,8 +160,6 @@ class PipelinedExecutor(Executor):
         """
 
     def _call(self, method: str, args: tuple[Any, ...]) -> Any:
-        from conveyor.executor import rpc
-
         self._seq += 1
         return self._send(rpc.encode_call(self._seq, method, args))
 
@@ -249,7 +226,7 @@ def _check_split(config: Config) -> None:
     """Refuse a split the model's shape does not allow, naming the sizes that work, before workers start (each
     would fail alone, after loading). A checkpoint this process cannot open is left to the workers."""
     from conveyor.model.loader import open_model
-    from conveyor.worker.parallel import Placement, check_divisible
+    from conveyor.model.parallel import Placement, check_divisible
 
     try:
         spec = open_model(config.model, config.source_of("model")).spec
@@ -260,3 +237,17 @@ def _check_split(config: Config) -> None:
                               spec.intermediate_size, spec.num_layers, experts)
     if problem is not None:
         raise ConfigError(f"{config.source}: [parallel] {problem}")
+
+
+def decode_result(method: str, reply: rpc.Reply) -> Any:
+    """What a call returned; for the first message (``method`` "start"), the worker's pid.
+
+    Raises:
+        ConfigError: the worker found a configuration problem (the text names the key).
+        ExecutorError: the worker raised.
+    """
+    if reply.error_kind == "config":
+        raise ConfigError(reply.error)
+    if reply.error_kind:
+        raise ExecutorError(f"worker rank {reply.rank} failed to {method}: {reply.error}")
+    return msgspec.msgpack.decode(reply.result, type=int if method == "start" else rpc.METHODS[method][1])

@@ -4,7 +4,7 @@ Each worker is ``python -m conveyor.worker.process`` (one per rank: rank =
 pipeline stage * tensor_parallel_size + TP rank); it loads only its share
 of the model and joins the others on 127.0.0.1 (gloo on CPU, NCCL on CUDA).
 Calls go out over one ZeroMQ ROUTER socket, the same bytes to every worker,
-and each worker answers every call (``conveyor.executor.rpc``). Steps are
+and each worker answers every call (``conveyor.worker.rpc``). Steps are
 submitted without waiting, up to one per pipeline stage, and collected in
 order. A worker that dies, or fails, raises ``ExecutorError`` naming its
 rank: the engine process exits and its parent restarts the engine with a
@@ -26,8 +26,9 @@ from typing import Any
 import zmq
 
 from conveyor.config import Config, encode_config
-from conveyor.executor import ExecutorError, PipelinedExecutor, log_workers, rpc
+from conveyor.executor import ExecutorError, PipelinedExecutor, decode_result, log_workers
 from conveyor.registry import PluginRegistry
+from conveyor.worker import rpc
 
 logger = logging.getLogger("conveyor")
 
@@ -86,7 +87,7 @@ class MPExecutor(PipelinedExecutor):
         return self._seq
 
     def _results(self, seq: int, method: str, deadline: float | None = None) -> list[Any]:
-        """Every worker's result of call ``seq``, by rank (``rpc.decode_result`` raises what a worker raised).
+        """Every worker's result of call ``seq``, by rank (``decode_result`` raises what a worker raised).
 
         Raises:
             ExecutorError: a worker died, or did not answer by ``deadline``.
@@ -102,12 +103,12 @@ class MPExecutor(PipelinedExecutor):
             _, data = self._router.recv_multipart()
             reply = rpc.decode_reply(data)
             if reply.error_kind:
-                rpc.decode_result(method, reply)  # raises the worker's error now, whichever call it answers
+                decode_result(method, reply)  # raises the worker's error now, whichever call it answers
             if reply.seq == seq:
                 replies[reply.rank] = reply
             else:
                 self._early.setdefault(reply.seq, {})[reply.rank] = reply
-        return [rpc.decode_result(method, replies[rank]) for rank in range(self.world_size)]
+        return [decode_result(method, replies[rank]) for rank in range(self.world_size)]
 
     def _check_alive(self, method: str) -> None:
         for rank, process in enumerate(self.processes):

@@ -8,7 +8,7 @@ tensor-parallel group is one placement group packed on one node
 (``STRICT_PACK``: its all-reduces stay inside the machine); stages may land
 on different nodes. The workers meet for torch.distributed at rank 0's node
 address. Calls and results cross as the same msgpack bytes the ``mp``
-executor sends (``conveyor.executor.rpc``); Ray only carries bytes. Each
+executor sends (``conveyor.worker.rpc``); Ray only carries bytes. Each
 actor runs its calls in order, so up to ``pipeline_parallel_size`` steps are
 in flight. An actor that dies raises ``ExecutorError`` naming its rank: the
 engine process exits and is restarted with new actors.
@@ -22,8 +22,9 @@ from typing import Any
 
 from conveyor.config import Config, ConfigError, encode_config
 from conveyor.cpus import cpu_limit
-from conveyor.executor import ExecutorError, PipelinedExecutor, log_workers, rpc
+from conveyor.executor import ExecutorError, PipelinedExecutor, decode_result, log_workers
 from conveyor.registry import PluginRegistry
+from conveyor.worker import rpc
 
 logger = logging.getLogger("conveyor")
 
@@ -154,7 +155,7 @@ class RayExecutor(PipelinedExecutor):
 
     def _results(self, refs: list[Any], method: str) -> list[Any]:
         replies = [rpc.decode_reply(self._get(ref, rank, method)) for rank, ref in enumerate(refs)]
-        return [rpc.decode_result(method, reply) for reply in replies]
+        return [decode_result(method, reply) for reply in replies]
 
     def shutdown(self) -> None:
         """Kill the actors and free their placement groups; stop Ray if this executor started it."""

@@ -14,9 +14,9 @@ from conveyor.model.checkpoint import Checkpoint
 from conveyor.model.layers import Linear, RMSNorm, apply_rotary, load_linear
 from conveyor.model.lora import LoraPart, LoraTarget
 from conveyor.model.moe import MoE
+from conveyor.model.parallel import ParallelGroup, Placement
 from conveyor.model.spec import ModelSpec
 from conveyor.quant import QuantMethod
-from conveyor.worker.parallel import ParallelGroup, Placement
 
 # attention(layer_index, q [T, Hq, D], k [T, Hkv, D], v [T, Hkv, D]) -> [T, Hq, D]
 AttentionFn = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]

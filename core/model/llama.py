@@ -26,9 +26,9 @@ from conveyor.model.checkpoint import Checkpoint
 from conveyor.model.decoder import AttentionFn, DecoderLayer
 from conveyor.model.graph_ops import linear_op
 from conveyor.model.layers import Linear, OutputHead, RMSNorm, Rotary
+from conveyor.model.parallel import ParallelGroup
 from conveyor.model.spec import LayerAttention
 from conveyor.quant import QuantMethod
-from conveyor.worker.parallel import ParallelGroup
 
 
 class LlamaModel:

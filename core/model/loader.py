@@ -11,8 +11,8 @@ from conveyor.config import ConfigError, ModelConfig
 from conveyor.model.checkpoint import Checkpoint, ModelNotFoundError, open_checkpoint
 from conveyor.model.hf_quant import UnsupportedQuantization
 from conveyor.model.llama import LlamaModel
+from conveyor.model.parallel import ParallelGroup
 from conveyor.quant import QuantMethod
-from conveyor.worker.parallel import ParallelGroup
 
 logger = logging.getLogger("conveyor")
 

@@ -23,8 +23,8 @@ import torch
 import torch.nn.functional as F
 
 from conveyor.model.graph_ops import linear_op, register_linear
+from conveyor.model.parallel import Placement
 from conveyor.model.spec import ModelSpec
-from conveyor.worker.parallel import Placement
 
 
 def route(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:

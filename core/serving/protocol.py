@@ -29,6 +29,13 @@ class GenerateRequest(msgspec.Struct, omit_defaults=True):
     priority: int = 0
     # a LoRA adapter's name (or BASE:NAME); None or the served model's name: the base model
     model: str | None = None
+    # with messages: the functions the model may call, in OpenAI's chat shape ({"type": "function", "function":
+    # {"name", "description", "parameters"}}), and which it must: "none", "auto" (the default with tools),
+    # "required", or {"type": "function", "function": {"name": ...}}
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    # false: at most one call is read from the reply
+    parallel_tool_calls: bool | None = None
 
 
 class AbortRequest(msgspec.Struct):
@@ -54,19 +61,36 @@ class Usage(msgspec.Struct):
     cached_tokens: int = 0
 
 
+class ToolCall(msgspec.Struct, omit_defaults=True):
+    """A tool call, or a piece of one: the call's first piece has its id and name; each piece adds to its
+    arguments (their concatenation is the call's arguments, JSON text)."""
+
+    # the call's place among the reply's calls
+    index: int
+    id: str | None = None
+    name: str | None = None
+    arguments: str = ""
+
+
 class StreamChunk(msgspec.Struct):
     request_id: str
-    # new text (whole characters; a pending stop string is held back)
+    # new text (whole characters; a pending stop string is held back); with messages, the answer only: thinking
+    # and tool calls are taken out of it
     text: str = ""
     token_ids: list[int] = []
     # one per token in token_ids, when params.logprobs was set
     logprobs: list[Logprob] | None = None
-    # "stop", "length" or "abort" on the last chunk of a request
+    # "stop", "length", "tool_calls" (the reply is whole tool calls) or "abort" on the last chunk of a request
     finish_reason: str | None = None
     # on the last chunk
     usage: Usage | None = None
     # with params.pooling, on the last chunk: the embedding, float32 little-endian (else empty)
     embedding: bytes = b""
+    # with messages and a server that splits thinking ([model] reasoning_parser): new thinking text
+    reasoning: str = ""
+    # with messages and tools: the calls read from the reply, piece by piece as they are generated (streamed) or
+    # whole (not streamed)
+    tool_calls: list[ToolCall] | None = None
 
 
 class ErrorReply(msgspec.Struct):

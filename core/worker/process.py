@@ -4,7 +4,7 @@ The executor (``conveyor.executor.mp``) starts it with ``python -m
 conveyor.worker.process``, writes the validated config to its stdin
 (msgpack), and names its rank, the executor's ROUTER socket and where the
 workers meet for torch.distributed. The worker's first message says it
-started, or why it could not; then it answers calls (``conveyor.executor.rpc``)
+started, or why it could not; then it answers calls (``conveyor.worker.rpc``)
 in the order they come. It dies with its parent (named by ``--parent``, so
 that a parent gone while this process still imported is noticed): Linux's
 parent-death signal, and a check of the parent's pid while idle elsewhere.
@@ -22,7 +22,7 @@ import sys
 import zmq
 
 from conveyor.config import ConfigError, decode_config
-from conveyor.executor import rpc
+from conveyor.worker import rpc
 
 logger = logging.getLogger("conveyor.worker")
 

@@ -20,19 +20,19 @@ from conveyor.config import Config, ConfigError
 from conveyor.connector import KVConnectorWorker
 from conveyor.cpus import cpu_limit
 from conveyor.deltas import HeldRequests
-from conveyor.executor import ModelInfo
 from conveyor.kvcache import KVCacheLayout, KVCacheSpec
 from conveyor.messages import RunnerOutput, StepInput
 from conveyor.model.invariant import INVARIANT_ROWS
 from conveyor.model.llama import LlamaModel
 from conveyor.model.loader import DTYPES, load_model, model_len, open_model, requantize_note, resolve_device
 from conveyor.model.lora import Adapters
+from conveyor.model.parallel import ParallelGroup, Placement, check_divisible
 from conveyor.native.gemm_choice import choose_amx_rows
 from conveyor.quant import QuantMethod
 from conveyor.registry import PluginRegistry
 from conveyor.worker.compiled import CompiledDecode, use_inductor_cache
 from conveyor.worker.drafter import Drafter, scratch_blocks_per_row
-from conveyor.worker.parallel import ParallelGroup, Placement, check_divisible
+from conveyor.worker.rpc import ModelInfo
 from conveyor.worker.runner import ModelRunner
 from conveyor.worker.sampler import Sampler
 

@@ -18,7 +18,7 @@ from typing import Annotated, Any, Literal
 import anyio
 import msgspec
 
-from conveyor.plugins.transport.tool_calls import ToolDef, Tools
+from conveyor.api.tool_calls import ToolDef, Tools
 from conveyor.sampling import SamplingParams
 from conveyor.transport import Frontend, RequestError, embedding_floats
 

@@ -11,6 +11,8 @@ import msgspec
 from starlette.requests import Request
 from starlette.responses import Response
 
+from conveyor.api.chat import chat_prompt, constrain
+from conveyor.api.tool_calls import Tools
 from conveyor.plugins.transport import anthropic_api, embeddings_api, responses_api
 from conveyor.plugins.transport import openai_api as api
 from conveyor.plugins.transport.legacy_functions import LegacyFunctions
@@ -27,8 +29,7 @@ from conveyor.plugins.transport.sse import (
     json_response,
     until_disconnect,
 )
-from conveyor.plugins.transport.tool_calls import Tools
-from conveyor.sampling import SamplingParams, StructuredOutput
+from conveyor.sampling import SamplingParams
 from conveyor.transport import Frontend, RequestError
 
 
@@ -96,12 +97,10 @@ class Routes(ServerRoutes):
 
     async def _chat_prompt(self, body: api.ChatCompletionRequest) -> tuple[list[int], Tools]:
         tools = Tools(body.tools, body.tool_choice, body.parallel_tool_calls)
-        messages, context = tools.messages(body.messages, self.frontend.tokenizer.chat_template)
-        # (continuing the last message opens no new turn, whatever add_generation_prompt says; vLLM refuses both
-        # at once, which a client that leaves add_generation_prompt at its default true then meets)
-        context.update(add_generation_prompt=body.add_generation_prompt and not body.continue_final_message,
-                       continue_final_message=body.continue_final_message)
-        return await self.tokenizing.run(self.frontend.encode_chat, messages, **context), tools
+        prompt_ids = await self.tokenizing.run(chat_prompt, self.frontend, body.messages, tools,
+                                               add_generation_prompt=body.add_generation_prompt,
+                                               continue_final_message=body.continue_final_message)
+        return prompt_ids, tools
 
     async def _chat_call(self, body: api.ChatCompletionRequest, created: int, id_prefix: str | None = None) -> Call:
         """A chat completions call (also what a Responses or a Messages request runs as), checked; ``created``:
@@ -112,11 +111,7 @@ class Routes(ServerRoutes):
         """
         prompt_ids, tools = await self._chat_prompt(body)
         params = api.sampling_params(body, None)  # (chat: until the end of the context)
-        if (schema := tools.forced_schema()) is not None:
-            if params.structured is not None:
-                raise RequestError("tool_choice forces a call, which response_format cannot constrain too", 400,
-                                   "tool_choice")
-            params.structured = StructuredOutput(json=schema)
+        constrain(params, tools)
         try:
             self.frontend.check(prompt_ids, params)
         except RequestError as e:

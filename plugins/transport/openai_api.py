@@ -18,9 +18,9 @@ from typing import Annotated, Any, Literal
 
 import msgspec
 
+from conveyor.api.tool_calls import FunctionDef, ToolDef
 from conveyor.messages import TokenLogprob
 from conveyor.model.tokenizer import Tokenizer
-from conveyor.plugins.transport.tool_calls import FunctionDef, ToolDef
 from conveyor.sampling import SamplingParams, StructuredOutput
 from conveyor.transport import RequestError
 

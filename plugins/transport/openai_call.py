@@ -3,18 +3,17 @@ OpenAI response object, or the stream of chunk objects, assembled from what they
 
 from __future__ import annotations
 
-import json
 from collections.abc import Awaitable, Callable
 from typing import Any
 
 import anyio
 
+from conveyor.api.chat import finish_reason as chat_finish_reason
+from conveyor.api.chat import reply_reader, thinks
+from conveyor.api.tool_calls import Tools
+from conveyor.api.tool_stream import Arguments, CallStart, Part, Reasoning, ReplyReader, Text
 from conveyor.messages import LoraAdapter, TokenLogprob
 from conveyor.plugins.transport import openai_api as api
-from conveyor.plugins.transport.reasoning import OPEN as THINK
-from conveyor.plugins.transport.reasoning import ThinkSplitter
-from conveyor.plugins.transport.tool_calls import Tools
-from conveyor.plugins.transport.tool_stream import Arguments, CallStart, Part, Reasoning, ReplyReader, Text
 from conveyor.transport import Chunk, Frontend, RequestError
 
 # sends one server-sent event (a JSON object); the first sends the response's status and headers before it
@@ -61,8 +60,9 @@ class Call:
         self.grammar_closed = [False] * num
         # each choice's reply read for its thinking (with a reasoning parser) and tool calls (all text where no
         # tools are active)
-        self.reasoning = chat and frontend.reasoning_parser == "think" and params.structured is None
-        self.readers = [self._reader() for _ in range(num)]
+        self.reasoning = chat and thinks(frontend, params)
+        self.readers = [reply_reader(frontend, prompts[0], self.tools, params) if chat else ReplyReader(False)
+                        for _ in range(num)]
         # generated tokens that were thinking, by choice
         self.reasoning_tokens = [0] * num
         # prompt tokens found in the prefix cache, by prompt
@@ -75,15 +75,6 @@ class Call:
     @property
     def num_cached_tokens(self) -> int:
         return sum(self.cached_tokens)
-
-    def _reader(self) -> ReplyReader:
-        thinking = None
-        if self.reasoning:
-            tail = self.frontend.tokenizer.decode(self.prompts[0][-8:], skip_special_tokens=False)  # (chat: one)
-            thinking = ThinkSplitter(prompt_opens_thinking=tail.rstrip().endswith(THINK))
-        if self.tools is not None:
-            return self.tools.reader(thinking)
-        return ReplyReader(False, thinking=thinking)
 
     async def run(self, on_chunk: OnChunk | None = None) -> None:
         async def collect(index: int, chunk: Chunk) -> None:
@@ -170,16 +161,7 @@ class Call:
             message["reasoning_content"] = reader.thinking.reasoning or None
         if reader.calls:
             message.update(content=reader.content or None, tool_calls=reader.calls)
-        return message, self._finish_reason(index, self.finish_reasons[index])
-
-    def _finish_reason(self, index: int, reason: str | None) -> str | None:
-        """A chat choice's finish reason, given the engine's: "tool_calls" when the choice made calls and each is
-        whole, unless max_tokens ended it: that is "length" whatever calls came whole before (a next call may have
-        been cut before it could be read as one), as OpenAI's is. A call a stop string cut off keeps "stop"."""
-        calls = self.readers[index].calls
-        if reason not in (None, "length") and calls and all(map(arguments_complete, calls)):
-            return "tool_calls"
-        return reason
+        return message, chat_finish_reason(reader, self.finish_reasons[index])
 
     async def stream(self, emit: Emit, begin: Callable[[], Awaitable[None]]) -> None:
         """The call as server-sent chunk objects (``begin()`` sends the response's status and headers)."""
@@ -210,7 +192,7 @@ class Call:
                 return  # nothing to show yet (the engine took the request, or a character or a stop string is pending)
             finish_reason = chunk.finish_reason
             if self.chat:
-                finish_reason = self._finish_reason(index, finish_reason)
+                finish_reason = chat_finish_reason(self.readers[index], finish_reason)
                 fields = [{"delta": _delta(part)} for part in parts] or [{"delta": {}}]
             else:
                 fields = [{"text": chunk.text}]
@@ -228,15 +210,6 @@ class Call:
         await open_stream()
         if include_usage:
             await emit(api.envelope(self.id, chunk_object, model, self.created, [], usage=self.usage()))
-
-
-def arguments_complete(call: dict[str, Any]) -> bool:
-    """Whether an OpenAI-shaped tool call's arguments are whole JSON (not cut off while they were generated)."""
-    try:
-        json.loads(call["function"]["arguments"])
-    except json.JSONDecodeError:
-        return False
-    return True
 
 
 def _delta(part: Part) -> dict[str, Any]:

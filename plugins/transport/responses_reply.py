@@ -10,9 +10,10 @@ from typing import Any
 
 import msgspec
 
-from conveyor.plugins.transport.openai_call import Call, Emit, arguments_complete
+from conveyor.api.chat import arguments_complete
+from conveyor.api.tool_stream import CallStart, Part, Reasoning, Text
+from conveyor.plugins.transport.openai_call import Call, Emit
 from conveyor.plugins.transport.responses_api import ResponsesRequest, TextFormat, error_fields, in_responses_terms
-from conveyor.plugins.transport.tool_stream import CallStart, Part, Reasoning, Text
 from conveyor.transport import Chunk, RequestError
 
 

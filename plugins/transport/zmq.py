@@ -13,7 +13,7 @@ import logging
 import time
 from contextlib import aclosing
 from pathlib import Path
-from typing import Annotated, Any, ClassVar
+from typing import Annotated, ClassVar
 
 import anyio
 import anyio.abc
@@ -23,7 +23,9 @@ import zmq.asyncio
 from zmq.auth.asyncio import AsyncioAuthenticator
 
 from conveyor.hookspecs import hookimpl
+from conveyor.plugins.transport import zmq_reply
 from conveyor.plugins.transport.tokenizing import Tokenizing
+from conveyor.plugins.transport.zmq_reply import Reply
 from conveyor.serving import protocol
 from conveyor.transport import Frontend, RequestError, Transport
 
@@ -148,50 +150,31 @@ class ZMQTransport(Transport):
             self._running[key] = scope
             tg.start_soon(self._generate, frontend, reply, body, scope)
 
-    async def _generate(self, frontend: Frontend, reply: _Replier, request: protocol.GenerateRequest,
+    async def _generate(self, frontend: Frontend, replier: _Replier, request: protocol.GenerateRequest,
                         scope: anyio.CancelScope) -> None:
         rid = request.request_id
-        text, token_ids, logprobs = [], [], []
-        last: Any = None
+        reply = Reply(rid, None, request.stream)
         try:
             with scope:
                 try:
-                    if (request.prompt is None) == (request.messages is None):
-                        raise RequestError("give exactly one of prompt and messages", 400, "prompt")
-                    if request.messages is not None:
-                        prompt_ids = await self.tokenizing.run(frontend.encode_chat, request.messages)
-                    else:
-                        prompt_ids = await self.tokenizing.run(frontend.encode, request.prompt)
+                    prompt_ids, reply.reader = await zmq_reply.prompt(frontend, self.tokenizing, request)
                     frontend.check(prompt_ids, request.params)
                     lora = frontend.adapter(request.model)
-                    internal_id = f"zmq-{reply.identity.hex()}-{next(self._serial)}-{rid}"
+                    internal_id = f"zmq-{replier.identity.hex()}-{next(self._serial)}-{rid}"
                     chunks = frontend.generate(prompt_ids, request.params, request_id=internal_id,
                                                priority=request.priority, lora=lora)
                     async with aclosing(chunks):
                         async for chunk in chunks:
-                            last = chunk
-                            message = _chunk(rid, chunk)
-                            if request.stream:
-                                if message.text or message.token_ids or message.finish_reason or message.logprobs:
-                                    await reply.send(b"chunk", message)
-                            else:
-                                text.append(message.text)
-                                token_ids += message.token_ids
-                                logprobs += message.logprobs or []
-                    if not request.stream and last is not None:
-                        whole = _chunk(rid, last)
-                        whole.text, whole.token_ids, whole.logprobs = "".join(text), token_ids, logprobs or None
-                        await reply.send(b"chunk", whole)
+                            if (message := reply.add(chunk)) is not None:
+                                await replier.send(b"chunk", message)
                 except RequestError as e:
-                    await reply.error(rid, e.status, e.message, e.retry_after)
-            if scope.cancel_called:  # the client aborted it (without streaming: what it made so far comes too)
-                usage = protocol.Usage(last.num_prompt_tokens, last.num_output_tokens) if last else None
-                await reply.send(b"chunk", protocol.StreamChunk(rid, "".join(text), token_ids, logprobs or None,
-                                                                finish_reason="abort", usage=usage))
+                    await replier.error(rid, e.status, e.message, e.retry_after)
+            if scope.cancel_called:  # the client aborted it
+                await replier.send(b"chunk", reply.aborted())
         except _ClientGone as e:  # (leaving the stream above aborted the request in the engine, if still running)
-            logger.warning("zmq client %s: %s; request %r ends without its reply", reply.identity.hex(), e, rid)
+            logger.warning("zmq client %s: %s; request %r ends without its reply", replier.identity.hex(), e, rid)
         finally:
-            self._running.pop((reply.identity, rid), None)
+            self._running.pop((replier.identity, rid), None)
 
 
 def _request_id(body: bytes) -> str | None:
@@ -246,18 +229,6 @@ class _Replier:
 
     async def error_or_drop(self, request_id: str | None, status: int, message: str) -> None:
         await self.send_or_drop(b"error", protocol.ErrorReply(request_id, status, message))
-
-
-def _chunk(request_id: str, chunk: Any) -> protocol.StreamChunk:
-    logprobs = None
-    if chunk.logprobs is not None:
-        logprobs = [protocol.Logprob(t, lp.logprob, lp.top_ids, lp.top_logprobs)
-                    for t, lp in zip(chunk.token_ids, chunk.logprobs)]
-    usage = None
-    if chunk.finish_reason is not None:
-        usage = protocol.Usage(chunk.num_prompt_tokens, chunk.num_output_tokens, chunk.num_cached_tokens)
-    return protocol.StreamChunk(request_id, chunk.text, chunk.token_ids, logprobs, chunk.finish_reason, usage,
-                                chunk.embedding)
 
 
 @hookimpl

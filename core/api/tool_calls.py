@@ -23,8 +23,8 @@ from typing import Any
 
 import msgspec
 
-from conveyor.plugins.transport.reasoning import ThinkSplitter
-from conveyor.plugins.transport.tool_stream import ReplyReader
+from conveyor.api.reasoning import ThinkSplitter
+from conveyor.api.tool_stream import ReplyReader
 from conveyor.transport import RequestError
 
 

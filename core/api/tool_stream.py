@@ -21,7 +21,7 @@ import uuid
 from typing import TYPE_CHECKING, NamedTuple
 
 if TYPE_CHECKING:
-    from conveyor.plugins.transport.reasoning import ThinkSplitter
+    from conveyor.api.reasoning import ThinkSplitter
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 

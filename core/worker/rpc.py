@@ -1,4 +1,5 @@
-"""The executor <-> worker wire format: typed msgspec messages, no pickle.
+"""The executor <-> worker wire format: typed msgspec messages, no pickle; and what a worker reports once its
+share of the model is loaded (``ModelInfo``).
 
 A call names a ``Worker`` method and carries its arguments, each encoded
 with the type that method takes; a reply carries the result, or the error
@@ -11,9 +12,31 @@ from typing import Any
 
 import msgspec
 
-from conveyor.executor import ModelInfo
-from conveyor.kvcache import KVCacheLayout
+from conveyor.kvcache import KVCacheLayout, KVCacheSpec
 from conveyor.messages import RunnerOutput, StepInput
+from conveyor.model.spec import ModelSpec
+
+
+class ModelInfo(msgspec.Struct, array_like=True, frozen=True):
+    """What a worker tells the engine core once its share of the model is loaded."""
+
+    max_model_len: int
+    # what one token takes in this worker's KV cache (cache_dtype "auto"; the KV cache manager decides)
+    kv_spec: KVCacheSpec
+    # e.g. "cpu", "cuda:0"
+    device: str
+    # the attention backend chosen for it
+    attention: str
+    # bytes of the weights as stored (quantized layers at their packed size); the executor reports all workers'
+    weight_bytes: int
+    # the width of the logits (the tokenizer's vocabulary, padded by some models)
+    vocab_size: int = 0
+    # the model's shape (what a step's FLOPs and bytes are counted from)
+    spec: ModelSpec | None = None
+    # bytes of the linear layers, embedding and head by the format each is kept in (LlamaModel.weight_formats)
+    weight_formats: dict[str, int] = msgspec.field(default_factory=dict)
+    # what the quant method does to a checkpoint quantized already (conveyor.model.loader.requantize_note)
+    quant_note: str = ""
 
 # method -> (argument types, result type)
 METHODS: dict[str, tuple[tuple[type, ...], Any]] = {
@@ -69,20 +92,3 @@ def encode_reply(seq: int, rank: int, result: Any = None, error_kind: str = "", 
 
 def decode_reply(data: bytes) -> Reply:
     return _reply_decoder.decode(data)
-
-
-def decode_result(method: str, reply: Reply) -> Any:
-    """What a call returned; for the first message (``method`` "start"), the worker's pid.
-
-    Raises:
-        ConfigError: the worker found a configuration problem (the text names the key).
-        ExecutorError: the worker raised.
-    """
-    from conveyor.config import ConfigError
-    from conveyor.executor import ExecutorError
-
-    if reply.error_kind == "config":
-        raise ConfigError(reply.error)
-    if reply.error_kind:
-        raise ExecutorError(f"worker rank {reply.rank} failed to {method}: {reply.error}")
-    return msgspec.msgpack.decode(reply.result, type=int if method == "start" else METHODS[method][1])

@@ -13,7 +13,7 @@ the reply is not split: the grammar holds from its first token.
 
 from __future__ import annotations
 
-from conveyor.plugins.transport.tool_stream import partial_tag
+from conveyor.api.tool_stream import partial_tag
 
 PARSERS = ("think",)
 OPEN, CLOSE = "<think>", "</think>"
