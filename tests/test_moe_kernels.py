@@ -61,8 +61,8 @@ def test_a_layer_with_stacked_experts_computes_what_the_grouped_path_does(tmp_pa
     from conveyor.model.checkpoint import open_checkpoint
     from conveyor.model.layers import Linear
     from conveyor.model.moe import MoE
-    from conveyor.plugins.quant.none import NoQuant
     from conveyor.model.parallel import Placement
+    from conveyor.plugins.quant.none import NoQuant
     from tests.test_families import tiny_model
 
     tiny_model(family).save_pretrained(tmp_path)

@@ -1,4 +1,6 @@
-"""What a chat request means, whatever transport carried it: the tools shown to the model and the calls read
-back (``tool_calls``, ``tool_stream``), the thinking split from the answer (``reasoning``), and a chat turn's
-prompt, constraints and reply reader (``chat``). The HTTP and ZMQ transports both answer through it; it runs in the
-frontend process and imports no tensor library."""
+"""What the APIs mean, whatever transport carried the request: OpenAI's completions, chat completions, Responses
+and embeddings and Anthropic's Messages as calls through the frontend (``calls``), their replies assembled; a chat
+turn's tools and the calls read back (``tool_calls``, ``tool_stream``), the thinking split from the answer
+(``reasoning``), its prompt, constraint, reader and finish reason (``chat``). The HTTP transport parses and frames
+around it; the ZMQ transport's chat turns run through ``chat``. It runs in the frontend process and imports no
+tensor library."""

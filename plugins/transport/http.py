@@ -33,8 +33,8 @@ from starlette.applications import Starlette
 from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
 
+from conveyor.api import responses_api
 from conveyor.hookspecs import hookimpl
-from conveyor.plugins.transport import responses_api
 from conveyor.plugins.transport.http_routes import Routes
 from conveyor.transport import Frontend, Transport
 

@@ -11,13 +11,11 @@ import msgspec
 from starlette.requests import Request
 from starlette.responses import Response
 
-from conveyor.api.chat import chat_prompt, constrain
-from conveyor.api.tool_calls import Tools
-from conveyor.plugins.transport import anthropic_api, embeddings_api, responses_api
-from conveyor.plugins.transport import openai_api as api
-from conveyor.plugins.transport.legacy_functions import LegacyFunctions
-from conveyor.plugins.transport.openai_call import Call, Emit
-from conveyor.plugins.transport.responses_reply import Reply
+from conveyor.api import anthropic_api, calls, embeddings_api, responses_api
+from conveyor.api import openai_api as api
+from conveyor.api.legacy_functions import LegacyFunctions
+from conveyor.api.openai_call import Call, Emit
+from conveyor.api.responses_reply import Reply
 from conveyor.plugins.transport.server_routes import ServerRoutes
 from conveyor.plugins.transport.sse import (
     ANTHROPIC,
@@ -29,7 +27,6 @@ from conveyor.plugins.transport.sse import (
     json_response,
     until_disconnect,
 )
-from conveyor.sampling import SamplingParams
 from conveyor.transport import Frontend, RequestError
 
 
@@ -50,9 +47,10 @@ class Routes(ServerRoutes):
         try:
             if chat:
                 legacy = LegacyFunctions(await self._parse(request, api.ChatCompletionRequest))
-                call = await self._chat_call(legacy.request, created)
+                call = await calls.chat_call(self.frontend, self.tokenizing, legacy.request, created)
             else:
-                call = await self._completion_call(await self._parse(request, api.CompletionRequest), created)
+                call = await calls.completion_call(self.frontend, self.tokenizing,
+                                                  await self._parse(request, api.CompletionRequest), created)
         except RequestError as e:
             return error_response(legacy.rename(e))
         if call.body.stream:
@@ -72,53 +70,6 @@ class Routes(ServerRoutes):
             return error_response(rename(e), dialect)
         return None
 
-    async def _completion_call(self, body: api.CompletionRequest, created: int) -> Call:
-        params = api.sampling_params(body, 16)  # (OpenAI's default max_tokens for completions)
-        prompts = await self.tokenizing.run(self._completion_prompts, api.prompts(body), params)
-        return Call(self.frontend, body, prompts, params, False, created, None, self.frontend.adapter(body.model))
-
-    def _completion_prompts(self, prompts: list[str | list[int]], params: SamplingParams) -> list[list[int]]:
-        """A completions request's prompts tokenized and checked (in a worker thread); in a batch, a refusal names
-        ``prompt[i]``."""
-        if len(prompts) == 1:
-            prompt_ids = self.frontend.encode(prompts[0], "prompt")
-            self.frontend.check(prompt_ids, params)
-            return [prompt_ids]
-        batch = []
-        for i, prompt in enumerate(prompts):
-            field = f"prompt[{i}]"
-            prompt_ids = self.frontend.encode(prompt, field)
-            try:
-                self.frontend.check(prompt_ids, params)
-            except RequestError as e:
-                raise RequestError(f"{field}: {e.message}", e.status, field if e.status == 400 else None) from None
-            batch.append(prompt_ids)
-        return batch
-
-    async def _chat_prompt(self, body: api.ChatCompletionRequest) -> tuple[list[int], Tools]:
-        tools = Tools(body.tools, body.tool_choice, body.parallel_tool_calls)
-        prompt_ids = await self.tokenizing.run(chat_prompt, self.frontend, body.messages, tools,
-                                               add_generation_prompt=body.add_generation_prompt,
-                                               continue_final_message=body.continue_final_message)
-        return prompt_ids, tools
-
-    async def _chat_call(self, body: api.ChatCompletionRequest, created: int, id_prefix: str | None = None) -> Call:
-        """A chat completions call (also what a Responses or a Messages request runs as), checked; ``created``:
-        when the request came (Unix seconds).
-
-        Raises:
-            RequestError: 400/404/503, the request refused.
-        """
-        prompt_ids, tools = await self._chat_prompt(body)
-        params = api.sampling_params(body, None)  # (chat: until the end of the context)
-        constrain(params, tools)
-        try:
-            self.frontend.check(prompt_ids, params)
-        except RequestError as e:
-            raise api.in_request_terms(e, body) from None
-        return Call(self.frontend, body, [prompt_ids], params, True, created, tools, self.frontend.adapter(body.model),
-                    id_prefix)
-
     async def responses(self, request: Request) -> Response | EventStream:
         """OpenAI's Responses API (``responses_api``)."""
         created = int(time.time())
@@ -127,7 +78,7 @@ class Routes(ServerRoutes):
         try:
             body = await self._parse(request, responses_api.ResponsesRequest)
             chat, conversation = responses_api.to_chat(body, self.store)
-            call = await self._chat_call(chat, created, "resp")
+            call = await calls.chat_call(self.frontend, self.tokenizing, chat, created, "resp")
         except RequestError as e:
             return error_response(responses_api.in_responses_terms(e))
         reply = Reply(call, body)
@@ -170,7 +121,7 @@ class Routes(ServerRoutes):
             return denied
         try:
             body = await self._parse(request, anthropic_api.MessagesRequest)
-            call = await self._chat_call(anthropic_api.to_chat(body), created, "msg")
+            call = await calls.chat_call(self.frontend, self.tokenizing, anthropic_api.to_chat(body), created, "msg")
         except RequestError as e:
             return error_response(e, ANTHROPIC)
         if body.stream:
@@ -186,7 +137,7 @@ class Routes(ServerRoutes):
         try:
             body = await self._parse(request, anthropic_api.CountTokensRequest)
             self.frontend.adapter(body.model)  # (a model this server does not have is a 404, as in create)
-            prompt_ids, _ = await self._chat_prompt(anthropic_api.to_chat(body))
+            prompt_ids, _ = await calls.chat_turn(self.frontend, self.tokenizing, anthropic_api.to_chat(body))
         except RequestError as e:
             return error_response(e, ANTHROPIC)
         return json_response({"input_tokens": len(prompt_ids)})

@@ -13,8 +13,8 @@ from typing import Any
 
 import msgspec
 
-from conveyor.plugins.transport import anthropic_api, embeddings_api, responses_api
-from conveyor.plugins.transport import openai_api as api
+from conveyor.api import anthropic_api, embeddings_api, responses_api
+from conveyor.api import openai_api as api
 from conveyor.sampling import (
     MAX_CHOICES,
     MAX_LOGIT_BIAS,

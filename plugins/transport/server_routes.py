@@ -15,12 +15,12 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.requests import Request
 from starlette.responses import FileResponse, RedirectResponse, Response
 
-from conveyor.plugins.transport import openai_api as api
-from conveyor.plugins.transport import responses_api
+from conveyor.api import openai_api as api
+from conveyor.api import responses_api
+from conveyor.api.tokenizing import Tokenizing
 from conveyor.plugins.transport.openapi import openapi_document
 from conveyor.plugins.transport.request_body import decode_body
 from conveyor.plugins.transport.sse import OPENAI, Dialect, error_response, json_response
-from conveyor.plugins.transport.tokenizing import Tokenizing
 from conveyor.transport import Frontend, RequestError
 
 logger = logging.getLogger("conveyor")

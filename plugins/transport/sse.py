@@ -13,9 +13,9 @@ import msgspec
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
-from conveyor.plugins.transport import anthropic_api, responses_api
-from conveyor.plugins.transport import openai_api as api
-from conveyor.plugins.transport.openai_call import Emit
+from conveyor.api import anthropic_api, responses_api
+from conveyor.api import openai_api as api
+from conveyor.api.openai_call import Emit
 from conveyor.transport import RequestError
 
 

@@ -22,9 +22,9 @@ import zmq
 import zmq.asyncio
 from zmq.auth.asyncio import AsyncioAuthenticator
 
+from conveyor.api.tokenizing import Tokenizing
 from conveyor.hookspecs import hookimpl
 from conveyor.plugins.transport import zmq_reply
-from conveyor.plugins.transport.tokenizing import Tokenizing
 from conveyor.plugins.transport.zmq_reply import Reply
 from conveyor.serving import protocol
 from conveyor.transport import Frontend, RequestError, Transport

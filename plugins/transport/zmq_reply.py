@@ -9,9 +9,9 @@ from typing import Any
 import msgspec
 
 from conveyor.api.chat import chat_prompt, constrain, finish_reason, reply_reader
+from conveyor.api.tokenizing import Tokenizing
 from conveyor.api.tool_calls import ToolDef, Tools
 from conveyor.api.tool_stream import Arguments, CallStart, Part, Reasoning, ReplyReader, Text
-from conveyor.plugins.transport.tokenizing import Tokenizing
 from conveyor.serving import protocol
 from conveyor.transport import Chunk, Frontend, RequestError
 

@@ -22,8 +22,8 @@ from typing import Any
 
 import msgspec
 
+from conveyor.api.openai_api import ChatCompletionRequest
 from conveyor.api.tool_calls import ToolDef
-from conveyor.plugins.transport.openai_api import ChatCompletionRequest
 from conveyor.transport import RequestError
 
 # (emit, begin): a call's stream of chunk objects, as EventStream runs it

@@ -23,10 +23,10 @@ from typing import Annotated, Any, Literal
 
 import msgspec
 
+from conveyor.api import openai_api as api
+from conveyor.api.openai_call import Call, Emit
 from conveyor.api.tool_calls import FunctionDef, ToolDef
 from conveyor.api.tool_stream import CallStart, Part, Reasoning, Text
-from conveyor.plugins.transport import openai_api as api
-from conveyor.plugins.transport.openai_call import Call, Emit
 from conveyor.sampling import MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS
 from conveyor.transport import Chunk, RequestError
 

@@ -1,4 +1,4 @@
-"""The Response object of one Responses API call (``conveyor.plugins.transport.responses_api``): its output
+"""The Response object of one Responses API call (``conveyor.api.responses_api``): its output
 items, and, streamed, the typed events that build them (``response.created`` ... ``response.completed``, each
 numbered; a failure after the stream began is an ``error`` event, then ``response.failed``)."""
 
@@ -11,9 +11,9 @@ from typing import Any
 import msgspec
 
 from conveyor.api.chat import arguments_complete
+from conveyor.api.openai_call import Call, Emit
+from conveyor.api.responses_api import ResponsesRequest, TextFormat, error_fields, in_responses_terms
 from conveyor.api.tool_stream import CallStart, Part, Reasoning, Text
-from conveyor.plugins.transport.openai_call import Call, Emit
-from conveyor.plugins.transport.responses_api import ResponsesRequest, TextFormat, error_fields, in_responses_terms
 from conveyor.transport import Chunk, RequestError
 
 

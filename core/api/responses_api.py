@@ -24,8 +24,8 @@ from typing import Any, Literal
 
 import msgspec
 
+from conveyor.api import openai_api as api
 from conveyor.api.tool_calls import FunctionDef, ToolDef
-from conveyor.plugins.transport import openai_api as api
 from conveyor.transport import RequestError
 
 

@@ -8,12 +8,12 @@ from typing import Any
 
 import anyio
 
+from conveyor.api import openai_api as api
 from conveyor.api.chat import finish_reason as chat_finish_reason
 from conveyor.api.chat import reply_reader, thinks
 from conveyor.api.tool_calls import Tools
 from conveyor.api.tool_stream import Arguments, CallStart, Part, Reasoning, ReplyReader, Text
 from conveyor.messages import LoraAdapter, TokenLogprob
-from conveyor.plugins.transport import openai_api as api
 from conveyor.transport import Chunk, Frontend, RequestError
 
 # sends one server-sent event (a JSON object); the first sends the response's status and headers before it
