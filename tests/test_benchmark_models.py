@@ -13,7 +13,7 @@ import torch
 from benchmarks import models
 from conveyor.model.checkpoint import open_checkpoint, resolve_model_path
 from conveyor.model.gguf_file import GGUFFile
-from conveyor.model.llama import LlamaModel
+from conveyor.model.decoder_model import DecoderModel
 from conveyor.plugins.quant.none import NoQuant
 from tests.helpers import dense_attention
 
@@ -93,7 +93,7 @@ def test_transformers_reads_the_same_weights_at_the_promised_scale(written, hf_m
 
 
 def conveyor_logits(path) -> torch.Tensor:
-    model = LlamaModel(open_checkpoint(path), NoQuant(None, torch.float32, torch.device("cpu")), torch.float32,
+    model = DecoderModel(open_checkpoint(path), NoQuant(None, torch.float32, torch.device("cpu")), torch.float32,
                        torch.device("cpu"), 128)
     ids = torch.tensor([t for s in SEQUENCES for t in s])
     positions = torch.tensor([p for s in SEQUENCES for p in range(len(s))])

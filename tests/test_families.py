@@ -11,7 +11,7 @@ import torch
 from conveyor import native
 from conveyor.llm import LLM
 from conveyor.model.checkpoint import open_checkpoint
-from conveyor.model.llama import LlamaModel
+from conveyor.model.decoder_model import DecoderModel
 from conveyor.plugins.quant.none import NoQuant
 from conveyor.sampling import SamplingParams
 from tests.conftest import hf_greedy
@@ -88,7 +88,7 @@ def family(request, tmp_path_factory, tokenizer):
 
 
 def conveyor_logits(path, sequences: list[list[int]], fused: bool) -> torch.Tensor:
-    model = LlamaModel(open_checkpoint(path), NoQuant(None, torch.float32, torch.device("cpu")), torch.float32,
+    model = DecoderModel(open_checkpoint(path), NoQuant(None, torch.float32, torch.device("cpu")), torch.float32,
                        torch.device("cpu"), 128, fused=fused)
     ids = torch.tensor([t for s in sequences for t in s])
     positions = torch.tensor([p for s in sequences for p in range(len(s))])
@@ -246,8 +246,8 @@ def test_quantized_weights_of_each_family_stay_close(family, method):
              "fp8": lambda: FP8(FP8Options(), torch.float32, cpu),
              "int4": lambda: Int4(None, torch.float32, cpu)}[method]()
     ckpt = open_checkpoint(path)
-    full = LlamaModel(ckpt, NoQuant(None, torch.float32, cpu), torch.float32, cpu, 128)
-    quantized = LlamaModel(ckpt, quant, torch.float32, cpu, 128)
+    full = DecoderModel(ckpt, NoQuant(None, torch.float32, cpu), torch.float32, cpu, 128)
+    quantized = DecoderModel(ckpt, quant, torch.float32, cpu, 128)
     ids = torch.tensor(SEQUENCES[0])
     positions = torch.arange(len(ids))
     attention = dense_attention([len(ids)], full.attention_layers())

@@ -19,7 +19,7 @@ import torch
 from conveyor import native
 from conveyor.llm import LLM
 from conveyor.model.checkpoint import open_checkpoint
-from conveyor.model.llama import LlamaModel
+from conveyor.model.decoder_model import DecoderModel
 from conveyor.model.lora import Adapters
 from conveyor.model.lora_config import read_adapter_config
 from conveyor.model.lora_kernels import lora_add, lora_reference
@@ -80,7 +80,7 @@ def triton_device() -> str | None:
     return "cuda" if torch.cuda.is_available() else None
 
 
-def run_batch(model: LlamaModel, adapters: Adapters, sequences: list[list[int]], slots: list[int]) -> list[torch.Tensor]:
+def run_batch(model: DecoderModel, adapters: Adapters, sequences: list[list[int]], slots: list[int]) -> list[torch.Tensor]:
     adapters.prepare([(slot, len(s)) for slot, s in zip(slots, sequences)])
     ids = torch.tensor([t for s in sequences for t in s])
     positions = torch.tensor([p for s in sequences for p in range(len(s))])
@@ -101,7 +101,7 @@ def test_two_adapters_and_the_base_in_one_batch_match_the_merged_models(tiny, pa
         pytest.skip("the model runs on CPU tensors here, which Triton takes only under TRITON_INTERPRET=1 "
                     "(tests/conftest.py sets it only without CUDA)")
     base_path, base, adapters = tiny
-    model = LlamaModel(open_checkpoint(base_path), NoQuant(None, torch.float32, torch.device("cpu")), torch.float32,
+    model = DecoderModel(open_checkpoint(base_path), NoQuant(None, torch.float32, torch.device("cpu")), torch.float32,
                        torch.device("cpu"), 128, fused=path == "cpu-kernels")
     lora = Adapters(model, num_slots=3, max_rank=8)
     lora.kernels = path == "triton"  # (the CUDA path, here under TRITON_INTERPRET=1)
@@ -131,7 +131,7 @@ def test_adapters_that_do_not_fit_are_refused_and_leave_the_slot_empty(tiny, tmp
     from peft import LoraConfig, get_peft_model
 
     base_path, base, adapters = tiny
-    model = LlamaModel(open_checkpoint(base_path), NoQuant(None, torch.float32, torch.device("cpu")), torch.float32,
+    model = DecoderModel(open_checkpoint(base_path), NoQuant(None, torch.float32, torch.device("cpu")), torch.float32,
                        torch.device("cpu"), 128)
     lora = Adapters(model, num_slots=1, max_rank=4)
     with pytest.raises(ValueError, match="rank 8 exceeds .* max_lora_rank = 4"):
@@ -332,7 +332,7 @@ def test_a_pickled_adapter_is_refused_and_never_unpickled(tiny, server, tmp_path
     refusal = r"no adapter_model\.safetensors \(adapter_model\.bin is a pickle, which is not loaded\)"
     with pytest.raises(ValueError, match=refusal):
         read_adapter_config(pickled, max_rank=8)
-    model = LlamaModel(open_checkpoint(base_path), NoQuant(None, torch.float32, torch.device("cpu")), torch.float32,
+    model = DecoderModel(open_checkpoint(base_path), NoQuant(None, torch.float32, torch.device("cpu")), torch.float32,
                        torch.device("cpu"), 128)
     lora = Adapters(model, num_slots=1, max_rank=8)
     with pytest.raises(ValueError, match=refusal):

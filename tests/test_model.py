@@ -10,7 +10,7 @@ import torch
 from conveyor import native
 from conveyor.model.checkpoint import open_checkpoint
 from conveyor.model.gguf_checkpoint import unpermute_rows
-from conveyor.model.llama import LlamaModel
+from conveyor.model.decoder_model import DecoderModel
 from conveyor.plugins.quant.none import NoQuant
 from tests.gguf_writer import llama_cpp_permute, write_gguf
 from tests.helpers import dense_attention
@@ -49,7 +49,7 @@ def tiny_hf_model(kind: str = "llama", **overrides):
 
 def conveyor_logits(path, sequences: list[list[int]], fused: bool = False) -> torch.Tensor:
     ckpt = open_checkpoint(path)
-    model = LlamaModel(
+    model = DecoderModel(
         ckpt, NoQuant(None, torch.float32, torch.device("cpu")), torch.float32, torch.device("cpu"), 128, fused=fused
     )
     ids = torch.tensor([t for s in sequences for t in s])

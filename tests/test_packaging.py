@@ -13,7 +13,7 @@ import pytest
 from tests.conftest import REPO
 
 PROBE = (
-    "import conveyor, conveyor.model.llama, conveyor.plugins.quant.none, conveyor.plugins.kvcache.paged, "
+    "import conveyor, conveyor.model.decoder_model, conveyor.plugins.quant.none, conveyor.plugins.kvcache.paged, "
     "conveyor.plugins.schedulers.continuous; from conveyor import LLM, SamplingParams; print(conveyor.__file__)"
 )
 
@@ -34,7 +34,7 @@ def test_wheel_holds_both_packages_and_imports_outside_the_repo(tmp_path):
     )
     [wheel] = tmp_path.glob("conveyor_serve-*.whl")
     names = zipfile.ZipFile(wheel).namelist()
-    for expected in ("conveyor/__init__.py", "conveyor/model/llama.py", "conveyor/plugins/__init__.py",
+    for expected in ("conveyor/__init__.py", "conveyor/model/decoder_model.py", "conveyor/plugins/__init__.py",
                      "conveyor/plugins/quant/none.py", "conveyor/plugins/schedulers/continuous.py",
                      "conveyor/serving/static/dashboard.html", "conveyor/serving/static/uPlot.iife.min.js"):
         assert expected in names

@@ -1,4 +1,4 @@
-"""One decoder layer of every family Conveyor runs (``conveyor.model.llama``): norms, Q/K/V with the
+"""One decoder layer of every family Conveyor runs (``conveyor.model.decoder_model``): norms, Q/K/V with the
 rotary embedding, attention through the backend, the output projection, and the MLP (gated, or a
 mixture of experts), with each family's quirks switched on by the ``ModelSpec``."""
 

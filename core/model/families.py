@@ -1,6 +1,6 @@
 """The model families Conveyor runs, read from Hugging Face's config.json.
 
-Every family is the one decoder of ``conveyor.model.llama`` with its quirks
+Every family is the one decoder of ``conveyor.model.decoder_model`` with its quirks
 switched on in the ``ModelSpec``; a family here is only how its config names
 them. Adding one is a function that returns those fields, and an entry in
 ``FAMILIES``.

@@ -10,7 +10,7 @@ import torch
 from conveyor.config import ConfigError, ModelConfig
 from conveyor.model.checkpoint import Checkpoint, ModelNotFoundError, open_checkpoint
 from conveyor.model.hf_quant import UnsupportedQuantization
-from conveyor.model.llama import LlamaModel
+from conveyor.model.decoder_model import DecoderModel
 from conveyor.model.parallel import ParallelGroup
 from conveyor.quant import QuantMethod
 
@@ -75,7 +75,7 @@ def load_model(
     ckpt: Checkpoint, quant: QuantMethod, dtype: torch.dtype, device: torch.device, max_model_len: int,
     fused: bool = False,
     group: ParallelGroup | None = None,
-) -> LlamaModel:
+) -> DecoderModel:
     """The model's weights on ``device`` (this worker's share, by ``group``), with progress in the log;
     ``fused``: the C++ CPU layers."""
     start = time.perf_counter()
@@ -84,7 +84,7 @@ def load_model(
         p = group.placement
         where = f", rank {p.rank}: TP {p.tp_rank + 1}/{p.tp_size}, PP stage {p.pp_rank + 1}/{p.pp_size}"
     logger.info("loading %s (%s, %s, %s%s)", ckpt.path, ckpt.spec.architecture, dtype, device, where)
-    model = LlamaModel(ckpt, quant, dtype, device, max_model_len, progress=lambda m: logger.info("  %s", m),
+    model = DecoderModel(ckpt, quant, dtype, device, max_model_len, progress=lambda m: logger.info("  %s", m),
                        fused=fused, group=group)
     logger.info(
         "model loaded in %.1f s: %.1f MB of weights", time.perf_counter() - start, model.num_weight_bytes() / 1e6

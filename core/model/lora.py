@@ -38,7 +38,7 @@ from conveyor.model.lora_config import WEIGHTS_FILE, read_adapter_config
 
 if TYPE_CHECKING:
     from conveyor.model.layers import Linear
-    from conveyor.model.llama import LlamaModel
+    from conveyor.model.decoder_model import DecoderModel
 
 # Hugging Face module name -> the decoder's projection and which of its parts (rank block) it is
 MODULES: dict[str, tuple[str, int]] = {
@@ -183,7 +183,7 @@ class LoraTarget:
 class Adapters:
     """The slots of every adaptable projection of a worker's model, and the step's batch of adapter tokens."""
 
-    def __init__(self, model: LlamaModel, num_slots: int, max_rank: int):
+    def __init__(self, model: DecoderModel, num_slots: int, max_rank: int):
         self.model = model
         self.num_slots = num_slots
         self.max_rank = max_rank

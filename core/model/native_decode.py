@@ -26,7 +26,7 @@ from conveyor.quant import FP8_TYPE_ID, NativeWeight
 if TYPE_CHECKING:
     from conveyor.attention.backend import AttentionBackend, StepAttention
     from conveyor.model.layers import Linear
-    from conveyor.model.llama import LlamaModel
+    from conveyor.model.decoder_model import DecoderModel
 
 
 def _native(linear: Linear, in_features: int) -> NativeWeight | None:
@@ -53,7 +53,7 @@ _TYPE_NAMES = {number: name for name, number in ggml.TYPE_IDS.items()}
 class NativeDecode:
     """The model's weights as ``decode_layers`` takes them, and the step it runs."""
 
-    def __init__(self, model: LlamaModel, attention: AttentionBackend, linears: list[NativeWeight],
+    def __init__(self, model: DecoderModel, attention: AttentionBackend, linears: list[NativeWeight],
                  norms: list[torch.Tensor]):
         self.model = model
         self.attention = attention
@@ -68,7 +68,7 @@ class NativeDecode:
         self.max_rows = min(limits, default=None)
 
     @classmethod
-    def build(cls, model: LlamaModel, attention: AttentionBackend) -> NativeDecode | None:
+    def build(cls, model: DecoderModel, attention: AttentionBackend) -> NativeDecode | None:
         """For a model and attention backend it serves; None where some part of either needs the layer-by-layer
         path."""
         spec = model.spec
@@ -106,7 +106,7 @@ class NativeDecode:
         return attention.prefill_plan is None and attention.num_decodes == num_tokens and num_tokens > 0
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attention: StepAttention) -> torch.Tensor:
-        """``LlamaModel.forward`` for a step ``accepts`` took: ``[M, hidden]`` final hidden states."""
+        """``DecoderModel.forward`` for a step ``accepts`` took: ``[M, hidden]`` final hidden states."""
         model, storage, plan = self.model, self.attention.storage, attention.decode_plan
         cos, sin = model.rotary.tables(positions, model.dtype)
         return native.decode_layers(

@@ -9,7 +9,7 @@ from collections.abc import Callable
 
 import torch
 
-from conveyor.model.llama import LlamaModel
+from conveyor.model.decoder_model import DecoderModel
 
 
 def median_seconds(fn: Callable[[], object], repeat: int) -> float:
@@ -35,7 +35,7 @@ def matmul_flops(dtype: torch.dtype = torch.bfloat16, size: int = 2048) -> float
     return 2 * size**3 / median_seconds(lambda: a @ b, 5)
 
 
-def linear_flops_per_token(model: LlamaModel) -> int:
+def linear_flops_per_token(model: DecoderModel) -> int:
     """FLOPs of every linear layer (not the output head) for one token."""
     total = 0
     for layer in model.layers:
@@ -46,7 +46,7 @@ def linear_flops_per_token(model: LlamaModel) -> int:
 
 
 @torch.inference_mode()
-def linear_seconds(model: LlamaModel, rows: int, repeat: int = 10, head: bool = True) -> float:
+def linear_seconds(model: DecoderModel, rows: int, repeat: int = 10, head: bool = True) -> float:
     """Seconds for every linear layer and (``head``) the output head over ``rows`` tokens (each layer's weights
     in turn, as a forward pass reads them)."""
     hidden = torch.randn(rows, model.spec.hidden_size, dtype=model.dtype)

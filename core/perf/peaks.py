@@ -92,7 +92,7 @@ class DevicePeaks(msgspec.Struct, frozen=True):
 
     def flops_for_weights(self, weight_formats: dict[str, int], dtype: str) -> float:
         """The peak a step's matmuls are measured against, for weights kept as ``weight_formats`` (bytes by
-        format, ``LlamaModel.weight_formats``) in a model of ``dtype``.
+        format, ``DecoderModel.weight_formats``) in a model of ``dtype``.
 
         On a CPU whose packed-block kernels run, the weights they multiply (GGUF blocks, the int8 method's) take
         the int8 peak and the others the dtype's: the peak is the rate at which the step's FLOPs would take the

@@ -35,19 +35,12 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 
 from conveyor.messages import EngineReady, StepStats
 from conveyor.serving.dashboard import DashboardFeed
+from conveyor.serving.metric_series import FRACTION_BUCKETS, LATENCY_BUCKETS, PARALLEL_BUCKETS, Series
 from conveyor.serving.nvml import GpuGauges
 from conveyor.serving.request_fields import UnknownFields
 from conveyor.serving.status_line import StatusLine
 from conveyor.serving.tier_metrics import TierMetrics
 
-# seconds; fine at the low end where CPU decode steps live, up to minutes for long requests
-LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5,
-                   5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0)
-# seconds, 1-2-5 per decade: from one collective on a fast link (0.1 ms) to a long prefill on CPU workers (10 s)
-PARALLEL_BUCKETS = (0.0001, 0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0,
-                    5.0, 10.0)
-# a share of the step (0..1)
-FRACTION_BUCKETS = (0.01, 0.02, 0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0)
 # seconds: time constant of the smoothed bubble gauge (a step's weight falls by e every this many seconds)
 BUBBLE_SMOOTHING_S = 10.0
 
@@ -66,174 +59,16 @@ class ServerMetrics(StatusLine):
     def __init__(self, model_name: str, num_replicas: int = 1, replica_alive: Callable[[int], bool] | None = None,
                  replica_in_flight: Callable[[int], int] | None = None):
         self.registry = CollectorRegistry()
-        r = self.registry
-        labels = {"model_name": model_name}
         self.num_replicas = num_replicas
         self._replica_alive = replica_alive
         self._replica_in_flight = replica_in_flight
 
-        def histogram(name: str, doc: str) -> Histogram:
-            return Histogram(name, doc, ["model_name"], registry=r, buckets=LATENCY_BUCKETS).labels(**labels)
-
-        def gauge(name: str, doc: str) -> Gauge:
-            return Gauge(name, doc, ["model_name"], registry=r).labels(**labels)
-
-        def counter(name: str, doc: str) -> Counter:
-            return Counter(name, doc, ["model_name"], registry=r).labels(**labels)
-
-        def per_engine(kind: type[Gauge | Counter], name: str, doc: str) -> list:
-            """One child per replica: unlabeled with one engine, else labeled ``replica="i"``."""
-            if num_replicas == 1:
-                return [kind(name, doc, ["model_name"], registry=r).labels(**labels)]
-            parent = kind(name, doc, ["model_name", "replica"], registry=r)
-            return [parent.labels(model_name, str(i)) for i in range(num_replicas)]
-
-        self.ttft = histogram("conveyor_time_to_first_token_seconds", "Time from arrival to the first token.")
-        self.itl = histogram("conveyor_inter_token_latency_seconds", "Time between consecutive tokens of a request.")
-        self.e2e = histogram("conveyor_e2e_request_latency_seconds", "Time from arrival to the last token.")
-        self.queue_time = histogram("conveyor_request_queue_time_seconds", "Time from arrival to the first step.")
-        self.step_time = histogram("conveyor_engine_step_seconds", "Duration of one engine step.")
-        self.stage_seconds = Counter(
-            "conveyor_step_stage_seconds", "Seconds of the engine's steps by stage: schedule (choosing the batch), "
-            "forward (building inputs and the forward pass), sample, update (recording the results).",
-            ["model_name", "stage"], registry=r,
-        )
-        self._stages = {stage: self.stage_seconds.labels(model_name, stage)
-                        for stage in ("schedule", "forward", "sample", "update")}
-        # per engine replica (one list entry each)
-        self.steps = per_engine(Counter, "conveyor_engine_steps", "Steps the engine ran.")
-        self.running = per_engine(Gauge, "conveyor_num_requests_running", "Requests in the running batch.")
-        self.waiting = per_engine(Gauge, "conveyor_num_requests_waiting", "Requests waiting to run.")
-        self.kv_usage = per_engine(Gauge, "conveyor_kv_cache_usage_ratio", "Fraction of the KV cache in use (0..1).")
-        self.kv_blocks = per_engine(Gauge, "conveyor_kv_cache_blocks", "KV cache blocks in the pool.")
-        self.kv_free_blocks = per_engine(
-            Gauge, "conveyor_kv_cache_free_blocks", "KV cache blocks not held by any request."
-        )
-        self.max_concurrency = per_engine(
-            Gauge, "conveyor_kv_cache_max_concurrency", "Requests of max_model_len tokens that fit in the KV cache."
-        )
-        self.in_flight = gauge(
-            "conveyor_num_requests_in_flight", "Requests the frontend has submitted to the engine and not seen end."
-        )
-        self.engine_alive = per_engine(Gauge, "conveyor_engine_alive", "1 while the engine process is up and ready.")
-        self.engine_restarts = per_engine(Counter, "conveyor_engine_restarts", "Times the engine process was restarted.")
-        self.prompt_tokens = counter("conveyor_prompt_tokens", "Prompt tokens of requests that started running.")
-        self.generation_tokens = counter("conveyor_generation_tokens", "Tokens generated.")
-        self.preemptions = counter("conveyor_preemptions", "Running requests preempted to free KV blocks.")
-        self.engine_aborts = counter(
-            "conveyor_engine_aborted_requests", "Requests the engine ended before their end: aborted or failed."
-        )
-        self.prefix_hit_tokens = counter("conveyor_prefix_cache_hit_tokens", "Prompt tokens served from the cache.")
-        self.rejected = counter(
-            "conveyor_rejected_requests", "Requests the engine refused on arrival (429: its waiting queue was full)."
-        )
-        self.draft_tokens = counter("conveyor_spec_draft_tokens", "Speculative decoding: tokens proposed and checked.")
-        self.accepted_tokens = counter(
-            "conveyor_spec_accepted_tokens",
-            "Speculative decoding: proposed tokens the model accepted (acceptance rate: this over draft tokens).",
-        )
-        # what steps computed and moved, against the devices' peaks (conveyor.perf.roofline, .peaks)
-        self.mfu = Histogram("conveyor_step_mfu", "Model FLOPs utilization of a step's forward pass (0..1).",
-                             ["model_name"], registry=r, buckets=FRACTION_BUCKETS).labels(**labels)
-        self.mbu = Histogram("conveyor_step_mbu", "Memory-bandwidth utilization of a step's forward pass (0..1).",
-                             ["model_name"], registry=r, buckets=FRACTION_BUCKETS).labels(**labels)
-        self.flops = counter("conveyor_model_flops", "FLOPs of the steps' forward passes (matmuls and attention).")
-        self.bytes_moved = counter("conveyor_bytes_moved", "Bytes the steps' forward passes read and wrote.")
-        self.forward_seconds = counter("conveyor_forward_seconds", "Seconds in the steps' forward passes.")
-        self.peak_flops = per_engine(
-            Gauge, "conveyor_device_peak_flops", "Dense FLOP/s the engine's devices reach at most in the arithmetic "
-            "the weights are multiplied in (on a CPU, int8 dot products for packed blocks)."
-        )
-        self.peak_bandwidth = per_engine(
-            Gauge, "conveyor_device_peak_bytes_per_second", "Memory bandwidth of the engine's devices, bytes/s."
-        )
-        # (labeled replica="i" as per_engine's are, where there are several)
-        self._replica_label = num_replicas > 1
-        # which device the peaks are of: the doctor's advice fits it (no GPU features on a CPU)
-        self.device_info = Gauge(
-            "conveyor_device_info", "1 for the device an engine runs on (device: cpu, cuda:0), whose peaks MFU and "
-            "MBU are taken against.", ["model_name", *(["replica"] if self._replica_label else []), "device"],
-            registry=r,
-        )
-        self.weight_bytes = Gauge(
-            "conveyor_weight_bytes", "Bytes of the linear layers, embedding and head by the format each is kept in "
-            "(a GGUF block type, a dtype or a quant method; copies: second copies for decode steps).",
-            ["model_name", *(["replica"] if self._replica_label else []), "format"], registry=r,
-        )
-        self.requests = Counter(
-            "conveyor_requests", "Finished requests by finish reason.", ["model_name", "finish_reason"], registry=r
-        )
-        self.unknown_fields = UnknownFields(r, model_name)
-        # latency targets ([scheduler] ttft_slo_ms, itl_slo_ms): goodput is the rate of requests_within_slo
-        self.within_slo = counter(
-            "conveyor_requests_within_slo", "Requests that ended (stop or length) with their first token within the "
-            "TTFT target and the P99 of their inter-token gaps within the ITL target (goodput: its rate).",
-        )
-        self.missed_slo = Counter(
-            "conveyor_requests_missed_slo", "Requests that ended (stop or length) past a latency target, by target "
-            "(ttft or itl; a request past both counts in each).", ["model_name", "target"], registry=r,
-        )
-        self.slo_target = Gauge(
-            "conveyor_slo_target_seconds", "The scheduler's latency targets (P99; 0: none), for requests of "
-            "priority 0.", ["model_name", "target"], registry=r,
-        )
-        self.replica_requests = (
-            per_engine(Counter, "conveyor_replica_requests", "Requests each engine replica ended, by its own count.")
-            if num_replicas > 1 else []
-        )
-        self.replica_in_flight = (
-            per_engine(Gauge, "conveyor_replica_requests_in_flight",
-                       "Requests the frontend routed to each engine replica that have not ended.")
-            if num_replicas > 1 and replica_in_flight is not None else []
-        )
-        # several workers: children appear with the first multi-worker step (see ``_parallel_step``)
-        engine_labels = ["model_name", "replica"] if num_replicas > 1 else ["model_name"]
-        self.comm_time = Histogram(
-            "conveyor_step_comm_seconds",
-            "Per multi-worker step: mean seconds a worker spent in collectives and transfers.",
-            ["model_name"], registry=r, buckets=PARALLEL_BUCKETS,
-        )
-        self.compute_time = Histogram(
-            "conveyor_step_compute_seconds",
-            "Per multi-worker step: mean seconds a worker computed (its step time less communication and "
-            "pipeline waits).",
-            ["model_name"], registry=r, buckets=PARALLEL_BUCKETS,
-        )
-        self.worker_step_time = Histogram(
-            "conveyor_worker_step_seconds",
-            "Seconds each worker (rank = pp_stage * tp_size + tp_rank) spent on a step, communication and waits "
-            "included.",
-            [*engine_labels, "rank"], registry=r, buckets=PARALLEL_BUCKETS,
-        )
-        self.worker_comm_seconds = Counter(
-            "conveyor_worker_comm_seconds", "Seconds each worker spent in collectives and transfers.",
-            [*engine_labels, "rank"], registry=r,
-        )
-        self.worker_wait_seconds = Counter(
-            "conveyor_worker_wait_seconds", "Seconds each worker spent waiting for the previous pipeline stage.",
-            [*engine_labels, "rank"], registry=r,
-        )
-        self.collectives = counter(
-            "conveyor_collectives", "All-reduces and gathers within a tensor-parallel group (a worker's, the "
-            "mean over workers, summed over steps).",
-        )
-        self.collective_bytes = counter(
-            "conveyor_collective_bytes", "Bytes a worker sent in collectives (the mean over workers, summed over "
-            "steps).",
-        )
-        self.tp_size = per_engine(Gauge, "conveyor_tensor_parallel_size", "Workers in each pipeline stage.")
-        self.pp_size = per_engine(Gauge, "conveyor_pipeline_parallel_size", "Pipeline stages.")
-        self.bubble = Histogram(
-            "conveyor_step_bubble_fraction",
-            "Per multi-worker step: share of the workers' time spent waiting for the previous pipeline stage.",
-            ["model_name"], registry=r, buckets=FRACTION_BUCKETS,
-        )
-        self.bubble_smoothed = Gauge(
-            "conveyor_pipeline_bubble_fraction",
-            f"Pipeline bubble fraction, exponentially smoothed over steps with a {BUBBLE_SMOOTHING_S:g} s time "
-            "constant.",
-            engine_labels, registry=r,
-        )
+        s = Series(self.registry, model_name, num_replicas)
+        self._latencies(s)
+        self._engine_state(s)
+        self._utilization(s)
+        self._targets(s)
+        self._parallel(s)
         # per replica: (timestamp, smoothed bubble fraction) after its latest multi-worker step
         self._bubble_state: list[tuple[float, float] | None] = [None] * num_replicas
         self._model_name = model_name
@@ -250,7 +85,175 @@ class ServerMetrics(StatusLine):
         # NVML's GPU utilization and memory, once an engine runs on CUDA (None: not started or not available)
         self.gpus: GpuGauges | None = None
         self._nvml_tried = False
-        self.tiers = TierMetrics(r, model_name, num_replicas)
+        self.tiers = TierMetrics(self.registry, model_name, num_replicas)
+
+    def _latencies(self, s: Series) -> None:
+        """The request latencies, the step time and its stages."""
+
+        def latency(name: str, doc: str) -> Histogram:
+            return s.histogram(name, doc, LATENCY_BUCKETS)
+
+        self.ttft = latency("conveyor_time_to_first_token_seconds", "Time from arrival to the first token.")
+        self.itl = latency("conveyor_inter_token_latency_seconds", "Time between consecutive tokens of a request.")
+        self.e2e = latency("conveyor_e2e_request_latency_seconds", "Time from arrival to the last token.")
+        self.queue_time = latency("conveyor_request_queue_time_seconds", "Time from arrival to the first step.")
+        self.step_time = latency("conveyor_engine_step_seconds", "Duration of one engine step.")
+        self.stage_seconds = Counter(
+            "conveyor_step_stage_seconds", "Seconds of the engine's steps by stage: schedule (choosing the batch), "
+            "forward (building inputs and the forward pass), sample, update (recording the results).",
+            ["model_name", "stage"], registry=s.registry,
+        )
+        self._stages = {stage: self.stage_seconds.labels(s.model_name, stage)
+                        for stage in ("schedule", "forward", "sample", "update")}
+
+    def _engine_state(self, s: Series) -> None:
+        """Each engine's state and what it has done, and the requests by how they ended."""
+        # per engine replica (one list entry each)
+        self.steps = s.per_engine(Counter, "conveyor_engine_steps", "Steps the engine ran.")
+        self.running = s.per_engine(Gauge, "conveyor_num_requests_running", "Requests in the running batch.")
+        self.waiting = s.per_engine(Gauge, "conveyor_num_requests_waiting", "Requests waiting to run.")
+        self.kv_usage = s.per_engine(Gauge, "conveyor_kv_cache_usage_ratio", "Fraction of the KV cache in use (0..1).")
+        self.kv_blocks = s.per_engine(Gauge, "conveyor_kv_cache_blocks", "KV cache blocks in the pool.")
+        self.kv_free_blocks = s.per_engine(
+            Gauge, "conveyor_kv_cache_free_blocks", "KV cache blocks not held by any request."
+        )
+        self.max_concurrency = s.per_engine(
+            Gauge, "conveyor_kv_cache_max_concurrency", "Requests of max_model_len tokens that fit in the KV cache."
+        )
+        self.in_flight = s.gauge(
+            "conveyor_num_requests_in_flight", "Requests the frontend has submitted to the engine and not seen end."
+        )
+        self.engine_alive = s.per_engine(Gauge, "conveyor_engine_alive", "1 while the engine process is up and ready.")
+        self.engine_restarts = s.per_engine(Counter, "conveyor_engine_restarts",
+                                            "Times the engine process was restarted.")
+        self.prompt_tokens = s.counter("conveyor_prompt_tokens", "Prompt tokens of requests that started running.")
+        self.generation_tokens = s.counter("conveyor_generation_tokens", "Tokens generated.")
+        self.preemptions = s.counter("conveyor_preemptions", "Running requests preempted to free KV blocks.")
+        self.engine_aborts = s.counter(
+            "conveyor_engine_aborted_requests", "Requests the engine ended before their end: aborted or failed."
+        )
+        self.prefix_hit_tokens = s.counter("conveyor_prefix_cache_hit_tokens", "Prompt tokens served from the cache.")
+        self.rejected = s.counter(
+            "conveyor_rejected_requests", "Requests the engine refused on arrival (429: its waiting queue was full)."
+        )
+        self.draft_tokens = s.counter("conveyor_spec_draft_tokens",
+                                      "Speculative decoding: tokens proposed and checked.")
+        self.accepted_tokens = s.counter(
+            "conveyor_spec_accepted_tokens",
+            "Speculative decoding: proposed tokens the model accepted (acceptance rate: this over draft tokens).",
+        )
+        self.requests = Counter(
+            "conveyor_requests", "Finished requests by finish reason.", ["model_name", "finish_reason"],
+            registry=s.registry,
+        )
+        self.unknown_fields = UnknownFields(s.registry, s.model_name)
+        self.replica_requests = (
+            s.per_engine(Counter, "conveyor_replica_requests", "Requests each engine replica ended, by its own count.")
+            if s.num_replicas > 1 else []
+        )
+        self.replica_in_flight = (
+            s.per_engine(Gauge, "conveyor_replica_requests_in_flight",
+                       "Requests the frontend routed to each engine replica that have not ended.")
+            if s.num_replicas > 1 and self._replica_in_flight is not None else []
+        )
+
+    def _utilization(self, s: Series) -> None:
+        """What steps computed and moved, against the devices' peaks; the weights by format."""
+        # what steps computed and moved, against the devices' peaks (conveyor.perf.roofline, .peaks)
+        self.mfu = Histogram("conveyor_step_mfu", "Model FLOPs utilization of a step's forward pass (0..1).",
+                             ["model_name"], registry=s.registry, buckets=FRACTION_BUCKETS).labels(s.model_name)
+        self.mbu = Histogram("conveyor_step_mbu", "Memory-bandwidth utilization of a step's forward pass (0..1).",
+                             ["model_name"], registry=s.registry, buckets=FRACTION_BUCKETS).labels(s.model_name)
+        self.flops = s.counter("conveyor_model_flops", "FLOPs of the steps' forward passes (matmuls and attention).")
+        self.bytes_moved = s.counter("conveyor_bytes_moved", "Bytes the steps' forward passes read and wrote.")
+        self.forward_seconds = s.counter("conveyor_forward_seconds", "Seconds in the steps' forward passes.")
+        self.peak_flops = s.per_engine(
+            Gauge, "conveyor_device_peak_flops", "Dense FLOP/s the engine's devices reach at most in the arithmetic "
+            "the weights are multiplied in (on a CPU, int8 dot products for packed blocks)."
+        )
+        self.peak_bandwidth = s.per_engine(
+            Gauge, "conveyor_device_peak_bytes_per_second", "Memory bandwidth of the engine's devices, bytes/s."
+        )
+        # (labeled replica="i" as per_engine's are, where there are several)
+        self._replica_label = s.num_replicas > 1
+        # which device the peaks are of: the doctor's advice fits it (no GPU features on a CPU)
+        self.device_info = Gauge(
+            "conveyor_device_info", "1 for the device an engine runs on (device: cpu, cuda:0), whose peaks MFU and "
+            "MBU are taken against.", ["model_name", *(["replica"] if self._replica_label else []), "device"],
+            registry=s.registry,
+        )
+        self.weight_bytes = Gauge(
+            "conveyor_weight_bytes", "Bytes of the linear layers, embedding and head by the format each is kept in "
+            "(a GGUF block type, a dtype or a quant method; copies: second copies for decode steps).",
+            ["model_name", *(["replica"] if self._replica_label else []), "format"], registry=s.registry,
+        )
+
+    def _targets(self, s: Series) -> None:
+        """The latency targets and the requests within and past them."""
+        # latency targets ([scheduler] ttft_slo_ms, itl_slo_ms): goodput is the rate of requests_within_slo
+        self.within_slo = s.counter(
+            "conveyor_requests_within_slo", "Requests that ended (stop or length) with their first token within the "
+            "TTFT target and the P99 of their inter-token gaps within the ITL target (goodput: its rate).",
+        )
+        self.missed_slo = Counter(
+            "conveyor_requests_missed_slo", "Requests that ended (stop or length) past a latency target, by target "
+            "(ttft or itl; a request past both counts in each).", ["model_name", "target"], registry=s.registry,
+        )
+        self.slo_target = Gauge(
+            "conveyor_slo_target_seconds", "The scheduler's latency targets (P99; 0: none), for requests of "
+            "priority 0.", ["model_name", "target"], registry=s.registry,
+        )
+
+    def _parallel(self, s: Series) -> None:
+        """Engines with several workers: communication, compute and the pipeline's bubbles."""
+        # several workers: children appear with the first multi-worker step (see ``_parallel_step``)
+        engine_labels = ["model_name", "replica"] if s.num_replicas > 1 else ["model_name"]
+        self.comm_time = Histogram(
+            "conveyor_step_comm_seconds",
+            "Per multi-worker step: mean seconds a worker spent in collectives and transfers.",
+            ["model_name"], registry=s.registry, buckets=PARALLEL_BUCKETS,
+        )
+        self.compute_time = Histogram(
+            "conveyor_step_compute_seconds",
+            "Per multi-worker step: mean seconds a worker computed (its step time less communication and "
+            "pipeline waits).",
+            ["model_name"], registry=s.registry, buckets=PARALLEL_BUCKETS,
+        )
+        self.worker_step_time = Histogram(
+            "conveyor_worker_step_seconds",
+            "Seconds each worker (rank = pp_stage * tp_size + tp_rank) spent on a step, communication and waits "
+            "included.",
+            [*engine_labels, "rank"], registry=s.registry, buckets=PARALLEL_BUCKETS,
+        )
+        self.worker_comm_seconds = Counter(
+            "conveyor_worker_comm_seconds", "Seconds each worker spent in collectives and transfers.",
+            [*engine_labels, "rank"], registry=s.registry,
+        )
+        self.worker_wait_seconds = Counter(
+            "conveyor_worker_wait_seconds", "Seconds each worker spent waiting for the previous pipeline stage.",
+            [*engine_labels, "rank"], registry=s.registry,
+        )
+        self.collectives = s.counter(
+            "conveyor_collectives", "All-reduces and gathers within a tensor-parallel group (a worker's, the "
+            "mean over workers, summed over steps).",
+        )
+        self.collective_bytes = s.counter(
+            "conveyor_collective_bytes", "Bytes a worker sent in collectives (the mean over workers, summed over "
+            "steps).",
+        )
+        self.tp_size = s.per_engine(Gauge, "conveyor_tensor_parallel_size", "Workers in each pipeline stage.")
+        self.pp_size = s.per_engine(Gauge, "conveyor_pipeline_parallel_size", "Pipeline stages.")
+        self.bubble = Histogram(
+            "conveyor_step_bubble_fraction",
+            "Per multi-worker step: share of the workers' time spent waiting for the previous pipeline stage.",
+            ["model_name"], registry=s.registry, buckets=FRACTION_BUCKETS,
+        )
+        self.bubble_smoothed = Gauge(
+            "conveyor_pipeline_bubble_fraction",
+            f"Pipeline bubble fraction, exponentially smoothed over steps with a {BUBBLE_SMOOTHING_S:g} s time "
+            "constant.",
+            engine_labels, registry=s.registry,
+        )
 
     def engine_ready(self, ready: EngineReady, replica: int = 0) -> None:
         """An engine (replica ``replica``) is ready: the first time, or after a restart."""

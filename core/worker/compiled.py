@@ -21,7 +21,7 @@ import torch
 from conveyor.attention.backend import AttentionBackend
 from conveyor.messages import StepInput
 from conveyor.model.graph_ops import paged_decode_op, register_backend
-from conveyor.model.llama import LlamaModel
+from conveyor.model.decoder_model import DecoderModel
 from conveyor.worker.inputs import InputBuffers
 
 logger = logging.getLogger("conveyor")
@@ -36,7 +36,7 @@ def use_inductor_cache(root: Path) -> None:
 class CompiledDecode:
     """torch.compile'd decode forward passes (inductor), one graph per batch size."""
 
-    def __init__(self, model: LlamaModel, attention: AttentionBackend, batch_sizes: list[int], max_model_len: int):
+    def __init__(self, model: DecoderModel, attention: AttentionBackend, batch_sizes: list[int], max_model_len: int):
         self.model = model
         self.attention = attention
         self.backend_number = register_backend(attention)

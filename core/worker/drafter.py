@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from conveyor.attention.backend import AttentionBackend
 from conveyor.messages import RunnerOutput, ScheduledRequest, StepInput
-from conveyor.model.llama import LlamaModel
+from conveyor.model.decoder_model import DecoderModel
 from conveyor.worker.inputs import InputBuffers
 
 
@@ -34,7 +34,7 @@ def scratch_blocks_per_row(k: int, block_size: int) -> int:
 class Drafter:
     """The draft model, its attention over its own KV storage, and its proposals."""
 
-    def __init__(self, model: LlamaModel, attention: AttentionBackend, k: int, first_scratch_block: int,
+    def __init__(self, model: DecoderModel, attention: AttentionBackend, k: int, first_scratch_block: int,
                  max_rows: int):
         """
         Args:

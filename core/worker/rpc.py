@@ -33,7 +33,7 @@ class ModelInfo(msgspec.Struct, array_like=True, frozen=True):
     vocab_size: int = 0
     # the model's shape (what a step's FLOPs and bytes are counted from)
     spec: ModelSpec | None = None
-    # bytes of the linear layers, embedding and head by the format each is kept in (LlamaModel.weight_formats)
+    # bytes of the linear layers, embedding and head by the format each is kept in (DecoderModel.weight_formats)
     weight_formats: dict[str, int] = msgspec.field(default_factory=dict)
     # what the quant method does to a checkpoint quantized already (conveyor.model.loader.requantize_note)
     quant_note: str = ""

@@ -8,7 +8,7 @@ import torch
 
 from conveyor.attention.backend import AttentionBackend
 from conveyor.messages import RunnerOutput, ScheduledRequest, StepInput, TokenLogprob
-from conveyor.model.llama import LlamaModel
+from conveyor.model.decoder_model import DecoderModel
 from conveyor.model.lora import Adapters
 from conveyor.model.native_decode import NativeDecode
 from conveyor.worker.compiled import CompiledDecode
@@ -20,7 +20,7 @@ from conveyor.worker.sampler import Sampler, token_logprobs
 class ModelRunner:
     """Runs one forward pass over a step's requests and samples."""
 
-    def __init__(self, model: LlamaModel, attention: AttentionBackend, sampler: Sampler,
+    def __init__(self, model: DecoderModel, attention: AttentionBackend, sampler: Sampler,
                  compiled: CompiledDecode | None = None, adapters: Adapters | None = None,
                  drafter: Drafter | None = None, native_decode: bool = True):
         """

@@ -23,7 +23,7 @@ from conveyor.deltas import HeldRequests
 from conveyor.kvcache import KVCacheLayout, KVCacheSpec
 from conveyor.messages import RunnerOutput, StepInput
 from conveyor.model.invariant import INVARIANT_ROWS
-from conveyor.model.llama import LlamaModel
+from conveyor.model.decoder_model import DecoderModel
 from conveyor.model.loader import DTYPES, load_model, model_len, open_model, requantize_note, resolve_device
 from conveyor.model.lora import Adapters
 from conveyor.model.parallel import ParallelGroup, Placement, check_divisible
@@ -77,7 +77,7 @@ class Worker:
         self.held = HeldRequests()
         self.adapters: Adapters | None = None
         # speculative = "draft": the draft model and what its KV cache stores per token
-        self.draft_model: LlamaModel | None = None
+        self.draft_model: DecoderModel | None = None
         self.draft_kv_spec: KVCacheSpec | None = None
         self.storage: KVStorage | None = None
         # the KV connector's worker side (conveyor.connector), once the pool exists

@@ -155,20 +155,19 @@ def _chat_dependencies(chat: dict[str, Any]) -> None:
         "then": {"required": ["functions"], "properties": {"functions": {"type": "array", "minItems": 1}}}})
 
 
-def openapi_document(api_key: bool, models: list[str], max_model_len: int, vocab_size: int) -> dict[str, Any]:
-    """The document.
+# a generating route's answer
+GENERATED = {"description": "the completion (JSON), or with stream=true server-sent events of chunks",
+             "content": {"application/json": {"schema": {"type": "object"}},
+                         "text/event-stream": {"schema": {"type": "string"}}}}
 
-    Args:
-        api_key: the routes need a bearer token (all but /health, /metrics, /dashboard's page and this one).
-        models: the names ``model`` may take (the base model's and its adapters').
-        max_model_len: the longest prompt + output (0 while the engine starts).
-        vocab_size: token ids in a prompt are below it.
-    """
+
+def _schemas(models: list[str], max_model_len: int, vocab_size: int) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """The request bodies' references, and the schemas, held to this server's limits (``openapi_document``'s
+    arguments)."""
     structs = [api.CompletionRequest, api.ChatCompletionRequest, api.LoadLoraRequest, api.UnloadLoraRequest,
                responses_api.ResponsesRequest, anthropic_api.MessagesRequest, anthropic_api.CountTokensRequest,
                embeddings_api.EmbeddingRequest, embeddings_api.TokenizeRequest, embeddings_api.DetokenizeRequest]
     refs, components = msgspec.json.schema_components(structs, ref_template="#/components/schemas/{name}")
-    completion, chat, load, unload, responses, messages, count_tokens, embedding, tokenize, detokenize = refs
     limits = _limits(models, max_model_len, vocab_size)
     chat_only = {"top_logprobs", "max_completion_tokens", "messages"}
     completion_only = {"logprobs", "prompt", "suffix"}
@@ -201,10 +200,21 @@ def openapi_document(api_key: bool, models: list[str], max_model_len: int, vocab
     _narrow(components["DetokenizeRequest"]["properties"], {"model": limits["model"], "tokens": token_ids})
     components["AnthropicError"] = ANTHROPIC_ERROR
     components["Error"] = ERROR
+    return refs, components
+
+
+def openapi_document(api_key: bool, models: list[str], max_model_len: int, vocab_size: int) -> dict[str, Any]:
+    """The document.
+
+    Args:
+        api_key: the routes need a bearer token (all but /health, /metrics, /dashboard's page and this one).
+        models: the names ``model`` may take (the base model's and its adapters').
+        max_model_len: the longest prompt + output (0 while the engine starts).
+        vocab_size: token ids in a prompt are below it.
+    """
+    refs, components = _schemas(models, max_model_len, vocab_size)
+    completion, chat, load, unload, responses, messages, count_tokens, embedding, tokenize, detokenize = refs
     secured = {"security": [{"bearer": []}]} if api_key else {}
-    generated = {"description": "the completion (JSON), or with stream=true server-sent events of chunks",
-                 "content": {"application/json": {"schema": {"type": "object"}},
-                             "text/event-stream": {"schema": {"type": "string"}}}}
 
     def post(operation: str, body: dict[str, Any], ok: dict[str, Any], *refusals: str,
              error: str = "Error") -> dict[str, Any]:
@@ -220,9 +230,9 @@ def openapi_document(api_key: bool, models: list[str], max_model_len: int, vocab
     no_engine = tuple(code for code in inference if code not in ("429", "503"))  # (answered without the engine)
     lora_status = {"type": "object", "properties": {"lora_name": {"type": "string"}, "status": {"type": "string"}}}
     paths = {
-        "/v1/completions": post("createCompletion", completion, generated, *inference),
-        "/v1/chat/completions": post("createChatCompletion", chat, generated, *inference),
-        "/v1/responses": post("createResponse", responses, {**generated, "description": "the response (JSON), or "
+        "/v1/completions": post("createCompletion", completion, GENERATED, *inference),
+        "/v1/chat/completions": post("createChatCompletion", chat, GENERATED, *inference),
+        "/v1/responses": post("createResponse", responses, {**GENERATED, "description": "the response (JSON), or "
                               "with stream=true its typed server-sent events"}, *inference),
         "/v1/responses/{response_id}": {
             "parameters": [{"name": "response_id", "in": "path", "required": True, "schema": {"type": "string"}}],
@@ -230,7 +240,7 @@ def openapi_document(api_key: bool, models: list[str], max_model_len: int, vocab
                 "200": _json({"type": "object"}, "the stored response" if method == "get" else "forgotten"),
                 **_errors("404", *(("401",) if api_key else ()))}} for method in ("get", "delete")},
         },
-        "/v1/messages": post("createMessage", messages, {**generated, "description": "the message (JSON), or with "
+        "/v1/messages": post("createMessage", messages, {**GENERATED, "description": "the message (JSON), or with "
                              "stream=true Anthropic's server-sent events"}, *inference, error="AnthropicError"),
         "/v1/messages/count_tokens": post(
             "countMessageTokens", count_tokens, _json({"type": "object", "required": ["input_tokens"], "properties": {

@@ -31,7 +31,7 @@ from conveyor.model.spec import LayerAttention
 from conveyor.quant import QuantMethod
 
 
-class LlamaModel:
+class DecoderModel:
     """Llama-style decoder (RMSNorm, RoPE, GQA, a gated MLP) with the quirks of the families in
     ``conveyor.model.families``.
 
