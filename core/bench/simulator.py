@@ -174,6 +174,24 @@ def split_problem(spec: ModelSpec, tp: int, pp: int = 1) -> str | None:
                            spec.num_layers, experts)
 
 
+def _free_memory(config: Config, peaks: DevicePeaks, weights: float) -> int | None:
+    """A device's memory less its share of the weights and the activations' reserve (None: no memory figure, a
+    CPU's).
+
+    Raises:
+        ValueError: the weights do not fit the device's memory.
+    """
+    if not peaks.memory_bytes:
+        return None
+    devices = config.parallel.tensor_parallel_size * config.parallel.pipeline_parallel_size
+    free_memory = int(peaks.memory_bytes - weights / devices - ACTIVATION_RESERVE_BYTES)
+    if free_memory <= 0:
+        raise ValueError(f"{weights / devices / 1e9:.1f} GB of weights per device do not fit in the "
+                         f"{peaks.memory_bytes / 1e9:.0f} GB of {peaks.name}: raise tensor_parallel_size "
+                         "(or pipeline_parallel_size) or quantize")
+    return free_memory
+
+
 def simulate(config: Config, spec: ModelSpec, requests: Sequence[SimRequest], arrivals: Sequence[float],
              cost: CostModel, peaks: DevicePeaks, latency_s: float = 0.0, connector: KVConnector | None = None):
     """Run the workload through the engine core on a virtual clock.
@@ -198,15 +216,7 @@ def simulate(config: Config, spec: ModelSpec, requests: Sequence[SimRequest], ar
 
     registry = PluginRegistry.of(config)
     weights = cost.weight_bytes or weight_bytes(spec, DTYPE_BYTES[config.model.dtype], config.quant.plugin)
-    free_memory = None
-    if peaks.memory_bytes:
-        devices = config.parallel.tensor_parallel_size * config.parallel.pipeline_parallel_size
-        free_memory = int(peaks.memory_bytes - weights / devices - ACTIVATION_RESERVE_BYTES)
-        if free_memory <= 0:
-            raise ValueError(f"{weights / devices / 1e9:.1f} GB of weights per device do not fit in the "
-                             f"{peaks.memory_bytes / 1e9:.0f} GB of {peaks.name}: raise tensor_parallel_size "
-                             "(or pipeline_parallel_size) or quantize")
-    executor = SimulatedExecutor(config, registry, spec, cost, weights, free_memory)
+    executor = SimulatedExecutor(config, registry, spec, cost, weights, _free_memory(config, peaks, weights))
     core = EngineCore(config, registry, executor=executor, peaks=peaks)
     core.scheduler.clock = lambda: executor.clock  # (deadlines and queue times on the virtual clock)
     core.timer = core.scheduler.clock  # (the cost model holds the host's time per step: nothing real is added)

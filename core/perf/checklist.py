@@ -94,13 +94,41 @@ def _pick(window: dict[str, float], *names: str) -> dict[str, float]:
 
 def checklist(w: dict[str, float]) -> list[Finding]:
     """Every regime of the checklist that holds over the window ``w`` (``summarize``), most pressing first."""
-    findings = []
+    regimes = (_slo_missed, _dp_imbalance, _kv_capacity, _batch_too_small, _communication_bound, _pipeline_bubbles,
+               _host_overhead)
+    findings = [finding for regime in regimes if (finding := regime(w)) is not None]
+    if _waiting(w) and not _small_batch(w) and all(f.regime == "slo_missed" for f in findings):
+        findings.append(_queueing(w))
+    if (finding := _prefill_interference(w)) is not None:
+        findings.append(finding)
+    if w["mfu"] >= COMPUTE_BOUND:
+        findings.append(_compute_bound(w))
+    elif w["mbu"] >= 0.6:
+        findings.append(_bandwidth_bound(w))
+    return findings
+
+
+def _waiting(w: dict[str, float]) -> bool:
+    """Requests wait, or were refused."""
+    return w["waiting_mean"] >= 0.5 or w["rejected"] > 0
+
+
+def _small_batch(w: dict[str, float]) -> bool:
+    """Requests wait while the batch stays small, held at its cap (full nearly all the time, a reading between a
+    request's end and the next's start aside), with memory and compute to spare."""
+    held = w["running_mean"] >= 0.75 * w["running_max"]
+    return (_waiting(w) and held and w["running_max"] <= SMALL_BATCH and w["kv_usage_max"] < 0.8
+            and w["mfu"] < COMPUTE_BOUND)
+
+
+def _slo_missed(w: dict[str, float]) -> Finding | None:
+    """Requests past a latency target: which target binds, and what loosens it."""
     finished = w["within_slo"] + max(w["missed_ttft"], w["missed_itl"])  # (a request past both counts in each)
     if (w["slo_ttft_s"] or w["slo_itl_s"]) and (w["missed_ttft"] or w["missed_itl"]):
         itl_binds = w["missed_itl"] > w["missed_ttft"]
         target, missed = ("ITL", w["missed_itl"]) if itl_binds else ("TTFT", w["missed_ttft"])
         limit = w["slo_itl_s"] if itl_binds else w["slo_ttft_s"]
-        findings.append(Finding(
+        return Finding(
             "slo_missed",
             f"the binding latency target is {target} ({limit * 1e3:.0f} ms): {missed:.0f} of at least "
             f"{finished:.0f} requests ended past it ({w['missed_ttft']:.0f} past TTFT, {w['missed_itl']:.0f} past "
@@ -114,8 +142,12 @@ def checklist(w: dict[str, float]) -> list[Finding]:
              "prompts wait longer than the TTFT target at this load: more capacity (parallel.data_parallel_size, "
              "more servers), slo_admission = \"reject\" to refuse the requests that would miss it early, or a "
              "looser scheduler.ttft_slo_ms (the findings below say what limits capacity)"),
-        ))
-    waiting = w["waiting_mean"] >= 0.5 or w["rejected"] > 0
+        )
+    return None
+
+
+def _dp_imbalance(w: dict[str, float]) -> Finding | None:
+    """Data-parallel replicas unequal: one stalled or slow, or their queues or KV usage apart."""
     stalled = w["replica_steps_min"] == 0 and w["replica_steps_max"] >= STALLED_STEPS
     slow = w["replica_steps_max"] >= 10 and w["replica_steps_min"] < LAGGING_STEPS * w["replica_steps_max"]
     lagging = w["lagging_replica"] >= 0 and (stalled or slow)
@@ -124,7 +156,7 @@ def checklist(w: dict[str, float]) -> list[Finding]:
     if w["replicas"] > 1 and (lagging or queue_apart or kv_apart):
         lag = (f"replica {w['lagging_replica']:.0f} ran {w['replica_steps_min']:.0f} steps to the busiest one's "
                f"{w['replica_steps_max']:.0f} with requests of its own; " if lagging else "")
-        findings.append(Finding(
+        return Finding(
             "dp_imbalance",
             f"the data-parallel replicas are unequal: {lag}{w['replica_requests_min']:.1f} to "
             f"{w['replica_requests_max']:.1f} requests each on average, KV usage {w['replica_kv_usage_min']:.0%} to "
@@ -138,9 +170,15 @@ def checklist(w: dict[str, float]) -> list[Finding]:
              "requests that share a prefix follow it to the replica holding it (the router's affinity gives way "
              "past 8 requests and 1.5x the least loaded one's), and a replica on a slower device falls behind: a "
              "more even mix of prompts or more replicas (parallel.data_parallel_size) balance them"),
-        ))
+        )
+    return None
+
+
+def _kv_capacity(w: dict[str, float]) -> Finding | None:
+    """The KV cache full: preemptions, or requests waiting at full usage."""
+    waiting = _waiting(w)
     if w["preemptions"] > 0 or (w["kv_usage_max"] >= 0.95 and waiting):
-        findings.append(Finding(
+        return Finding(
             "kv_capacity",
             f"the KV cache is full: {w['preemptions']:.0f} preemptions in {w['seconds']:.0f} s (running requests "
             f"evicted and recomputed), usage up to {w['kv_usage_max']:.0%}",
@@ -150,14 +188,14 @@ def checklist(w: dict[str, float]) -> list[Finding]:
                                                                   "a GPU") + "); kvcache.dtype = "
             "\"fp8\" holds twice the tokens; a shorter model.max_model_len or fewer scheduler.max_num_seqs "
             "admit fewer at once",
-        ))
-    # (the batch held at its cap: full nearly all the time, a reading between a request's end and the next's
-    # start aside)
-    held = w["running_mean"] >= 0.75 * w["running_max"]
-    small = (waiting and held and w["running_max"] <= SMALL_BATCH and w["kv_usage_max"] < 0.8
-             and w["mfu"] < COMPUTE_BOUND)
-    if small:
-        findings.append(Finding(
+        )
+    return None
+
+
+def _batch_too_small(w: dict[str, float]) -> Finding | None:
+    """Requests waiting while a small batch, not the hardware, limits throughput."""
+    if _small_batch(w):
+        return Finding(
             "batch_too_small",
             f"requests wait ({w['waiting_mean']:.1f} on average) while the batch stays at "
             f"{w['running_max']:.0f} running, the KV cache {w['kv_usage_max']:.0%} used and compute "
@@ -166,9 +204,14 @@ def checklist(w: dict[str, float]) -> list[Finding]:
             "scheduler.max_num_seqs",
             "raise scheduler.max_num_seqs (and scheduler.max_num_batched_tokens if steps fill their token budget): "
             "a decode step costs nearly the same for one request as for dozens",
-        ))
+        )
+    return None
+
+
+def _communication_bound(w: dict[str, float]) -> Finding | None:
+    """Workers spending much of each step in collectives and transfers."""
     if w["parallel_steps"] >= 10 and max(w["comm_share"], w["comm_share_max_group"]) >= COMM_SHARE:
-        findings.append(Finding(
+        return Finding(
             "communication_bound",
             f"the workers spend {w['comm_share']:.0%} of each step in collectives and transfers "
             f"({w['comm_ms']:.1f} ms to {w['compute_ms']:.1f} ms of compute; {w['comm_share_max_group']:.0%} in the "
@@ -180,9 +223,14 @@ def checklist(w: dict[str, float]) -> list[Finding]:
             "fewer tensor-parallel ranks (use the devices as data-parallel replicas or pipeline stages instead: "
             "parallel.data_parallel_size, parallel.pipeline_parallel_size) or a faster interconnect; "
             "`conveyor simulate --interconnect` estimates each",
-        ))
+        )
+    return None
+
+
+def _pipeline_bubbles(w: dict[str, float]) -> Finding | None:
+    """Pipeline stages waiting for the stage before."""
     if w["pipeline_parallel_size"] > 1 and w["parallel_steps"] >= 10 and w["bubble_fraction"] >= BUBBLE_FRACTION:
-        findings.append(Finding(
+        return Finding(
             "pipeline_bubbles",
             f"the pipeline's {w['pipeline_parallel_size']:.0f} stages wait {w['bubble_fraction']:.0%} of their time "
             f"for the stage before (the slowest stage computes {w['stage_imbalance']:.2f}x the fastest) with "
@@ -193,9 +241,14 @@ def checklist(w: dict[str, float]) -> list[Finding]:
             "more requests in flight fill the stages (each stage works on its own batch: too few requests leave "
             "stages idle), fewer stages (parallel.pipeline_parallel_size), or, with stages unequal, layers "
             "rebalanced among them",
-        ))
+        )
+    return None
+
+
+def _host_overhead(w: dict[str, float]) -> Finding | None:
+    """Much of each step spent outside the forward pass."""
     if w["steps"] >= 20 and w["host_fraction"] >= HOST_SHARE:
-        findings.append(Finding(
+        return Finding(
             "host_overhead",
             f"{w['host_fraction']:.0%} of each step is spent outside the forward pass: scheduling "
             f"{w['schedule_fraction']:.0%}, sampling {w['sample_fraction']:.0%}, recording the results "
@@ -208,23 +261,31 @@ def checklist(w: dict[str, float]) -> list[Finding]:
             "larger batches share each step's fixed host work "
             "among more tokens (scheduler.max_num_seqs, more concurrent requests); fewer per-token extras "
             "(logprobs, stop strings, penalties) shorten sampling and recording",
-        ))
-    if waiting and not small and all(f.regime == "slo_missed" for f in findings):
-        findings.append(Finding(
-            "queueing",
-            f"requests queue: {w['waiting_mean']:.1f} waiting on average (up to {w['waiting_max']:.0f}), "
-            f"{w['rejected']:.0f} refused, {w['queue_time_mean_s']:.2f} s in the queue on average, with "
-            f"{w['running_mean']:.0f} running and the device busy {w['busy_fraction']:.0%} of the time",
-            _pick(w, "waiting_mean", "waiting_max", "rejected", "queue_time_mean_s", "ttft_mean_s", "running_mean",
-                  "busy_fraction", "mfu", "mbu"),
-            "parallel.data_parallel_size",
-            "the server is at its capacity: more replicas (parallel.data_parallel_size, or more servers behind a "
-            "balancer) or a faster device" + ("" if w["integer_weights"] >= 0.5 else
-                                              "; quant.plugin = \"int8\" makes each decode step read half the bytes"),
-        ))
+        )
+    return None
+
+
+def _queueing(w: dict[str, float]) -> Finding:
+    """The server at its capacity: requests queue with nothing else to blame (``checklist`` decides when)."""
+    return Finding(
+        "queueing",
+        f"requests queue: {w['waiting_mean']:.1f} waiting on average (up to {w['waiting_max']:.0f}), "
+        f"{w['rejected']:.0f} refused, {w['queue_time_mean_s']:.2f} s in the queue on average, with "
+        f"{w['running_mean']:.0f} running and the device busy {w['busy_fraction']:.0%} of the time",
+        _pick(w, "waiting_mean", "waiting_max", "rejected", "queue_time_mean_s", "ttft_mean_s", "running_mean",
+              "busy_fraction", "mfu", "mbu"),
+        "parallel.data_parallel_size",
+        "the server is at its capacity: more replicas (parallel.data_parallel_size, or more servers behind a "
+        "balancer) or a faster device" + ("" if w["integer_weights"] >= 0.5 else
+                                          "; quant.plugin = \"int8\" makes each decode step read half the bytes"),
+    )
+
+
+def _prefill_interference(w: dict[str, float]) -> Finding | None:
+    """Decodes stalling behind prompt chunks."""
     prompts_among_decodes = w["prompt_tokens"] > 0 and w["itl_count"] >= 20
     if prompts_among_decodes and w["itl_p50_s"] > 0 and w["itl_p99_s"] > ITL_SPREAD * w["itl_p50_s"]:
-        findings.append(Finding(
+        return Finding(
             "prefill_interference",
             f"decodes stall behind prompt chunks: ITL P99 {w['itl_p99_s'] * 1e3:.0f} ms is "
             f"{w['itl_p99_s'] / w['itl_p50_s']:.1f}x the P50 {w['itl_p50_s'] * 1e3:.0f} ms while "
@@ -233,12 +294,8 @@ def checklist(w: dict[str, float]) -> list[Finding]:
             "scheduler.max_num_batched_tokens",
             "lower scheduler.max_num_batched_tokens: prompts go in smaller chunks, so each step that carries "
             "one delays the running decodes less (time to first token grows a little)",
-        ))
-    if w["mfu"] >= COMPUTE_BOUND:
-        findings.append(_compute_bound(w))
-    elif w["mbu"] >= 0.6:
-        findings.append(_bandwidth_bound(w))
-    return findings
+        )
+    return None
 
 
 def giga(value: float) -> str:

@@ -90,8 +90,6 @@ def summarize(readings: list[Reading], seconds: float) -> dict[str, float]:
     running, waiting = gauge("conveyor_num_requests_running"), gauge("conveyor_num_requests_waiting")
     kv = fullest("conveyor_kv_cache_usage_ratio")
     prompt, generated = delta("conveyor_prompt_tokens_total"), delta("conveyor_generation_tokens_total")
-    queued = delta("conveyor_request_queue_time_seconds_count")
-    first_tokens = delta("conveyor_time_to_first_token_seconds_count")
     stages = {stage: max(0.0, last_stage - _by_label(first, "conveyor_step_stage_seconds_total", "stage").get(stage, 0))
               for stage, last_stage in _by_label(last, "conveyor_step_stage_seconds_total", "stage").items()}
     step_seconds = sum(stages.values())
@@ -137,25 +135,42 @@ def summarize(readings: list[Reading], seconds: float) -> dict[str, float]:
         "prompt_tokens": prompt,
         "generated_tokens": generated,
         "tokens_per_step": (prompt + generated) / steps if steps else 0.0,
-        "queue_time_mean_s": delta("conveyor_request_queue_time_seconds_sum") / queued if queued else 0.0,
-        "ttft_mean_s": delta("conveyor_time_to_first_token_seconds_sum") / first_tokens if first_tokens else 0.0,
+        "queue_time_mean_s": _mean(first, last, "conveyor_request_queue_time_seconds"),
+        "ttft_mean_s": _mean(first, last, "conveyor_time_to_first_token_seconds"),
         "itl_count": delta("conveyor_inter_token_latency_seconds_count"),
         "itl_p50_s": quantile(first, last, "conveyor_inter_token_latency_seconds", 0.5),
         "itl_p99_s": quantile(first, last, "conveyor_inter_token_latency_seconds", 0.99),
-        # latency targets ([scheduler] ttft_slo_ms, itl_slo_ms; 0: none) and the requests that met or missed them
-        "slo_ttft_s": _by_label(last, "conveyor_slo_target_seconds", "target").get("ttft", 0.0),
-        "slo_itl_s": _by_label(last, "conveyor_slo_target_seconds", "target").get("itl", 0.0),
-        "within_slo": delta("conveyor_requests_within_slo_total"),
-        "goodput": delta("conveyor_requests_within_slo_total") / seconds if seconds else 0.0,
-        "missed_ttft": _missed(first, last, "ttft"),
-        "missed_itl": _missed(first, last, "itl"),
         # the share of the steps' time outside the forward pass, and by stage
         "host_fraction": stage_share("schedule", "sample", "update"),
         "schedule_fraction": stage_share("schedule"),
         "sample_fraction": stage_share("sample"),
         "update_fraction": stage_share("update"),
+        **_targets(first, last, seconds),
         **_parallel(first, last),
         **_replicas(readings),
+    }
+
+
+def _mean(first: Reading, last: Reading, histogram: str) -> float:
+    """A histogram's mean over the interval (0 without samples)."""
+    count = max(0.0, _total(last, f"{histogram}_count") - _total(first, f"{histogram}_count"))
+    seconds = max(0.0, _total(last, f"{histogram}_sum") - _total(first, f"{histogram}_sum"))
+    return seconds / count if count else 0.0
+
+
+def _targets(first: Reading, last: Reading, seconds: float) -> dict[str, float]:
+    """The latency targets ([scheduler] ttft_slo_ms, itl_slo_ms; 0: none) and the requests that met or missed
+    them."""
+    targets = _by_label(last, "conveyor_slo_target_seconds", "target")
+    within = max(0.0, _total(last, "conveyor_requests_within_slo_total")
+                 - _total(first, "conveyor_requests_within_slo_total"))
+    return {
+        "slo_ttft_s": targets.get("ttft", 0.0),
+        "slo_itl_s": targets.get("itl", 0.0),
+        "within_slo": within,
+        "goodput": within / seconds if seconds else 0.0,
+        "missed_ttft": _missed(first, last, "ttft"),
+        "missed_itl": _missed(first, last, "itl"),
     }
 
 

@@ -8,12 +8,8 @@ model dtype has a fast dense matmul (past them a dequantized copy of the layer,
 made in one vectorized C++ pass, and that matmul) and at every row count where
 it has none.
 
-NOTE: 2-core Xeon with AMX, one run of ``python benchmarks/quant.py --methods none fp8 --batches 1 8 16 64
---no-quality``. SmolLM2's gate_up shape ([M, 576] x [576, 3072], us), the kernel / dequantized (the C++ pass,
-then oneDNN) / bf16 weights: 4 rows 158 / 309 / 140; 8 rows 308 / 310 / 178; 16 rows 602 / 305 / 137; 64 rows
-2,376 / 429 / 280 (the dequantizing before the C++ pass: 4,221 at 64 rows). So the kernel up to 8 rows. Decode
-tokens/s, fp8 / bf16 weights: 73.0 / 78.5 at one request, 408.0 / 906.6 at 16, 1,058.2 / 1,645.9 at 64 (at 16
-and 64 rows: 313.9 and 377.7 in an earlier run, before the C++ pass).
+The kernel wins up to 8 rows; past them the dequantized copy and oneDNN do (docs/quantization.md, "int8 and
+fp8 layer by layer").
 ``activations = "fp8"`` (W8A8) also quantizes each token's activations to
 e4m3 with a dynamic scale and multiplies on fp8 matrix units: CUDA compute
 capability 8.9 or newer (Ada, Hopper). ``"auto"`` picks W8A8 where the

@@ -18,21 +18,9 @@ Each linear weight is stored as int8 with ``scale = max|w_row| / 127``. Decode r
   them a dequantized copy and that matmul; at every row count where it has none (AVX2 alone: bf16 emulated).
 - On CUDA the product runs in a Triton kernel that converts the weight tile in registers.
 
-NOTE: 2-core AMD EPYC with AVX2 alone, SmolLM2's gate_up shape ([M, 576] x [576, 3072], bf16 activations,
-``python benchmarks/quant.py``, us): int8pack 88 / 861 / 3,225 at 1 / 16 / 64 rows, Q8_0 blocks in the AVX2
-tiles 113 / 1,198 / 5,251, dequantized bf16 788 / 3,513 / 13,823, bf16 weights 191 / 3,067 / 12,984. (The
-kernel's AVX2 path has no batched GEMM for Q8_0: VPMADDUBSW saturates on its bytes.) So one layer at a time
-int8pack is the faster there; but whole decode steps, where Q8_0 blocks let every layer run in one call, went
-from 44.4 / 138.0 / 156.0 tok/s at 1 / 16 / 64 requests (int8pack) to 76.6 / 125.6 / 130.0 (Q8_0 blocks), bf16
-weights 41-48 / 68 / 70-72 (`python benchmarks/quant.py --methods none int8 --batches 1 16 64 --no-quality`, two
-runs of the same machine): int8 beats bf16 at every batch either way, and at one request only with the blocks.
-
-NOTE: 2-core Xeon with AMX, one 3072 x 576 layer of int8, bf16 activations, us at 16 / 32 / 64 / 128 / 256 rows:
-Q8_0R on AMX per 64 values 146 / 176 / 259 / 404 / 734; per 32 in AMX tiles 165 / 237 / 360 / 644 / 1,182, in
-VNNI panels 167 / 246 / 392 / 686 / 1,297; bf16 weights (oneDNN's AMX tiles) 196 / 223 / 296 / 427 / 602. Decode
-(`python benchmarks/quant.py --methods none int8 --batches 1 16 64 --no-quality`, two runs, tok/s at 1 / 16 / 64
-requests): int8 98.3 / 786.1 / 1,399.0 and 90.1 / 790.9 / 1,450.5, bf16 52.9 / 628.0 / 1,246.2 and 52.3 / 644.3 /
-1,232.0 (1.72-1.86x, 1.23-1.25x, 1.12-1.18x); per 32 values throughout it was 0.91-0.96x at 64 requests.
+Which path wins where is measured in docs/quantization.md ("int8 and fp8 layer by layer"): on AVX2 alone
+int8pack multiplies one layer faster than the Q8_0 tiles, but whole decode steps favour the blocks (every layer in
+one call); with AMX, rounding x per 64 values is what lifts int8 above bf16 at 64 requests.
 """
 
 from __future__ import annotations
