@@ -66,6 +66,7 @@ class Gated:
     """The base ``Scheduler``'s side of the gates: the requests each holds, and moving them on."""
 
     gates: list[AdmissionGate]
+    ending_gates: list[AdmissionGate]
     # the requests each gate holds, by its status
     held: dict[RequestStatus, list[Request]]
     counters: SchedulerStats
@@ -80,6 +81,8 @@ class Gated:
         """Make every request added from now on pass ``gate`` (after those added before)."""
         self.gates.append(gate)
         self.held[gate.status] = []
+        if type(gate).ends is not AdmissionGate.ends:  # (asked after every token: only those that may say yes)
+            self.ending_gates.append(gate)
 
     def _pass_gates(self, request: Request, first: int) -> bool:
         """True when the request is queued to run, False when a gate holds it."""

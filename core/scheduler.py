@@ -66,6 +66,7 @@ class Scheduler(RequestEnds, Gated):
         self.requests: dict[str, Request] = {}
         # admission gates, in the order a request passes them, and the requests each holds (by its status)
         self.gates: list[AdmissionGate] = []
+        self.ending_gates: list[AdmissionGate] = []
         self.held: dict[RequestStatus, list[Request]] = {}
         self.waiting = WaitingQueue()
         # requests holding KV memory, in admission order

@@ -5,11 +5,10 @@ own protocol (HTTP, ZeroMQ, ...), hands them to the ``Frontend`` it is
 given, and streams the results back. Several transports can serve at once,
 all through one frontend; the frontend tokenizes, checks limits, submits to
 the engine, detokenizes and keeps the metrics. What an API means beyond
-tokens stays with its transport: the built-in ``http`` one
-(``conveyor.plugins.transport``) renders chat templates through the frontend,
-but itself parses tool calls, splits reasoning from answers, and keeps the
-Responses API's stored responses, so another transport gets none of these
-from the frontend.
+tokens (tool calls, reasoning split from answers, the Responses API's stored
+responses, OpenAI's and Anthropic's request and reply shapes) is in
+``conveyor.api``, which any transport answers through: the built-in ``http``
+one for every API, ``zmq`` for its chat turns.
 """
 
 from __future__ import annotations

@@ -39,6 +39,7 @@ from conveyor.serving.protocol import (
     HealthRequest,
     Logprob,
     StreamChunk,
+    ToolCall,
     Usage,
     decode_reply,
     encode,
@@ -65,6 +66,10 @@ class Completion(msgspec.Struct):
     finish_reason: str
     usage: Usage | None
     logprobs: list[Logprob] | None = None
+    # a chat turn's thinking (a server with [model] reasoning_parser), kept out of text
+    reasoning: str = ""
+    # a chat turn with tools: the calls read from the reply, each whole
+    tool_calls: list[ToolCall] | None = None
 
 
 class _Base:
@@ -106,6 +111,9 @@ class _Base:
     def _request(self, prompt: str | list[int] | None, messages: list[dict[str, Any]] | None, stream: bool,
                  request_id: str | None, priority: int, model: str | None,
                  params: dict[str, Any]) -> GenerateRequest:
+        """The generate message: ``tools``, ``tool_choice`` and ``parallel_tool_calls`` (with ``messages``) go with
+        the request, the other keywords are ``SamplingParams`` fields."""
+        chat = {name: params.pop(name) for name in ("tools", "tool_choice", "parallel_tool_calls") if name in params}
         return GenerateRequest(
             request_id or f"{self._prefix}-{next(self._ids)}",
             prompt,
@@ -114,12 +122,18 @@ class _Base:
             stream,
             priority,
             model,
+            **chat,
         )
 
 
 def _completion(request_id: str, chunks: list[StreamChunk]) -> Completion:
     last = chunks[-1]
     logprobs = [lp for c in chunks for lp in (c.logprobs or [])]
+    calls: dict[int, ToolCall] = {}
+    for piece in (p for c in chunks for p in c.tool_calls or []):
+        call = calls.setdefault(piece.index, ToolCall(piece.index))
+        call.id, call.name = call.id or piece.id, call.name or piece.name
+        call.arguments += piece.arguments
     return Completion(
         request_id,
         "".join(c.text for c in chunks),
@@ -127,6 +141,8 @@ def _completion(request_id: str, chunks: list[StreamChunk]) -> Completion:
         last.finish_reason or "",
         last.usage,
         logprobs or None,
+        "".join(c.reasoning for c in chunks),
+        [calls[i] for i in sorted(calls)] or None,
     )
 
 

@@ -183,9 +183,10 @@ def assembled_calls(chunks: list[dict]) -> list[tuple[str, str]]:
 
 
 @pytest.mark.parametrize("tool_choice", ["required", "auto", "none"])
-def test_tool_calls_through_the_raw_protocol_equal_https(server, keys, tool_choice):
-    """A chat turn with tools, greedy, through the ZMQ protocol (streamed and not) and through HTTP's chat
-    completions on the same server: the same calls (name and arguments), the same text, the same finish reason."""
+def test_tool_calls_through_the_raw_protocol_equal_https(server, keys, client_keys, tool_choice):
+    """A chat turn with tools, greedy, through the ZMQ protocol (streamed and not, and by conveyor.zmq_client) and
+    through HTTP's chat completions on the same server: the same calls (name and arguments), the same text, the
+    same finish reason."""
     from tests.test_tool_calls import QUESTION as WEATHER_QUESTION
     from tests.test_tool_calls import TIME, WEATHER
 
@@ -207,6 +208,11 @@ def test_tool_calls_through_the_raw_protocol_equal_https(server, keys, tool_choi
         assert "".join(c["text"] for c in chunks) == (choice["message"]["content"] or "")
         assert chunks[-1]["finish_reason"] == choice["finish_reason"]
         assert not any(c.get("reasoning") for c in chunks)  # (this server splits no thinking)
+    with Client(server.url("tcp"), timeout=120, **client_keys) as client:
+        done = client.generate(messages=WEATHER_QUESTION, tools=[WEATHER, TIME], tool_choice=tool_choice,
+                               max_tokens=60, temperature=0)
+    assert [(c.name, c.arguments) for c in done.tool_calls or []] == calls
+    assert (done.text, done.finish_reason) == (choice["message"]["content"] or "", choice["finish_reason"])
     # tools without a chat are refused, naming why; the socket goes on
     socket.send_multipart([b"generate", msgspec.msgpack.encode({"request_id": "bad", "prompt": "hi",
                                                                  "tools": [WEATHER]})])

@@ -64,10 +64,11 @@ def reply_reader(frontend: Frontend, prompt_ids: list[int], tools: Tools | None,
 
 
 def finish_reason(reader: ReplyReader, reason: str | None) -> str | None:
-    """A chat reply's finish reason, given the engine's: "tool_calls" when the reply made calls and each is
-    whole, unless max_tokens ended it: that is "length" whatever calls came whole before (a next call may have
-    been cut before it could be read as one), as OpenAI's is. A call a stop string cut off keeps "stop"."""
-    if reason not in (None, "length") and reader.calls and all(map(arguments_complete, reader.calls)):
+    """A chat reply's finish reason, given the engine's: "tool_calls" when the reply stopped having made calls,
+    each whole; max_tokens ending it is "length" whatever calls came whole before (a next call may have been cut
+    before it could be read as one), as OpenAI's is, and an abort stays one. A call a stop string cut off keeps
+    "stop"."""
+    if reason == "stop" and reader.calls and all(map(arguments_complete, reader.calls)):
         return "tool_calls"
     return reason
 

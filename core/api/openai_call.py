@@ -1,5 +1,6 @@
-"""One completions or chat completions call over HTTP: its n choices run through the frontend, then the
-OpenAI response object, or the stream of chunk objects, assembled from what they produced."""
+"""One completions or chat completions call: its n choices run through the frontend, then the OpenAI response
+object, or the stream of chunk objects (handed to an ``Emit``; HTTP sends each as a server-sent event), assembled
+from what they produced."""
 
 from __future__ import annotations
 
@@ -16,7 +17,8 @@ from conveyor.api.tool_stream import Arguments, CallStart, Part, Reasoning, Repl
 from conveyor.messages import LoraAdapter, TokenLogprob
 from conveyor.transport import Chunk, Frontend, RequestError
 
-# sends one server-sent event (a JSON object); the first sends the response's status and headers before it
+# sends one event (a JSON object: HTTP's server-sent event); the first sends the response's status and headers
+# before it
 Emit = Callable[[dict[str, Any]], Awaitable[None]]
 # what a choice's chunk added: the chunk, and the parts of the reply it completed (text, tool calls' starts and
 # their arguments' deltas)

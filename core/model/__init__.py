@@ -1,1 +1,2 @@
-"""The model: Llama-family decoder, checkpoint loaders and tokenizer."""
+"""The model: the decoder of every family (Llama's block with each family's quirks), checkpoint loaders and
+tokenizer."""

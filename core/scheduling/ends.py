@@ -4,9 +4,11 @@ One owner decides how a request ends: the base ``Scheduler`` inherits ``RequestE
 the workers' whole output for a step and ends a request by end of sequence or a stop id (``stop``), its length
 (``length``), its grammar completing or refusing a token (``stop``; ``length`` where the gate was closing the
 answer as max_tokens neared), or its embedding coming back (``stop``). The rest end through ``abort``: a client
-that left (``abort``), a step that failed (``error``, ``step_failed``), a gate that refused it (``error``), and a
-stop string, which only the frontend sees (it detokenizes): it tells the engine, which ends the request here as
-``stop``. The request's ``finish_reason`` is what its last output says.
+that left (``abort``), a step that failed (``error``, ``step_failed``), and a stop string, which only the frontend
+sees (it detokenizes): it tells the engine, which ends the request here as ``stop``. A request an admission gate
+refuses ends in ``Gated.release`` (``error``, counted as rejected). The request's ``finish_reason`` is what its
+last output says, but for one case: a stop string the frontend finds in the last token of a request this
+ended by length is reported as ``stop`` (the text cut there, as vLLM reports it); the record keeps ``length``.
 """
 
 from __future__ import annotations
@@ -29,6 +31,8 @@ class RequestEnds:
     waiting: WaitingQueue
     held: dict[RequestStatus, list[Request]]
     gates: list[AdmissionGate]
+    # the gates that may end a request by its tokens (their class overrides ``ends``)
+    ending_gates: list[AdmissionGate]
     kvcache: KVCacheManager
     counters: SchedulerStats
     # requests ended since the engine last took them (``take_finished``): the workers forget them
@@ -98,7 +102,7 @@ class RequestEnds:
         count = 0
         for count, token in enumerate(tokens, 1):
             reason = request.append_token(token)
-            if reason is None and any(gate.ends(request, token) for gate in self.gates):
+            if reason is None and any(gate.ends(request, token) for gate in self.ending_gates):
                 reason = FinishReason.STOP
             if reason is not None:
                 break

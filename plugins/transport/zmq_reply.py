@@ -71,19 +71,28 @@ class Reply:
             return None
         message.text, message.token_ids, message.logprobs = "".join(self._text), self._token_ids, self._logprobs or None
         if self.reader is not None:
-            message.text = self.reader.content
-            thinking = self.reader.thinking
-            message.reasoning = thinking.reasoning if thinking is not None else ""
-            message.tool_calls = [protocol.ToolCall(i, c["id"], c["function"]["name"], c["function"]["arguments"])
-                                  for i, c in enumerate(self.reader.calls)] or None
+            self._whole(message)
         return message
 
     def aborted(self) -> protocol.StreamChunk:
-        """The last message of a request the client aborted (without streaming: what it made so far comes too)."""
+        """The last message of a request the client aborted (without streaming: what it made so far comes too, a
+        chat turn's thinking and calls as far as they came)."""
         last = self.last
         usage = protocol.Usage(last.num_prompt_tokens, last.num_output_tokens) if last else None
-        return protocol.StreamChunk(self.request_id, "".join(self._text), self._token_ids, self._logprobs or None,
-                                    finish_reason="abort", usage=usage)
+        message = protocol.StreamChunk(self.request_id, "".join(self._text), self._token_ids,
+                                       self._logprobs or None, finish_reason="abort", usage=usage)
+        if self.reader is not None and not self.stream:
+            self.reader.feed("", final=True)
+            self._whole(message)
+        return message
+
+    def _whole(self, message: protocol.StreamChunk) -> None:
+        """A chat turn's reply whole, as the reader read it: the answer, the thinking, each call."""
+        message.text = self.reader.content
+        thinking = self.reader.thinking
+        message.reasoning = thinking.reasoning if thinking is not None else ""
+        message.tool_calls = [protocol.ToolCall(i, c["id"], c["function"]["name"], c["function"]["arguments"])
+                              for i, c in enumerate(self.reader.calls)] or None
 
 
 def _split(message: protocol.StreamChunk, parts: list[Part]) -> None:

@@ -2,7 +2,7 @@
 // residual add folded in), SwiGLU's silu(gate) * up, and rotary embedding in
 // place. Each reads and writes its tensors once instead of once per torch op.
 //
-// Every op rounds where the torch reference (conveyor.model.llama) rounds: the
+// Every op rounds where the torch reference (conveyor.model.layers, .decoder) rounds: the
 // norm in float32, then the weight product in the model dtype; silu, then the
 // product with up; each rotary product, then the sum. For bfloat16 and
 // float32 the results equal the reference up to float32 rounding of exp/rsqrt.
