@@ -13,8 +13,6 @@ import argparse
 import statistics
 import time
 
-import torch
-
 from conveyor.kvcache import KVCacheSpec
 from conveyor.messages import RunnerOutput
 from conveyor.plugins.kvcache.paged import PagedKVCache, PagedOptions
@@ -28,7 +26,7 @@ MAX_TOKENS = 1000
 
 
 def build(kind: str, num_running: int):
-    spec = KVCacheSpec(1, 1, 4, torch.float32, torch.device("cpu"), 4096)
+    spec = KVCacheSpec(1, 1, 4, "float32", 4096)
     # room for every request at its longest, so the static scheduler admits them all at once
     blocks_per_request = -(-(PROMPT_LEN + MAX_TOKENS) // 16)
     kvcache = PagedKVCache(PagedOptions(block_size=16, num_blocks=num_running * blocks_per_request), spec)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterable
+from itertools import repeat
 
 from conveyor.batch import ScheduledBatch, WaitingQueue
 from conveyor.gates import AdmissionGate
@@ -70,14 +71,12 @@ class RequestEnds:
         Returns:
             One output per request that got tokens or ended (the last one says why it finished).
         """
-        self._returned(batch)
         outputs: list[RequestOutput] = []
-        accepted = output.accepted or [[] for _ in batch.requests]
-        accepted_logprobs = output.accepted_logprobs or [None for _ in batch.requests]
-        embeddings = output.embeddings or [None for _ in batch.requests]
         for request, n, token, logprob, taken, taken_logprobs, embedding in zip(
-                batch.requests, batch.num_tokens, output.sampled, output.logprobs, accepted, accepted_logprobs,
-                embeddings):
+                batch.requests, batch.num_tokens, output.sampled, output.logprobs, output.accepted or repeat(()),
+                output.accepted_logprobs or repeat(None), output.embeddings or repeat(None)):
+            request.in_flight -= 1  # (back from the workers: ``submitted`` counted it)
+            request.num_in_flight_tokens -= n
             drafted = request.draft_token_ids[: n - 1] if n > 1 and request.num_uncomputed_tokens == 1 else []
             request.num_computed_tokens += n - (len(drafted) - len(taken))
             request.draft_token_ids = []
@@ -93,7 +92,8 @@ class RequestEnds:
                                              num_cached_tokens=request.num_cached_tokens,
                                              queue_time=request.queue_time, embedding=embedding))
             elif token is not None:
-                outputs.append(self._record(request, [*taken, token], [*(taken_logprobs or []), logprob]))
+                tokens = [*taken, token] if taken else [token]
+                outputs.append(self._record(request, tokens, [*(taken_logprobs or ()), logprob]))
         return outputs
 
     def _record(self, request: Request, tokens: list[int], logprobs: list) -> RequestOutput:
@@ -102,7 +102,7 @@ class RequestEnds:
         count = 0
         for count, token in enumerate(tokens, 1):
             reason = request.append_token(token)
-            if reason is None and any(gate.ends(request, token) for gate in self.ending_gates):
+            if reason is None and self.ending_gates and any(gate.ends(request, token) for gate in self.ending_gates):
                 reason = FinishReason.STOP
             if reason is not None:
                 break
