@@ -33,14 +33,18 @@ def completion_prompts(frontend: Frontend, prompts: list[str | list[int]], param
         return [prompt_ids]
     batch = []
     for i, prompt in enumerate(prompts):
-        field = f"prompt[{i}]"
-        prompt_ids = frontend.encode(prompt, field)
-        try:
-            frontend.check(prompt_ids, params)
-        except RequestError as e:
-            raise RequestError(f"{field}: {e.message}", e.status, field if e.status == 400 else None) from None
+        prompt_ids = frontend.encode(prompt, f"prompt[{i}]")
+        check_named(frontend, prompt_ids, params, f"prompt[{i}]")
         batch.append(prompt_ids)
     return batch
+
+
+def check_named(frontend: Frontend, prompt_ids: list[int], params: SamplingParams, field: str) -> None:
+    """``frontend.check``, its refusal naming ``field`` (one input of several: ``prompt[i]``, ``input[i]``)."""
+    try:
+        frontend.check(prompt_ids, params)
+    except RequestError as e:
+        raise RequestError(f"{field}: {e.message}", e.status, field if e.status == 400 else None) from None
 
 
 async def chat_turn(frontend: Frontend, tokenizing: Tokenizing,

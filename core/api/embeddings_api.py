@@ -18,6 +18,7 @@ from typing import Annotated, Any, Literal
 import anyio
 import msgspec
 
+from conveyor.api.calls import check_named
 from conveyor.api.tool_calls import ToolDef, Tools
 from conveyor.sampling import SamplingParams
 from conveyor.transport import Frontend, RequestError, embedding_floats
@@ -96,10 +97,7 @@ def prompts(frontend: Frontend, body: EmbeddingRequest, pooling: str) -> list[li
         ids = frontend.encode(given, field)
         if not ids:
             raise RequestError(f"{field} is empty", 400, field)
-        try:
-            frontend.check(ids, params)
-        except RequestError as e:
-            raise RequestError(f"{field}: {e.message}", e.status, field if e.status == 400 else None) from None
+        check_named(frontend, ids, params, field)
         prompts.append(ids)
     return prompts
 
