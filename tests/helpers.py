@@ -1,10 +1,11 @@
 """Comparisons shared by the tests: the near-tie rule against transformers, float64 attention, paged KV fixtures;
-and a checkpoint with almost no compute."""
+a float32 CPU model loaded from a checkpoint; and a checkpoint with almost no compute."""
 
 from __future__ import annotations
 
 import json
 import math
+from pathlib import Path
 
 import torch
 
@@ -42,6 +43,20 @@ def assert_same_or_near_tie(a: Completion, b: Completion, label: str) -> None:
         return
     assert a.token_ids == b.token_ids, f"{label}: one run is a prefix of the other"
     assert a.finish_reason == b.finish_reason, label
+
+
+def cpu_model(ckpt, quant=None, fused: bool = False, max_len: int = 128):
+    """The model of a checkpoint (or its path) in float32 on the CPU, built and loaded as a worker does
+    (``quant``: the method's instance; default: unquantized)."""
+    from conveyor.model.checkpoint import open_checkpoint
+    from conveyor.model.layers import LayerOptions
+    from conveyor.model.loader import load_model
+    from conveyor.plugins.quant.none import NoQuant
+
+    cpu = torch.device("cpu")
+    ckpt = open_checkpoint(ckpt) if isinstance(ckpt, (str, Path)) else ckpt
+    quant = quant or NoQuant(None, torch.float32, cpu)
+    return load_model(ckpt, LayerOptions(quant, torch.float32, cpu, fused), max_len)
 
 
 def dense_attention(seq_lens: list[int], layers: list | None = None):

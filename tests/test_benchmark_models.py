@@ -13,9 +13,7 @@ import torch
 from benchmarks import models
 from conveyor.model.checkpoint import open_checkpoint, resolve_model_path
 from conveyor.model.gguf_file import GGUFFile
-from conveyor.model.decoder_model import DecoderModel
-from conveyor.plugins.quant.none import NoQuant
-from tests.helpers import dense_attention
+from tests.helpers import cpu_model, dense_attention
 
 SEQUENCES = [[5, 17, 3, 88, 41, 2, 9, 60, 1, 33, 12, 70, 8, 19, 54, 3, 90, 27, 4, 11], [60, 1, 33],
              list(range(300, 360))]
@@ -93,8 +91,7 @@ def test_transformers_reads_the_same_weights_at_the_promised_scale(written, hf_m
 
 
 def conveyor_logits(path) -> torch.Tensor:
-    model = DecoderModel(open_checkpoint(path), NoQuant(None, torch.float32, torch.device("cpu")), torch.float32,
-                       torch.device("cpu"), 128)
+    model = cpu_model(path)
     ids = torch.tensor([t for s in SEQUENCES for t in s])
     positions = torch.tensor([p for s in SEQUENCES for p in range(len(s))])
     with torch.inference_mode():

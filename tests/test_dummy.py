@@ -8,10 +8,8 @@ import torch
 
 from conveyor.config import ConfigError, load_config
 from conveyor.model.dummy import DummyCheckpoint
-from conveyor.model.decoder_model import DecoderModel
 from conveyor.model.loader import open_model
-from conveyor.plugins.quant.none import NoQuant
-from tests.helpers import dense_attention
+from tests.helpers import cpu_model, dense_attention
 from tests.test_families import SEQUENCES, TINY
 
 
@@ -35,8 +33,7 @@ def test_transformers_takes_every_tensor_and_computes_what_conveyor_does(shape_o
     assert isinstance(ckpt, DummyCheckpoint)
     reference = transformers.LlamaForCausalLM(transformers.LlamaConfig.from_pretrained(shape_only)).eval()
     reference.load_state_dict({name: ckpt.tensor(name) for name in reference.state_dict()}, strict=True)
-    model = DecoderModel(ckpt, NoQuant(None, torch.float32, torch.device("cpu")), torch.float32, torch.device("cpu"),
-                       128)
+    model = cpu_model(ckpt)
     ids = torch.tensor([t for s in SEQUENCES for t in s])
     positions = torch.tensor([p for s in SEQUENCES for p in range(len(s))])
     with torch.inference_mode():

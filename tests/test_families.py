@@ -11,12 +11,10 @@ import torch
 from conveyor import native
 from conveyor.llm import LLM
 from conveyor.model.checkpoint import open_checkpoint
-from conveyor.model.decoder_model import DecoderModel
-from conveyor.plugins.quant.none import NoQuant
 from conveyor.sampling import SamplingParams
 from tests.conftest import hf_greedy
 from tests.gguf_writer import write_gguf
-from tests.helpers import assert_matches_reference, dense_attention
+from tests.helpers import assert_matches_reference, cpu_model, dense_attention
 
 TINY = {
     "vocab_size": 96,
@@ -88,8 +86,7 @@ def family(request, tmp_path_factory, tokenizer):
 
 
 def conveyor_logits(path, sequences: list[list[int]], fused: bool) -> torch.Tensor:
-    model = DecoderModel(open_checkpoint(path), NoQuant(None, torch.float32, torch.device("cpu")), torch.float32,
-                       torch.device("cpu"), 128, fused=fused)
+    model = cpu_model(path, fused=fused)
     ids = torch.tensor([t for s in sequences for t in s])
     positions = torch.tensor([p for s in sequences for p in range(len(s))])
     attention = dense_attention([len(s) for s in sequences], model.attention_layers())
@@ -246,8 +243,8 @@ def test_quantized_weights_of_each_family_stay_close(family, method):
              "fp8": lambda: FP8(FP8Options(), torch.float32, cpu),
              "int4": lambda: Int4(None, torch.float32, cpu)}[method]()
     ckpt = open_checkpoint(path)
-    full = DecoderModel(ckpt, NoQuant(None, torch.float32, cpu), torch.float32, cpu, 128)
-    quantized = DecoderModel(ckpt, quant, torch.float32, cpu, 128)
+    full = cpu_model(ckpt)
+    quantized = cpu_model(ckpt, quant)
     ids = torch.tensor(SEQUENCES[0])
     positions = torch.arange(len(ids))
     attention = dense_attention([len(ids)], full.attention_layers())

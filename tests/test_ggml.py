@@ -253,11 +253,9 @@ def test_kernel_refuses_a_weight_of_the_wrong_width():
 
 
 def model_logits(path, quant) -> tuple[torch.Tensor, object]:
-    from conveyor.model.checkpoint import open_checkpoint
-    from conveyor.model.decoder_model import DecoderModel
-    from tests.helpers import dense_attention
+    from tests.helpers import cpu_model, dense_attention
 
-    model = DecoderModel(open_checkpoint(path), quant, torch.float32, torch.device("cpu"), 128)
+    model = cpu_model(path, quant)
     sequences = [[5, 17, 3, 88, 41, 2, 9], [60, 1, 33], [7] * 12]
     ids = torch.tensor([t for s in sequences for t in s])
     positions = torch.tensor([p for s in sequences for p in range(len(s))])

@@ -18,15 +18,13 @@ import torch
 
 from conveyor import native
 from conveyor.llm import LLM
-from conveyor.model.checkpoint import open_checkpoint
 from conveyor.model.decoder_model import DecoderModel
 from conveyor.model.lora import Adapters
 from conveyor.model.lora_config import read_adapter_config
 from conveyor.model.lora_kernels import lora_add, lora_reference
-from conveyor.plugins.quant.none import NoQuant
 from conveyor.sampling import SamplingParams
 from tests.conftest import hf_greedy
-from tests.helpers import dense_attention
+from tests.helpers import cpu_model, dense_attention
 from tests.server import Server
 from tests.test_families import SEQUENCES, TINY
 
@@ -101,8 +99,7 @@ def test_two_adapters_and_the_base_in_one_batch_match_the_merged_models(tiny, pa
         pytest.skip("the model runs on CPU tensors here, which Triton takes only under TRITON_INTERPRET=1 "
                     "(tests/conftest.py sets it only without CUDA)")
     base_path, base, adapters = tiny
-    model = DecoderModel(open_checkpoint(base_path), NoQuant(None, torch.float32, torch.device("cpu")), torch.float32,
-                       torch.device("cpu"), 128, fused=path == "cpu-kernels")
+    model = cpu_model(base_path, fused=path == "cpu-kernels")
     lora = Adapters(model, num_slots=3, max_rank=8)
     lora.kernels = path == "triton"  # (the CUDA path, here under TRITON_INTERPRET=1)
     lora.load(0, str(adapters["a1"][0]))
@@ -131,8 +128,7 @@ def test_adapters_that_do_not_fit_are_refused_and_leave_the_slot_empty(tiny, tmp
     from peft import LoraConfig, get_peft_model
 
     base_path, base, adapters = tiny
-    model = DecoderModel(open_checkpoint(base_path), NoQuant(None, torch.float32, torch.device("cpu")), torch.float32,
-                       torch.device("cpu"), 128)
+    model = cpu_model(base_path)
     lora = Adapters(model, num_slots=1, max_rank=4)
     with pytest.raises(ValueError, match="rank 8 exceeds .* max_lora_rank = 4"):
         lora.load(0, str(adapters["a2"][0]))
@@ -332,8 +328,7 @@ def test_a_pickled_adapter_is_refused_and_never_unpickled(tiny, server, tmp_path
     refusal = r"no adapter_model\.safetensors \(adapter_model\.bin is a pickle, which is not loaded\)"
     with pytest.raises(ValueError, match=refusal):
         read_adapter_config(pickled, max_rank=8)
-    model = DecoderModel(open_checkpoint(base_path), NoQuant(None, torch.float32, torch.device("cpu")), torch.float32,
-                       torch.device("cpu"), 128)
+    model = cpu_model(base_path)
     lora = Adapters(model, num_slots=1, max_rank=8)
     with pytest.raises(ValueError, match=refusal):
         lora.load(0, str(pickled))

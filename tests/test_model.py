@@ -10,10 +10,8 @@ import torch
 from conveyor import native
 from conveyor.model.checkpoint import open_checkpoint
 from conveyor.model.gguf_checkpoint import unpermute_rows
-from conveyor.model.decoder_model import DecoderModel
-from conveyor.plugins.quant.none import NoQuant
 from tests.gguf_writer import llama_cpp_permute, write_gguf
-from tests.helpers import dense_attention
+from tests.helpers import cpu_model, dense_attention
 from tests.kquants import quantize
 
 TINY = dict(
@@ -49,9 +47,7 @@ def tiny_hf_model(kind: str = "llama", **overrides):
 
 def conveyor_logits(path, sequences: list[list[int]], fused: bool = False) -> torch.Tensor:
     ckpt = open_checkpoint(path)
-    model = DecoderModel(
-        ckpt, NoQuant(None, torch.float32, torch.device("cpu")), torch.float32, torch.device("cpu"), 128, fused=fused
-    )
+    model = cpu_model(ckpt, fused=fused)
     ids = torch.tensor([t for s in sequences for t in s])
     positions = torch.tensor([p for s in sequences for p in range(len(s))])
     with torch.inference_mode():

@@ -59,19 +59,20 @@ def test_a_layer_with_stacked_experts_computes_what_the_grouped_path_does(tmp_pa
     """The MoE block as a CUDA worker builds it (experts stacked for the kernel) against the CPU one (the
     unquantized method's layer per expert), on a tiny checkpoint's first layer: shared expert included."""
     from conveyor.model.checkpoint import open_checkpoint
-    from conveyor.model.layers import Linear
+    from conveyor.model.layers import LayerOptions
     from conveyor.model.moe import MoE
-    from conveyor.model.parallel import Placement
     from conveyor.plugins.quant.none import NoQuant
     from tests.test_families import tiny_model
 
     tiny_model(family).save_pretrained(tmp_path)
     ckpt = open_checkpoint(tmp_path)
-    quant = NoQuant(None, torch.float32, torch.device("cpu"))
+    cpu = torch.device("cpu")
+    options = LayerOptions(NoQuant(None, torch.float32, cpu), torch.float32, cpu)
 
     def block(stacked: bool) -> MoE:
-        return MoE(ckpt.spec, "model.layers.0.mlp.", ckpt.get, lambda w, inputs: Linear(quant, w, inputs=inputs),
-                   Placement(0, 1, 1), torch.float32, torch.device("cpu"), stacked)
+        moe = MoE(ckpt.spec, "model.layers.0.mlp.", options, stacked)
+        moe.load(ckpt, options)
+        return moe
 
     x = torch.randn(11, ckpt.spec.hidden_size)
     torch.testing.assert_close(block(True).apply(x), block(False).apply(x), rtol=1e-5, atol=1e-5)

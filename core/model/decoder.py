@@ -10,52 +10,39 @@ import torch
 import torch.nn.functional as F
 
 from conveyor import native
-from conveyor.model.checkpoint import Checkpoint
-from conveyor.model.layers import Linear, RMSNorm, apply_rotary, load_linear
+from conveyor.model.layers import LayerOptions, Linear, RMSNorm, apply_rotary
 from conveyor.model.lora import LoraPart, LoraTarget
 from conveyor.model.moe import MoE
-from conveyor.model.parallel import ParallelGroup, Placement
+from conveyor.model.parallel import Placement
 from conveyor.model.spec import ModelSpec
-from conveyor.quant import QuantMethod
 
 # attention(layer_index, q [T, Hq, D], k [T, Hkv, D], v [T, Hkv, D]) -> [T, Hq, D]
 AttentionFn = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 class DecoderLayer:
-    def __init__(
-        self, spec: ModelSpec, index: int, ckpt: Checkpoint, quant: QuantMethod, dtype, device, fused: bool = False,
-        group: ParallelGroup | None = None, cache_index: int | None = None,
-    ):
-        """
+    def __init__(self, spec: ModelSpec, index: int, options: LayerOptions, cache_index: int | None = None):
+        """The layer's blocks, declared: ``loaders()`` fills them from a checkpoint.
+
         Args:
             index: the layer's number in the checkpoint.
-            fused: norms, rotary and SwiGLU in the C++ CPU kernels (conveyor.native) instead of torch ops.
-            group: this worker's place under tensor parallelism: it keeps its heads' rows of Q, K, V, its
-                columns of o_proj, its part of the MLP (column-parallel gate/up, row-parallel down), and
-                all-reduces after o_proj and down.
+            options: ``options.group`` is this worker's place under tensor parallelism: it keeps its heads' rows
+                of Q, K, V, its columns of o_proj, its part of the MLP (column-parallel gate/up, row-parallel
+                down), and all-reduces after o_proj and down.
             cache_index: the layer's number in this worker's KV storage (its stage's layers count from 0).
         """
         prefix = f"model.layers.{index}."
-        get = ckpt.get
-        self.group = group or ParallelGroup()
+        quant = options.quant
+        self.group = options.group
         placement = self.group.placement
         head_dim = spec.head_dim
         heads, kv_heads = placement.heads(spec.num_heads), placement.kv_heads(spec.num_kv_heads)
         columns = placement.split(spec.intermediate_size)
 
-        def norm(name: str, fuse: bool = fused) -> RMSNorm:
-            weight = get(prefix + name) + spec.norm_weight_offset
-            return RMSNorm(weight.to(device=device, dtype=dtype), spec.rms_norm_eps, fuse)
-
-        def rows(t: torch.Tensor, part: range, unit: int = 1) -> torch.Tensor:
-            return t[part.start * unit : part.stop * unit]
+        def norm(name: str, fuse: bool = options.fused) -> RMSNorm:
+            return RMSNorm(spec.rms_norm_eps, fuse, prefix + name, spec.norm_weight_offset)
 
         attn = prefix + "self_attn."
-        qkv_parts = (("q_proj", heads), ("k_proj", kv_heads), ("v_proj", kv_heads))
-        qkv_bias = None
-        if spec.attention_bias:
-            qkv_bias = torch.cat([rows(get(attn + p + ".bias"), part, head_dim) for p, part in qkv_parts])
         self.index = index
         self.cache_index = index if cache_index is None else cache_index
         self.num_heads = len(heads)
@@ -69,10 +56,10 @@ class DecoderLayer:
         self.k_norm = norm("self_attn.k_norm.weight", False) if spec.qk_norm else None
         self.local_rope = bool(spec.local_rope_theta and spec.window(index))
         # Q, K, V in one matmul and gate, up in another: fewer, larger GEMMs.
-        self.qkv = load_linear(ckpt, quant, [(attn + p + ".weight", part, head_dim) for p, part in qkv_parts],
-                               qkv_bias)
-        self.o_proj = load_linear(ckpt, quant, [(attn + "o_proj.weight", None, 1)],
-                                  inputs=_part(heads, head_dim, placement))
+        self.qkv = Linear(quant, [(attn + p + ".weight", part, head_dim) for p, part in
+                                  (("q_proj", heads), ("k_proj", kv_heads), ("v_proj", kv_heads))],
+                          bias=spec.attention_bias)
+        self.o_proj = Linear(quant, [(attn + "o_proj.weight", None, 1)], inputs=_part(heads, head_dim, placement))
         # Gemma: attention output -> post_attention_layernorm; the MLP: pre_ and post_feedforward_layernorm
         self.attn_out_norm = norm("post_attention_layernorm.weight") if spec.sandwich_norms else None
         self.post_norm = norm("pre_feedforward_layernorm.weight" if spec.sandwich_norms else
@@ -83,17 +70,19 @@ class DecoderLayer:
         self.moe: MoE | None = None
         if spec.is_moe(index):
             # (the Triton grouped kernel reads the experts' weights as they are: CUDA, unquantized)
-            stacked = device.type == "cuda" and quant.name == "none"
-            self.moe = MoE(spec, mlp, get, lambda w, inputs: Linear(quant, w, inputs=inputs), placement, dtype,
-                           device, stacked)
+            stacked = options.device.type == "cuda" and quant.name == "none"
+            self.moe = MoE(spec, mlp, options, stacked)
         else:
-            self.gate_up = load_linear(ckpt, quant, [(mlp + "gate_proj.weight", columns, 1),
-                                                     (mlp + "up_proj.weight", columns, 1)])
-            self.down = load_linear(ckpt, quant, [(mlp + "down_proj.weight", None, 1)],
-                                    inputs=_part(columns, 1, placement))
+            self.gate_up = Linear(quant, [(mlp + "gate_proj.weight", columns, 1), (mlp + "up_proj.weight", columns, 1)])
+            self.down = Linear(quant, [(mlp + "down_proj.weight", None, 1)], inputs=_part(columns, 1, placement))
         self.intermediate_size = len(columns)
-        self.fused = fused
+        self.fused = options.fused
         self._shares = (heads, kv_heads, columns, spec.hidden_size, placement)
+
+    def loaders(self) -> list[RMSNorm | Linear | MoE]:
+        """The blocks that read the checkpoint, each by its own ``load(ckpt, options)``."""
+        mlp: list[Linear | MoE] = [self.moe] if self.moe is not None else [self.gate_up, self.down]
+        return [*self.norms(), self.qkv, self.o_proj, *mlp]
 
     def __call__(
         self,

@@ -15,9 +15,6 @@ per-sequence state: the worker's KV storage and attention backend do.
 
 from __future__ import annotations
 
-import time
-from collections.abc import Callable
-
 import torch
 import torch.nn.functional as F
 
@@ -25,9 +22,8 @@ from conveyor.model import ggml
 from conveyor.model.checkpoint import Checkpoint
 from conveyor.model.decoder import AttentionFn, DecoderLayer
 from conveyor.model.graph_ops import linear_op
-from conveyor.model.layers import Linear, OutputHead, RMSNorm, Rotary
-from conveyor.model.parallel import ParallelGroup
-from conveyor.model.spec import LayerAttention
+from conveyor.model.layers import LayerOptions, Linear, OutputHead, RMSNorm, Rotary
+from conveyor.model.spec import LayerAttention, ModelSpec
 from conveyor.quant import QuantMethod
 
 
@@ -40,67 +36,60 @@ class DecoderModel:
     under tensor parallelism its share of every layer and of the vocabulary.
     """
 
-    def __init__(
-        self,
-        ckpt: Checkpoint,
-        quant: QuantMethod,
-        dtype: torch.dtype,
-        device: torch.device,
-        max_len: int,
-        progress: Callable[[str], None] | None = None,
-        fused: bool = False,
-        group: ParallelGroup | None = None,
-    ):
-        """
+    def __init__(self, spec: ModelSpec, options: LayerOptions, max_len: int):
+        """The model's blocks, declared from its shape: ``conveyor.model.loader.load_weights`` fills them.
+
         Args:
-            fused: norms, rotary and SwiGLU in the C++ CPU kernels (the "cpu" attention backend's choice).
-            group: this worker's place among the engine's workers (default: the only one).
+            options: how every block is built (``options.group``: this worker's place among the engine's workers).
         """
-        spec = ckpt.spec
-        self.group = group = group or ParallelGroup()
+        self.options = options
+        self.group = group = options.group
         placement = group.placement
-        self.fused = fused
         self.spec = spec
-        self.dtype = dtype
-        self.device = device
+        self.dtype = options.dtype
+        self.device = options.device
         self.first_stage, self.last_stage = placement.first_stage, placement.last_stage
-        start = time.perf_counter()
         self.vocab_rows, self.vocab_per_rank = placement.vocab(spec.vocab_size)
         self.embed: torch.Tensor | None = None
         # the table as the checkpoint stores it, where the quant method takes its format (rows dequantized
         # as they are looked up; a tied head multiplies by it through the method)
         self.packed_embed: ggml.PackedWeight | None = None
+        self.head: OutputHead | Linear | None = None
+        self.layers = [DecoderLayer(spec, i, options, local)
+                       for local, i in enumerate(placement.layers(spec.num_layers))]
+        self.norm: RMSNorm | None = None
+        if self.last_stage:
+            self.norm = RMSNorm(spec.rms_norm_eps, options.fused, "model.norm.weight", spec.norm_weight_offset)
+        self.rotary = Rotary(spec.head_dim, spec.rope_theta, spec.rope_scaling, max_len)
+        # Gemma 3's sliding-window layers: their own base, no scaling
+        self.local_rotary = None
+        if spec.local_rope_theta:
+            self.local_rotary = Rotary(spec.head_dim, spec.local_rope_theta, None, max_len, stored_factors=False)
+
+    def loaders(self) -> list:
+        """The blocks outside the layers that read the checkpoint: the vocabulary's tables (this model's own
+        ``load``), the final norm, the rotary tables (a checkpoint may store frequency factors)."""
+        return [b for b in (self, self.norm, self.rotary, self.local_rotary) if b is not None]
+
+    def load(self, ckpt: Checkpoint, options: LayerOptions) -> None:
+        """The embedding table and the output head (which a tied model reads from the same table)."""
+        spec, quant = self.spec, options.quant
         if self.first_stage or (self.last_stage and spec.tie_word_embeddings):
             table = self._packed_vocab_shard(ckpt, quant, "model.embed_tokens.weight")
             if table is not None:
                 self.packed_embed = table
             else:
                 self.embed = self._vocab_shard(ckpt.get("model.embed_tokens.weight"))
-        layers = placement.layers(spec.num_layers)
-        self.layers: list[DecoderLayer] = []
-        for local, i in enumerate(layers):
-            self.layers.append(DecoderLayer(spec, i, ckpt, quant, dtype, device, fused, group, local))
-            if progress and (local + 1) % max(1, len(layers) // 5) == 0:
-                progress(f"loaded layer {local + 1}/{len(layers)} ({time.perf_counter() - start:.1f} s)")
-        self.norm: RMSNorm | None = None
-        self.head: OutputHead | Linear | None = None
-        if self.last_stage:
-            weight = ckpt.get("model.norm.weight") + spec.norm_weight_offset
-            self.norm = RMSNorm(weight.to(device=device, dtype=dtype), spec.rms_norm_eps, fused)
-            tied = spec.tie_word_embeddings
-            head = self.packed_embed if tied else self._packed_vocab_shard(ckpt, quant, "lm_head.weight")
-            if head is not None:
-                self.head = Linear(quant, [head])
-                if tied:  # (where the method repacked the head's copy, the lookups read that one: one copy)
-                    self.packed_embed = quant.packed_table(self.head.params) or self.packed_embed
-            else:
-                self.head = OutputHead(self.embed if tied else self._vocab_shard(ckpt.get("lm_head.weight")), tied)
-        self.rotary = Rotary(spec.head_dim, spec.rope_theta, spec.rope_scaling, max_len, device,
-                             ckpt.rope_freq_factors())
-        # Gemma 3's sliding-window layers: their own base, no scaling
-        self.local_rotary = None
-        if spec.local_rope_theta:
-            self.local_rotary = Rotary(spec.head_dim, spec.local_rope_theta, None, max_len, device, None)
+        if not self.last_stage:
+            return
+        tied = spec.tie_word_embeddings
+        head = self.packed_embed if tied else self._packed_vocab_shard(ckpt, quant, "lm_head.weight")
+        if head is not None:
+            self.head = Linear.of(quant, [head])
+            if tied:  # (where the method repacked the head's copy, the lookups read that one: one copy)
+                self.packed_embed = quant.packed_table(self.head.params) or self.packed_embed
+        else:
+            self.head = OutputHead(self.embed if tied else self._vocab_shard(ckpt.get("lm_head.weight")), tied)
 
     def _vocab_shard(self, table: torch.Tensor) -> torch.Tensor:
         """This worker's rows of an embedding-shaped table, zero-padded to the same count on every worker."""

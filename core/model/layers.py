@@ -1,10 +1,16 @@
 """The decoder's building blocks: RMSNorm, the linear layers (float, quantized, GGUF blocks kept packed,
-split for tensor parallelism), the rotary embedding, and the output head over the vocabulary."""
+split for tensor parallelism), the rotary embedding, and the output head over the vocabulary.
+
+A block is declared from the model's shape and the ``LayerOptions`` alone: it names the checkpoint tensors it
+reads and the share of them this worker keeps, and its ``load(ckpt, options)`` (the weight loader that
+``conveyor.model.loader.load_weights`` calls) reads them. No constructor reads a checkpoint.
+"""
 
 from __future__ import annotations
 
 import logging
 import math
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -25,20 +31,41 @@ from conveyor.model.formats import (
 from conveyor.model.graph_ops import linear_op, register_linear
 from conveyor.model.invariant import in_row_blocks
 from conveyor.model.lora import LoraLinear
+from conveyor.model.parallel import ParallelGroup
 from conveyor.quant import Params, QuantMethod
 
 logger = logging.getLogger(__name__)
 
 
+@dataclass(frozen=True)
+class LayerOptions:
+    """How this worker builds every block of a model, passed whole where flags were threaded one by one."""
+
+    quant: QuantMethod
+    dtype: torch.dtype
+    device: torch.device
+    # norms, rotary and SwiGLU in the C++ CPU kernels (the "cpu" attention backend's choice) instead of torch ops
+    fused: bool = False
+    # this worker's place among the engine's workers (its share of every layer); default: the only one
+    group: ParallelGroup = field(default_factory=ParallelGroup)
+
+
 class RMSNorm:
-    def __init__(self, weight: torch.Tensor, eps: float, fused: bool = False):
+    def __init__(self, eps: float, fused: bool = False, name: str = "", offset: float = 0.0):
         """
         Args:
             fused: use the C++ CPU kernel (one pass, the residual add folded in).
+            name: the checkpoint's tensor of the weight; ``offset`` is added to it as it loads (Gemma's
+                ``1 + weight``).
         """
-        self.weight = weight
+        self.weight: torch.Tensor | None = None
         self.eps = eps
         self.fused = fused
+        self.name = name
+        self.offset = offset
+
+    def load(self, ckpt: Checkpoint, options: LayerOptions) -> None:
+        self.weight = (ckpt.get(self.name) + self.offset).to(device=options.device, dtype=options.dtype)
 
     def __call__(self, x: torch.Tensor, delta: torch.Tensor | None = None) -> torch.Tensor:
         """``weight * norm(x)``; with ``delta``, first ``x += delta`` in place (the residual add)."""
@@ -53,34 +80,82 @@ class RMSNorm:
         return self.weight * x32.to(x.dtype)
 
 
-class Linear:
-    """A linear layer stored and applied by the selected quant method."""
+# a part of a fused linear layer: (the checkpoint's name, the rows kept (None: all), rows per unit of the range)
+WeightPart = tuple[str, "range | None", int]
 
-    def __init__(
-        self, method: QuantMethod, weight: torch.Tensor | list[ggml.PackedWeight], bias: torch.Tensor | None = None,
-        inputs: slice | None = None,
-    ):
+
+class Linear:
+    """A linear layer stored and applied by the selected quant method: the rows of the named checkpoint weights
+    stacked (Q, K, V; gate, up), each kept as the checkpoint stores it where the method takes its format and the
+    shard falls on whole blocks, else read as float32."""
+
+    def __init__(self, method: QuantMethod, parts: list[WeightPart], bias: bool = False,
+                 inputs: slice | None = None):
         """
         Args:
-            weight: float32 ``[out, in]``, or the stored blocks of its parts stacked along the outputs (for a
-                method whose ``packed_formats`` holds theirs; already this worker's share: see ``load_linear``).
-            inputs: a row-parallel layer's share of the input columns (its sum is all-reduced after).
+            parts: the weights whose rows it stacks, with this worker's share of each.
+            bias: read each part's ``.bias`` beside its ``.weight`` (the same rows).
+            inputs: a row-parallel layer's share of the input columns (then ``parts`` holds one whole weight,
+                and its sum is all-reduced after).
         """
         self.method = method
-        if isinstance(weight, list):
-            self.out_features = sum(part.out_features for part in weight)
-            self.params: Params = method.prepare_packed(weight, bias)
-        elif inputs is None:
-            self.out_features = weight.shape[0]
-            self.params = method.prepare(weight, bias)
-        else:
-            self.out_features = weight.shape[0]
-            self.params = method.prepare_input_shard(weight, inputs)
+        self.parts = parts
+        self.bias = bias
+        self.inputs = inputs
+        self.out_features = 0
+        self.params: Params = {}
         self.number = register_linear(self)
         # LoRA adapters' slots for this projection ([lora] max_loras > 0)
         self.lora: LoraLinear | None = None
         # batch-invariant mode: rows of every matmul (0: as many as come)
         self.row_block = 0
+
+    @classmethod
+    def of(cls, method: QuantMethod, weight: torch.Tensor | list[ggml.PackedWeight]) -> Linear:
+        """A layer of a weight already read: float32 ``[out, in]``, or stored blocks (a packed output head)."""
+        linear = cls(method, [])
+        linear.fill(weight)
+        return linear
+
+    def load(self, ckpt: Checkpoint, options: LayerOptions | None = None) -> None:
+        bias = None
+        if self.bias:
+            bias = torch.cat([_rows(ckpt.get(name.removesuffix(".weight") + ".bias"), part, unit)
+                              for name, part, unit in self.parts])
+        packed = self._stored(ckpt)
+        if packed is not None:
+            self.fill(packed, bias)
+        else:
+            self.fill(torch.cat([_rows(ckpt.get(name), part, unit) for name, part, unit in self.parts]), bias)
+
+    def _stored(self, ckpt: Checkpoint) -> list[ggml.PackedWeight] | None:
+        """The parts' blocks as stored, or None where one of them must be read as floats."""
+        packed = []
+        for name, part, unit in self.parts:
+            stored = ckpt.packed(name)
+            if stored is None or stored.format not in self.method.packed_formats:
+                return None
+            if part is not None:
+                stored = stored.rows(part.start * unit, part.stop * unit)
+            if self.inputs is not None and (stored := stored.columns(self.inputs)) is None:
+                logger.warning("%s: its columns %d-%d do not fall on whole blocks; it is expanded to %s",
+                               name, self.inputs.start, self.inputs.stop, self.method.dtype)
+                return None
+            packed.append(stored)
+        return packed
+
+    def fill(self, weight: torch.Tensor | list[ggml.PackedWeight], bias: torch.Tensor | None = None) -> None:
+        """Prepare ``weight`` (float32 ``[out, in]``, or the parts' stored blocks stacked along the outputs,
+        already this worker's share) for the method."""
+        if isinstance(weight, list):
+            self.out_features = sum(part.out_features for part in weight)
+            self.params = self.method.prepare_packed(weight, bias)
+        elif self.inputs is None:
+            self.out_features = weight.shape[0]
+            self.params = self.method.prepare(weight, bias)
+        else:
+            self.out_features = weight.shape[0]
+            self.params = self.method.prepare_input_shard(weight, self.inputs)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if torch.compiler.is_compiling():  # one opaque op in a compiled graph, whatever the weights' format
@@ -102,52 +177,32 @@ class Linear:
         return self.method.num_bytes(self.params)
 
 
-# a part of a fused linear layer: (the checkpoint's name, the rows kept (None: all), rows per unit of the range)
-WeightPart = tuple[str, "range | None", int]
-
-
-def load_linear(
-    ckpt: Checkpoint, method: QuantMethod, parts: list[WeightPart], bias: torch.Tensor | None = None,
-    inputs: slice | None = None,
-) -> Linear:
-    """A linear layer of the named weights' rows stacked (Q, K, V; gate, up), each kept as the checkpoint
-    stores it where the method takes its format and the shard falls on whole blocks, else read as float32.
-
-    Args:
-        inputs: a row-parallel layer's share of the input columns (then ``parts`` holds one whole weight).
-    """
-    packed = []
-    for name, part, unit in parts:
-        stored = ckpt.packed(name)
-        if stored is None or stored.format not in method.packed_formats:
-            break
-        if part is not None:
-            stored = stored.rows(part.start * unit, part.stop * unit)
-        if inputs is not None and (stored := stored.columns(inputs)) is None:
-            logger.warning("%s: its columns %d-%d do not fall on whole blocks; it is expanded to %s",
-                           name, inputs.start, inputs.stop, method.dtype)
-            break
-        packed.append(stored)
-    else:
-        return Linear(method, packed, bias)
-    weights = [ckpt.get(name) for name, _, _ in parts]
-    weight = torch.cat([w if part is None else w[part.start * unit : part.stop * unit]
-                        for w, (_, part, unit) in zip(weights, parts)])
-    return Linear(method, weight, bias, inputs)
+def _rows(t: torch.Tensor, part: range | None, unit: int) -> torch.Tensor:
+    return t if part is None else t[part.start * unit : part.stop * unit]
 
 
 class Rotary:
     """Rotary position embedding (the half-split layout of Hugging Face Llama)."""
 
-    def __init__(self, dim: int, theta: float, scaling: dict | None, max_len: int, device: torch.device,
-                 freq_factors: torch.Tensor | None):
-        inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
-        inv_freq = _scale_inv_freq(inv_freq, scaling)
+    def __init__(self, dim: int, theta: float, scaling: dict | None, max_len: int, stored_factors: bool = True):
+        """
+        Args:
+            stored_factors: divide by the per-frequency factors the checkpoint may store beside its weights.
+        """
+        self.dim, self.theta, self.scaling, self.max_len = dim, theta, scaling, max_len
+        self.stored_factors = stored_factors
+        self.cos = self.sin = torch.empty(0)
+
+    def load(self, ckpt: Checkpoint, options: LayerOptions) -> None:
+        dim = self.dim
+        inv_freq = 1.0 / (self.theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
+        inv_freq = _scale_inv_freq(inv_freq, self.scaling)
+        freq_factors = ckpt.rope_freq_factors() if self.stored_factors else None
         if freq_factors is not None:
             inv_freq = inv_freq / freq_factors.to(torch.float64)
-        angles = torch.outer(torch.arange(max_len, dtype=torch.float64), inv_freq)
-        self.cos = angles.cos().float().to(device)
-        self.sin = angles.sin().float().to(device)
+        angles = torch.outer(torch.arange(self.max_len, dtype=torch.float64), inv_freq)
+        self.cos = angles.cos().float().to(options.device)
+        self.sin = angles.sin().float().to(options.device)
 
     def tables(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sin ``[T, head_dim / 2]`` for these positions."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -11,7 +12,7 @@ from conveyor.config import ConfigError, ModelConfig
 from conveyor.model.checkpoint import Checkpoint, ModelNotFoundError, open_checkpoint
 from conveyor.model.hf_quant import UnsupportedQuantization
 from conveyor.model.decoder_model import DecoderModel
-from conveyor.model.parallel import ParallelGroup
+from conveyor.model.layers import LayerOptions
 from conveyor.quant import QuantMethod
 
 logger = logging.getLogger("conveyor")
@@ -71,22 +72,33 @@ def requantize_note(ckpt: Checkpoint, quant: QuantMethod) -> str:
             f"serves them as stored{also}")
 
 
-def load_model(
-    ckpt: Checkpoint, quant: QuantMethod, dtype: torch.dtype, device: torch.device, max_model_len: int,
-    fused: bool = False,
-    group: ParallelGroup | None = None,
-) -> DecoderModel:
-    """The model's weights on ``device`` (this worker's share, by ``group``), with progress in the log;
-    ``fused``: the C++ CPU layers."""
+def load_model(ckpt: Checkpoint, options: LayerOptions, max_model_len: int) -> DecoderModel:
+    """The model's weights on ``options.device`` (this worker's share, by ``options.group``), with progress in
+    the log."""
     start = time.perf_counter()
     where = ""
-    if group is not None and group.placement.world_size > 1:
-        p = group.placement
+    if options.group.placement.world_size > 1:
+        p = options.group.placement
         where = f", rank {p.rank}: TP {p.tp_rank + 1}/{p.tp_size}, PP stage {p.pp_rank + 1}/{p.pp_size}"
-    logger.info("loading %s (%s, %s, %s%s)", ckpt.path, ckpt.spec.architecture, dtype, device, where)
-    model = DecoderModel(ckpt, quant, dtype, device, max_model_len, progress=lambda m: logger.info("  %s", m),
-                       fused=fused, group=group)
+    logger.info("loading %s (%s, %s, %s%s)", ckpt.path, ckpt.spec.architecture, options.dtype, options.device, where)
+    model = DecoderModel(ckpt.spec, options, max_model_len)
+    load_weights(model, ckpt, progress=lambda m: logger.info("  %s", m))
     logger.info(
         "model loaded in %.1f s: %.1f MB of weights", time.perf_counter() - start, model.num_weight_bytes() / 1e6
     )
     return model
+
+
+def load_weights(model: DecoderModel, ckpt: Checkpoint, progress: Callable[[str], None] | None = None) -> None:
+    """Fill every block the model declared from a checkpoint of any format (GGUF, safetensors, Hugging Face
+    quantized, dummy: ``Checkpoint`` reads each under Hugging Face names), each block by its own loader, layer
+    after layer so that progress shows."""
+    options = model.options
+    start = time.perf_counter()
+    for block in model.loaders():
+        block.load(ckpt, options)
+    for n, layer in enumerate(model.layers, 1):
+        for block in layer.loaders():
+            block.load(ckpt, options)
+        if progress and n % max(1, len(model.layers) // 5) == 0:
+            progress(f"loaded layer {n}/{len(model.layers)} ({time.perf_counter() - start:.1f} s)")

@@ -17,13 +17,12 @@ after, as for a dense MLP.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 import torch.nn.functional as F
 
+from conveyor.model.checkpoint import Checkpoint
 from conveyor.model.graph_ops import linear_op, register_linear
-from conveyor.model.parallel import Placement
+from conveyor.model.layers import LayerOptions, Linear
 from conveyor.model.spec import ModelSpec
 
 
@@ -47,47 +46,58 @@ def activate(gate_up: torch.Tensor, activation: str) -> torch.Tensor:
 class MoE:
     """One layer's experts, router and (Qwen2-MoE) shared expert, on this worker."""
 
-    def __init__(self, spec: ModelSpec, prefix: str, get: Callable[[str], torch.Tensor], linear: Callable,
-                 placement: Placement, dtype: torch.dtype, device: torch.device, fused_kernel: bool = False):
-        """
+    def __init__(self, spec: ModelSpec, prefix: str, options: LayerOptions, fused_kernel: bool = False):
+        """The layer's experts, declared: ``load`` reads them.
+
         Args:
             prefix: the layer's MLP, e.g. ``model.layers.3.mlp.``.
-            get: the checkpoint's tensors by Hugging Face name.
-            linear: ``linear(weight, inputs)`` -> a layer of the quant method (``inputs``: the input columns a
-                row-parallel layer keeps, or None).
-            placement: this worker's place under tensor parallelism (its share of every expert's columns).
+            options: ``options.group.placement`` is this worker's place under tensor parallelism (its share of
+                every expert's columns).
             fused_kernel: keep the experts' weights stacked for the Triton kernel (CUDA, unquantized).
         """
+        self.prefix = prefix
         self.top_k = spec.num_experts_per_tok
         self.renormalize = spec.norm_topk_prob
         self.activation = spec.activation
         self.num_experts = spec.num_experts
-        self.router = get(prefix + "gate.weight").to(device=device, dtype=dtype)
+        self.fused_kernel = fused_kernel
+        placement = options.group.placement
 
-        def mlp(name: str, width: int) -> tuple[torch.Tensor, torch.Tensor, slice | None]:
+        def mlp(name: str, width: int) -> tuple[Linear, Linear]:
             """A gated MLP's gate|up rows and its down weight with the columns this worker keeps."""
             part = placement.split(width)
-            gate_up = torch.cat([get(name + p + ".weight")[part.start : part.stop] for p in ("gate_proj", "up_proj")])
-            return gate_up, get(name + "down_proj.weight"), (
-                slice(part.start, part.stop) if placement.tp_size > 1 else None)
+            columns = slice(part.start, part.stop) if placement.tp_size > 1 else None
+            return (Linear(options.quant, [(name + "gate_proj.weight", part, 1), (name + "up_proj.weight", part, 1)]),
+                    Linear(options.quant, [(name + "down_proj.weight", None, 1)], inputs=columns))
 
+        # (stacked for the grouped kernel, they are read in ``load`` and never prepared as layers)
         experts = [mlp(f"{prefix}experts.{e}.", spec.moe_intermediate_size) for e in range(self.num_experts)]
-        self.fused_kernel = fused_kernel
-        self.gate_ups, self.downs = [], []
-        if fused_kernel:  # [E, 2I, H] and [E, H, I] for the grouped kernel
-            self.gate_up_stack = torch.stack([g for g, _, _ in experts]).to(device=device, dtype=dtype)
-            self.down_stack = torch.stack([d if c is None else d[:, c] for _, d, c in experts]).to(device=device,
-                                                                                                 dtype=dtype)
-        else:
-            self.gate_ups = [linear(g, None) for g, _, _ in experts]
-            self.downs = [linear(d, c) for _, d, c in experts]
-        self.shared = None
-        if spec.shared_expert_intermediate_size:
-            gate_up, down, columns = mlp(prefix + "shared_expert.", spec.shared_expert_intermediate_size)
-            gate = get(prefix + "shared_expert_gate.weight").to(device=device, dtype=dtype)
-            self.shared = (linear(gate_up, None), linear(down, columns), gate)
+        self.gate_ups = [] if fused_kernel else [g for g, _ in experts]
+        self.downs = [] if fused_kernel else [d for _, d in experts]
+        self._stack_parts = experts if fused_kernel else []
+        self.router = self.shared_gate = torch.empty(0)
+        self.shared = mlp(prefix + "shared_expert.", spec.shared_expert_intermediate_size) \
+            if spec.shared_expert_intermediate_size else None
         self.out_features = spec.hidden_size
         self.number = register_linear(self)
+
+    def load(self, ckpt: Checkpoint, options: LayerOptions) -> None:
+        def dense(name: str) -> torch.Tensor:
+            return ckpt.get(self.prefix + name).to(device=options.device, dtype=options.dtype)
+
+        self.router = dense("gate.weight")
+        for linear in self.linears():
+            linear.load(ckpt, options)
+        if self.shared is not None:
+            self.shared_gate = dense("shared_expert_gate.weight")
+        if self.fused_kernel:  # [E, 2I, H] and [E, H, I] for the grouped kernel
+            def read(linear: Linear) -> torch.Tensor:
+                weight = torch.cat([ckpt.get(n) if p is None else ckpt.get(n)[p.start : p.stop]
+                                    for n, p, _ in linear.parts])
+                return weight if linear.inputs is None else weight[:, linear.inputs]
+
+            self.gate_up_stack = torch.stack([read(g) for g, _ in self._stack_parts]).to(options.device, options.dtype)
+            self.down_stack = torch.stack([read(d) for _, d in self._stack_parts]).to(options.device, options.dtype)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if torch.compiler.is_compiling():  # one opaque op in a compiled graph (its shapes depend on the routing)
@@ -104,8 +114,9 @@ class MoE:
         else:
             out = self._grouped(x, experts, weights)
         if self.shared is not None:
-            gate_up, down, gate = self.shared
-            out += torch.sigmoid(F.linear(x, gate)) * down.apply(activate(gate_up.apply(x), self.activation))
+            gate_up, down = self.shared
+            shared = down.apply(activate(gate_up.apply(x), self.activation))
+            out += torch.sigmoid(F.linear(x, self.shared_gate)) * shared
         return out
 
     def _grouped(self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
@@ -127,12 +138,12 @@ class MoE:
         return out
 
     def linears(self) -> list:
-        shared = list(self.shared[:2]) if self.shared is not None else []
+        shared = list(self.shared) if self.shared is not None else []
         return self.gate_ups + self.downs + shared
 
     def dense_bytes(self) -> int:
         """Bytes of the weights kept outside the quant method's layers: the routers, the stacked experts."""
-        dense = [self.router] + ([self.shared[2]] if self.shared is not None else [])
+        dense = [self.router] + ([self.shared_gate] if self.shared is not None else [])
         if self.fused_kernel:
             dense += [self.gate_up_stack, self.down_stack]
         return sum(t.numel() * t.element_size() for t in dense)

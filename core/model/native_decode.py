@@ -73,7 +73,7 @@ class NativeDecode:
         path."""
         spec = model.spec
         storage = attention.storage
-        if (model.device.type != "cpu" or not model.fused or attention.name != "cpu" or not native.load()
+        if (model.device.type != "cpu" or not model.options.fused or attention.name != "cpu" or not native.load()
                 or model.group.placement.world_size > 1 or not (model.first_stage and model.last_stage)):
             return None
         if (spec.qk_norm or spec.sandwich_norms or spec.attention_bias or spec.activation != "silu"

@@ -24,6 +24,7 @@ from conveyor.kvcache import KVCacheLayout, KVCacheSpec
 from conveyor.messages import RunnerOutput, StepInput
 from conveyor.model.invariant import INVARIANT_ROWS
 from conveyor.model.decoder_model import DecoderModel
+from conveyor.model.layers import LayerOptions
 from conveyor.model.loader import DTYPES, load_model, model_len, open_model, requantize_note, resolve_device
 from conveyor.model.lora import Adapters
 from conveyor.model.parallel import ParallelGroup, Placement, check_divisible
@@ -126,8 +127,7 @@ class Worker:
         if problem is not None:
             raise ConfigError(f"{config.source}: [parallel] {problem}")
         quant = self.registry.build("quant", config.quant, self.dtype, self.device)
-        self.model = load_model(ckpt, quant, self.dtype, self.device, max_model_len, self.backend_class.fused_layers,
-                                self.group)
+        self.model = load_model(ckpt, self._layer_options(quant), max_model_len)
         if config.engine.batch_invariant:
             if any(layer.moe is not None for layer in self.model.layers):
                 raise ConfigError(f"{config.source}: [engine] batch_invariant = true: {config.model.path} has "
@@ -154,6 +154,9 @@ class Worker:
                          self.model.num_weight_bytes(), spec.vocab_size, spec, self.model.weight_formats(),
                          requantize_note(ckpt, quant))
 
+    def _layer_options(self, quant: QuantMethod) -> LayerOptions:
+        return LayerOptions(quant, self.dtype, self.device, self.backend_class.fused_layers, self.group)
+
     def _load_draft_model(self, quant: QuantMethod, max_model_len: int) -> None:
         """The draft model of ``[engine] draft_model`` (its KV cache shares the target's blocks).
 
@@ -171,9 +174,8 @@ class Worker:
             raise ConfigError(f"{where}: its vocabulary has {ckpt.spec.vocab_size} tokens, the model's "
                               f"{target_vocab}; a draft model shares the model's tokenizer")
         # (its proposals run up to num_speculative_tokens positions past the last one the model computes)
-        self.draft_model = load_model(ckpt, quant, self.dtype, self.device,
-                                      max_model_len + config.engine.num_speculative_tokens,
-                                      self.backend_class.fused_layers, self.group)
+        self.draft_model = load_model(ckpt, self._layer_options(quant),
+                                      max_model_len + config.engine.num_speculative_tokens)
         layers = self.draft_model.layers
         self.draft_kv_spec = KVCacheSpec(len(layers), layers[0].num_kv_heads, ckpt.spec.head_dim,
                                          config.model.dtype, max_model_len)
