@@ -36,7 +36,7 @@ from pathlib import Path
 import gguf
 import numpy as np
 
-from conveyor import paths
+from conveyor.config import paths
 from conveyor.config import ModelConfig
 from conveyor.model.checkpoint import resolve_model_path
 

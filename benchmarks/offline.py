@@ -50,7 +50,7 @@ from conveyor.llm import OFFLINE_DEFAULTS
 from conveyor.messages import StepStats
 from conveyor.model.checkpoint import resolve_model_path
 from conveyor.model.tokenizer import load_tokenizer
-from conveyor import paths
+from conveyor.config import paths
 from conveyor.perf.floors import linear_flops_per_token, linear_seconds, matmul_flops
 from conveyor.perf.peaks import cpu_peaks
 from conveyor.sampling import SamplingParams

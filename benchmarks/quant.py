@@ -161,7 +161,7 @@ def shares_of_peaks(paths: list[str], rates: dict[int, list[float]]) -> None:
     """Each kernel's rate (GOP/s) and its share of this CPU's peak for its arithmetic: each packed path's of that
     path's int8 peak, bf16 F.linear's of the bf16 matmul's (the cached profile; measured first where there is
     none)."""
-    from conveyor import paths as conveyor_paths
+    from conveyor.config import paths as conveyor_paths
     from conveyor.perf.peaks import cpu_peaks
 
     peaks = cpu_peaks(conveyor_paths.cache_root())

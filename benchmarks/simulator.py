@@ -26,7 +26,7 @@ from pathlib import Path
 
 import anyio
 
-from conveyor import paths
+from conveyor.config import paths
 from conveyor.bench.arrivals import arrival_times
 from conveyor.bench.costs import calibrate
 from conveyor.bench.datasets import mixed

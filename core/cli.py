@@ -120,7 +120,7 @@ def cmd_plugins(args: argparse.Namespace) -> int:
 
 
 def cmd_profile(args: argparse.Namespace) -> int:
-    from conveyor import paths
+    from conveyor.config import paths
     from conveyor.perf.peaks import GPUS, describe_cpu_peaks, profile_cpu
 
     if args.gpus:

@@ -115,7 +115,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import msgspec
 
-from conveyor.gates import AdmissionGate
+from conveyor.scheduling.gates import AdmissionGate
 from conveyor.kvcache import KVCacheLayout
 from conveyor.messages import ConnectorStats
 from conveyor.request import Request, RequestStatus

@@ -22,8 +22,8 @@ from typing import Annotated, Any, ClassVar
 
 import msgspec
 
-from conveyor.batch import ScheduledBatch, WaitingQueue
-from conveyor.gates import AdmissionGate, Gated
+from conveyor.scheduling.batch import ScheduledBatch, WaitingQueue
+from conveyor.scheduling.gates import AdmissionGate, Gated
 from conveyor.kvcache import KVCacheManager, PrefixMatch
 from conveyor.messages import SchedulerStats
 from conveyor.request import Request, RequestRejected, RequestStatus, length_error

@@ -5,7 +5,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Callable
 
-from conveyor.gates import AdmissionGate
+from conveyor.scheduling.gates import AdmissionGate
 from conveyor.kvcache import KVCacheSpec
 from conveyor.messages import RequestOutput, RunnerOutput
 from conveyor.plugins.kvcache.paged import PagedKVCache, PagedOptions

@@ -1,4 +1,4 @@
-"""The CPUs the engine's threads are sized to (conveyor.cpus): the cores the process may run on, capped by its
+"""The CPUs the engine's threads are sized to (conveyor.perf.cpus): the cores the process may run on, capped by its
 cgroup's CPU quota, read from cgroup trees written here in the layouts of v2 and v1."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import os
 import pytest
 import torch
 
-from conveyor.cpus import CpuLimit, cpu_limit
+from conveyor.perf.cpus import CpuLimit, cpu_limit
 
 CORES = len(os.sched_getaffinity(0))
 

@@ -18,7 +18,7 @@ import pytest
 
 from conveyor.config.reference import CORE_TABLES, reference_markdown, undocumented
 from conveyor.connector import KVConnector, KVConnectorWorker
-from conveyor.gates import AdmissionGate
+from conveyor.scheduling.gates import AdmissionGate
 from conveyor.kvcache import KVCacheManager
 from conveyor.quant import QuantMethod
 from conveyor.registry import PluginRegistry
@@ -101,7 +101,7 @@ def test_every_plugin_base_class_is_in_the_api_reference_and_the_plugin_guide():
     """docs/api.md renders each (``::: conveyor.x.Class``), and docs/plugins.md's "The interfaces" names each
     with the file it is in."""
     classes = _plugin_base_classes()
-    assert {"conveyor.connector.KVConnectorWorker", "conveyor.gates.AdmissionGate", "conveyor.scheduler.Scheduler",
+    assert {"conveyor.connector.KVConnectorWorker", "conveyor.scheduling.gates.AdmissionGate", "conveyor.scheduler.Scheduler",
             "conveyor.transport.Transport"} <= set(classes)
     rendered = set(re.findall(r"^::: (\S+)$", (REPO / "docs" / "api.md").read_text(), re.MULTILINE))
     assert sorted(set(classes) - rendered) == [], "not in docs/api.md"

@@ -17,7 +17,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("offline API", ("conveyor.llm",)),
     ("frontend", ("conveyor.serving", "conveyor.plugins.transport", "conveyor.api", "conveyor.zmq_client")),
     ("engine", ("conveyor.engine", "conveyor.plugins.schedulers", "conveyor.plugins.kvcache",
-                "conveyor.plugins.connector", "conveyor.slo")),
+                "conveyor.plugins.connector")),
     ("executor", ("conveyor.executor",)),
     ("worker", ("conveyor.worker",)),
     ("measures", ("conveyor.perf",)),

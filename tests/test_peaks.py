@@ -7,7 +7,8 @@ from __future__ import annotations
 import msgspec
 import pytest
 
-from conveyor import native, paths
+from conveyor import native
+from conveyor.config import paths
 from conveyor.cli import main
 from conveyor.model import ggml
 from conveyor.perf import peaks as peaks_module

@@ -99,7 +99,8 @@ def test_gpus_are_found_by_the_names_torch_gives_them():
 def test_every_step_of_the_engine_counts_its_work():
     """Through the in-process engine, prompts in chunks: each step's stats carry the FLOPs and bytes of the batch
     it ran, and an MFU and MBU against this CPU's measured profile (cached once per machine)."""
-    from conveyor import LLM, paths
+    from conveyor import LLM
+    from conveyor.config import paths
     from conveyor.perf.peaks import cpu_profile_path
     from conveyor.sampling import SamplingParams
 

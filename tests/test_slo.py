@@ -1,4 +1,4 @@
-"""Latency targets the continuous scheduler keeps (conveyor.slo), on a virtual clock: the steps' seconds come
+"""Latency targets the continuous scheduler keeps (conveyor.scheduling.slo), on a virtual clock: the steps' seconds come
 from a cost model each test sets, so nothing here depends on this machine's speed."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from conveyor.config import load_config
 from conveyor.perf.peaks import gpu_peaks
 from conveyor.plugins.schedulers.continuous import ContinuousOptions, ContinuousScheduler, SloClass
 from conveyor.request import RequestRejected
-from conveyor.slo import MIN_STEPS, StepFeatures, StepTimeModel, step_features
+from conveyor.scheduling.slo import MIN_STEPS, StepFeatures, StepTimeModel, step_features
 from tests.factories import assert_no_leak, create_kvcache, create_request, next_token, ran
 
 

@@ -41,7 +41,8 @@ from pathlib import Path
 
 import torch
 
-from conveyor import native, paths
+from conveyor import native
+from conveyor.config import paths
 from conveyor.attention.backend import DecodeTables, LayerAttention, PrefillTables
 from conveyor.attention.ops import causal_attention
 from conveyor.attention.storage import KVStorage

@@ -317,7 +317,7 @@ def hardware_costs(hardware: str, config: Config, spec: ModelSpec,
     """The device's peaks and the cost model of ``config``'s steps on it: a GPU of the table (datasheet; its
     devices joined by ``interconnect``, NVLink 4 by default), or ``cpu`` (this machine, calibrated by a short
     real run of the config's model)."""
-    from conveyor import paths
+    from conveyor.config import paths
     from conveyor.perf.peaks import cpu_peaks, gpu_peaks
 
     if interconnect is not None and interconnect not in INTERCONNECTS:

@@ -14,7 +14,7 @@ from collections.abc import Mapping, Sequence
 import msgspec
 import numpy as np
 
-from conveyor.slo import itl_p99
+from conveyor.scheduling.slo import itl_p99
 
 PERCENTILES = (50, 90, 95, 99)
 SLO_METRICS = ("ttft", "tpot", "e2e", "itl")

@@ -16,7 +16,7 @@ from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
-from conveyor import paths
+from conveyor.config import paths
 from conveyor.config import Config
 from conveyor.connector import build_connector
 from conveyor.engine.grammars import GrammarRequests

@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from conveyor.config import Config
-from conveyor.gates import AdmissionGate
+from conveyor.scheduling.gates import AdmissionGate
 from conveyor.request import Request, RequestStatus
 
 if TYPE_CHECKING:

@@ -15,7 +15,7 @@ from collections import OrderedDict
 from collections.abc import Mapping
 
 from conveyor.executor import Executor
-from conveyor.gates import AdmissionGate
+from conveyor.scheduling.gates import AdmissionGate
 from conveyor.request import Request, RequestStatus
 
 

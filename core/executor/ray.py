@@ -21,7 +21,7 @@ import socket
 from typing import Any
 
 from conveyor.config import Config, ConfigError, encode_config
-from conveyor.cpus import cpu_limit
+from conveyor.perf.cpus import cpu_limit
 from conveyor.executor import ExecutorError, PipelinedExecutor, decode_result, log_workers
 from conveyor.registry import PluginRegistry
 from conveyor.worker import rpc

@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 
 from conveyor.native.build_progress import BUILD_TIME, BuildProgress
-from conveyor.paths import cache_root
+from conveyor.config.paths import cache_root
 
 logger = logging.getLogger("conveyor")
 

@@ -17,8 +17,8 @@ import time
 from collections.abc import Iterable
 from itertools import repeat
 
-from conveyor.batch import ScheduledBatch, WaitingQueue
-from conveyor.gates import AdmissionGate
+from conveyor.scheduling.batch import ScheduledBatch, WaitingQueue
+from conveyor.scheduling.gates import AdmissionGate
 from conveyor.kvcache import KVCacheManager
 from conveyor.messages import RequestOutput, RunnerOutput, SchedulerStats
 from conveyor.request import FinishReason, Request, RequestStatus

@@ -29,7 +29,7 @@ from conveyor.model.tokenizer import ChatTemplateError, Tokenizer
 from conveyor.request import RequestRejected, length_error
 from conveyor.sampling import SamplingParams
 from conveyor.serving.metrics import ServerMetrics
-from conveyor.slo import met_targets, targets_of
+from conveyor.scheduling.slo import met_targets, targets_of
 from conveyor.transport import Chunk, RequestError
 
 if TYPE_CHECKING:

@@ -373,7 +373,7 @@ class ServerMetrics(StatusLine):
         self.slo_target.labels(self._model_name, "itl").set(itl_s)
 
     def request_slo(self, met_ttft: bool, met_itl: bool) -> None:
-        """A request that ended normally, judged against its targets (``conveyor.slo.met_targets``)."""
+        """A request that ended normally, judged against its targets (``conveyor.scheduling.slo.met_targets``)."""
         if met_ttft and met_itl:
             self.within_slo.inc()
             self.dashboard.within_slo()

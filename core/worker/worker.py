@@ -13,12 +13,12 @@ import logging
 import msgspec
 import torch
 
-from conveyor import paths
+from conveyor.config import paths
 from conveyor.attention import BackendUnavailable, select_backend
 from conveyor.attention.storage import KVStorage
 from conveyor.config import Config, ConfigError
 from conveyor.connector import KVConnectorWorker
-from conveyor.cpus import cpu_limit
+from conveyor.perf.cpus import cpu_limit
 from conveyor.deltas import HeldRequests
 from conveyor.kvcache import KVCacheLayout, KVCacheSpec
 from conveyor.messages import RunnerOutput, StepInput

@@ -1,6 +1,6 @@
 """``continuous``: continuous batching under a token budget, with chunked prefill
 and preemption by recomputation; with latency targets, a budget chosen every step
-to keep them (``conveyor.slo``)."""
+to keep them (``conveyor.scheduling.slo``)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import msgspec
 from conveyor.hookspecs import hookimpl
 from conveyor.request import Request, RequestRejected
 from conveyor.scheduler import Scheduler, SchedulerOptions
-from conveyor.slo import (
+from conveyor.scheduling.slo import (
     MIN_PROMPT_TOKENS,
     StepFeatures,
     StepTimeModel,
