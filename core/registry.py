@@ -1,10 +1,13 @@
 """The plugin registry: built-ins, entry points and TOML-listed modules.
 
 Load order follows pytest and tox: blocked names first, then the entry
-points of group ``conveyor``, then the built-in plugin modules (ordinary
-hookimpl modules under ``conveyor.plugins``), then the modules named in the
-config's ``plugins = [...]`` list. Each registration hook is called once and
-the classes it registers are kept by kind and name.
+points of group ``conveyor``, then the built-in plugin modules (the
+``declarations`` module of each package under ``conveyor.plugins``, ordinary
+hookimpl modules), then the modules named in the config's ``plugins = [...]``
+list. Each registration hook is called once and the declarations it registers
+are kept by kind and name; a plugin's class is imported the first time a
+process asks for it (``get``, ``build``), so that the frontend checks a config
+without importing the engine's and the workers' code.
 """
 
 from __future__ import annotations
@@ -21,25 +24,17 @@ import msgspec
 import pluggy
 
 from conveyor import hookspecs
+from conveyor.hookspecs import Declaration
 
 if TYPE_CHECKING:
     from conveyor.config import Config, PluginSpec
 
 DEFAULT_PLUGINS: tuple[str, ...] = (
-    "conveyor.plugins.quant.none",
-    "conveyor.plugins.quant.int8",
-    "conveyor.plugins.quant.int4",
-    "conveyor.plugins.quant.fp8",
-    "conveyor.plugins.quant.gguf",
-    "conveyor.plugins.kvcache.paged",
-    "conveyor.plugins.kvcache.contiguous",
-    "conveyor.plugins.schedulers.continuous",
-    "conveyor.plugins.schedulers.static",
-    "conveyor.plugins.schedulers.dynamic",
-    "conveyor.plugins.transport.http",
-    "conveyor.plugins.transport.zmq",
-    "conveyor.plugins.connector.none",
-    "conveyor.plugins.connector.tiers",
+    "conveyor.plugins.quant.declarations",
+    "conveyor.plugins.kvcache.declarations",
+    "conveyor.plugins.schedulers.declarations",
+    "conveyor.plugins.transport.declarations",
+    "conveyor.plugins.connector.declarations",
 )
 
 # kind -> registration hook name
@@ -54,7 +49,7 @@ KIND_HOOKS: dict[str, str] = {
 KIND_NOUNS = {"scheduler": "scheduler", "kvcache": "KV cache", "quant": "quant method", "transport": "transport",
               "connector": "KV connector"}
 
-# kind -> the base class its plugins subclass (imported when a plugin registers)
+# kind -> the base class its plugins subclass (imported when a plugin's class is)
 KIND_BASES: dict[str, tuple[str, str]] = {
     "scheduler": ("conveyor.scheduler", "Scheduler"),
     "kvcache": ("conveyor.kvcache", "KVCacheManager"),
@@ -69,7 +64,7 @@ class PluginError(RuntimeError):
 
 
 class PluginRegistry:
-    """Every plugin class Conveyor can select, by kind and name."""
+    """Every plugin Conveyor can select, by kind and name: its declaration, and its class once asked for."""
 
     def __init__(
         self,
@@ -92,8 +87,10 @@ class PluginRegistry:
             if self.pm.get_plugin(module_name) is None:
                 self.pm.register(module, module_name)
         self.pm.check_pending()
-        self.classes: dict[str, dict[str, type[Any]]] = {kind: {} for kind in KIND_HOOKS}
+        self.declarations: dict[str, dict[str, Declaration]] = {kind: {} for kind in KIND_HOOKS}
         self.origins: dict[tuple[str, str], str] = {}
+        # (kind, name) -> the class, once imported (or registered itself)
+        self.classes: dict[tuple[str, str], type[Any]] = {}
         for kind, hook_name in KIND_HOOKS.items():
             hook = getattr(self.pm.hook, hook_name)
             for impl in hook.get_hookimpls():
@@ -112,28 +109,26 @@ class PluginRegistry:
         return registry
 
     def _registrar(self, kind: str, origin: str):
-        module_name, base_name = KIND_BASES[kind]
-
-        def register(cls: type[Any]) -> None:
-            base = getattr(importlib.import_module(module_name), base_name)
-            if not (isinstance(cls, type) and issubclass(cls, base)):
-                what = f"{cls.__module__}.{cls.__qualname__}" if isinstance(cls, type) else repr(cls)
+        def register(plugin: Declaration | type[Any]) -> None:
+            cls = plugin if isinstance(plugin, type) else None
+            if cls is not None:
+                if not _is_plugin_class(kind, cls):
+                    raise PluginError(f"{origin}: {_dotted(cls)} is registered as a {KIND_NOUNS[kind]} but is not "
+                                      f"a subclass of {_base_name(kind)}")
+                plugin = _declaration_of(cls)
+            if not isinstance(plugin, Declaration):
+                raise PluginError(f"{origin}: registers {plugin!r} as a {KIND_NOUNS[kind]}; expected a "
+                                  "conveyor.hookspecs.Declaration (or a class)")
+            _check_declaration(kind, plugin, origin)
+            known = self.declarations[kind].get(plugin.name)
+            if known is not None and known.target != plugin.target:
                 raise PluginError(
-                    f"{origin}: {what} is registered as a {KIND_NOUNS[kind]} but is not a subclass of "
-                    f"{module_name}.{base_name}"
+                    f"{origin}: {kind} {plugin.name!r} is already registered by {self.origins[kind, plugin.name]}"
                 )
-            name = getattr(cls, "name", None)
-            if not isinstance(name, str) or not name:
-                raise PluginError(f"{origin}: {cls!r} registered as a {kind} has no `name`")
-            options = getattr(cls, "Options", None)
-            if not (isinstance(options, type) and issubclass(options, msgspec.Struct)):
-                raise PluginError(f"{origin}: {kind} {name!r} needs an `Options` msgspec.Struct class")
-            if name in self.classes[kind] and self.classes[kind][name] is not cls:
-                raise PluginError(
-                    f"{origin}: {kind} {name!r} is already registered by {self.origins[kind, name]}"
-                )
-            self.classes[kind][name] = cls
-            self.origins[kind, name] = origin
+            self.declarations[kind][plugin.name] = plugin
+            self.origins[kind, plugin.name] = origin
+            if cls is not None:
+                self.classes[kind, plugin.name] = cls
 
         return register
 
@@ -143,16 +138,16 @@ class PluginRegistry:
         return cls(spec.options if spec.options is not None else cls.Options(), *args)
 
     def names(self, kind: str) -> list[str]:
-        return sorted(self.classes[kind])
+        return sorted(self.declarations[kind])
 
-    def get(self, kind: str, name: str) -> type[Any]:
-        """The class registered as ``name``.
+    def declaration(self, kind: str, name: str) -> Declaration:
+        """What plugin ``name`` declared (its options, summary and target), without importing its class.
 
         Raises:
             KeyError: with a message listing the installed plugins of that kind.
         """
         try:
-            return self.classes[kind][name]
+            return self.declarations[kind][name]
         except KeyError:
             installed = ", ".join(repr(n) for n in self.names(kind)) or "none"
             raise KeyError(
@@ -160,23 +155,97 @@ class PluginRegistry:
                 f"installed: {installed}"
             ) from None
 
+    def get(self, kind: str, name: str) -> type[Any]:
+        """The class of plugin ``name``, imported here the first time it is asked for.
+
+        Raises:
+            KeyError: no such plugin (the message lists the installed plugins of that kind).
+            PluginError: its target cannot be imported, is not a subclass of the kind's base class, or its
+                ``name`` or ``Options`` are not the declared ones.
+        """
+        declared = self.declaration(kind, name)
+        cls = self.classes.get((kind, name))
+        if cls is None:
+            cls = self.classes[kind, name] = _load(kind, declared, self.origins[kind, name])
+        return cls
+
     def describe(self) -> str:
-        """Every installed plugin by kind, with its options and their defaults."""
+        """Every installed plugin by kind, with its options and their defaults.
+
+        A quant method's stored formats are its class's, so this imports each plugin (and says so where one
+        cannot be imported)."""
         lines: list[str] = []
         for kind in KIND_HOOKS:
             lines.append(f"{KIND_NOUNS[kind]}s:")
-            if not self.classes[kind]:
+            if not self.declarations[kind]:
                 lines.append("  (none installed)")
             for name in self.names(kind):
-                cls = self.classes[kind][name]
-                doc = (cls.__doc__ or "").strip().splitlines()
-                summary = f" — {doc[0]}" if doc else ""
+                declared = self.declarations[kind][name]
+                summary = f" — {declared.summary}" if declared.summary else ""
                 lines.append(f"  {name}  [{self.origins[kind, name]}]{summary}")
-                if formats := sorted(getattr(cls, "packed_formats", ())):  # (a quant method's stored formats)
+                try:
+                    formats = sorted(getattr(self.get(kind, name), "packed_formats", ()))
+                except PluginError as e:
+                    lines.append(f"      cannot be loaded: {e}")
+                    formats = []
+                if formats:
                     lines.append(f"      keeps checkpoints' {', '.join(formats)} weights as stored")
-                for field in msgspec.structs.fields(cls.Options):
+                for field in msgspec.structs.fields(declared.options):
                     lines.append(f"      {field.encode_name} = {_default(field)}  ({_type_name(field.type)})")
         return "\n".join(lines)
+
+
+def _dotted(cls: type[Any]) -> str:
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+def _declaration_of(cls: type[Any]) -> Declaration:
+    """A class registered itself: its ``name``, its ``Options``, and its docstring's first paragraph."""
+    summary = " ".join((cls.__doc__ or "").strip().split("\n\n")[0].split())
+    return Declaration(getattr(cls, "name", None), getattr(cls, "Options", None),
+                       f"{cls.__module__}:{cls.__qualname__}", summary)
+
+
+def _check_declaration(kind: str, declared: Declaration, origin: str) -> None:
+    name = declared.name
+    if not isinstance(name, str) or not name:
+        raise PluginError(f"{origin}: {declared.target} registered as a {kind} has no `name`")
+    if not (isinstance(declared.options, type) and issubclass(declared.options, msgspec.Struct)):
+        raise PluginError(f"{origin}: {kind} {name!r} needs an `Options` msgspec.Struct class")
+    module_name, colon, class_name = declared.target.partition(":")
+    if not (module_name and colon and class_name):
+        raise PluginError(f"{origin}: {kind} {name!r} has target {declared.target!r}; expected "
+                          "\"package.module:Class\"")
+
+
+def _is_plugin_class(kind: str, cls: Any) -> bool:
+    module_name, base_name = KIND_BASES[kind]
+    return isinstance(cls, type) and issubclass(cls, getattr(importlib.import_module(module_name), base_name))
+
+
+def _base_name(kind: str) -> str:
+    return ".".join(KIND_BASES[kind])
+
+
+def _load(kind: str, declared: Declaration, origin: str) -> type[Any]:
+    """The class a declaration names, imported now and checked against it."""
+    plugin = f"{origin}: {KIND_NOUNS[kind]} {declared.name!r} ({declared.target})"
+    module_name, _, qualname = declared.target.partition(":")
+    try:
+        found: Any = importlib.import_module(module_name)
+        for attribute in qualname.split("."):
+            found = getattr(found, attribute)
+    except (ImportError, AttributeError) as e:
+        raise PluginError(f"{plugin} cannot be imported: {e}") from e
+    if not _is_plugin_class(kind, found):
+        raise PluginError(f"{plugin} is not a subclass of {_base_name(kind)}")
+    if getattr(found, "Options", None) is not declared.options:
+        raise PluginError(f"{plugin}: its Options is {getattr(found, 'Options', None)!r}, not the declared "
+                          f"{_dotted(declared.options)}")
+    if getattr(found, "name", None) != declared.name:
+        raise PluginError(f"{plugin}: its name is {getattr(found, 'name', None)!r}, not the declared "
+                          f"{declared.name!r}")
+    return found
 
 
 def _import_listed(module_name: str, source: str) -> Any:

@@ -20,15 +20,21 @@ Writing a plugin
            def waiting_key(self, request):
                return (request.num_prompt_tokens, request.arrival_order)
 
-2. Register it from a hook implementation::
+2. Declare it from a hook implementation, in a module that imports nothing
+   heavy (the server's frontend imports it to check a config; the class is
+   imported where the plugin runs)::
 
-       from conveyor.hookspecs import hookimpl
+       from conveyor.hookspecs import Declaration, hookimpl
+       from conveyor.scheduler import SchedulerOptions
 
        @hookimpl
        def conveyor_register_schedulers(register):
-           register(ShortestFirst)
+           register(Declaration("sjf", SchedulerOptions, "conveyor_sjf.scheduler:ShortestFirst"))
 
-3. Make Conveyor find the module, either as an installed package with an
+   A plugin that is one light module may register its class instead:
+   ``register(ShortestFirst)``.
+
+3. Make Conveyor find the declaring module, either as an installed package with an
    entry point in its pyproject.toml::
 
        [project.entry-points.conveyor]

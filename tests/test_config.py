@@ -188,7 +188,7 @@ def test_a_check_across_keys_names_the_overrides_it_read_and_a_nested_error_wher
     tables names the entry and field, and for an unknown key the keys allowed there (the nested struct's own)."""
     with pytest.raises(ConfigError, match=r"^<defaults> with --set engine.speculative: \[engine\] speculative = "):
         load_config(None, {"engine.speculative": "draft"})
-    from conveyor.plugins.schedulers.continuous import SloClass
+    from conveyor.plugins.schedulers.declarations import SloClass
 
     path = write(tmp_path, '[scheduler]\nslo_classes = [{priority = 1, ttft_slo_ms = 9}, {priority = 2, ttft = 3}]\n')
     with pytest.raises(ConfigError) as info:
@@ -227,7 +227,7 @@ def test_cli_reports_config_errors_in_one_line(tmp_path, text, fragment):
     path = write(tmp_path, text)
     result = subprocess.run(
         [sys.executable, "-m", "conveyor", "generate", "--config", str(path), "--prompt", "hi"],
-        capture_output=True, text=True, timeout=120,
+        check=False, capture_output=True, text=True, timeout=120,
     )
     assert result.returncode == 2
     lines = result.stderr.strip().splitlines()
@@ -240,7 +240,7 @@ def test_serve_names_the_file_and_key_of_a_missing_curve_key(tmp_path):
     path = write(tmp_path, '[[transport]]\nplugin = "zmq"\ncurve_secret_key_file = "no/such.key_secret"\n'
                            f'curve_authorized_keys_dir = "{tmp_path}"\n')
     result = subprocess.run([sys.executable, "-m", "conveyor", "serve", str(path)], capture_output=True, text=True,
-                            timeout=120)
+                            timeout=120, check=False)
     assert result.returncode == 2
     assert (f"error: {path}: [transport] curve_secret_key_file = 'no/such.key_secret': no such file or directory"
             in result.stderr), result.stderr

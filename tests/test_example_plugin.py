@@ -35,7 +35,7 @@ def test_installed_plugin_shows_in_conveyor_plugins(installed_sjf):
         [sys.executable, "-m", "conveyor", "plugins"], env=env, capture_output=True, text=True, check=True, timeout=120
     )
     assert "sjf  [conveyor-sjf 0.1.0]" in result.stdout
-    assert "continuous  [conveyor.plugins.schedulers.continuous]" in result.stdout
+    assert "continuous  [conveyor.plugins.schedulers.declarations]" in result.stdout
 
 
 def test_toml_selects_the_plugin_and_it_schedules_shortest_first(installed_sjf, tmp_path, monkeypatch):

@@ -13,7 +13,8 @@ from conveyor.bench.costs import CostModel
 from conveyor.bench.simulator import MODELS, SimRequest, simulate
 from conveyor.config import load_config
 from conveyor.perf.peaks import gpu_peaks
-from conveyor.plugins.schedulers.continuous import ContinuousOptions, ContinuousScheduler, SloClass
+from conveyor.plugins.schedulers.continuous import ContinuousOptions, ContinuousScheduler
+from conveyor.plugins.schedulers.declarations import SloClass
 from conveyor.request import RequestRejected
 from conveyor.scheduling.slo import MIN_STEPS, StepFeatures, StepTimeModel, step_features
 from tests.factories import assert_no_leak, create_kvcache, create_request, next_token, ran

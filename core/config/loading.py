@@ -126,16 +126,17 @@ def decode_config(data: bytes, registry: PluginRegistry | None = None) -> Config
     for kind, specs in (("scheduler", [config.scheduler]), ("kvcache", [config.kvcache]), ("quant", [config.quant]),
                         ("transport", config.transport), ("connector", [config.connector])):
         for spec in specs:
-            cls = _plugin_class(registry, kind, spec.plugin, config.source, kind)
-            spec.options = msgspec.convert(spec.options or {}, cls.Options)
+            options = _plugin_options(registry, kind, spec.plugin, config.source, kind)
+            spec.options = msgspec.convert(spec.options or {}, options)
     config._registry = registry
     return config
 
 
-def _plugin_class(registry: PluginRegistry, kind: str, name: str, origin: str, table: str) -> type:
-    """The class of plugin ``name``; a ConfigError listing what is installed when there is none."""
+def _plugin_options(registry: PluginRegistry, kind: str, name: str, origin: str, table: str) -> type[msgspec.Struct]:
+    """The Options plugin ``name`` declares (its class is not imported); a ConfigError listing what is installed
+    when there is no such plugin."""
     try:
-        return registry.get(kind, name)
+        return registry.declaration(kind, name).options
     except KeyError as e:
         hint = ""
         if kind == "quant" and name.lower().replace("_", "-") in HF_QUANT_FORMATS:
@@ -283,8 +284,8 @@ def _plugin_spec(
                           f"{', '.join(registry.names(kind))}")
     if not isinstance(name, str):
         raise ConfigError(f"{origin.of(where, 'plugin')}: [{where}] plugin must be a string")
-    cls = _plugin_class(registry, kind, name, origin.of(where, "plugin"), where)
-    return PluginSpec(name, convert_table(options, cls.Options, where, origin.of))
+    struct = _plugin_options(registry, kind, name, origin.of(where, "plugin"), where)
+    return PluginSpec(name, convert_table(options, struct, where, origin.of))
 
 
 def convert_table(

@@ -120,9 +120,8 @@ def reference_markdown(registry: PluginRegistry | None = None) -> str:
         out += [f"## {header}", "",
                 f"`plugin` chooses the {kind} plugin ({chosen}); the table's other keys are that plugin's options.", ""]
         for name in registry.names(kind):
-            cls = registry.get(kind, name)
-            summary = (cls.__doc__ or "").strip().split("\n\n")[0].replace("\n", " ")
-            out += [f"### {kind} plugin = \"{name}\"", "", summary, "", *_table(cls.Options), ""]
+            declared = registry.declaration(kind, name)
+            out += [f"### {kind} plugin = \"{name}\"", "", declared.summary, "", *_table(declared.options), ""]
     return "\n".join(out).rstrip() + "\n"
 
 

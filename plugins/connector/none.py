@@ -2,14 +2,8 @@
 
 from __future__ import annotations
 
-import msgspec
-
 from conveyor.connector import KVConnector, KVConnectorWorker
-from conveyor.hookspecs import hookimpl
-
-
-class NoOptions(msgspec.Struct, forbid_unknown_fields=True):
-    pass
+from conveyor.plugins.connector.declarations import NoOptions
 
 
 class NoConnectorWorker(KVConnectorWorker):
@@ -35,8 +29,3 @@ class NoConnector(KVConnector):
 
     def take_payload(self) -> bytes:
         return b""
-
-
-@hookimpl
-def conveyor_register_connectors(register):
-    register(NoConnector)

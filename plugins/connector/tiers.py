@@ -36,13 +36,12 @@ import os
 import time
 from collections import OrderedDict
 from pathlib import Path
-from typing import Annotated
 
 import msgspec
 
 from conveyor.connector import KVConnector
-from conveyor.hookspecs import hookimpl
 from conveyor.messages import ConnectorStats
+from conveyor.plugins.connector.declarations import TiersOptions
 from conveyor.plugins.connector.tier_store import DROP, FETCH, LOAD, SAVE, WRITE, TierSetup, TierWorker, block_dir
 from conveyor.request import Request, RequestStatus
 
@@ -50,15 +49,6 @@ logger = logging.getLogger("conveyor")
 
 # files of a block some rank lacks, or temporary ones, older than this at start-up are a stopped writer's leftovers
 ORPHAN_AGE_S = 3600.0
-
-
-class TiersOptions(msgspec.Struct, forbid_unknown_fields=True):
-    # host memory for the host tier, GiB per worker (pinned on CUDA)
-    host_gb: Annotated[float, msgspec.Meta(gt=0)] = 4.0
-    # a directory for the disk tier (it survives restarts); "": no disk tier
-    disk_dir: str = ""
-    # disk space for the disk tier, GiB per worker
-    disk_gb: Annotated[float, msgspec.Meta(gt=0)] = 32.0
 
 
 class TieredConnector(KVConnector):
@@ -382,8 +372,3 @@ def _stored_digests(directory: Path) -> list[bytes]:
         except (OSError, ValueError):
             continue  # (removed meanwhile, or not a name this tier writes)
     return [digest for _, digest in sorted(found)]
-
-
-@hookimpl
-def conveyor_register_connectors(register):
-    register(TieredConnector)

@@ -5,25 +5,16 @@ from __future__ import annotations
 
 import bisect
 from collections.abc import Sequence
-from typing import Annotated, Literal
 
 import msgspec
 
-from conveyor.hookspecs import hookimpl
-from conveyor.kvcache import KVCacheManager, KVCacheOptions, KVCacheSpec, PrefixMatch, blocks_in_budget, log_capacity
+from conveyor.kvcache import KVCacheManager, KVCacheSpec, PrefixMatch, blocks_in_budget, log_capacity
 from conveyor.messages import KVCacheStats
+from conveyor.plugins.kvcache.declarations import ContiguousOptions
 from conveyor.request import Request
 
 # Slabs are runs of consecutive blocks of this many tokens in the shared storage.
 GRANULE = 16
-
-
-class ContiguousOptions(KVCacheOptions, forbid_unknown_fields=True):
-    # slab size: "max_model_len" for every request (classic static serving), or
-    # "request": its prompt + max_tokens
-    reserve: Literal["max_model_len", "request"] = "max_model_len"
-    # a fixed capacity in tokens instead of sizing from memory; 0: size from memory
-    num_tokens: Annotated[int, msgspec.Meta(ge=0)] = 0
 
 
 class ContiguousKVCache(KVCacheManager):
@@ -116,8 +107,3 @@ class ContiguousKVCache(KVCacheManager):
             used_tokens=sum(self.used.values()),
             largest_hole_tokens=max((length for _, length in self.holes), default=0) * GRANULE,
         )
-
-
-@hookimpl
-def conveyor_register_kvcaches(register):
-    register(ContiguousKVCache)

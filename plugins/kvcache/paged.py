@@ -8,26 +8,17 @@ import itertools
 from array import array
 from collections import OrderedDict
 from collections.abc import Iterator, Sequence
-from typing import TYPE_CHECKING, Annotated
+from typing import TYPE_CHECKING
 
 import msgspec
 
-from conveyor.hookspecs import hookimpl
-from conveyor.kvcache import KVCacheManager, KVCacheOptions, KVCacheSpec, PrefixMatch, blocks_in_budget, log_capacity
+from conveyor.kvcache import KVCacheManager, KVCacheSpec, PrefixMatch, blocks_in_budget, log_capacity
 from conveyor.messages import KVCacheStats
+from conveyor.plugins.kvcache.declarations import PagedOptions
 from conveyor.request import Request, RequestStatus
 
 if TYPE_CHECKING:
     from conveyor.connector import KVConnector
-
-
-class PagedOptions(KVCacheOptions, forbid_unknown_fields=True):
-    # tokens per block
-    block_size: Annotated[int, msgspec.Meta(ge=1, le=1024)] = 16
-    # a fixed number of blocks instead of sizing from memory; 0: size from memory
-    num_blocks: Annotated[int, msgspec.Meta(ge=0)] = 0
-    # reuse the blocks of earlier requests that start with the same tokens
-    enable_prefix_caching: bool = True
 
 
 def block_digest(parent: bytes, tokens: Sequence[int]) -> bytes:
@@ -273,8 +264,3 @@ class PagedKVCache(KVCacheManager):
             num_prefix_hit_tokens=self.num_prefix_hits,
             num_evictions=self.num_evictions,
         )
-
-
-@hookimpl
-def conveyor_register_kvcaches(register):
-    register(PagedKVCache)

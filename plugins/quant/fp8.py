@@ -19,26 +19,13 @@ per tensor (compressed-tensors' FP8) is kept as it is, not quantized again.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Annotated, Literal
+import torch
+import torch.nn.functional as F
 
-import msgspec
-
-from conveyor.hookspecs import hookimpl
+from conveyor.model.formats import prepacks, quantize_fp8
+from conveyor.model.ggml import PackedWeight
+from conveyor.plugins.quant.declarations import FP8Options
 from conveyor.quant import FP8_TYPE_ID, NativeWeight, Params, QuantMethod
-
-if TYPE_CHECKING:
-    import torch
-
-    from conveyor.model.ggml import PackedWeight
-
-
-class FP8Options(msgspec.Struct, forbid_unknown_fields=True):
-    # "auto": fp8 activations (W8A8) on CUDA >= 8.9, else the model dtype (W8A16)
-    activations: Literal["auto", "bf16", "fp8"] = "auto"
-    # CPU, W8A16: batches of up to this many tokens multiply the fp8 weights in the C++ kernel (converted in
-    # registers); larger ones dequantize each layer first (one C++ pass) where the model dtype has a fast dense
-    # matmul (AVX-512), else they take the kernel too
-    cpu_kernel_max_rows: Annotated[int, msgspec.Meta(ge=0)] = 8
 
 
 def upcast(q: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -47,8 +34,6 @@ def upcast(q: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     The e4m3 sign, exponent and mantissa fields, moved into float16's, give
     the same number times 2^-8, for normal and subnormal values alike.
     """
-    import torch
-
     if q.device.type != "cpu":
         return q.to(dtype)
     bits = q.view(torch.uint8).to(torch.int16)
@@ -57,8 +42,6 @@ def upcast(q: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 def has_fp8_units(device: torch.device) -> bool:
-    import torch
-
     return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
 
 
@@ -81,7 +64,6 @@ class FP8(QuantMethod):
         self.kernel = self.fast_dense = False
         if device.type == "cpu" and not self.w8a8:
             from conveyor import native
-            from conveyor.model.formats import prepacks
 
             # the C++ kernel (converting the weights in registers), and whether the model dtype has a fast dense
             # matmul here (else the kernel takes every row count)
@@ -89,19 +71,13 @@ class FP8(QuantMethod):
             self.fast_dense = prepacks(device, dtype)
 
     def prepare(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> Params:
-        from conveyor.model.formats import quantize_fp8
-
         return self._params(*quantize_fp8(weight.float()), bias)
 
     def prepare_input_shard(self, weight: torch.Tensor, columns: slice) -> Params:
-        from conveyor.model.formats import quantize_fp8
-
         q, scale = quantize_fp8(weight.float())
         return self._params(q[:, columns], scale)
 
     def prepare_packed(self, parts: list[PackedWeight], bias: torch.Tensor | None = None) -> Params:
-        import torch
-
         if any(part.format != "F8_E4M3" for part in parts):
             raise ValueError(f"the fp8 method takes F8_E4M3 weights, not {sorted({p.format for p in parts})}")
         q = torch.cat([part.data for part in parts]).view(torch.float8_e4m3fn)
@@ -120,11 +96,6 @@ class FP8(QuantMethod):
                             self.options.cpu_kernel_max_rows if self.fast_dense else None)
 
     def linear(self, x: torch.Tensor, params: Params) -> torch.Tensor:
-        import torch
-        import torch.nn.functional as F
-
-        from conveyor.model.formats import quantize_fp8
-
         q, scale = params["qweight"], params["scale"]
         if x.device.type == "cuda":
             from conveyor.plugins.quant.kernels import w8a8_fp8_matmul, w8a16_matmul
@@ -145,8 +116,3 @@ class FP8(QuantMethod):
             y = F.linear(x, upcast(q, x.dtype) * scale[:, None].to(x.dtype))
         bias = params.get("bias")
         return y if bias is None else y + bias
-
-
-@hookimpl
-def conveyor_register_quant_methods(register):
-    register(FP8)

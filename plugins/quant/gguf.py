@@ -14,19 +14,16 @@ the file stores as floats (norms; F16/BF16/F32 weights) take the ``none`` method
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+import torch
+import torch.nn.functional as F
 
-from conveyor.hookspecs import hookimpl
+from conveyor.model import ggml
+from conveyor.model.ggml import PackedWeight
 from conveyor.plugins.quant.fp8 import FP8
 from conveyor.plugins.quant.none import NoQuant
 from conveyor.quant import NativeWeight, Params
 
-if TYPE_CHECKING:
-    import torch
-
-    from conveyor.model.ggml import PackedWeight
-
-# GGML type names, in conveyor.model.ggml.BLOCKS (kept here to list without importing torch)
+# the GGML types a file stores (conveyor.model.ggml.BLOCKS also holds the layouts the kernels repack them into)
 FORMATS = frozenset({"Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K"})
 
 
@@ -40,10 +37,6 @@ class GGUFQuant(NoQuant):
         """Params ``"{i}:{format}:{layout}"`` hold the blocks of the i-th run of parts in one format, in order
         (``uint8 [rows, row bytes]``), as the file stores them or, where the kernels run, repacked losslessly
         into the layout they read fastest (``conveyor.model.ggml.repack``: Q4_0 and Q4_1 two blocks to a unit)."""
-        from conveyor.model import ggml
-
-        import torch
-
         repack = self.device.type == "cpu" and kernels_built()
         kept = [(part.format, ggml.repack(part) if repack else part) for part in parts]
         # consecutive parts in one format (Q, K and V; gate and up, as a file usually has them) become one
@@ -63,18 +56,14 @@ class GGUFQuant(NoQuant):
         return params
 
     def packed_table(self, params: Params) -> PackedWeight | None:
-        from conveyor.model import ggml
-
         parts = [(key.rpartition(":")[2], data) for key, data in params.items() if ":" in key]
         if len(parts) != 1:
             return None
         layout, data = parts[0]
         values, size = ggml.BLOCKS[layout]
-        return ggml.PackedWeight(layout, data, data.shape[1] // size * values)
+        return PackedWeight(layout, data, data.shape[1] // size * values)
 
     def native_weight(self, params: Params) -> NativeWeight | None:
-        from conveyor.model import ggml
-
         table = self.packed_table(params)
         if table is None or "bias" in params or not kernels_built():
             return None  # (several parts, a bias, or float weights)
@@ -84,8 +73,6 @@ class GGUFQuant(NoQuant):
         parts = [(key.rpartition(":")[2], data) for key, data in params.items() if ":" in key]
         if not parts:
             return super().linear(x, params)
-        import torch
-
         outputs = [_multiply(x, format, data) for format, data in parts]
         y = outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=-1)
         bias = params.get("bias")
@@ -109,10 +96,6 @@ class GGUFQuant(NoQuant):
 
 def _multiply(x: torch.Tensor, format: str, data: torch.Tensor) -> torch.Tensor:
     """``x @ w.T`` for one part's blocks: the C++ kernels where they run, else dequantized per call."""
-    import torch.nn.functional as F
-
-    from conveyor.model import ggml
-
     values, size = ggml.BLOCKS[format]
     in_features = data.shape[1] // size * values
     if x.shape[1] < in_features:  # (a repacked row's zero block)
@@ -125,7 +108,7 @@ def _multiply(x: torch.Tensor, format: str, data: torch.Tensor) -> torch.Tensor:
         from conveyor.plugins.quant.ggml_kernels import ggml_matmul
 
         return ggml_matmul(x, data, format)
-    return F.linear(x, ggml.dequantize(ggml.PackedWeight(format, data, in_features), x.dtype))
+    return F.linear(x, ggml.dequantize(PackedWeight(format, data, in_features), x.dtype))
 
 
 def kernels_built() -> bool:
@@ -172,9 +155,3 @@ class AutoQuant(GGUFQuant):
         if "qweight" in params:
             return self.fp8.formats(params)
         return super().formats(params)
-
-
-@hookimpl
-def conveyor_register_quant_methods(register):
-    register(GGUFQuant)
-    register(AutoQuant)

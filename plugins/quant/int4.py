@@ -15,22 +15,12 @@ tensors are kept as the file stores them, as under ``gguf``.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Literal
+import torch
 
-import msgspec
-
-from conveyor.hookspecs import hookimpl
+from conveyor.model.ggml import QK, PackedWeight
+from conveyor.plugins.quant.declarations import Int4Options
 from conveyor.plugins.quant.gguf import GGUFQuant
 from conveyor.quant import Params, QuantMethod
-
-if TYPE_CHECKING:
-    import torch
-
-
-class Int4Options(msgspec.Struct, forbid_unknown_fields=True):
-    # the block format weights are quantized into: "Q4_1" (a scale and a minimum per 32 values, 5 bits a weight)
-    # or "Q4_0" (a scale per 32 values, symmetric, 4.5 bits a weight)
-    block: Literal["Q4_1", "Q4_0"] = "Q4_1"
 
 
 class Int4(GGUFQuant):
@@ -44,18 +34,10 @@ class Int4(GGUFQuant):
         self.copy_budget = 0  # (the layers left in the model dtype get no decode copies)
 
     def prepare(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> Params:
-        import torch
         from gguf import GGMLQuantizationType, quants
-
-        from conveyor.model.ggml import QK, PackedWeight
 
         if weight.shape[1] % QK:
             return super().prepare(weight, bias)
         block = self.options.block
         data = quants.quantize(weight.float().numpy(), GGMLQuantizationType[block])
         return self.prepare_packed([PackedWeight(block, torch.from_numpy(data), weight.shape[1])], bias)
-
-
-@hookimpl
-def conveyor_register_quant_methods(register):
-    register(Int4)

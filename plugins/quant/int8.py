@@ -25,15 +25,13 @@ one call); with AMX, rounding x per 64 values is what lifts int8 above bf16 at 6
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Annotated
+import torch
+import torch.nn.functional as F
 
-import msgspec
-
-from conveyor.hookspecs import hookimpl
+from conveyor.model.formats import prepacks
+from conveyor.model.ggml import QK, TYPE_IDS, encode
+from conveyor.plugins.quant.declarations import Int8Options
 from conveyor.quant import NativeWeight, Params, QuantMethod
-
-if TYPE_CHECKING:
-    import torch
 
 INT8_MAX = 127.0
 # NOTE: torch._weight_int8pack_mm (CPU) crashes or miscomputes unless in_features is a multiple of 32;
@@ -41,17 +39,8 @@ INT8_MAX = 127.0
 INT8PACK_K_MULTIPLE = 32
 
 
-class Int8Options(msgspec.Struct, forbid_unknown_fields=True):
-    # CPU without the packed-block kernel's vector paths: batches of up to this many tokens multiply the int8 weights
-    # directly; larger ones dequantize first where the model dtype has a fast dense matmul (AVX-512), else they
-    # too multiply directly
-    cpu_int8_max_rows: Annotated[int, msgspec.Meta(ge=0)] = 16
-
-
 def quantize_int8(weight: torch.Tensor, scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Round-to-nearest per-row int8: ``weight ~= q * scale[:, None]``; ``scale``: given (else max|row| / 127)."""
-    import torch
-
     if scale is None:
         scale = (weight.abs().amax(dim=1) / INT8_MAX).clamp_min(1e-12)
     q = torch.round(weight / scale.clamp_min(1e-30)[:, None]).clamp(-INT8_MAX, INT8_MAX).to(torch.int8)
@@ -60,8 +49,6 @@ def quantize_int8(weight: torch.Tensor, scale: torch.Tensor | None = None) -> tu
 
 def q8_0_blocks(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """int8 ``[N, K]`` with a float16-exact scale per row -> ``uint8 [N, K / 32 * 34]`` Q8_0 blocks."""
-    from conveyor.model.ggml import QK, encode
-
     n, k = q.shape
     return encode("Q8_0", q, scale[:, None].expand(n, k // QK)).data
 
@@ -73,8 +60,6 @@ class Int8WeightOnly(QuantMethod):
     Options = Int8Options
 
     def __init__(self, options: Int8Options | None, dtype: torch.dtype, device: torch.device):
-        from conveyor.model.formats import prepacks
-
         super().__init__(options, dtype, device)
         # whether the model dtype has a fast dense matmul here (else int8pack takes every row count)
         self.fast_dense = prepacks(device, dtype)
@@ -90,8 +75,6 @@ class Int8WeightOnly(QuantMethod):
     def _quantize(self, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, bool]:
         """The int8 values, the scales, and whether they go into Q8_0 blocks here (then each scale is rounded
         to float16 before the values are rounded against it)."""
-        import torch
-
         if self.device.type != "cpu" or weight.shape[1] % INT8PACK_K_MULTIPLE or not q8_0_kernel():
             return *quantize_int8(weight), False
         scale = (weight.abs().amax(dim=1) / INT8_MAX).to(torch.float16).float()
@@ -113,18 +96,12 @@ class Int8WeightOnly(QuantMethod):
     def native_weight(self, params: Params) -> NativeWeight | None:
         if "q8_0" not in params or "bias" in params:
             return None
-        from conveyor.model.ggml import TYPE_IDS
-
         return NativeWeight(params["q8_0"], TYPE_IDS["Q8_0R"])
 
     def linear(self, x: torch.Tensor, params: Params) -> torch.Tensor:
-        import torch
-        import torch.nn.functional as F
-
         bias = params.get("bias")
         if "q8_0" in params:
             from conveyor import native
-            from conveyor.model.ggml import TYPE_IDS
 
             return native.ggml_linear(x, params["q8_0"], TYPE_IDS["Q8_0R"], bias)
         q = params["qweight"]
@@ -147,8 +124,3 @@ def q8_0_kernel() -> bool:
     from conveyor.plugins.quant.gguf import kernels_built
 
     return kernels_built() and native.ggml_linear_path() in ("avx2", "avx512_vnni", "amx")
-
-
-@hookimpl
-def conveyor_register_quant_methods(register):
-    register(Int8WeightOnly)

@@ -2,23 +2,20 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Annotated
+import torch
+import torch.nn.functional as F
 
-import msgspec
-
-from conveyor.hookspecs import hookimpl
+from conveyor.model.formats import (
+    decode_copy,
+    decode_layout,
+    decode_linear,
+    decode_rows,
+    packed_linear,
+    prepack,
+    prepacks,
+)
+from conveyor.plugins.quant.declarations import NoQuantOptions
 from conveyor.quant import Params, QuantMethod
-
-if TYPE_CHECKING:
-    import torch
-
-
-class NoQuantOptions(msgspec.Struct, forbid_unknown_fields=True):
-    # CPU, bfloat16: MB of memory for a second copy of the linear weights that a C++ kernel streams for
-    # decode steps faster than oneDNN's prepacked layout: with AMX, laid out as AMX tiles for steps of up
-    # to 64 tokens; with AVX-512 BF16 only, row-major for steps of one token (docs/performance.md, "Fast steps"). Layers
-    # get copies in order until the budget is spent; 0 keeps none. Ignored elsewhere.
-    cpu_decode_copy_mb: Annotated[float, msgspec.Meta(ge=0)] = 1024.0
 
 
 class NoQuant(QuantMethod):
@@ -33,8 +30,6 @@ class NoQuant(QuantMethod):
         self.copy_budget = int(self.options.cpu_decode_copy_mb * 2**20)
 
     def prepare(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> Params:
-        from conveyor.model.formats import decode_copy, decode_layout, prepack, prepacks
-
         weight = weight.to(device=self.device, dtype=self.dtype).contiguous()
         if not prepacks(self.device, self.dtype):
             params = {"weight": weight}
@@ -50,10 +45,6 @@ class NoQuant(QuantMethod):
         return params
 
     def linear(self, x: torch.Tensor, params: Params) -> torch.Tensor:
-        import torch.nn.functional as F
-
-        from conveyor.model.formats import decode_linear, decode_rows, packed_linear
-
         if "decode" in params and x.shape[0] <= decode_rows(params["decode"]):
             return decode_linear(x, params["decode"], params.get("bias"))
         if "packed" in params:
@@ -69,8 +60,3 @@ class NoQuant(QuantMethod):
         if "decode" in params:
             formats["copies"] = params["decode"].numel() * params["decode"].element_size()
         return formats
-
-
-@hookimpl
-def conveyor_register_quant_methods(register):
-    register(NoQuant)

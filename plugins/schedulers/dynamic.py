@@ -7,19 +7,8 @@ slowest request is done, while new arrivals wait for the next window.
 
 from __future__ import annotations
 
-from typing import Annotated
-
-import msgspec
-
-from conveyor.hookspecs import hookimpl
-from conveyor.plugins.schedulers.static import BatchOptions, RunToCompletionScheduler
-
-
-class DynamicOptions(BatchOptions, forbid_unknown_fields=True):
-    # most requests per batch
-    max_batch_size: Annotated[int, msgspec.Meta(ge=1)] = 16
-    # how long a batch collects requests after the first one arrives
-    window_ms: Annotated[float, msgspec.Meta(ge=0)] = 50.0
+from conveyor.plugins.schedulers.declarations import DynamicOptions
+from conveyor.plugins.schedulers.static import RunToCompletionScheduler
 
 
 class DynamicScheduler(RunToCompletionScheduler):
@@ -36,8 +25,3 @@ class DynamicScheduler(RunToCompletionScheduler):
         super().__init__(options, kvcache, max_model_len)
         self.max_batch_size = options.max_batch_size
         self.max_wait_s = options.window_ms / 1000
-
-
-@hookimpl
-def conveyor_register_schedulers(register):
-    register(DynamicScheduler)

@@ -9,25 +9,9 @@ never arrived, are counted as wasted.
 
 from __future__ import annotations
 
-from typing import Annotated
-
-import msgspec
-
-from conveyor.hookspecs import hookimpl
+from conveyor.plugins.schedulers.declarations import BatchOptions, StaticOptions
 from conveyor.request import Request, RequestStatus
-from conveyor.scheduler import ScheduledBatch, Scheduler, SchedulerOptions
-
-
-class BatchOptions(SchedulerOptions, forbid_unknown_fields=True):
-    # token budget of one step; a batch's prompts are split into steps under it
-    max_num_batched_tokens: Annotated[int, msgspec.Meta(ge=1)] = 8192
-
-
-class StaticOptions(BatchOptions, forbid_unknown_fields=True):
-    # requests per batch
-    batch_size: Annotated[int, msgspec.Meta(ge=1)] = 16
-    # start a smaller batch once the oldest waiting request has waited this long
-    max_wait_ms: Annotated[float, msgspec.Meta(ge=0)] = 1000.0
+from conveyor.scheduler import ScheduledBatch, Scheduler
 
 
 class RunToCompletionScheduler(Scheduler):
@@ -121,8 +105,3 @@ class StaticScheduler(RunToCompletionScheduler):
     def slots_for(self, batch_size: int) -> int:
         # the batch has batch_size slots whether or not they were filled
         return self.options.batch_size
-
-
-@hookimpl
-def conveyor_register_schedulers(register):
-    register(StaticScheduler)

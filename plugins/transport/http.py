@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import os
 import socket
-from typing import Annotated, ClassVar
+from typing import ClassVar
 
 import anyio
 import anyio.abc
@@ -34,29 +34,9 @@ from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
 
 from conveyor.api import responses_api
-from conveyor.hookspecs import hookimpl
+from conveyor.plugins.transport.declarations import HTTPOptions
 from conveyor.plugins.transport.http_routes import Routes
 from conveyor.transport import Frontend, Transport
-
-
-class HTTPOptions(msgspec.Struct, forbid_unknown_fields=True):
-    # interface to listen on; 127.0.0.1 keeps the server private to this machine
-    host: str = "127.0.0.1"
-    # 0 picks a free port
-    port: Annotated[int, msgspec.Meta(ge=0, le=65535)] = 8000
-    # name of an environment variable holding the API key clients must send as "Authorization: Bearer KEY" (or
-    # "x-api-key: KEY"); empty: no key
-    api_key_env: str = ""
-    # largest request body, in bytes (HTTP 413 beyond)
-    max_body_bytes: Annotated[int, msgspec.Meta(ge=1024)] = 4 * 1024 * 1024
-    # seconds to wait for open connections when the server stops
-    graceful_timeout: Annotated[float, msgspec.Meta(ge=0)] = 5.0
-    # Responses API: responses kept in memory for previous_response_id and GET /v1/responses/{id}, the oldest
-    # dropped first (0: none kept)
-    max_stored_responses: Annotated[int, msgspec.Meta(ge=0)] = 1000
-    # request fields the API does not have: false logs each name once and counts them on /metrics
-    # (conveyor_request_unknown_fields_total), then ignores them; true refuses them with a 400 naming the field
-    strict_requests: bool = False
 
 
 class _Server(uvicorn.Server):
@@ -151,8 +131,3 @@ class HTTPTransport(Transport):
             ],
             exception_handlers={404: routes.not_found, 405: routes.not_allowed, Exception: routes.internal_error},
         )
-
-
-@hookimpl
-def conveyor_register_transports(register) -> None:
-    register(HTTPTransport)

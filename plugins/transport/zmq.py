@@ -13,7 +13,7 @@ import logging
 import time
 from contextlib import aclosing
 from pathlib import Path
-from typing import Annotated, ClassVar
+from typing import ClassVar
 
 import anyio
 import anyio.abc
@@ -23,36 +23,13 @@ import zmq.asyncio
 from zmq.auth.asyncio import AsyncioAuthenticator
 
 from conveyor.api.tokenizing import Tokenizing
-from conveyor.hookspecs import hookimpl
 from conveyor.plugins.transport import zmq_reply
+from conveyor.plugins.transport.declarations import ZMQOptions
 from conveyor.plugins.transport.zmq_reply import Reply
 from conveyor.serving import protocol
 from conveyor.transport import Frontend, RequestError, Transport
 
 logger = logging.getLogger("conveyor")
-
-
-class ZMQOptions(msgspec.Struct, forbid_unknown_fields=True):
-    # where clients connect; tcp://127.0.0.1:* picks a free port
-    address: str = "tcp://127.0.0.1:5556"
-    # CURVE: the server's secret key file (zmq.auth.create_certificates makes NAME.key_secret) ...
-    curve_secret_key_file: str = ""
-    # ... and a directory of the public key files (*.key) of the clients allowed in
-    curve_authorized_keys_dir: str = ""
-    # largest message a client may send, in bytes; a client that sends a larger one is disconnected
-    max_message_bytes: Annotated[int, msgspec.Meta(ge=1024)] = 4 * 1024 * 1024
-    # messages queued for one client that is not reading (beyond what the network holds); while its queue is
-    # full, its requests wait (the other clients' do not) ...
-    client_queue_messages: Annotated[int, msgspec.Meta(ge=1)] = 1000
-    # ... and a client whose queue stays full this long has its requests aborted
-    slow_client_timeout_s: Annotated[float, msgspec.Meta(gt=0)] = 30.0
-    # the kernel's send buffer of each client connection (SO_SNDBUF), which holds what the queue has passed on;
-    # 0: the system's, which grows to several MB for a client that does not read
-    send_buffer_bytes: Annotated[int, msgspec.Meta(ge=0)] = 0
-
-    def __post_init__(self) -> None:
-        if bool(self.curve_secret_key_file) != bool(self.curve_authorized_keys_dir):
-            raise ValueError("CURVE needs both curve_secret_key_file and curve_authorized_keys_dir (or neither)")
 
 
 class ZMQTransport(Transport):
@@ -229,8 +206,3 @@ class _Replier:
 
     async def error_or_drop(self, request_id: str | None, status: int, message: str) -> None:
         await self.send_or_drop(b"error", protocol.ErrorReply(request_id, status, message))
-
-
-@hookimpl
-def conveyor_register_transports(register) -> None:
-    register(ZMQTransport)
