@@ -25,8 +25,8 @@ if TYPE_CHECKING:
 
     from conveyor.model.ggml import PackedWeight
 
-# NOTE: this module and the quant plugins import torch only inside their functions: the server's frontend
-# process loads every plugin module to validate the config, and stays without torch.
+# NOTE: torch only for annotations here: the interface stays as light to import as the plugins' declarations
+# (conveyor.plugins.quant.declarations), which the server's frontend reads to check a config without torch.
 
 Params = dict[str, "torch.Tensor"]
 

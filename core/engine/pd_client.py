@@ -202,7 +202,8 @@ def transfer_config(config: Config) -> tuple[Config, Path | None]:
     parallel = config.parallel
     disk_dir = parallel.kv_transfer_dir or (spec.options.disk_dir if spec.plugin == "tiers" else "")
     directory = None
-    options = spec.options if spec.plugin == "tiers" else PluginRegistry.of(config).get("connector", "tiers").Options()
+    options = spec.options if spec.plugin == "tiers" else \
+        PluginRegistry.of(config).declaration("connector", "tiers").options()
     if not disk_dir:
         parent = Path("/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir())
         remove_orphans(parent)
