@@ -6,14 +6,16 @@ the decode step time through the mp executor with each.
 
 Bytes: the real engine core and scheduler run over the simulator's executor (nothing is computed; the
 model is Llama-3-8B's shape), with ``--running`` requests of ``--context``-token prompts admitted at once.
-The executor encodes each step with msgpack, as the mp and Ray executors do, and a worker's
-``HeldRequests`` rebuilds it whole; the whole message is encoded again for the comparison. Prints the
-bytes of the decode steps (every request decoding, contexts ``--context`` and more).
+The executor encodes each step with msgpack, as the mp and Ray executors do, and a worker's rows
+(``conveyor.worker.rows``) take it; each entry is then made whole from them and encoded again for the
+comparison. Prints the bytes of the decode steps (every request decoding, contexts ``--context`` and more).
 
-Worker inputs: the last decode step, whole, is written into the runner's input buffers
-(``conveyor.worker.inputs``: ids, positions, slots, tables and context lengths computed in numpy over
-whole arrays) and, beside it, built the way the runner built it before, token by token in Python lists
-turned into tensors; both timed here (median of 200, CPU).
+Worker preparation: the run's step messages are replayed into a worker's state, and each decode step's
+preparation on the host is timed (median over the decode steps of 10 replays, CPU): the step applied to the
+rows, its input buffers written (``conveyor.worker.inputs``) and its sampling parameters gathered, as the
+worker does now; and, in the same run, the same steps the way the worker prepared them before
+(``BeforeRows``: each entry rebuilt whole, every request's whole table row written again in Python, the
+sampling parameters read from each entry's parameters).
 
 Time (``--tp N``, N > 0): the same requests through ``[parallel] executor = "mp"`` with N worker processes
 over a small model of random weights (``load_format = "dummy"``: 4 layers of 256, so that what a step
@@ -28,6 +30,7 @@ import json
 import statistics
 import tempfile
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import msgspec
@@ -36,13 +39,14 @@ import torch
 from conveyor.bench.costs import weight_bytes
 from conveyor.bench.simulator import SimulatedExecutor, hardware_costs, resolve_model
 from conveyor.config import load_config
-from conveyor.deltas import HeldRequests
 from conveyor.engine.core import EngineCore
 from conveyor.kvcache import DTYPE_BYTES
 from conveyor.messages import EngineRequest, StepInput
 from conveyor.registry import PluginRegistry
 from conveyor.sampling import SamplingParams
 from conveyor.worker.inputs import InputBuffers
+from conveyor.worker.rows import BatchRows
+from conveyor.worker.sampler import SamplingBuffers
 
 
 class MeasuredExecutor(SimulatedExecutor):
@@ -50,18 +54,20 @@ class MeasuredExecutor(SimulatedExecutor):
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        self.held = HeldRequests()
-        # (decodes in the step, bytes as sent, bytes whole)
+        self.rows = BatchRows()
+        # (decodes in the step, bytes as sent, bytes whole), and each step's message as sent
         self.sizes: list[tuple[int, int, int]] = []
+        self.messages: list[bytes] = []
 
     def execute(self, step: StepInput) -> object:
         sent = msgspec.msgpack.encode(step)
         received = msgspec.msgpack.decode(sent, type=StepInput)
-        self.held.apply(received)
+        self.rows.apply(received)
+        for entry in received.requests:
+            entry.block_ids, entry.block_offset = self.rows.table(entry), 0
         whole = msgspec.msgpack.encode(received)
         self.sizes.append((step.num_decodes, len(sent), len(whole)))
-        if step.num_decodes == len(step.requests):
-            self.last_decode = received
+        self.messages.append(sent)
         return super().execute(step)
 
 
@@ -74,33 +80,83 @@ class Planner:
     """An attention backend's planning, as the kernels over block tables take it (the default)."""
 
     batch_invariant = False
+    prefills_as_decodes = False
     storage = None
 
     def plan_decodes(self, tables):
         return tables
 
-
-def inputs_in_lists(step: StepInput, block_size: int) -> tuple:
-    """A step's inputs built as the runner did before the buffers: per token in Python, then tensors."""
-    ids, positions, slots = [], [], []
-    for r in step.requests:
-        ids.extend(r.token_ids)
-        positions.extend(range(r.start, r.start + len(r.token_ids)))
-        slots.extend(r.block_ids[p // block_size] * block_size + p % block_size
-                     for p in range(r.start, r.start + len(r.token_ids)))
-    tables = [r.block_ids for r in step.requests]
-    width = max(len(t) for t in tables)
-    return (torch.tensor(ids), torch.tensor(positions), torch.tensor(slots),
-            torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32),
-            torch.tensor([r.start + 1 for r in step.requests], dtype=torch.int32))
+    def plan_prefills(self, tables):
+        return tables
 
 
-def median_ms(fn, repeat: int = 200) -> float:
+@dataclass
+class HeldBefore:
+    params: SamplingParams
+    table: list[int]
+    prompt: list[int] = field(default_factory=list)
+    outputs: list[int] = field(default_factory=list)
+    last_sampled: int = -1
+
+
+class BeforeRows:
+    """The worker's state as it was before its rows: each entry made whole again on every step (parameters, the
+    whole table, penalty tokens), then every request's table row written again into the input buffers."""
+
+    def __init__(self, block_size: int):
+        self.held: dict[str, HeldBefore] = {}
+        self.inputs = InputBuffers(block_size, torch.device("cpu"))
+        self.sampling = SamplingBuffers(torch.device("cpu"))
+
+    def prepare(self, step: StepInput) -> None:
+        for request_id in step.finished_request_ids:
+            self.held.pop(request_id, None)
+        for entry in step.requests:
+            if entry.params is not None:
+                held = self.held[entry.request_id] = HeldBefore(entry.params, entry.block_ids)
+            else:
+                held = self.held[entry.request_id]
+                entry.params = held.params
+                del held.table[entry.block_offset :]
+                held.table.extend(entry.block_ids)
+                entry.block_ids = held.table
+                entry.block_offset = 0
+            if entry.follows:
+                entry.token_ids = [max(held.last_sampled, 0)]
+            if entry.prompt_token_ids:
+                held.prompt = entry.prompt_token_ids
+            if entry.sample and entry.params.has_penalties:
+                held.outputs.extend(entry.output_token_ids)
+                entry.prompt_token_ids, entry.output_token_ids = held.prompt, held.outputs
+        self.inputs.prepare(step, Planner())
+        self.sampling.tensors([r.params for r in step.requests])
+
+
+class WithRows:
+    """The worker's state now: one row per request, the step applied to them and gathered from them."""
+
+    def __init__(self, block_size: int):
+        self.rows = BatchRows()
+        self.inputs = InputBuffers(block_size, torch.device("cpu"))
+        self.sampling = SamplingBuffers(torch.device("cpu"))
+
+    def prepare(self, step: StepInput) -> None:
+        self.rows.apply(step)
+        self.inputs.prepare(step, Planner(), self.rows)
+        self.sampling.take(self.rows, self.rows.index(step.requests))
+
+
+def preparation_ms(messages: list[bytes], worker: type, block_size: int, replays: int = 10) -> float:
+    """Median host time of a decode step's preparation, over the decode steps of ``replays`` replays of the
+    run's messages (each into a fresh worker state; messages decoded before the clock starts)."""
     times = []
-    for _ in range(repeat):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
+    for _ in range(replays):
+        state = worker(block_size)
+        for step in [msgspec.msgpack.decode(m, type=StepInput) for m in messages]:
+            start = time.perf_counter()
+            state.prepare(step)
+            if step.num_decodes == len(step.requests):
+                times.append(time.perf_counter() - start)
     return statistics.median(times) * 1e3
 
 
@@ -176,12 +232,11 @@ def main() -> None:
     print(f"  first step (every prompt):  {first[1]:>9,} bytes sent, {first[2]:>9,} whole")
     print(f"  decode steps ({len(decodes)}), median: {sent:>9,.0f} bytes sent, {whole:>9,.0f} whole "
           f"({whole / sent:.1f}x fewer; {sent / args.running:.1f} bytes a request)", flush=True)
-    step, block_size = executor.last_decode, config.kvcache.options.block_size
-    buffers = InputBuffers(block_size, torch.device("cpu"))
-    planner = Planner()
-    print(f"  worker inputs of a decode step (median): {median_ms(lambda: buffers.prepare(step, planner)):.3f} ms "
-          f"in the buffers, {median_ms(lambda: inputs_in_lists(step, block_size)):.3f} ms in Python lists",
-          flush=True)
+    block_size = config.kvcache.options.block_size
+    before = preparation_ms(executor.messages, BeforeRows, block_size)
+    rows = preparation_ms(executor.messages, WithRows, block_size)
+    print(f"  worker preparation of a decode step (host, median): {before:.3f} ms before (entries made whole, "
+          f"every table row written), {rows:.3f} ms with rows (diffs applied, rows gathered)", flush=True)
     if args.tp:
         print(f"decode step through the mp executor, TP={args.tp}, a 4-layer model of width 256, one thread a "
               "worker (median):", flush=True)

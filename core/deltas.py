@@ -6,8 +6,8 @@ prompt and the outputs sent so far. (Under min_tokens a step also carries the to
 as long as they apply; nothing is kept of them.) A step's ``ScheduledRequest`` then carries the parameters only
 the first time, the table from the first entry that changed (``block_offset``: a table grows at its
 end, and a preempted request's new table usually shares little), and only the new outputs. A
-worker's ``HeldRequests`` applies the step to what it holds and fills each entry in place, so that
-everything after it reads whole requests as before. Both forget a request as it ends (the step's
+worker applies the step to the row it keeps of each request (``conveyor.worker.rows``: the table
+written from ``block_offset`` on, the outputs appended). Both forget a request as it ends (the step's
 ``finished_request_ids``, applied before its entries, so an id may come back at once).
 
 At 64 decodes with 1,000-token contexts this is the difference between a step message that grows
@@ -17,9 +17,9 @@ with the context (every table, every parameter set) and one of a few bytes per r
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-from conveyor.messages import ScheduledRequest, StepInput
+from conveyor.messages import ScheduledRequest
 from conveyor.request import Request
 
 
@@ -75,68 +75,3 @@ class SentRequests:
                 sent.num_outputs = 0
             entry.output_token_ids = request.output_token_ids[sent.num_outputs :]
             sent.num_outputs = request.num_output_tokens
-
-
-@dataclass
-class _Held:
-    params: object
-    table: list[int]
-    prompt: list[int] = field(default_factory=list)
-    outputs: list[int] = field(default_factory=list)
-    # the token this worker last sampled for it (async scheduling: a ``follows`` entry's input)
-    last_sampled: int = -1
-
-
-class HeldRequests:
-    """A worker's copy of each request's parameters, block table, (penalties) tokens and last sampled token."""
-
-    def __init__(self) -> None:
-        self._held: dict[str, _Held] = {}
-
-    def __len__(self) -> int:
-        return len(self._held)
-
-    def apply(self, step: StepInput) -> None:
-        """Forget the requests that ended, then bring each entry's request up to date and fill the entry
-        whole: its parameters, its whole table and (penalties) its whole prompt and outputs.
-
-        Raises:
-            KeyError: an entry for a request the worker does not hold that carries no parameters.
-        """
-        for request_id in step.finished_request_ids:
-            self._held.pop(request_id, None)
-        for entry in step.requests:
-            if entry.params is not None:
-                held = self._held[entry.request_id] = _Held(entry.params, entry.block_ids)
-            else:
-                held = self._held[entry.request_id]
-                entry.params = held.params
-                del held.table[entry.block_offset :]
-                held.table.extend(entry.block_ids)
-                entry.block_ids = held.table
-                entry.block_offset = 0
-            if entry.follows:  # (-1: the step it follows failed, and the engine ends the request; any token
-                # keeps this step's other requests valid)
-                entry.token_ids = [max(held.last_sampled, 0)]
-            if entry.prompt_token_ids:
-                held.prompt = entry.prompt_token_ids
-            if entry.sample and entry.params.has_penalties:
-                held.outputs.extend(entry.output_token_ids)
-                entry.prompt_token_ids, entry.output_token_ids = held.prompt, held.outputs
-
-    def followed(self, step: StepInput) -> list[int]:
-        """The last sampled token of each entry that ``follows`` a step in flight, in order (-1 where this worker
-        sampled none: a TP worker other than the driver)."""
-        return [self._held[e.request_id].last_sampled for e in step.requests if e.follows]
-
-    def take_followed(self, step: StepInput, tokens: list[int]) -> None:
-        """Keep ``tokens`` (the driver's ``followed``) as those entries' last sampled tokens."""
-        entries = (e for e in step.requests if e.follows)
-        for entry, token in zip(entries, tokens):
-            self._held[entry.request_id].last_sampled = token
-
-    def sampled(self, step: StepInput, tokens: list[int | None]) -> None:
-        """Keep each request's token this step sampled (the driver's; other workers sample none)."""
-        for entry, token in zip(step.requests, tokens):
-            if token is not None:
-                self._held[entry.request_id].last_sampled = token

@@ -1,7 +1,7 @@
 """A step sends the workers only what changed of each request (conveyor.deltas): through the msgpack encoding
-the mp and Ray executors use, a worker rebuilds every entry whole, whatever happened to the request between
-steps (tables grown, replaced after a preemption or changed at the front behind a sliding window, outputs
-grown under penalties, requests ended and their ids used again)."""
+the mp and Ray executors use, a worker's rows (conveyor.worker.rows) hold every request whole, whatever happened
+to it between steps (tables grown, replaced after a preemption or changed at the front behind a sliding window,
+outputs grown under penalties, requests ended and their ids used again)."""
 
 from __future__ import annotations
 
@@ -11,10 +11,11 @@ import msgspec
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from conveyor.deltas import HeldRequests, SentRequests
+from conveyor.deltas import SentRequests
 from conveyor.messages import ScheduledRequest, StepInput
 from conveyor.request import Request
 from conveyor.sampling import SamplingParams
+from conveyor.worker.rows import BatchRows
 
 
 def make_request(request_id: str, prompt_len: int, penalties: bool) -> Request:
@@ -32,9 +33,10 @@ def whole(request: Request, table: list[int], sample: bool) -> ScheduledRequest:
     return entry
 
 
-def send(sent: SentRequests, held: HeldRequests, steps: list[tuple[Request, list[int], bool]],
+def send(sent: SentRequests, held: BatchRows, steps: list[tuple[Request, list[int], bool]],
          finished: list[str]) -> tuple[StepInput, int]:
-    """One step from the engine's side to a worker's, through msgpack; what the worker sees, and the bytes."""
+    """One step from the engine's side to a worker's, through msgpack; what the worker sees, each entry with
+    its whole table from the worker's rows, and the bytes."""
     sent.forget(finished)
     entries = []
     for request, table, sample in steps:
@@ -45,6 +47,8 @@ def send(sent: SentRequests, held: HeldRequests, steps: list[tuple[Request, list
     data = msgspec.msgpack.encode(StepInput(entries, len(entries), finished))
     step = msgspec.msgpack.decode(data, type=StepInput)
     held.apply(step)
+    for entry in step.requests:
+        entry.block_ids, entry.block_offset = held.table(entry), 0
     return step, len(data)
 
 
@@ -61,7 +65,7 @@ events = st.lists(
 @settings(max_examples=150, deadline=None)
 @given(events=events, penalties=st.lists(st.booleans(), min_size=6, max_size=6))
 def test_every_worker_entry_equals_the_whole_entry(events, penalties):
-    sent, held = SentRequests(), HeldRequests()
+    sent, held = SentRequests(), BatchRows(rows=2, width=1)
     requests: dict[int, Request] = {}
     tables: dict[int, list[int]] = {}
     generation = [0] * 6
@@ -102,7 +106,7 @@ def test_a_decode_costs_the_same_bytes_at_any_context_length():
     contexts (63 blocks of 16) it is more than 10x smaller."""
     sizes, whole_sizes = [], []
     for context_blocks in (4, 63, 500):
-        sent, held = SentRequests(), HeldRequests()
+        sent, held = SentRequests(), BatchRows()
         requests = [make_request(f"q{i}", 16 * context_blocks, True) for i in range(64)]
         tables = [[1000 * i + b for b in range(context_blocks)] for i in range(64)]
         send(sent, held, [(r, t, True) for r, t in zip(requests, tables)], [])
@@ -121,7 +125,7 @@ def test_a_decode_costs_the_same_bytes_at_any_context_length():
 def test_a_worker_that_does_not_hold_a_request_says_so():
     step = StepInput([ScheduledRequest("stranger", 4, [1], [2])], 1)
     try:
-        HeldRequests().apply(copy.deepcopy(step))
+        BatchRows().apply(copy.deepcopy(step))
     except KeyError as e:
         assert "stranger" in str(e)
     else:

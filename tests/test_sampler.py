@@ -175,7 +175,7 @@ def test_seeded_rows_do_not_depend_on_their_neighbours():
     sampler = Sampler()
     [request] = make_requests(seeded, 1)
     before = sampler.sample(logits.clone(), [request])[0]
-    sampler.forget([request.request_id])  # the request ended: a new one with its id and seed starts afresh
+    sampler.rows.remove([request.request_id])  # the request ended: a new one with its id and seed starts afresh
     assert sampler.sample(logits.clone(), [request])[0] == before
 
 

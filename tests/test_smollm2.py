@@ -98,7 +98,7 @@ def test_a_repetition_penalty_matches_transformers_over_chunked_steps(chunked, h
 
 
 def test_logprobs_match_transformers(llm_fp32, reference):
-    ids, ref_tokens, ref_logprobs = reference[0]
+    _, ref_tokens, ref_logprobs = reference[0]
     [completion] = llm_fp32.generate(
         [{"role": "user", "content": CHAT_PROMPTS[0]}],
         SamplingParams(max_tokens=16, temperature=0, ignore_eos=True, logprobs=5),
@@ -113,7 +113,7 @@ def test_logprobs_match_transformers(llm_fp32, reference):
 
 
 def test_generate_cli_matches_transformers(reference):
-    ids, ref_tokens, _ = reference[1]
+    _, ref_tokens, _ = reference[1]
     result = subprocess.run(
         [sys.executable, "-m", "conveyor", "--log-level", "WARNING", "generate", "--config", "configs/default.toml",
          "--set", "model.dtype=float32", "--set", "quant.plugin=none", "--chat", "--prompt", CHAT_PROMPTS[1],
@@ -152,9 +152,9 @@ def test_seeded_sampling_is_reproducible_in_any_batch(llm_fp32):
     assert batched[-1].token_ids == alone.token_ids
     [other_seed] = llm_fp32.generate(prompt, SamplingParams(max_tokens=32, temperature=1.0, top_p=0.95, seed=8, ignore_eos=True))
     assert other_seed.token_ids != alone.token_ids
-    # the worker forgets each seeded request's generator once the request has ended (only the last one's
-    # end has not reached it yet: ends travel with the next step)
-    assert len(llm_fp32.engine.executor.worker.runner.sampler.generators) <= 1
+    # the worker forgets each request's row, its generator with it, once the request has ended (only the last
+    # one's end has not reached it yet: ends travel with the next step)
+    assert len(llm_fp32.engine.executor.worker.runner.rows) <= 1
 
 
 def test_stop_string_ends_the_text_before_it(llm_fp32):

@@ -20,9 +20,10 @@ import torch
 
 from conveyor.attention.backend import AttentionBackend
 from conveyor.messages import StepInput
-from conveyor.model.graph_ops import paged_decode_op, register_backend
 from conveyor.model.decoder_model import DecoderModel
+from conveyor.model.graph_ops import paged_decode_op, register_backend
 from conveyor.worker.inputs import InputBuffers
+from conveyor.worker.rows import BatchRows
 
 logger = logging.getLogger("conveyor")
 
@@ -88,12 +89,13 @@ class CompiledDecode:
                     and not r.params.pooling for r in requests)
         )
 
-    def run(self, step: StepInput) -> torch.Tensor:
-        """The step's logits ``[requests, vocab]`` float32 (where ``accepts(step)``)."""
+    def run(self, step: StepInput, rows: BatchRows) -> torch.Tensor:
+        """The step's logits ``[requests, vocab]`` float32 (where ``accepts(step)``; ``rows`` hold its
+        requests' tables)."""
         n = len(step.requests)
         size = next(s for s in self.batch_sizes if s >= n)
         self.num_steps += 1
-        self.inputs.write(step)
+        self.inputs.write(step, rows)
         return self._run(n, size)[:n]
 
     def _run(self, n: int, size: int) -> torch.Tensor:

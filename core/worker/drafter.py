@@ -24,6 +24,7 @@ from conveyor.attention.backend import AttentionBackend
 from conveyor.messages import RunnerOutput, ScheduledRequest, StepInput
 from conveyor.model.decoder_model import DecoderModel
 from conveyor.worker.inputs import InputBuffers
+from conveyor.worker.rows import BatchRows
 
 
 def scratch_blocks_per_row(k: int, block_size: int) -> int:
@@ -50,42 +51,46 @@ class Drafter:
         self.max_rows = max_rows
         self.inputs = InputBuffers(self.block_size, model.device, pad_block=attention.storage.pad_block)
 
-    def propose(self, step: StepInput, output: RunnerOutput) -> list[list[int]]:
+    def propose(self, step: StepInput, output: RunnerOutput, rows: BatchRows) -> list[list[int]]:
         """Fill the draft's cache with the step's tokens and propose ``k`` tokens after each sampled one.
 
         Args:
             output: the target's tokens (``sampled``, and ``accepted`` drafts where there were any).
+            rows: the worker's rows, which hold the requests' block tables.
 
         Returns:
             Per entry of the step, the proposals ([] where nothing was sampled).
         """
         model = self.model
-        inputs = self.inputs.prepare(step, self.attention)
+        inputs = self.inputs.prepare(step, self.attention, rows)
         model.forward(inputs.input_ids, inputs.positions, inputs.attention)
-        rows: list[tuple[int, ScheduledRequest, int, int]] = []  # (entry, request, next position, token)
+        # (entry, request, next position, token, its table)
+        proposing: list[tuple[int, ScheduledRequest, int, int, list[int]]] = []
         for i, (request, token) in enumerate(zip(step.requests, output.sampled)):
             if token is None:
                 continue
             accepted = len(output.accepted[i]) if output.accepted else 0
             known = len(request.token_ids) - len(request.draft_token_ids)
-            rows.append((i, request, request.start + known + accepted, token))
+            proposing.append((i, request, request.start + known + accepted, token, rows.table(request)))
         proposals: list[list[int]] = [[] for _ in step.requests]
-        for first in range(0, len(rows), self.max_rows):
-            self._propose_rows(rows[first : first + self.max_rows], proposals)
+        for first in range(0, len(proposing), self.max_rows):
+            self._propose_rows(proposing[first : first + self.max_rows], proposals)
         return proposals
 
-    def _propose_rows(self, rows: list[tuple[int, ScheduledRequest, int, int]], proposals: list[list[int]]) -> None:
+    def _propose_rows(self, rows: list[tuple[int, ScheduledRequest, int, int, list[int]]],
+                      proposals: list[list[int]]) -> None:
         size = self.block_size
         tables = []
-        for row, (_, request, position, _) in enumerate(rows):
-            own = request.block_ids[: -(-position // size)]  # (the blocks before the new token's)
+        for row, (_, _, position, _, table) in enumerate(rows):
+            own = table[: -(-position // size)]  # (the blocks before the new token's)
             scratch = self.first_scratch_block + row * self.per_row
             needed = -(-(position + self.k) // size) - len(own)
             tables.append(own + list(range(scratch, scratch + needed)))
-        tokens = [token for *_, token in rows]
+        tokens = [token for _, _, _, token, _ in rows]
         for j in range(self.k):
             batch = StepInput([ScheduledRequest(request.request_id, position + j, [token], table, request.params)
-                               for (_, request, position, _), token, table in zip(rows, tokens, tables)], len(rows))
+                               for (_, request, position, _, _), token, table in zip(rows, tokens, tables)],
+                              len(rows))
             inputs = self.inputs.prepare(batch, self.attention)
             logits = self.model.compute_logits(self.model.forward(inputs.input_ids, inputs.positions,
                                                                   inputs.attention))

@@ -15,21 +15,29 @@ on CUDA each buffer has a pinned host copy that is written and then copied
 to the device without blocking (a host copy is written again only after
 the step that read it returned its tokens, which waits for the device).
 
-A table row keeps what an earlier, longer request left past its own blocks:
-a kernel reads only the blocks its context length covers, and every entry
-is a block of the pool.
+The block tables of the worker's requests live in their rows
+(``conveyor.worker.rows``), appended to as steps grow them: a step gathers
+its requests' rows by index in one numpy operation. A step whose entries
+carry whole tables of their own (the draft model's proposals) writes them
+request by request. A table row keeps what an earlier, longer request left
+past its own blocks: a kernel reads only the blocks its context length
+covers, and every entry is a block of the pool.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from itertools import chain
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from conveyor.attention.backend import AttentionBackend, DecodeTables, PrefillTables, StepAttention
 from conveyor.messages import StepInput
+
+if TYPE_CHECKING:
+    from conveyor.worker.rows import BatchRows
 
 
 class Buffer:
@@ -90,10 +98,14 @@ class InputBuffers:
         if tokens > self.tokens or rows > self.rows or width > self.width:
             self._allocate(grown(self.tokens, tokens), grown(self.rows, rows), grown(self.width, width))
 
-    def write(self, step: StepInput, every_token: bool = False) -> tuple[int, np.ndarray, np.ndarray, np.ndarray]:
+    def write(self, step: StepInput, rows: BatchRows | None = None,
+              every_token: bool = False) -> tuple[int, np.ndarray, np.ndarray, np.ndarray]:
         """Write the step's token ids, positions, slots, block tables and context lengths (a table per request,
         or per token with ``every_token``, each token then a decode over what is cached up to it: the backend's
         ``prefills_as_decodes``).
+
+        Args:
+            rows: the rows holding the requests' tables; None: each entry's ``block_ids`` is its whole table.
 
         Returns:
             The step's tokens, and each request's tokens, start and first row.
@@ -103,7 +115,8 @@ class InputBuffers:
         lens = np.fromiter((len(r.token_ids) for r in requests), np.int64, n)
         starts = np.fromiter((r.start for r in requests), np.int64, n)
         total = int(lens.sum())
-        width = max(len(r.block_ids) for r in requests)
+        index = None if rows is None else rows.index(requests)
+        width = max(len(r.block_ids) for r in requests) if index is None else int(rows.num_blocks[index].max())
         self.reserve(total, total if every_token else n, width)
         self.input_ids.array[:total] = np.fromiter(chain.from_iterable(r.token_ids for r in requests), np.int64, total)
         owner = np.repeat(np.arange(n), lens)
@@ -111,8 +124,11 @@ class InputBuffers:
         positions = np.arange(total) - first_rows[owner] + starts[owner]
         self.positions.array[:total] = positions
         tables = self.block_tables.array
-        for i, request in enumerate(requests):
-            tables[i, : len(request.block_ids)] = request.block_ids
+        if index is None:
+            for i, request in enumerate(requests):
+                tables[i, : len(request.block_ids)] = request.block_ids
+        else:
+            tables[:n, :width] = rows.tables[index, :width]
         size = self.block_size
         self.slot_mapping.array[:total] = tables[owner, positions // size].astype(np.int64) * size + positions % size
         if every_token:
@@ -122,10 +138,11 @@ class InputBuffers:
             self.context_lens.array[:n] = starts + lens
         return total, lens, starts, first_rows
 
-    def prepare(self, step: StepInput, backend: AttentionBackend) -> StepTensors:
-        """The step's inputs in the buffers, and its attention function over ``backend``."""
+    def prepare(self, step: StepInput, backend: AttentionBackend, rows: BatchRows | None = None) -> StepTensors:
+        """The step's inputs in the buffers, and its attention function over ``backend`` (``rows``: as in
+        ``write``)."""
         every_token = backend.prefills_as_decodes
-        total, lens, starts, first_rows = self.write(step, every_token)
+        total, lens, starts, first_rows = self.write(step, rows, every_token)
         slots = self.slot_mapping.view(total)
         decodes = prefills = None
         n = len(step.requests)

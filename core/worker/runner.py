@@ -42,14 +42,15 @@ class ModelRunner:
         # the step's input tensors (the compiled graphs take them too)
         self.inputs = compiled.inputs if compiled is not None else InputBuffers(
             attention.storage.block_size, self.device, pad_block=attention.storage.pad_block)
-        # pooling = "mean": per request, the sum of its hidden states so far, and their count
-        self._sums: dict[str, tuple[torch.Tensor, int]] = {}
+        # one row per running request (the worker applies each step to them; the sampler keeps its state there)
+        self.rows = sampler.rows
 
     @torch.inference_mode()
     def execute(self, step: StepInput) -> RunnerOutput:
         """
         Args:
-            step: the requests, decodes first, each with the tokens it computes and where its KV lives.
+            step: the requests, decodes first, each with the tokens it computes and where its KV lives,
+                applied to ``rows`` already.
 
         Returns:
             Per request, the sampled token (None for a prefill chunk that stops
@@ -57,13 +58,10 @@ class ModelRunner:
             Workers other than the driver (TP rank 0 of the last pipeline stage) return only their times.
         """
         began = time.perf_counter()
-        self.sampler.forget(step.finished_request_ids)
-        for request_id in step.finished_request_ids:
-            self._sums.pop(request_id, None)
         if self.adapters is not None:
             self.adapters.prepare([(r.lora_slot, len(r.token_ids)) for r in step.requests])
         if self.compiled is not None and self.compiled.accepts(step):
-            logits = self.compiled.run(step)
+            logits = self.compiled.run(step, self.rows)
             rows = [i for i, r in enumerate(step.requests) if r.sample]  # (a one-token prompt chunk may not)
             if len(rows) < len(step.requests):
                 logits = logits[torch.tensor(rows, device=self.device)]
@@ -89,7 +87,7 @@ class ModelRunner:
         carried = None
         if not model.first_stage:
             carried = group.recv_prev((2, rows, model.spec.hidden_size), model.dtype, self.device)
-        inputs = self.inputs.prepare(step, self.attention)
+        inputs = self.inputs.prepare(step, self.attention, self.rows)
         if self.native_decode is not None and self.native_decode.accepts(inputs.attention, rows):
             hidden = self.native_decode.forward(inputs.input_ids, inputs.positions, inputs.attention)
         else:
@@ -114,7 +112,7 @@ class ModelRunner:
         output = self._sample(step, logits, sampled_entries, output, began)
         if self.drafter is not None:
             drafting = time.perf_counter()
-            output.draft_token_ids = self.drafter.propose(step, output)
+            output.draft_token_ids = self.drafter.propose(step, output, self.rows)
             output.forward_time += time.perf_counter() - drafting
         return output
 
@@ -183,11 +181,12 @@ class ModelRunner:
                 vector = hidden[first + rows - 1].float()
             else:
                 states = hidden[first : first + rows].float()
-                total, count = self._sums.pop(request.request_id, (None, 0)) if request.start else (None, 0)
+                row = self.rows.row(request)
+                total, count = row.sums if request.start and row.sums is not None else (None, 0)
                 total = states.sum(0) if total is None else total + states.sum(0)
                 count += rows
+                row.sums = None if request.sample else (total, count)
                 if not request.sample:
-                    self._sums[request.request_id] = (total, count)
                     continue
                 vector = total / count
             embeddings[i] = vector.cpu().numpy().astype("<f4").tobytes()

@@ -9,7 +9,7 @@ before falling back to a full sort.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -18,6 +18,7 @@ import torch
 from conveyor.messages import ScheduledRequest, TokenLogprob
 from conveyor.sampling import SamplingParams
 from conveyor.worker.inputs import Buffer, grown
+from conveyor.worker.rows import BatchRows
 
 # candidates examined for the top-p nucleus before sorting the whole row
 TOP_P_CANDIDATES = 256
@@ -28,21 +29,17 @@ CDF_BLOCK = 1024
 class Sampler:
     """Picks one token per row of logits, each row under its own request's params."""
 
-    def __init__(self, seed: int = 0):
+    def __init__(self, seed: int = 0, rows: BatchRows | None = None):
+        """
+        Args:
+            rows: the worker's rows, where each request's parameters, generator and logit bias are kept
+                (None: rows of its own, a request getting one as it is first sampled).
+        """
         # draws for requests without a seed of their own
         self.generator = torch.Generator().manual_seed(seed)
-        # request id -> the generator of a request with a seed of its own (it lives as long as the request)
-        self.generators: dict[str, torch.Generator] = {}
+        self.rows = rows if rows is not None else BatchRows()
         # the sampled rows' parameters as tensors, in buffers kept from step to step (made on the first step)
         self.buffers: SamplingBuffers | None = None
-        # request id -> its params and their logit_bias as tensors (token ids, biases), made on its first step
-        self.biases: dict[str, tuple[SamplingParams, torch.Tensor, torch.Tensor]] = {}
-
-    def forget(self, request_ids: Iterable[str]) -> None:
-        """Drop what is kept for requests that ended."""
-        for request_id in request_ids:
-            self.generators.pop(request_id, None)
-            self.biases.pop(request_id, None)
 
     def sample(
         self, logits: torch.Tensor, requests: list[ScheduledRequest],
@@ -93,28 +90,28 @@ class Sampler:
         return token_list, entries
 
     def _sample_random(self, logits: torch.Tensor, requests: list[ScheduledRequest]) -> torch.Tensor:
-        probs = filtered_probs(logits, self._tensors(logits.device, [r.params for r in requests]))
+        probs = filtered_probs(logits, self._buffers(logits.device).take(self.rows, self.rows.index(requests)))
         uniform = torch.rand(len(requests), 1, generator=self.generator, dtype=torch.float64)
         for i, request in enumerate(requests):
             if request.params.seed is not None:
                 uniform[i, 0] = self._uniform(request)
         return inverse_cdf(probs, uniform.to(logits.device))
 
-    def _tensors(self, device: torch.device, params: list[SamplingParams]) -> SamplingTensors:
-        """The rows' parameters as tensors, in the buffers this sampler keeps for ``device``."""
+    def _buffers(self, device: torch.device) -> SamplingBuffers:
+        """The buffers this sampler keeps for ``device``."""
         if self.buffers is None or self.buffers.device != device:
             self.buffers = SamplingBuffers(device)
-        return self.buffers.tensors(params)
+        return self.buffers
 
     def _uniform(self, request: ScheduledRequest) -> float:
         """One draw in [0, 1) from the request's own generator (a seed of its own) or the shared one."""
         seed = request.params.seed
         if seed is None:
             return torch.rand(1, generator=self.generator, dtype=torch.float64).item()
-        generator = self.generators.get(request.request_id)
-        if generator is None:
-            generator = self.generators[request.request_id] = torch.Generator().manual_seed(seed)
-        return torch.rand(1, generator=generator, dtype=torch.float64).item()
+        row = self.rows.row(request)
+        if row.generator is None:
+            row.generator = torch.Generator().manual_seed(seed)
+        return torch.rand(1, generator=row.generator, dtype=torch.float64).item()
 
     def verify(self, logits: torch.Tensor, request: ScheduledRequest) -> tuple[list[int], list[TokenLogprob | None]]:
         """Check a request's draft tokens and sample the token after the last one accepted.
@@ -142,7 +139,7 @@ class Sampler:
             taken = next((i for i, (d, t) in enumerate(zip(drafts, targets)) if d != t), len(drafts))
             tokens = [*drafts[:taken], targets[taken]]
         else:
-            probs = filtered_probs(logits, self._tensors(logits.device, [params] * len(logits))).double()
+            probs = filtered_probs(logits, self._buffers(logits.device).tensors([params] * len(logits))).double()
             probs = probs / probs.sum(dim=-1, keepdim=True)
             tokens = []
             for draft in drafts:
@@ -183,13 +180,12 @@ class Sampler:
 
     def _bias(self, request: ScheduledRequest, device: torch.device, vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The request's logit_bias as tensors on ``device``: token ids below ``vocab``, and their biases."""
-        kept = self.biases.get(request.request_id)
-        if kept is None or kept[0] is not request.params or kept[1].device != device:
+        row = self.rows.row(request)
+        if row.bias is None:
             bias = {t: b for t, b in request.params.logit_bias.items() if t < vocab}
-            ids = torch.tensor(list(bias), dtype=torch.long, device=device)
-            kept = self.biases[request.request_id] = (
-                request.params, ids, torch.tensor(list(bias.values()), dtype=torch.float32, device=device))
-        return kept[1], kept[2]
+            row.bias = (torch.tensor(list(bias), dtype=torch.long, device=device),
+                        torch.tensor(list(bias.values()), dtype=torch.float32, device=device))
+        return row.bias
 
 
 @dataclass
@@ -221,20 +217,35 @@ class SamplingBuffers:
         self.min_p = Buffer((rows,), torch.float32, self.device)
 
     def tensors(self, params: Sequence[SamplingParams]) -> SamplingTensors:
-        n = len(params)
+        """The rows of ``params``, in order."""
+        n = self._reserve(len(params))
+        self.temperature.array[:n] = np.fromiter((p.temperature for p in params), np.float32, n)
+        self.top_k.array[:n] = np.fromiter((max(0, p.top_k) for p in params), np.int64, n)
+        self.top_p.array[:n] = np.fromiter((p.top_p for p in params), np.float64, n)
+        self.min_p.array[:n] = np.fromiter((p.min_p for p in params), np.float32, n)
+        return self._views(n)
+
+    def take(self, rows: BatchRows, index: np.ndarray) -> SamplingTensors:
+        """The parameters of ``rows`` at ``index``, in order (gathered from the arrays the rows keep)."""
+        n = self._reserve(len(index))
+        np.take(rows.temperature, index, out=self.temperature.array[:n])
+        np.take(rows.top_k, index, out=self.top_k.array[:n])
+        np.take(rows.top_p, index, out=self.top_p.array[:n])
+        np.take(rows.min_p, index, out=self.min_p.array[:n])
+        return self._views(n)
+
+    def _reserve(self, n: int) -> int:
         if n > self.rows:
             self._allocate(grown(self.rows, n))
-        temperature, top_k, top_p, min_p = (self.temperature.array[:n], self.top_k.array[:n], self.top_p.array[:n],
-                                            self.min_p.array[:n])
-        temperature[:] = np.fromiter((p.temperature for p in params), np.float32, n)
-        top_k[:] = np.fromiter((max(0, p.top_k) for p in params), np.int64, n)
-        top_p[:] = np.fromiter((p.top_p for p in params), np.float64, n)
-        min_p[:] = np.fromiter((p.min_p for p in params), np.float32, n)
+        return n
+
+    def _views(self, n: int) -> SamplingTensors:
+        """The first ``n`` rows as tensors, None for a filter no row uses."""
         return SamplingTensors(
-            self.temperature.view(n).unsqueeze(1) if (temperature != 1).any() else None,
-            self.top_k.view(n) if top_k.any() else None,
-            self.top_p.view(n).unsqueeze(1) if (top_p < 1).any() else None,
-            self.min_p.view(n).unsqueeze(1) if min_p.any() else None,
+            self.temperature.view(n).unsqueeze(1) if (self.temperature.array[:n] != 1).any() else None,
+            self.top_k.view(n) if self.top_k.array[:n].any() else None,
+            self.top_p.view(n).unsqueeze(1) if (self.top_p.array[:n] < 1).any() else None,
+            self.min_p.view(n).unsqueeze(1) if self.min_p.array[:n].any() else None,
         )
 
 

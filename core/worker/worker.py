@@ -18,21 +18,21 @@ from conveyor.attention import BackendUnavailable, select_backend
 from conveyor.attention.storage import KVStorage
 from conveyor.config import Config, ConfigError
 from conveyor.connector import KVConnectorWorker
-from conveyor.perf.cpus import cpu_limit
-from conveyor.deltas import HeldRequests
 from conveyor.kvcache import KVCacheLayout, KVCacheSpec
 from conveyor.messages import RunnerOutput, StepInput
-from conveyor.model.invariant import INVARIANT_ROWS
 from conveyor.model.decoder_model import DecoderModel
+from conveyor.model.invariant import INVARIANT_ROWS
 from conveyor.model.layers import LayerOptions
 from conveyor.model.loader import DTYPES, load_model, model_len, open_model, requantize_note, resolve_device
 from conveyor.model.lora import Adapters
 from conveyor.model.parallel import ParallelGroup, Placement, check_divisible
 from conveyor.native.gemm_choice import choose_amx_rows
+from conveyor.perf.cpus import cpu_limit
 from conveyor.quant import QuantMethod
 from conveyor.registry import PluginRegistry
 from conveyor.worker.compiled import CompiledDecode, use_inductor_cache
 from conveyor.worker.drafter import Drafter, scratch_blocks_per_row
+from conveyor.worker.rows import BatchRows
 from conveyor.worker.rpc import ModelInfo
 from conveyor.worker.runner import ModelRunner
 from conveyor.worker.sampler import Sampler
@@ -74,8 +74,6 @@ class Worker:
         self.compile = self._compile_choice()
         self.group = ParallelGroup.init(self.placement, init_method, self.device)
         self.runner: ModelRunner | None = None
-        # each request's parameters, block table and penalty tokens, as the steps sent them
-        self.held = HeldRequests()
         self.adapters: Adapters | None = None
         # speculative = "draft": the draft model and what its KV cache stores per token
         self.draft_model: DecoderModel | None = None
@@ -226,24 +224,27 @@ class Worker:
                                       layout.spec.max_model_len)
             compiled.compile_all()
         drafter = self._drafter(layout) if self.draft_model is not None else None
-        self.runner = ModelRunner(self.model, backend, Sampler(self.config.engine.seed), compiled, self.adapters,
-                                  drafter, self.config.engine.native_decode == "auto")
+        # one row per running request: what the steps sent of it, and what the runner and sampler keep for it
+        rows = BatchRows(storage.pad_block)
+        self.runner = ModelRunner(self.model, backend, Sampler(self.config.engine.seed, rows), compiled,
+                                  self.adapters, drafter, self.config.engine.native_decode == "auto")
         logger.debug("worker %d: KV cache of %.2f GiB, attention %r", self.rank, storage.num_bytes / 2**30,
                      backend.name)
 
     def execute(self, step: StepInput) -> RunnerOutput:
         assert self.runner is not None, "init_kv_cache comes before execute"
+        rows = self.runner.rows
         if self.placement.tp_size > 1 and any(entry.follows for entry in step.requests):
             # async scheduling: the driver sampled the tokens these entries take in; its TP peers learn them here
-            self.held.take_followed(step, self.group.broadcast_tokens(self.held.followed(step)))
-        self.held.apply(step)  # (each entry whole again: parameters, block table, penalty tokens, input token)
+            rows.take_followed(step, self.group.broadcast_tokens(rows.followed(step)))
+        rows.apply(step)  # (the step's diff into the rows; each entry then refers to its row's parameters)
         failed = None
         if step.kv_connector:  # (blocks moved in or out of the pool before the forward pass reads or writes them)
             failed = self.kv_connector.apply(step.kv_connector)
         output = self.runner.execute(step)
         if failed:
             output.kv_load_failed = list(failed)
-        self.held.sampled(step, output.sampled)
+        rows.sampled(step, output.sampled)
         return output
 
     def init_kv_connector(self, setup: bytes) -> None:
