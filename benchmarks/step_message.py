@@ -1,5 +1,5 @@
 """Bytes of the step message the engine sends its workers: as sent (only what changed of each request,
-conveyor.deltas) and as it would be whole (every table, every parameter set, every penalty token); and
+conveyor.engine.deltas) and as it would be whole (every table, every parameter set, every penalty token); and
 the decode step time through the mp executor with each.
 
     python benchmarks/step_message.py [--running 64] [--context 1000] [--penalty 1.1] [--tp 2]

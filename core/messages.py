@@ -256,7 +256,7 @@ class ScheduledRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=F
     start: int
     # the tokens computed this step, at positions start, start + 1, ...
     token_ids: list[int]
-    # the request's KV blocks, in order, from block_offset on (the workers keep those before: conveyor.deltas);
+    # the request's KV blocks, in order, from block_offset on (the workers keep those before: conveyor.engine.deltas);
     # the whole table covers every position up to start + len(token_ids)
     block_ids: list[int] = []
     # sent the first time the workers see the request (they keep them); None after

@@ -8,7 +8,7 @@ import msgspec
 import numpy as np
 import torch
 
-from conveyor.deltas import SentRequests
+from conveyor.engine.deltas import SentRequests
 from conveyor.messages import ScheduledRequest, StepInput
 from conveyor.request import Request
 from conveyor.sampling import SamplingParams

@@ -1,4 +1,4 @@
-"""A step sends the workers only what changed of each request (conveyor.deltas): through the msgpack encoding
+"""A step sends the workers only what changed of each request (conveyor.engine.deltas): through the msgpack encoding
 the mp and Ray executors use, a worker's rows (conveyor.worker.rows) hold every request whole, whatever happened
 to it between steps (tables grown, replaced after a preemption or changed at the front behind a sliding window,
 outputs grown under penalties, requests ended and their ids used again)."""
@@ -11,7 +11,7 @@ import msgspec
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from conveyor.deltas import SentRequests
+from conveyor.engine.deltas import SentRequests
 from conveyor.messages import ScheduledRequest, StepInput
 from conveyor.request import Request
 from conveyor.sampling import SamplingParams

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from conveyor.deltas import SentRequests
+from conveyor.engine.deltas import SentRequests
 from conveyor.messages import ScheduledRequest
 from conveyor.request import FinishReason, Request
 from conveyor.sampling import SamplingParams, StructuredOutput

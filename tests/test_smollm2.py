@@ -73,7 +73,7 @@ def test_prompt_logprobs_match_transformers(chunked, hf_model, tokenizer):
 
 def test_a_repetition_penalty_matches_transformers_over_chunked_steps(chunked, hf_model, tokenizer):
     """A penalty needs the prompt and every output on the workers, which get the prompt once and then only each
-    step's new outputs (conveyor.deltas). Two prompts computed in chunks of 16 tokens, then 20 decodes: the tokens
+    step's new outputs (conveyor.engine.deltas). Two prompts computed in chunks of 16 tokens, then 20 decodes: the tokens
     equal transformers' greedy ones under its RepetitionPenaltyLogitsProcessor, or differ first at a near tie."""
     from transformers import RepetitionPenaltyLogitsProcessor
 

@@ -37,7 +37,7 @@ from conveyor.scheduling.gates import AdmissionGate
 from conveyor.request import Request, RequestStatus
 
 if TYPE_CHECKING:
-    from conveyor.structured import Grammars
+    from conveyor.engine.structured import Grammars
 
 
 # tokens kept in hand when an answer's closing is forced: one token may open several levels of nesting before
@@ -74,7 +74,7 @@ class GrammarRequests(AdmissionGate):
 
     def _build(self) -> Grammars:
         from conveyor.model.tokenizer import load_tokenizer
-        from conveyor.structured import Grammars
+        from conveyor.engine.structured import Grammars
 
         return Grammars(load_tokenizer(self.config.model, self.config.source_of("model")), self.vocab_size)
 

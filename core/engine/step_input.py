@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from conveyor.connector import KVConnector
-from conveyor.deltas import SentRequests
+from conveyor.engine.deltas import SentRequests
 from conveyor.engine.grammars import GrammarRequests
 from conveyor.engine.loras import LoraSlots
 from conveyor.kvcache import KVCacheManager

@@ -2,7 +2,7 @@
 
 A request gets a row on the first step that carries its parameters and keeps it until a step lists it among
 ``finished_request_ids``; ``remove`` then forgets all of it at once, and the row goes to the next new request.
-A step's entry is a diff (``conveyor.deltas``), and it is applied as one: the block table is written from
+A step's entry is a diff (``conveyor.engine.deltas``), and it is applied as one: the block table is written from
 ``block_offset`` on, the penalty tokens are appended, nothing of a row is written again whole. A row holds:
 
 - its block table: a row of one int32 array, which a step gathers by row index into its input buffers

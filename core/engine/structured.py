@@ -9,7 +9,7 @@ does not compile. The frontend never parses a language: xgrammar imports
 torch, which the serving process never loads. The engine keeps one matcher
 per request, and before each step that samples for such a request fills
 that request's row of a token bitmask; the worker's sampler masks the
-logits with it. Each sampled token advances the matcher.
+logits with it (``conveyor.worker.sampler.apply_bitmask``). Each sampled token advances the matcher.
 
 NOTE: xgrammar over llguidance (both from PyPI; benchmarks/structured.py
 measures them on tests/data/json_schemas.json with SmolLM2's vocabulary):
@@ -153,13 +153,3 @@ class Grammars:
         for row, matcher in enumerate(matchers):
             matcher.fill_next_token_bitmask(mask, row)
         return mask
-
-
-def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None:
-    """Set ``logits[rows[i], t]`` to -inf wherever bit t of ``bitmask[i]`` is clear (in place)."""
-    import xgrammar as xgr
-
-    # (xgrammar takes a bitmask row per logits row: the rows without a grammar allow every token)
-    full = torch.full((logits.shape[0], bitmask.shape[1]), -1, dtype=torch.int32)
-    full[rows] = bitmask
-    xgr.apply_token_bitmask_inplace(logits, full.to(logits.device))
