@@ -46,7 +46,7 @@ import torch
 from conveyor import LLM
 from conveyor.bench.datasets import mixed
 from conveyor.config import load_config
-from conveyor.llm import OFFLINE_DEFAULTS
+from conveyor.entrypoints.llm import OFFLINE_DEFAULTS
 from conveyor.messages import StepStats
 from conveyor.model.checkpoint import resolve_model_path
 from conveyor.model.tokenizer import load_tokenizer

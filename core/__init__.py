@@ -17,14 +17,14 @@ __all__ = ["LLM", "Completion", "Config", "SamplingParams", "load_config"]
 
 if TYPE_CHECKING:
     from conveyor.config import Config, load_config
-    from conveyor.llm import LLM, Completion
+    from conveyor.entrypoints.llm import LLM, Completion
     from conveyor.sampling import SamplingParams
 
 
 def __getattr__(name: str):
     # Lazy, so that `import conveyor.config` does not pull in torch.
     if name in ("LLM", "Completion"):
-        from conveyor import llm
+        from conveyor.entrypoints import llm
 
         return getattr(llm, name)
     if name == "SamplingParams":

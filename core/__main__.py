@@ -1,5 +1,5 @@
 import sys
 
-from conveyor.cli import main
+from conveyor.entrypoints.cli import main
 
 sys.exit(main())

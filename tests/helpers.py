@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from conveyor.llm import Completion
+from conveyor.entrypoints.llm import Completion
 
 
 def assert_matches_reference(ours: Completion, ref_tokens: list[int], ref_logprobs: list[torch.Tensor], label: str) -> None:

@@ -9,7 +9,7 @@ import json
 import pytest
 
 from conveyor.bench.stats import RequestRecord, summarize
-from conveyor.cli import main
+from conveyor.entrypoints.cli import main
 
 
 def refusal(capsys, argv: list[str]) -> str:
@@ -114,7 +114,7 @@ def test_a_number_out_of_range_is_refused_naming_the_flag(capsys, argv, flag, va
 def test_the_flags_take_what_they_mean():
     """0 where it means none or no limit, inf for a rate, and the lengths as given."""
     from conveyor.bench.command import build_workload
-    from conveyor.cli import build_parser
+    from conveyor.entrypoints.cli import build_parser
 
     args = build_parser().parse_args([*BENCH, "--max-concurrency", "0", "--warmup", "0", "--request-rate", "inf",
                                       "--sweep", "0.5,inf", "--ready-timeout", "0", "--output-len", "5"])

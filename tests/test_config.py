@@ -279,7 +279,7 @@ def test_the_engine_process_gets_the_validated_config_as_it_was(tmp_path):
 
 
 def test_offline_llm_takes_a_larger_step_budget_where_the_config_sets_none(tmp_path):
-    from conveyor.llm import OFFLINE_DEFAULTS, _with_offline_defaults
+    from conveyor.entrypoints.llm import OFFLINE_DEFAULTS, _with_offline_defaults
 
     budget = OFFLINE_DEFAULTS["scheduler.max_num_batched_tokens"]
     server_default = load_config(None).scheduler.options.max_num_batched_tokens

@@ -18,7 +18,7 @@ import torch
 
 import conveyor.bench.doctor
 from conveyor.bench.doctor import examine, timed_readings
-from conveyor.cli import main
+from conveyor.entrypoints.cli import main
 from conveyor.perf.checklist import checklist, diagnose
 from conveyor.perf.readings import quantile, read_metrics
 from tests.helpers import save_tiny_model_with_smollm2_vocab

@@ -13,7 +13,7 @@ import httpx
 import openai
 import pytest
 
-from conveyor.llm import LLM
+from conveyor.entrypoints.llm import LLM
 from conveyor.sampling import SamplingParams
 from tests.factories import assert_no_leak
 from tests.server import Server, http_config

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from conveyor import native
-from conveyor.llm import LLM
+from conveyor.entrypoints.llm import LLM
 from conveyor.model.checkpoint import open_checkpoint
 from conveyor.sampling import SamplingParams
 from tests.conftest import hf_greedy

@@ -15,7 +15,7 @@ import httpx
 import openai
 import pytest
 
-from conveyor.zmq_client import Client, ServerError
+from conveyor.entrypoints.zmq_client import Client, ServerError
 from tests.server import Server
 
 pytestmark = pytest.mark.slow

@@ -14,7 +14,7 @@ import msgspec
 import pytest
 
 from conveyor.hookspecs import hookimpl
-from conveyor.llm import LLM
+from conveyor.entrypoints.llm import LLM
 from conveyor.plugins.connector.tier_store import LOAD, TierWorker
 from conveyor.plugins.connector.tiers import TieredConnector
 from conveyor.sampling import SamplingParams

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from conveyor import native
-from conveyor.llm import LLM
+from conveyor.entrypoints.llm import LLM
 from conveyor.model.decoder_model import DecoderModel
 from conveyor.model.lora import Adapters
 from conveyor.model.lora_config import read_adapter_config

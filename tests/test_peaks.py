@@ -9,7 +9,7 @@ import pytest
 
 from conveyor import native
 from conveyor.config import paths
-from conveyor.cli import main
+from conveyor.entrypoints.cli import main
 from conveyor.model import ggml
 from conveyor.perf import peaks as peaks_module
 from conveyor.perf.peaks import (

@@ -17,7 +17,7 @@ import pytest
 from conveyor import LLM, SamplingParams
 from conveyor.config import ConfigError
 from conveyor.executor import ExecutorError
-from conveyor.llm import Completion
+from conveyor.entrypoints.llm import Completion
 from tests.conftest import CHAT_PROMPTS
 from tests.helpers import assert_same_or_near_tie
 from tests.test_parallel import assert_same_logits, tiny_llama, tiny_run, tiny_single  # noqa: F401 - fixtures

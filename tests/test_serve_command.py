@@ -151,7 +151,7 @@ def test_a_path_that_is_no_model_is_one_line_naming_it(make_path, expected, tmp_
 
 
 def test_shortcuts_are_the_keys_they_stand_for():
-    from conveyor.cli import _config_and_overrides, build_parser
+    from conveyor.entrypoints.cli import _config_and_overrides, build_parser
 
     args = build_parser().parse_args(["serve", "configs/default.toml", "--port", "8123", "--host", "0.0.0.0",
                                       "--max-model-len", "512", "--served-model-name", "a", "b", "c"])

@@ -1,5 +1,5 @@
 """The ZMQ transport on a real server: a raw client written from docs/zmq-protocol.md,
-conveyor.zmq_client sync and async, HTTP and ZMQ served at once, and CURVE."""
+conveyor.entrypoints.zmq_client sync and async, HTTP and ZMQ served at once, and CURVE."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ import zmq
 import zmq.auth
 from zmq.utils.monitor import recv_monitor_message
 
-from conveyor.zmq_client import AsyncClient, Client, ServerError
+from conveyor.entrypoints.zmq_client import AsyncClient, Client, ServerError
 from tests.server import Server
 
 pytestmark = pytest.mark.slow
@@ -184,7 +184,7 @@ def assembled_calls(chunks: list[dict]) -> list[tuple[str, str]]:
 
 @pytest.mark.parametrize("tool_choice", ["required", "auto", "none"])
 def test_tool_calls_through_the_raw_protocol_equal_https(server, keys, client_keys, tool_choice):
-    """A chat turn with tools, greedy, through the ZMQ protocol (streamed and not, and by conveyor.zmq_client) and
+    """A chat turn with tools, greedy, through the ZMQ protocol (streamed and not, and by conveyor.entrypoints.zmq_client) and
     through HTTP's chat completions on the same server: the same calls (name and arguments), the same text, the
     same finish reason."""
     from tests.test_tool_calls import QUESTION as WEATHER_QUESTION

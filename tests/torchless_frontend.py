@@ -34,7 +34,7 @@ import struct
 import anyio
 import httpx
 
-from conveyor.cli import build_parser
+from conveyor.entrypoints.cli import build_parser
 from conveyor.config import load_config
 from conveyor.engine.client import EngineClient
 from conveyor.messages import EngineReady, EngineRequest, RequestOutput

@@ -6,7 +6,7 @@ import math
 
 import torch
 
-from conveyor.llm import LLM
+from conveyor.entrypoints.llm import LLM
 from conveyor.sampling import SamplingParams
 
 

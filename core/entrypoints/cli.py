@@ -57,7 +57,7 @@ def _config_and_overrides(args: argparse.Namespace) -> tuple[str | None, dict[st
 def cmd_generate(args: argparse.Namespace) -> int:
     import msgspec
 
-    from conveyor.llm import LLM
+    from conveyor.entrypoints.llm import LLM
     from conveyor.sampling import SamplingParams
 
     start = time.perf_counter()

@@ -1,6 +1,6 @@
 """Python clients for the Conveyor ZMQ protocol (docs/zmq-protocol.md).
 
-    from conveyor.zmq_client import Client
+    from conveyor.entrypoints.zmq_client import Client
 
     with Client("tcp://127.0.0.1:5556") as client:
         print(client.generate("The capital of France is", max_tokens=8, temperature=0).text)
