@@ -104,6 +104,8 @@ class Frontend(Protocol):
     pooling: str
     # the [scheduler] table now (conveyor.config.PluginSpec: plugin, options), run-time changes included
     scheduler: Any
+    # conveyor.batches.files.FileStore: the files of [batch] dir; None where it is not set
+    files: Any
 
     @property
     def max_model_len(self) -> int:

@@ -138,13 +138,20 @@ def reference(hf_model, tokenizer):
     return results
 
 
+# the largest file the shared server's Files API takes
+BATCH_FILE_MB = 4
+
+
 @pytest.fixture(scope="session")
 def default_server(tmp_path_factory):
-    """One `conveyor serve` with the default config (on free ports), shared by every test that needs nothing
-    else of a server. Tests that kill its engine wait for the new one; tests read its counters as differences."""
+    """One `conveyor serve` with the default config (on free ports) and the Batch API's files in a folder of its
+    own (up to 4 MB each), shared by every test that needs nothing else of a server. Tests that kill its engine
+    wait for the new one; tests read its counters as differences."""
     from tests.server import Server, http_config
 
-    server = Server(http_config(), tmp_path_factory.mktemp("default_server")).start()
+    tmp = tmp_path_factory.mktemp("default_server")
+    config = http_config() + f'\n[batch]\ndir = "{tmp / "batch"}"\nmax_file_mb = {BATCH_FILE_MB}\n'
+    server = Server(config, tmp).start()
     yield server
     assert server.stop() == 0, server.output
 

@@ -185,6 +185,16 @@ def test_unknown_route_and_wrong_method(http):
     assert_still_serving(http)
 
 
+def test_the_files_api_of_a_server_without_a_batch_dir_answers_404_naming_the_key(http, client):
+    for method, path in [("GET", "/v1/files"), ("POST", "/v1/files"), ("GET", "/v1/files/file-1"),
+                         ("DELETE", "/v1/files/file-1"), ("GET", "/v1/files/file-1/content")]:
+        error = error_of(http.request(method, path), 404)
+        assert "set [batch] dir" in error["message"], (method, path)
+    with pytest.raises(openai.NotFoundError, match=r"\[batch\] dir"):
+        client.files.create(file=("a.jsonl", b"{}\n"), purpose="batch")
+    assert_still_serving(http)
+
+
 def test_oversized_body_without_content_length(http):
     def chunks():
         for _ in range(2 * MAX_BODY_BYTES // 512):
@@ -203,7 +213,8 @@ def test_oversized_body_without_content_length(http):
 def test_api_key_required(server, http, headers):
     with httpx.Client(base_url=server.http, headers=headers, timeout=60) as anonymous:
         for method, path in [("POST", "/v1/chat/completions"), ("POST", "/v1/completions"), ("GET", "/v1/models"),
-                             ("POST", "/v1/responses"), ("GET", "/v1/responses/resp-1")]:
+                             ("POST", "/v1/responses"), ("GET", "/v1/responses/resp-1"), ("GET", "/v1/files"),
+                             ("POST", "/v1/files"), ("GET", "/v1/files/file-1/content")]:
             response = anonymous.request(method, path, json={"messages": MESSAGES, "prompt": "Hi", "max_tokens": 2,
                                                              "input": "Hi"})
             error = error_of(response, 401)

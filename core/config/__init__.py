@@ -14,6 +14,7 @@ is allowed.
 from conveyor.config.loading import decode_config, encode_config, load_config, parse_override
 from conveyor.config.schema import (
     PLUGIN_KINDS,
+    BatchConfig,
     Config,
     ConfigError,
     EngineConfig,
@@ -26,6 +27,7 @@ from conveyor.config.schema import (
 
 __all__ = [
     "PLUGIN_KINDS",
+    "BatchConfig",
     "Config",
     "ConfigError",
     "EngineConfig",

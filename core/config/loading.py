@@ -23,6 +23,7 @@ if TYPE_CHECKING:
 
 from conveyor.config.schema import (
     PLUGIN_KINDS,
+    BatchConfig,
     Config,
     ConfigError,
     EngineConfig,
@@ -36,12 +37,12 @@ from conveyor.config.schema import (
 
 _CORE_TABLES: dict[str, type[msgspec.Struct]] = {
     "model": ModelConfig, "engine": EngineConfig, "server": ServerConfig, "parallel": ParallelConfig,
-    "lora": LoraConfig,
+    "lora": LoraConfig, "batch": BatchConfig,
 }
 # quantization formats of Hugging Face checkpoints, which the checkpoint names and "auto" serves (a user may
 # look for a quant plugin of that name, as other servers have a flag for each)
 HF_QUANT_FORMATS = frozenset({"awq", "gptq", "compressed-tensors"})
-_TOP_LEVEL_KEYS = ("model", "engine", "server", "parallel", "lora", "scheduler", "kvcache", "quant", "transport",
+_TOP_LEVEL_KEYS = ("model", "engine", "server", "parallel", "lora", "batch", "scheduler", "kvcache", "quant", "transport",
                    "connector", "plugins")
 
 

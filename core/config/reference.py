@@ -12,12 +12,20 @@ from typing import Any
 
 import msgspec
 
-from conveyor.config.schema import PLUGIN_KINDS, EngineConfig, LoraConfig, ModelConfig, ParallelConfig, ServerConfig
+from conveyor.config.schema import (
+    PLUGIN_KINDS,
+    BatchConfig,
+    EngineConfig,
+    LoraConfig,
+    ModelConfig,
+    ParallelConfig,
+    ServerConfig,
+)
 from conveyor.registry import PluginRegistry, _type_name
 
 CORE_TABLES: dict[str, type[msgspec.Struct]] = {
     "model": ModelConfig, "engine": EngineConfig, "parallel": ParallelConfig, "server": ServerConfig,
-    "lora": LoraConfig,
+    "lora": LoraConfig, "batch": BatchConfig,
 }
 _INTRO = """\
 <!-- written by `python -m conveyor.config.reference` (make docs) from the config structs and the built-in

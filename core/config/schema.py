@@ -194,6 +194,14 @@ class LoraConfig(msgspec.Struct, forbid_unknown_fields=True):
             raise ValueError(f"adapters: the name {bad[0]!r} is not allowed (non-empty, no ':')")
 
 
+class BatchConfig(msgspec.Struct, forbid_unknown_fields=True):
+    # where the Batch API keeps its files and their records (an SQLite database beside a files/ folder), kept
+    # across restarts; "": off (/v1/files answers 404 naming this key)
+    dir: str = ""
+    # the largest file /v1/files takes, in MiB (OpenAI's limit for batch input files is 200 MB)
+    max_file_mb: Annotated[int, msgspec.Meta(ge=1)] = 200
+
+
 class PluginSpec(msgspec.Struct):
     """One plugin table after validation."""
 
@@ -221,6 +229,7 @@ class Config(msgspec.Struct, dict=True):
     server: ServerConfig = msgspec.field(default_factory=ServerConfig)
     parallel: ParallelConfig = msgspec.field(default_factory=ParallelConfig)
     lora: LoraConfig = msgspec.field(default_factory=LoraConfig)
+    batch: BatchConfig = msgspec.field(default_factory=BatchConfig)
     scheduler: PluginSpec = msgspec.field(default_factory=lambda: PluginSpec(PLUGIN_KINDS["scheduler"]))
     kvcache: PluginSpec = msgspec.field(default_factory=lambda: PluginSpec(PLUGIN_KINDS["kvcache"]))
     quant: PluginSpec = msgspec.field(default_factory=lambda: PluginSpec(PLUGIN_KINDS["quant"]))

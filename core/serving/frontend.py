@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 import anyio
 import msgspec
 
+from conveyor.batches.files import FileStore
 from conveyor.config import LoraConfig, PluginSpec
 from conveyor.engine.client import EngineClient, EngineUnavailable
 from conveyor.messages import EngineRequest, LoraAdapter
@@ -28,8 +29,8 @@ from conveyor.model.detokenizer import TextStream
 from conveyor.model.tokenizer import ChatTemplateError, Tokenizer
 from conveyor.request import RequestRejected, length_error
 from conveyor.sampling import SamplingParams
-from conveyor.serving.metrics import ServerMetrics
 from conveyor.scheduling.slo import met_targets, targets_of
+from conveyor.serving.metrics import ServerMetrics
 from conveyor.transport import Chunk, RequestError
 
 if TYPE_CHECKING:
@@ -71,6 +72,8 @@ class EngineFrontend:
         self.pooling = pooling
         # set when the server stops taking requests (shutdown)
         self.draining = False
+        # the Batch API's files ([batch] dir; conveyor.serving.server opens them)
+        self.files: FileStore | None = None
         self._ids = itertools.count()
         self._eos_token_ids = sorted(tokenizer.eos_token_ids)
         self.lora = lora or LoraConfig()

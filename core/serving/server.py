@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import signal
+import sqlite3
 import sys
 from collections.abc import Mapping
 from pathlib import Path
@@ -22,6 +23,7 @@ from typing import Any
 
 import anyio
 
+from conveyor.batches.files import FileStore
 from conveyor.config import Config, ConfigError, load_config
 from conveyor.engine.client import EngineClient, EngineFailed
 from conveyor.engine.dp_client import DPClient
@@ -38,6 +40,21 @@ if sys.version_info < (3, 11):
     from exceptiongroup import BaseExceptionGroup
 
 logger = logging.getLogger("conveyor")
+
+
+def _file_store(config: Config) -> FileStore | None:
+    """The Batch API's files, where ``[batch] dir`` is set.
+
+    Raises:
+        ConfigError: the folder cannot be made or its database opened (naming the key and the reason).
+    """
+    batch = config.batch
+    if not batch.dir:
+        return None
+    try:
+        return FileStore(batch.dir, batch.max_file_mb * 2**20)
+    except (OSError, sqlite3.Error) as e:
+        raise ConfigError(f"{config.source_of('batch')}: [batch] dir = {batch.dir!r}: {e}") from None
 
 
 async def serve(config_path: str | Path | None, overrides: Mapping[str, Any] | None = None, log_level: str = "INFO") -> int:
@@ -64,6 +81,7 @@ async def serve(config_path: str | Path | None, overrides: Mapping[str, Any] | N
                                   registry.get("scheduler", config.scheduler.plugin), config.model.aliases)
     except ValueError as e:
         raise ConfigError(f"{config.source}: {e}") from None
+    frontend.files = _file_store(config)
     try:
         async with anyio.create_task_group() as tg:
             # Transports first: a busy port fails at once, and /health answers 503 while the model loads.

@@ -16,7 +16,7 @@ from conveyor.api import openai_api as api
 from conveyor.api.legacy_functions import LegacyFunctions
 from conveyor.api.openai_call import Call, Emit
 from conveyor.api.responses_reply import Reply
-from conveyor.plugins.transport.server_routes import ServerRoutes
+from conveyor.plugins.transport.file_routes import FileRoutes
 from conveyor.plugins.transport.sse import (
     ANTHROPIC,
     OPENAI,
@@ -30,8 +30,8 @@ from conveyor.plugins.transport.sse import (
 from conveyor.transport import Frontend, RequestError
 
 
-class Routes(ServerRoutes):
-    """Every route: the server's own (``ServerRoutes``) and the APIs'."""
+class Routes(FileRoutes):
+    """Every route: the server's own (``ServerRoutes``), the Files API's (``FileRoutes``) and the APIs'."""
 
     async def completions(self, request: Request) -> Response | EventStream:
         return await self._handle(request, chat=False)

@@ -15,6 +15,7 @@ import msgspec
 
 from conveyor.api import anthropic_api, embeddings_api, responses_api
 from conveyor.api import openai_api as api
+from conveyor.batches.files import UPLOAD_PURPOSES
 from conveyor.sampling import (
     MAX_CHOICES,
     MAX_LOGIT_BIAS,
@@ -47,8 +48,9 @@ ANTHROPIC_ERROR = {
 REFUSALS = {
     "400": "a field out of range or malformed (param names it)",
     "401": "the API key is missing or wrong (servers with a key)",
-    "404": "no such model (or stored response)",
-    "413": "the body is over the size limit",
+    "404": "no such model (or stored response, or file; the Files API where [batch] dir is not set)",
+    "411": "an upload without a Content-Length",
+    "413": "the body (or an uploaded file) is over the size limit",
     "429": "the waiting queue is full, or the TTFT target cannot be met at the load now (Retry-After)",
     "503": "the engine is starting, restarting or the server is draining",
 }
@@ -268,6 +270,7 @@ def openapi_document(api_key: bool, models: list[str], max_model_len: int, vocab
         "/dashboard/data": get("dashboardData", _json({"type": "object"}, "what the dashboard draws"),
                                *(("401",) if api_key else ())),
     }
+    paths.update(_file_paths(secured, ("401",) if api_key else ()))
     if api_key:  # (without a key the adapter routes answer 403)
         adapters = ("400", "401", "404", "413")
         paths["/v1/load_lora_adapter"] = post("loadLoraAdapter", load, _json(lora_status, "loaded"), *adapters)
@@ -282,3 +285,37 @@ def openapi_document(api_key: bool, models: list[str], max_model_len: int, vocab
     if api_key:
         document["components"]["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer"}}
     return document
+
+
+def _file_paths(secured: dict[str, Any], key: tuple[str, ...]) -> dict[str, Any]:
+    """The Files API's routes (each answers 404 where ``[batch] dir`` is not set)."""
+    file_id = [{"name": "file_id", "in": "path", "required": True, "schema": {"type": "string"}}]
+    file = _json({"type": "object", "required": ["id", "bytes", "filename", "purpose"]}, "the file")
+    query = [{"name": "purpose", "in": "query", "schema": {"type": "string"}},
+             {"name": "limit", "in": "query", "schema": {"type": "integer", "minimum": 1, "maximum": 10_000}},
+             {"name": "after", "in": "query", "schema": {"type": "string"}},
+             {"name": "order", "in": "query", "schema": {"enum": ["asc", "desc"]}}]
+    form = {"type": "object", "required": ["file", "purpose"], "properties": {
+        "file": {"type": "string", "format": "binary"}, "purpose": {"enum": list(UPLOAD_PURPOSES)}}}
+
+    def operation(name: str, ok: dict[str, Any], *refusals: str, **more: Any) -> dict[str, Any]:
+        return {"operationId": name, **secured, **more, "responses": {"200": ok, **_errors(*refusals, *key)}}
+
+    return {
+        "/v1/files": {
+            "get": operation("listFiles", _json({"type": "object", "required": ["data", "has_more"]},
+                                                "a page of files"), "400", "404", parameters=query),
+            "post": operation("createFile", file, "400", "404", "411", "413", requestBody={
+                "required": True, "content": {"multipart/form-data": {"schema": form}}}),
+        },
+        "/v1/files/{file_id}": {
+            "parameters": file_id,
+            "get": operation("retrieveFile", file, "404"),
+            "delete": operation("deleteFile", _json({"type": "object", "required": ["deleted"]}, "deleted"), "404"),
+        },
+        "/v1/files/{file_id}/content": {
+            "parameters": file_id,
+            "get": operation("retrieveFileContent", {"description": "the file's bytes", "content": {
+                "application/octet-stream": {"schema": {"type": "string", "format": "binary"}}}}, "404"),
+        },
+    }
