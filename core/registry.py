@@ -235,7 +235,7 @@ def _load(kind: str, declared: Declaration, origin: str) -> type[Any]:
         found: Any = importlib.import_module(module_name)
         for attribute in qualname.split("."):
             found = getattr(found, attribute)
-    except (ImportError, AttributeError) as e:
+    except Exception as e:  # (an import may fail in any way: a missing library, a module that raises)
         raise PluginError(f"{plugin} cannot be imported: {e}") from e
     if not _is_plugin_class(kind, found):
         raise PluginError(f"{plugin} is not a subclass of {_base_name(kind)}")

@@ -36,7 +36,7 @@ def test_every_attention_backend_matches_transformers(reference, attention, num_
 
     llm = LLM(overrides={"model.dtype": "float32", "quant.plugin": "none", "engine.attention": attention})
     assert llm.engine.info.attention == attention
-    assert not llm.engine.executor.worker.model.fused  # the model's layers run in torch ops with these too
+    assert not llm.engine.executor.worker.model.options.fused  # the model's layers run in torch ops with these too
     params = SamplingParams(max_tokens=num_tokens, temperature=0, ignore_eos=True, logprobs=5)
     prompts = CHAT_PROMPTS[:num_prompts]
     completions = llm.generate([[{"role": "user", "content": p}] for p in prompts], params)

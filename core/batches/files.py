@@ -80,9 +80,14 @@ class FileStore:
         return FileTooLarge(f"the file is larger than [batch] max_file_mb = {self.max_file_bytes // 2**20} MiB")
 
     def record(self, file_id: str, filename: str, purpose: str, size: int) -> dict[str, Any]:
-        """Record a file written by ``write``; returns its OpenAI file object."""
-        self.db.execute("INSERT INTO files (id, filename, purpose, bytes, created_at) VALUES (?, ?, ?, ?, ?)",
-                        (file_id, filename, purpose, size, int(time.time())))
+        """Record a file written by ``write``; returns its OpenAI file object. A file that cannot be recorded is
+        removed (a file without a record would never be listed, nor swept)."""
+        try:
+            self.db.execute("INSERT INTO files (id, filename, purpose, bytes, created_at) VALUES (?, ?, ?, ?, ?)",
+                            (file_id, filename, purpose, size, int(time.time())))
+        except BaseException:
+            self.path(file_id).unlink(missing_ok=True)
+            raise
         return self.get(file_id)
 
     def get(self, file_id: str) -> dict[str, Any]:

@@ -42,8 +42,8 @@ _CORE_TABLES: dict[str, type[msgspec.Struct]] = {
 # quantization formats of Hugging Face checkpoints, which the checkpoint names and "auto" serves (a user may
 # look for a quant plugin of that name, as other servers have a flag for each)
 HF_QUANT_FORMATS = frozenset({"awq", "gptq", "compressed-tensors"})
-_TOP_LEVEL_KEYS = ("model", "engine", "server", "parallel", "lora", "batch", "scheduler", "kvcache", "quant", "transport",
-                   "connector", "plugins")
+_TOP_LEVEL_KEYS = ("model", "engine", "server", "parallel", "lora", "batch", "scheduler", "kvcache", "quant",
+                   "transport", "connector", "plugins")
 
 
 class _Origin:

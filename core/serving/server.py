@@ -73,6 +73,7 @@ async def serve(config_path: str | Path | None, overrides: Mapping[str, Any] | N
         raise ConfigError(f"{config.source}: {e}") from None
     tokenizer = load_tokenizer(config.model, source=config.source_of("model"))
     model_name = config.model.served_name
+    files = _file_store(config)  # (before the engine client makes anything: a bad [batch] dir stops here)
     engine = _engine_client(config, log_level)
     metrics = _metrics(engine, model_name)
     try:
@@ -81,7 +82,7 @@ async def serve(config_path: str | Path | None, overrides: Mapping[str, Any] | N
                                   registry.get("scheduler", config.scheduler.plugin), config.model.aliases)
     except ValueError as e:
         raise ConfigError(f"{config.source}: {e}") from None
-    frontend.files = _file_store(config)
+    frontend.files = files
     try:
         async with anyio.create_task_group() as tg:
             # Transports first: a busy port fails at once, and /health answers 503 while the model loads.
@@ -126,6 +127,9 @@ async def serve(config_path: str | Path | None, overrides: Mapping[str, Any] | N
     except (EngineFailed, OSError) as e:
         logger.error("error: %s", e)
         return 1
+    finally:
+        if files is not None:
+            files.close()
     logger.info("stopped")
     return 0
 

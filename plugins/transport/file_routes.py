@@ -9,7 +9,7 @@ import anyio
 import msgspec
 from starlette.datastructures import UploadFile
 from starlette.exceptions import HTTPException
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import FileResponse, Response
 
 from conveyor.batches.files import UPLOAD_PURPOSES, FileStore, FileTooLarge
@@ -56,6 +56,8 @@ class FileRoutes(ServerRoutes):
                     file_id, size = await anyio.to_thread.run_sync(store.write, upload.file)
             except HTTPException as e:  # (a body that is not a well-formed multipart form)
                 raise RequestError(f"the body is not a multipart form with a file: {e.detail}", 400, "file") from None
+            except ClientDisconnect:  # (nothing was kept; no one reads the answer)
+                return Response(status_code=400)
             return json_response(store.record(file_id, upload.filename or file_id, purpose, size))
         except FileTooLarge as e:
             return error_response(RequestError(str(e), 413, "file"))
