@@ -22,7 +22,7 @@ import torch.nn.functional as F
 
 from conveyor.model.checkpoint import Checkpoint
 from conveyor.model.graph_ops import linear_op, register_linear
-from conveyor.model.layers import LayerOptions, Linear
+from conveyor.model.layers import LayerOptions, Linear, WeightPart
 from conveyor.model.spec import ModelSpec
 
 
@@ -63,18 +63,23 @@ class MoE:
         self.fused_kernel = fused_kernel
         placement = options.group.placement
 
-        def mlp(name: str, width: int) -> tuple[Linear, Linear]:
-            """A gated MLP's gate|up rows and its down weight with the columns this worker keeps."""
+        def parts(name: str, width: int) -> tuple[list[WeightPart], list[WeightPart], slice | None]:
+            """A gated MLP's gate|up rows and its down weight, with the columns of down this worker keeps."""
             part = placement.split(width)
             columns = slice(part.start, part.stop) if placement.tp_size > 1 else None
-            return (Linear(options.quant, [(name + "gate_proj.weight", part, 1), (name + "up_proj.weight", part, 1)]),
-                    Linear(options.quant, [(name + "down_proj.weight", None, 1)], inputs=columns))
+            return ([(name + "gate_proj.weight", part, 1), (name + "up_proj.weight", part, 1)],
+                    [(name + "down_proj.weight", None, 1)], columns)
 
-        # (stacked for the grouped kernel, they are read in ``load`` and never prepared as layers)
-        experts = [mlp(f"{prefix}experts.{e}.", spec.moe_intermediate_size) for e in range(self.num_experts)]
-        self.gate_ups = [] if fused_kernel else [g for g, _ in experts]
-        self.downs = [] if fused_kernel else [d for _, d in experts]
-        self._stack_parts = experts if fused_kernel else []
+        def mlp(name: str, width: int) -> tuple[Linear, Linear]:
+            gate_up, down, columns = parts(name, width)
+            return Linear(options.quant, gate_up), Linear(options.quant, down, inputs=columns)
+
+        names = [f"{prefix}experts.{e}." for e in range(self.num_experts)]
+        # (stacked for the grouped kernel, the experts are read in ``load`` and never made layers)
+        self._stacked = [parts(name, spec.moe_intermediate_size) for name in names] if fused_kernel else []
+        experts = [] if fused_kernel else [mlp(name, spec.moe_intermediate_size) for name in names]
+        self.gate_ups = [g for g, _ in experts]
+        self.downs = [d for _, d in experts]
         self.router = self.shared_gate = torch.empty(0)
         self.shared = mlp(prefix + "shared_expert.", spec.shared_expert_intermediate_size) \
             if spec.shared_expert_intermediate_size else None
@@ -91,13 +96,13 @@ class MoE:
         if self.shared is not None:
             self.shared_gate = dense("shared_expert_gate.weight")
         if self.fused_kernel:  # [E, 2I, H] and [E, H, I] for the grouped kernel
-            def read(linear: Linear) -> torch.Tensor:
-                weight = torch.cat([ckpt.get(n) if p is None else ckpt.get(n)[p.start : p.stop]
-                                    for n, p, _ in linear.parts])
-                return weight if linear.inputs is None else weight[:, linear.inputs]
+            def read(weights: list[WeightPart], columns: slice | None) -> torch.Tensor:
+                weight = torch.cat([ckpt.get(n) if p is None else ckpt.get(n)[p.start : p.stop] for n, p, _ in weights])
+                return weight if columns is None else weight[:, columns]
 
-            self.gate_up_stack = torch.stack([read(g) for g, _ in self._stack_parts]).to(options.device, options.dtype)
-            self.down_stack = torch.stack([read(d) for _, d in self._stack_parts]).to(options.device, options.dtype)
+            self.gate_up_stack = torch.stack([read(g, None) for g, _, _ in self._stacked]).to(options.device,
+                                                                                           options.dtype)
+            self.down_stack = torch.stack([read(d, c) for _, d, c in self._stacked]).to(options.device, options.dtype)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if torch.compiler.is_compiling():  # one opaque op in a compiled graph (its shapes depend on the routing)
