@@ -99,6 +99,21 @@ def test_a_removed_requests_row_goes_to_the_next_request_with_nothing_of_it_left
     assert ours == alone
 
 
+def test_a_request_id_back_with_other_parameters_gets_a_fresh_row():
+    """A sampler on its own (no step applied first) keeps nothing of an earlier request of the same id: not its
+    temperature, bias or generator."""
+    sampler = Sampler()
+    first = SamplingParams(temperature=0.5, seed=1, logit_bias={3: 50.0})
+    sampler.sample(torch.zeros(1, 16), [ScheduledRequest("a", 0, [1], params=first, sample=True)])
+    held = sampler.rows.row(ScheduledRequest("a", 1, [2], params=first))
+    assert held.generator is not None and held.bias is not None
+    second = SamplingParams(temperature=1.0, logit_bias={5: 50.0})
+    token = sampler.sample(torch.zeros(1, 16), [ScheduledRequest("a", 0, [1], params=second, sample=True)])[0][0]
+    assert token == 5  # (the bias of the second request, not the first's)
+    again = sampler.rows.row(ScheduledRequest("a", 1, [2], params=second))
+    assert again.generator is None and sampler.rows.temperature[again.index] == 1.0
+
+
 def test_the_sampling_parameters_gathered_by_row_are_those_of_the_requests():
     """Rows' parameters gathered in any order, some rows removed and reused, come back as the parameters of the
     requests in that order would."""

@@ -76,9 +76,13 @@ class BatchRows:
         return len(self._rows)
 
     def row(self, request: ScheduledRequest) -> Row:
-        """The request's row; a request not held yet gets one under the parameters it carries."""
+        """The request's row; a request not held yet, or back with other parameters than its row's (an id used
+        again), gets a fresh one under the parameters it carries. (``apply`` points a step's entries at their
+        rows' parameters, so a worker's entries always find their own.)"""
         row = self._rows.get(request.request_id)
-        return row if row is not None else self._add(request.request_id, request.params)
+        if row is None or (request.params is not None and request.params is not row.params):
+            return self._add(request.request_id, request.params)
+        return row
 
     def index(self, requests: list[ScheduledRequest]) -> np.ndarray:
         """The requests' row indices, in order."""
